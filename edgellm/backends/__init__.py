@@ -1,0 +1,17 @@
+"""Backends execute graphs. Each registers a name; `auto` picks the fastest available."""
+
+from __future__ import annotations
+
+from ..errors import BackendUnavailableError
+
+BACKENDS = ("cpu",)
+
+
+def get_backend(name: str):
+    if name == "auto":
+        name = "cpu"
+    if name == "cpu":
+        from .cpu import CpuBackend
+
+        return CpuBackend
+    raise BackendUnavailableError(f"unknown backend '{name}' (available: {', '.join(BACKENDS)}, auto)")

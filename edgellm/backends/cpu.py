@@ -1,0 +1,182 @@
+"""The cpu backend: the reference executor of a Graph (torch on the CPU, float32 throughout).
+
+Plain and numerically careful: it is the ground truth for every kernel test and the fallback for
+ops another backend does not support. Weights are converted once, at load, into the layout its
+kernels want: float32 rows (dequantized from their GGML blocks). The KV cache is one preallocated
+float32 tensor per layer and per K/V at the context capacity, written in place at the position
+offset (no concatenation, no copy).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..errors import GraphError
+from ..gguf_file import GGUFFile
+from ..graph.ir import Graph, Op
+from ..quant import dequantize_torch
+
+
+class CpuWeights:
+    """Weights converted to float32 torch tensors, shared by every program compiled for one model."""
+
+    def __init__(self, f: GGUFFile):
+        self.file = f
+        self._cache: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str) -> torch.Tensor:
+        t = self._cache.get(name)
+        if t is None:
+            src = self.file.tensors[name]
+            raw = torch.from_numpy(np.ascontiguousarray(src.data))
+            t = dequantize_torch(raw, src.type_name, src.shape).to(torch.float32).contiguous()
+            self._cache[name] = t
+        return t
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._cache.values())
+
+
+def _rope(x: torch.Tensor, start: int, freqs: torch.Tensor | None, a: dict) -> torch.Tensor:
+    s = x.shape[0]
+    h, d, r = a["n_heads"], a["head_dim"], a.get("rope_dim", a["head_dim"])
+    # angles in float64, then rounded once to float32
+    inv = a["theta"] ** (-torch.arange(0, r, 2, dtype=torch.float64) / r)
+    if freqs is not None:
+        inv = inv / freqs.to(torch.float64)
+    pos = torch.arange(start, start + s, dtype=torch.float64) * a.get("pos_scale", 1.0)
+    ang = pos[:, None] * inv[None, :]  # [S, r/2]
+    cos, sin = ang.cos().to(x.dtype)[:, None, :], ang.sin().to(x.dtype)[:, None, :]
+    xh = x.view(s, h, d)
+    out = xh.clone()
+    if a["style"] == "norm":
+        x0, x1 = xh[..., 0:r:2], xh[..., 1:r:2]
+        out[..., 0:r:2] = x0 * cos - x1 * sin
+        out[..., 1:r:2] = x0 * sin + x1 * cos
+    else:
+        x0, x1 = xh[..., : r // 2], xh[..., r // 2 : r]
+        out[..., : r // 2] = x0 * cos - x1 * sin
+        out[..., r // 2 : r] = x0 * sin + x1 * cos
+    return out.view(s, h * d)
+
+
+def _attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, start: int, a: dict) -> torch.Tensor:
+    s = q.shape[0]
+    h, g, d = a["n_heads"], a["n_kv_heads"], a["head_dim"]
+    r = h // g
+    n = start + s
+    qh = q.view(s, g, r, d).permute(1, 2, 0, 3).reshape(g, r * s, d)
+    k = kc[:n].view(n, g, d).transpose(0, 1)  # [G, n, d]
+    v = vc[:n].view(n, g, d).transpose(0, 1)
+    scores = torch.bmm(qh, k.transpose(1, 2)).view(g, r, s, n) * a["scale"]
+    qpos = torch.arange(start, n)[:, None]
+    kpos = torch.arange(n)[None, :]
+    scores = scores.masked_fill(kpos > qpos, float("-inf"))
+    p = torch.softmax(scores, dim=-1).view(g, r * s, n)
+    o = torch.bmm(p, v).view(g, r, s, d)
+    return o.permute(2, 0, 1, 3).reshape(s, h * d)
+
+
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+class CpuProgram:
+    """A graph bound to weights and state tensors, executed op by op."""
+
+    def __init__(self, graph: Graph, weights: CpuWeights, states: dict[str, torch.Tensor]):
+        graph.validate()
+        self.graph = graph
+        self.weights = weights
+        self.states = states
+        self._free_after = self._liveness(graph)
+        missing = [t.name for t in graph.states() if t.name not in states]
+        if missing:
+            raise GraphError(f"graph '{graph.name}': no storage for state tensors {missing[:3]}")
+        for t in graph.weights():
+            weights.get(t.source or t.name)
+        self._kernels: dict[str, Callable] = {
+            "embedding": lambda op, i: i[0].index_select(0, i[1].long()),
+            "rms_norm": lambda op, i: _rms_norm(i[0], i[1], op.attrs["eps"]),
+            "linear": lambda op, i: torch.nn.functional.linear(i[0], i[1]),
+            "add": lambda op, i: i[0] + i[1],
+            "mul": lambda op, i: i[0] * i[1],
+            "silu": lambda op, i: torch.nn.functional.silu(i[0]),
+            "rope": lambda op, i: _rope(i[0], int(i[1]), i[2] if len(i) > 2 else None, op.attrs),
+            "kv_store": self._kv_store,
+            "attention": lambda op, i: _attention(i[0], i[1], i[2], int(i[3]), op.attrs),
+            "last_row": lambda op, i: i[0][-1:],
+        }
+        unsupported = {op.kind for op in graph.ops} - set(self._kernels)
+        if unsupported:
+            raise GraphError(f"cpu backend: no kernel for op kinds {sorted(unsupported)}")
+
+    @staticmethod
+    def _kv_store(op: Op, i: list) -> torch.Tensor:
+        cache, x, start = i[0], i[1], int(i[2])
+        if start + x.shape[0] > cache.shape[0]:
+            raise GraphError(f"op '{op.name}': rows {start}..{start + x.shape[0]} exceed the cache's {cache.shape[0]}")
+        cache[start : start + x.shape[0]] = x
+        return cache
+
+    @staticmethod
+    def _liveness(graph: Graph) -> list[list[str]]:
+        last = graph.last_uses()
+        free: list[list[str]] = [[] for _ in graph.ops]
+        for name, i in last.items():
+            t = graph.tensors[name]
+            if t.kind == "activation" and i < len(graph.ops) and t.alias_of is None:
+                free[i].append(name)
+        return free
+
+    def run(self, inputs: dict[str, object]) -> dict[str, torch.Tensor]:
+        env: dict[str, object] = {}
+        for name in self.graph.inputs:
+            if name not in inputs:
+                raise GraphError(f"graph '{self.graph.name}': input '{name}' not given")
+            v = inputs[name]
+            env[name] = torch.as_tensor(np.asarray(v)) if not isinstance(v, (int, torch.Tensor)) else v
+        for t in self.graph.weights():
+            env[t.name] = self.weights.get(t.source or t.name)
+        env.update(self.states)
+        with torch.inference_mode():
+            for op, free in zip(self.graph.ops, self._free_after):
+                env[op.outputs[0]] = self._kernels[op.kind](op, [env[i] for i in op.inputs])
+                for name in free:
+                    env.pop(name, None)
+        return {name: env[name] for name in self.graph.outputs}
+
+
+class CpuBackend:
+    name = "cpu"
+
+    def __init__(self, f: GGUFFile, threads: int | None = None):
+        if threads:
+            torch.set_num_threads(threads)
+        self.weights = CpuWeights(f)
+
+    @staticmethod
+    def available() -> bool:
+        return True
+
+    def allocate_states(self, graph: Graph, ctx: int) -> dict[str, torch.Tensor]:
+        return {t.name: torch.zeros(t.concrete_shape(ctx=ctx), dtype=torch.float32) for t in graph.states()}
+
+    def compile(self, graph: Graph, states: dict[str, torch.Tensor]) -> CpuProgram:
+        return CpuProgram(graph, self.weights, states)
+
+    @staticmethod
+    def to_numpy(t: torch.Tensor) -> np.ndarray:
+        return t.detach().to(torch.float32).cpu().numpy()
+
+    def describe(self) -> str:
+        return f"cpu (torch {torch.__version__}, {torch.get_num_threads()} threads, float32)"
+
+
+def state_bytes(graph: Graph, ctx: int) -> int:
+    return sum(math.prod(t.concrete_shape(ctx=ctx)) * 4 for t in graph.states())

@@ -1,0 +1,162 @@
+"""The op set: for each op kind, its shape rule (symbolic) and its arithmetic cost.
+
+Semantics (every backend implements these exactly; the cpu backend is the reference):
+  embedding(table[V,D], ids[S])            -> [S,D]   rows of table
+  rms_norm(x[S,D], w[D]; eps)              -> [S,D]   x / sqrt(mean(x^2) + eps) * w
+  linear(x[S,K], w[N,K])                   -> [S,N]   x @ w.T
+  add(a, b) / mul(a, b)                    -> shape of a; b is a's shape or [D] (broadcast over rows)
+  silu(x)                                  -> x * sigmoid(x)
+  rope(x[S,H*d], start_pos[], (freqs[r/2]); n_heads, head_dim, rope_dim, theta, style, pos_scale)
+                                           -> rotary embedding at positions start_pos .. start_pos+S-1;
+                                              style 'norm' rotates pairs (2i, 2i+1), 'neox' pairs (i, i+r/2);
+                                              frequency i is theta^(-2i/r) / freqs[i] (freqs optional)
+  kv_store(cache[C,F], x[S,F], start_pos[]) -> cache, rows start_pos.. overwritten in place (alias)
+  attention(q[S,H*d], k[C,G*d], v[C,G*d], start_pos[]; n_heads, n_kv_heads, head_dim, scale)
+                                           -> [S,H*d]; query i (position start_pos+i) attends to cache rows
+                                              0..start_pos+i; query head h reads kv head h // (H/G)
+  last_row(x[S,D])                         -> [1,D]   the last row
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import sympy
+
+from ..errors import GraphError
+from .ir import SEQ, Shape, Tensor
+
+KV_LEN = sympy.Symbol("kv_len", integer=True, positive=True)  # keys attended to (start_pos + seq)
+
+
+def _same(a, b) -> bool:
+    return sympy.simplify(sympy.sympify(a) - sympy.sympify(b)) == 0
+
+
+def _fail(op: str, msg: str) -> GraphError:
+    return GraphError(f"op '{op}': {msg}")
+
+
+def _rank(op: str, t: Tensor, rank: int) -> None:
+    if len(t.shape) != rank:
+        raise _fail(op, f"tensor '{t.name}' has shape {t.shape}, expected rank {rank}")
+
+
+def _embedding(op, ins, attrs):
+    table, ids = ins
+    _rank(op, table, 2)
+    _rank(op, ids, 1)
+    return (ids.shape[0], table.shape[1]), "f32", None
+
+
+def _rms_norm(op, ins, attrs):
+    x, w = ins
+    _rank(op, x, 2)
+    if not _same(x.shape[-1], w.shape[-1]):
+        raise _fail(op, f"norm weight '{w.name}' has {w.shape[-1]} features, input '{x.name}' has {x.shape[-1]}")
+    return x.shape, "f32", None
+
+
+def _linear(op, ins, attrs):
+    x, w = ins
+    _rank(op, x, 2)
+    _rank(op, w, 2)
+    if not _same(x.shape[1], w.shape[1]):
+        raise _fail(op, f"'{x.name}' has {x.shape[1]} features but weight '{w.name}' expects {w.shape[1]}")
+    return (x.shape[0], w.shape[0]), "f32", None
+
+
+def _elementwise(op, ins, attrs):
+    a = ins[0]
+    for b in ins[1:]:
+        ok = len(b.shape) == len(a.shape) and all(_same(p, q) for p, q in zip(a.shape, b.shape))
+        ok = ok or (len(b.shape) == 1 and _same(b.shape[0], a.shape[-1]))
+        if not ok:
+            raise _fail(op, f"cannot combine '{a.name}' {a.shape} with '{b.name}' {b.shape}")
+    return a.shape, a.dtype, None
+
+
+def _rope(op, ins, attrs):
+    x = ins[0]
+    _rank(op, x, 2)
+    h, d = attrs["n_heads"], attrs["head_dim"]
+    if not _same(x.shape[1], h * d):
+        raise _fail(op, f"'{x.name}' has {x.shape[1]} features, expected n_heads*head_dim = {h * d}")
+    r = attrs.get("rope_dim", d)
+    if r % 2 or r > d:
+        raise _fail(op, f"rope_dim {r} must be even and at most head_dim {d}")
+    if attrs.get("style") not in ("norm", "neox"):
+        raise _fail(op, f"rope style {attrs.get('style')!r}, expected 'norm' or 'neox'")
+    if len(ins) > 2 and not _same(ins[2].shape[0], r // 2):
+        raise _fail(op, f"rope frequency factors '{ins[2].name}' have {ins[2].shape[0]} entries, expected {r // 2}")
+    return x.shape, x.dtype, None
+
+
+def _kv_store(op, ins, attrs):
+    cache, x = ins[0], ins[1]
+    if cache.kind != "state" and cache.alias_of is None:
+        raise _fail(op, f"kv_store writes into '{cache.name}', which is not a state tensor")
+    if not _same(cache.shape[1], x.shape[1]):
+        raise _fail(op, f"'{x.name}' has {x.shape[1]} features, cache '{cache.name}' has {cache.shape[1]}")
+    return cache.shape, cache.dtype, cache.alias_of or cache.name
+
+
+def _attention(op, ins, attrs):
+    q, k, v = ins[0], ins[1], ins[2]
+    h, g, d = attrs["n_heads"], attrs["n_kv_heads"], attrs["head_dim"]
+    if h % g:
+        raise _fail(op, f"n_heads {h} is not a multiple of n_kv_heads {g}")
+    if not _same(q.shape[1], h * d):
+        raise _fail(op, f"query '{q.name}' has {q.shape[1]} features, expected {h}*{d}")
+    for t in (k, v):
+        if not _same(t.shape[1], g * d):
+            raise _fail(op, f"'{t.name}' has {t.shape[1]} features, expected {g}*{d}")
+    return q.shape, "f32", None
+
+
+def _last_row(op, ins, attrs):
+    (x,) = ins
+    _rank(op, x, 2)
+    return (sympy.Integer(1), x.shape[1]), x.dtype, None
+
+
+Rule = Callable[[str, list[Tensor], dict[str, Any]], tuple[Shape, str, str | None]]
+
+RULES: dict[str, Rule] = {
+    "embedding": _embedding,
+    "rms_norm": _rms_norm,
+    "linear": _linear,
+    "add": _elementwise,
+    "mul": _elementwise,
+    "silu": _elementwise,
+    "rope": _rope,
+    "kv_store": _kv_store,
+    "attention": _attention,
+    "last_row": _last_row,
+}
+
+
+def infer(kind: str, inputs: list[Tensor], attrs: dict[str, Any], op_name: str):
+    rule = RULES.get(kind)
+    if rule is None:
+        raise GraphError(f"op '{op_name}': unknown op kind '{kind}' (known: {', '.join(sorted(RULES))})")
+    shape, dtype, alias = rule(op_name, inputs, attrs)
+    return tuple(sympy.sympify(d) for d in shape), dtype, alias
+
+
+def flops(kind: str, inputs: list[Tensor], output: Tensor, attrs: dict[str, Any]) -> sympy.Expr:
+    """Arithmetic operations (multiply and add counted separately) as an expression in seq/kv_len."""
+    n_out = sympy.Mul(*output.shape)
+    if kind == "linear":
+        return 2 * n_out * inputs[1].shape[1]
+    if kind == "attention":
+        # QK^T and PV over kv_len keys per query (causal masking halves this in prefill; not counted)
+        return 4 * output.shape[0] * KV_LEN * attrs["n_heads"] * attrs["head_dim"]
+    if kind == "rms_norm":
+        return 4 * n_out
+    if kind in ("add", "mul", "silu", "rope"):
+        return (4 if kind in ("silu", "rope") else 1) * n_out
+    return sympy.Integer(0)
+
+
+__all__ = ["RULES", "infer", "flops", "KV_LEN", "SEQ"]

@@ -1,0 +1,192 @@
+"""The public API: load a model, get logits, generate text.
+
+    m = edgellm.load()                       # the embedded default model, cpu backend
+    for piece in m.generate("Hello", max_tokens=32, temperature=0):
+        print(piece, end="")
+    m.logits(m.tokenizer.encode("Hello"))    # float32 [n_tokens, vocab]
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+
+from .backends import get_backend
+from .default_model import default_model_path
+from .errors import ContextOverflowError, EdgeLLMError, MetadataError
+from .gguf_file import open_gguf
+from .models import build_graph, config_from_gguf
+from .sampling import Sampler, SamplingParams
+from .tokenizer import Tokenizer
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    stop_reason: str = ""
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        # the first generated token comes from the prefill; decode steps produce the rest
+        n = max(self.generated_tokens - 1, 0)
+        return n / self.decode_s if self.decode_s else 0.0
+
+    def summary(self) -> str:
+        return (f"prompt {self.prompt_tokens} tok, {self.prefill_tps:.1f} tok/s | "
+                f"generated {self.generated_tokens} tok, {self.decode_tps:.1f} tok/s | stop: {self.stop_reason}")
+
+
+@dataclass
+class Model:
+    path: str
+    backend_name: str
+    ctx: int
+    file: object = field(repr=False)
+    config: object = field(repr=False)
+    tokenizer: Tokenizer = field(repr=False)
+    load_s: float = 0.0
+    last_stats: GenerationStats | None = None
+
+    def __post_init__(self):
+        backend_cls = get_backend(self.backend_name)
+        self.backend = backend_cls(self.file)
+        self.graphs = {stage: build_graph(self.config, self.file, stage) for stage in ("all", "last")}
+        self.states = self.backend.allocate_states(self.graphs["last"], self.ctx)
+        self.programs = {stage: self.backend.compile(g, self.states) for stage, g in self.graphs.items()}
+
+    # -- forward --------------------------------------------------------------------------------
+    def forward(self, token_ids, start_pos: int, *, all_logits: bool) -> np.ndarray:
+        """Run tokens at positions start_pos.. against the KV cache; returns float32 logits
+        ([n, vocab] with all_logits, else [1, vocab] for the last token)."""
+        ids = np.asarray(token_ids, dtype=np.int32).reshape(-1)
+        if ids.size == 0:
+            raise EdgeLLMError("no tokens to run: the token list is empty")
+        if start_pos + ids.size > self.ctx:
+            raise ContextOverflowError(
+                f"{start_pos + ids.size} tokens do not fit in the context of {self.ctx} (raise --ctx; "
+                f"the model was trained with {self.config.context_length})"
+            )
+        bad = (ids < 0) | (ids >= self.config.vocab_size)
+        if bad.any():
+            raise EdgeLLMError(f"token id {int(ids[bad][0])} is outside the vocabulary [0, {self.config.vocab_size})")
+        out = self.programs["all" if all_logits else "last"].run({"tokens": ids, "start_pos": int(start_pos)})
+        return self.backend.to_numpy(out["logits"])
+
+    def logits(self, token_ids) -> np.ndarray:
+        """Next-token logits for every position of token_ids (from an empty cache): float32 [n, vocab]."""
+        return self.forward(token_ids, 0, all_logits=True)
+
+    # -- generation -----------------------------------------------------------------------------
+    def prompt_tokens(self, prompt: str, *, chat: bool | None = None, system: str | None = None) -> list[int]:
+        """Token ids for a prompt; with chat (default: when the model has a chat template) the prompt
+        is the user's message, rendered through the model's own template."""
+        tok = self.tokenizer
+        use_chat = tok.chat_template is not None if chat is None else chat
+        if use_chat:
+            if tok.chat_template is None:
+                raise MetadataError(f"{os.path.basename(self.path)} has no chat template; use raw mode")
+            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+            text = tok.apply_chat_template(messages, add_generation_prompt=True)
+            ids = tok.encode(text, add_bos=False)
+            if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
+                ids = [tok.bos_id] + ids
+            return ids
+        return tok.encode(prompt)
+
+    def generate(self, prompt: str | list[int], max_tokens: int = 256, *, chat: bool | None = None,
+                 system: str | None = None, stop: list[str] | tuple[str, ...] = (), **sampling) -> Iterator[str]:
+        """Stream the continuation of prompt as text pieces. Sampling keywords: temperature, top_k,
+        top_p, min_p, repetition_penalty, repeat_last_n, seed (see SamplingParams). Stops at an
+        end-of-generation token, at any of `stop` (not included in the output), or after max_tokens."""
+        params = SamplingParams(**sampling)
+        if max_tokens < 0:
+            raise EdgeLLMError(f"max_tokens must be >= 0, got {max_tokens}")
+        ids = list(prompt) if isinstance(prompt, (list, tuple)) else self.prompt_tokens(prompt, chat=chat, system=system)
+        if len(ids) >= self.ctx:
+            raise ContextOverflowError(
+                f"the prompt has {len(ids)} tokens, which does not fit in the context of {self.ctx} "
+                f"(leave room for at least one generated token; raise --ctx up to the model's {self.config.context_length})"
+            )
+        stats = GenerationStats(prompt_tokens=len(ids))
+        self.last_stats = stats
+        return self._generate(ids, max_tokens, params, tuple(s for s in stop if s), stats)
+
+    def _generate(self, ids, max_tokens, params, stops, stats) -> Iterator[str]:
+        sampler = Sampler(params)
+        decoder = self.tokenizer.stream_decoder()
+        history = list(ids)
+        pending = ""  # text held back because it could be the start of a stop string
+        pos = 0
+        logits_in = ids
+        stats.stop_reason = "max_tokens"
+        for step in range(max_tokens):
+            if pos + len(logits_in) > self.ctx:
+                stats.stop_reason = "context full"
+                break
+            t0 = time.perf_counter()
+            logits = self.forward(logits_in, pos, all_logits=False)[-1]
+            dt = time.perf_counter() - t0
+            if step == 0:
+                stats.prefill_s += dt
+            else:
+                stats.decode_s += dt
+            pos += len(logits_in)
+            token = sampler(logits, history)
+            stats.generated_tokens += 1
+            if token in self.tokenizer.stop_ids:
+                stats.stop_reason = "eos"
+                break
+            history.append(token)
+            logits_in = [token]
+            pending += decoder.push(token)
+            if stops:
+                cut = min((i for i in (pending.find(s) for s in stops) if i >= 0), default=-1)
+                if cut >= 0:
+                    if pending[:cut]:
+                        yield pending[:cut]
+                    stats.stop_reason = "stop string"
+                    return
+                hold = max((len(s) - 1 for s in stops), default=0)
+                # keep back only a suffix that is a prefix of some stop string
+                keep = 0
+                for k in range(min(hold, len(pending)), 0, -1):
+                    if any(s.startswith(pending[-k:]) for s in stops):
+                        keep = k
+                        break
+                if len(pending) > keep:
+                    yield pending[: len(pending) - keep]
+                    pending = pending[len(pending) - keep :]
+            elif pending:
+                yield pending
+                pending = ""
+        pending += decoder.flush()
+        if pending:
+            yield pending
+
+
+def load(path: str | os.PathLike | None = None, backend: str = "cpu", ctx: int | None = None) -> Model:
+    """Load a GGUF model (default: the embedded SmolLM2-135M-Instruct Q4_1) on a backend.
+    ctx: the KV-cache capacity in tokens (default: min(model's context, 4096))."""
+    t0 = time.perf_counter()
+    path = str(path) if path is not None else str(default_model_path())
+    f = open_gguf(path)
+    cfg = config_from_gguf(f)
+    tok = Tokenizer.from_metadata(f.metadata, source=os.path.basename(path))
+    if ctx is None:
+        ctx = min(cfg.context_length, 4096)
+    if not isinstance(ctx, int) or ctx <= 0:
+        raise EdgeLLMError(f"ctx must be a positive number of tokens, got {ctx!r}")
+    m = Model(path=path, backend_name=backend, ctx=ctx, file=f, config=cfg, tokenizer=tok)
+    m.load_s = time.perf_counter() - t0
+    return m
