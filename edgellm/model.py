@@ -54,7 +54,7 @@ class Model:
     ctx: int
     file: object = field(repr=False)
     config: object = field(repr=False)
-    tokenizer: Tokenizer = field(repr=False)
+    tokenizer: Tokenizer | None = field(repr=False)
     load_s: float = 0.0
     last_stats: GenerationStats | None = None
 
@@ -92,6 +92,9 @@ class Model:
         """Token ids for a prompt; with chat (default: when the model has a chat template) the prompt
         is the user's message, rendered through the model's own template."""
         tok = self.tokenizer
+        if tok is None:
+            raise MetadataError(f"{os.path.basename(self.path)} has no vocabulary (tokenizer.ggml.model = 'none'); "
+                                "pass token ids instead of text")
         use_chat = tok.chat_template is not None if chat is None else chat
         if use_chat:
             if tok.chat_template is None:
@@ -122,54 +125,59 @@ class Model:
         self.last_stats = stats
         return self._generate(ids, max_tokens, params, tuple(s for s in stop if s), stats)
 
-    def _generate(self, ids, max_tokens, params, stops, stats) -> Iterator[str]:
-        sampler = Sampler(params)
-        decoder = self.tokenizer.stream_decoder()
+    def generate_tokens(self, ids: list[int], max_tokens: int, params: SamplingParams | None = None,
+                        stats: GenerationStats | None = None) -> Iterator[int]:
+        """Stream sampled token ids after the prompt ids (prefill, then one decode step per token);
+        stops at an end-of-generation token (not yielded), a full context, or max_tokens."""
+        sampler = Sampler(params or SamplingParams())
+        stats = stats if stats is not None else GenerationStats(prompt_tokens=len(ids))
+        stop_ids = self.tokenizer.stop_ids if self.tokenizer is not None else frozenset()
         history = list(ids)
-        pending = ""  # text held back because it could be the start of a stop string
-        pos = 0
-        logits_in = ids
+        pos, step_in = 0, list(ids)
         stats.stop_reason = "max_tokens"
         for step in range(max_tokens):
-            if pos + len(logits_in) > self.ctx:
+            if pos + len(step_in) > self.ctx:
                 stats.stop_reason = "context full"
-                break
+                return
             t0 = time.perf_counter()
-            logits = self.forward(logits_in, pos, all_logits=False)[-1]
+            logits = self.forward(step_in, pos, all_logits=False)[-1]
             dt = time.perf_counter() - t0
             if step == 0:
                 stats.prefill_s += dt
             else:
                 stats.decode_s += dt
-            pos += len(logits_in)
+            pos += len(step_in)
             token = sampler(logits, history)
             stats.generated_tokens += 1
-            if token in self.tokenizer.stop_ids:
+            if token in stop_ids:
                 stats.stop_reason = "eos"
-                break
+                return
             history.append(token)
-            logits_in = [token]
+            step_in = [token]
+            yield token
+
+    def _generate(self, ids, max_tokens, params, stops, stats) -> Iterator[str]:
+        decoder = self.tokenizer.stream_decoder(strip_leading_space=False)  # a continuation keeps its space
+        pending = ""  # text held back because it could be the start of a stop string
+        for token in self.generate_tokens(ids, max_tokens, params, stats):
             pending += decoder.push(token)
-            if stops:
-                cut = min((i for i in (pending.find(s) for s in stops) if i >= 0), default=-1)
-                if cut >= 0:
-                    if pending[:cut]:
-                        yield pending[:cut]
-                    stats.stop_reason = "stop string"
-                    return
-                hold = max((len(s) - 1 for s in stops), default=0)
-                # keep back only a suffix that is a prefix of some stop string
-                keep = 0
-                for k in range(min(hold, len(pending)), 0, -1):
-                    if any(s.startswith(pending[-k:]) for s in stops):
-                        keep = k
-                        break
-                if len(pending) > keep:
-                    yield pending[: len(pending) - keep]
-                    pending = pending[len(pending) - keep :]
-            elif pending:
-                yield pending
+            if not stops:
+                if pending:
+                    yield pending
                 pending = ""
+                continue
+            cut = min((i for i in (pending.find(s) for s in stops) if i >= 0), default=-1)
+            if cut >= 0:
+                if pending[:cut]:
+                    yield pending[:cut]
+                stats.stop_reason = "stop string"
+                return
+            # hold back the longest suffix that is a prefix of some stop string
+            keep = next((k for k in range(min(max(map(len, stops)) - 1, len(pending)), 0, -1)
+                         if any(s.startswith(pending[-k:]) for s in stops)), 0)
+            if len(pending) > keep:
+                yield pending[: len(pending) - keep]
+                pending = pending[len(pending) - keep :]
         pending += decoder.flush()
         if pending:
             yield pending
@@ -182,7 +190,9 @@ def load(path: str | os.PathLike | None = None, backend: str = "cpu", ctx: int |
     path = str(path) if path is not None else str(default_model_path())
     f = open_gguf(path)
     cfg = config_from_gguf(f)
-    tok = Tokenizer.from_metadata(f.metadata, source=os.path.basename(path))
+    # vocabulary-less files (tokenizer.ggml.model = 'none', as llama.cpp's benchmark models) run from token ids
+    has_vocab = f.get("tokenizer.ggml.model", "none") != "none"
+    tok = Tokenizer.from_metadata(f.metadata, source=os.path.basename(path)) if has_vocab else None
     if ctx is None:
         ctx = min(cfg.context_length, 4096)
     if not isinstance(ctx, int) or ctx <= 0:

