@@ -106,6 +106,22 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from .compiler.report import plan_model, render_plan
+    from .default_model import default_model_path
+
+    if args.ctx is not None and args.ctx <= 0:
+        raise EdgeLLMError(f"--ctx must be a positive number of tokens, got {args.ctx}")
+    if args.prefill <= 0:
+        raise EdgeLLMError(f"--prefill must be a positive number of tokens, got {args.prefill}")
+    path = args.model or str(default_model_path())
+    p = plan_model(path, backend=args.backend, ctx=args.ctx, prefill=args.prefill, fuse=not args.no_fuse)
+    print(json.dumps(p, indent=2) if args.json else render_plan(p), end="" if not args.json else "\n")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -138,6 +154,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_arg(i, positional=True)
     i.add_argument("--tensors", action="store_true", help="list every tensor")
     i.set_defaults(func=_cmd_info)
+
+    pl = sub.add_parser("plan", help="show the compiled program and the memory a run needs (reads no weights)",
+                        description="Compile a model without loading its weights: op counts before/after each "
+                                    "pass, kernels per stage, delegated subgraphs, intermediate memory per planner, "
+                                    "weight bytes per format, KV-cache bytes and the estimated peak memory.")
+    _add_model_arg(pl, positional=True)
+    pl.add_argument("--backend", default="cpu", help="backend to plan for (default cpu)")
+    pl.add_argument("-c", "--ctx", type=int, default=None, help="context size (default: min(model, 4096))")
+    pl.add_argument("--prefill", type=int, default=512, help="prefill chunk in tokens (default 512)")
+    pl.add_argument("--no-fuse", action="store_true", help="plan without the fusion passes")
+    pl.add_argument("--json", action="store_true", help="machine-readable output")
+    pl.set_defaults(func=_cmd_plan)
     return p
 
 

@@ -14,6 +14,7 @@ two agree on every key and tensor byte.
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -45,10 +46,11 @@ class TensorData:
     shape: tuple[int, ...]
     data: np.ndarray  # float types: their numpy dtype; block-quantized types: uint8 rows of blocks
     offset: int  # byte offset in the file
+    format: str | None = None  # edgellm's own format (stored as I8, see edgellm/quant/storage.py), else None
 
     @property
     def type_name(self) -> str:
-        return self.ggml_type.name
+        return self.format or self.ggml_type.name
 
     @property
     def n_elements(self) -> int:
@@ -56,11 +58,15 @@ class TensorData:
 
     @property
     def nbytes(self) -> int:
+        if self.format is not None:
+            return int(self.data.nbytes)
         block, size = GGML_QUANT_SIZES[self.ggml_type]
         return self.n_elements * size // block
 
     @property
     def bits_per_weight(self) -> float:
+        if self.format is not None:
+            return 8.0 * self.nbytes / max(self.n_elements, 1)
         block, size = GGML_QUANT_SIZES[self.ggml_type]
         return 8.0 * size / block
 
@@ -68,7 +74,7 @@ class TensorData:
 class _HeaderParser:
     """A bounds-checked reader of the GGUF header that reports a truncated file by what it was reading."""
 
-    def __init__(self, buf: np.ndarray, path: Path):
+    def __init__(self, buf, path: Path):
         self.buf, self.pos, self.path = buf, 0, path
 
     def _need(self, n: int, what: str) -> None:
@@ -85,7 +91,7 @@ class _HeaderParser:
     def string(self, what: str) -> str:
         n = self.scalar("<Q", what)
         self._need(n, what)
-        s = self.buf[self.pos:self.pos + n].tobytes().decode("utf-8", errors="replace")
+        s = str(self.buf[self.pos:self.pos + n], "utf-8", errors="replace")
         self.pos += n
         return s
 
@@ -100,7 +106,7 @@ class _HeaderParser:
             if itype in _SCALARS:
                 dt = np.dtype(_SCALARS[itype])
                 self._need(n * dt.itemsize, what)
-                arr = np.frombuffer(self.buf, dtype=dt, count=n, offset=self.pos)
+                arr = np.frombuffer(self.buf, dtype=dt, count=n, offset=self.pos)  # copied by tolist()
                 self.pos += n * dt.itemsize
                 return arr.tolist()
             if n > len(self.buf):
@@ -127,7 +133,9 @@ class GGUFFile:
         if magic != GGUF_MAGIC:
             raise ModelFileError(f"not a GGUF file: {self.path} (starts with {magic!r}, expected {GGUF_MAGIC!r})")
         self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
-        p = _HeaderParser(self._map, self.path)
+        with open(self.path, "rb") as fh:  # the header through Python's mmap: slicing it is cheap
+            header = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        p = _HeaderParser(header, self.path)
         p.pos = 4
         self.version = p.scalar("<I", "the version")
         if self.version not in (2, 3):
@@ -155,6 +163,11 @@ class GGUFFile:
         if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
             raise ModelFileError(f"{self.path}: general.alignment is {alignment!r}, expected a power of two")
         data_start = -(-p.pos // alignment) * alignment
+        del p
+        try:
+            header.close()
+        except BufferError:  # an array still views it; the map closes when that goes
+            pass
         self.tensors: dict[str, TensorData] = {}
         for name, dims, type_id, offset in infos:
             try:
@@ -180,11 +193,27 @@ class GGUFFile:
                     f"truncated GGUF: {self.path} has {size} bytes but tensor '{name}' ends at byte {start + nbytes}"
                 )
             raw = self._map[start:start + nbytes]
+            if qtype == GGMLQuantizationType.I8:
+                own = self._own_format(name, shape)
+                if own is not None:  # edgellm's own format: uint8 rows under its logical shape
+                    self.tensors[name] = TensorData(name, qtype, own[1], raw.reshape(shape), start, own[0])
+                    continue
             if qtype.name in _FLOAT_DTYPES:
                 data = raw.view(_FLOAT_DTYPES[qtype.name]).reshape(shape)
             else:
                 data = raw.reshape(shape[:-1] + (shape[-1] // block * type_size,))
             self.tensors[name] = TensorData(name, qtype, shape, data, start)
+
+    def _own_format(self, name: str, stored_shape: tuple[int, ...]) -> tuple[str, tuple[int, ...]] | None:
+        """(format, logical shape) of an I8 tensor holding one of edgellm's own formats, else None."""
+        from .quant.storage import own_format_of
+
+        try:
+            return own_format_of(self.metadata, name, stored_shape, str(self.path))
+        except UnknownTensorTypeError as e:
+            raise UnknownTensorTypeError(f"{self.path}: tensor '{name}': {e}") from None
+        except ValueError as e:
+            raise ModelFileError(str(e)) from None
 
     @property
     def architecture(self) -> str:

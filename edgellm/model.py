@@ -16,6 +16,7 @@ from typing import Iterator
 import numpy as np
 
 from .backends import get_backend
+from .compiler.compile import compile_graph
 from .default_model import default_model_path
 from .errors import ContextOverflowError, EdgeLLMError, MetadataError
 from .gguf_file import open_gguf
@@ -57,13 +58,23 @@ class Model:
     tokenizer: Tokenizer | None = field(repr=False)
     load_s: float = 0.0
     last_stats: GenerationStats | None = None
+    fuse: bool = True
+    prefill_chunk: int = 512
 
     def __post_init__(self):
         backend_cls = get_backend(self.backend_name)
         self.backend = backend_cls(self.file)
         self.graphs = {stage: build_graph(self.config, self.file, stage) for stage in ("all", "last")}
         self.states = self.backend.allocate_states(self.graphs["last"], self.ctx)
-        self.programs = {stage: self.backend.compile(g, self.states) for stage, g in self.graphs.items()}
+        chunk = min(self.prefill_chunk, self.ctx)
+        # stage-aware programs: prefill chunks (all / last logits) and single-token decode
+        stages = {"all": ("all", chunk), "last": ("last", chunk), "decode": ("last", 1)}
+        self.compiled = {
+            name: compile_graph(self.graphs[g], supported_ops=getattr(self.backend, "SUPPORTED_OPS", None),
+                                backend=self.backend.name, seq=seq, ctx=self.ctx, fuse=self.fuse)
+            for name, (g, seq) in stages.items()
+        }
+        self.programs = {name: self.backend.compile(c.graph, self.states, c.plan) for name, c in self.compiled.items()}
 
     # -- forward --------------------------------------------------------------------------------
     def forward(self, token_ids, start_pos: int, *, all_logits: bool) -> np.ndarray:
@@ -80,8 +91,21 @@ class Model:
         bad = (ids < 0) | (ids >= self.config.vocab_size)
         if bad.any():
             raise EdgeLLMError(f"token id {int(ids[bad][0])} is outside the vocabulary [0, {self.config.vocab_size})")
-        out = self.programs["all" if all_logits else "last"].run({"tokens": ids, "start_pos": int(start_pos)})
-        return self.backend.to_numpy(out["logits"])
+        if ids.size == 1 and not all_logits:
+            out = self.programs["decode"].run({"tokens": ids, "start_pos": int(start_pos)})
+            return self.backend.to_numpy(out["logits"])
+        chunk = self.compiled["all"].sizes["seq"]
+        parts = []
+        for i in range(0, ids.size, chunk):
+            last_chunk = i + chunk >= ids.size
+            if not all_logits and not last_chunk:
+                # earlier chunks only fill the KV cache; the last-logits program keeps that cheap
+                self.programs["last"].run({"tokens": ids[i:i + chunk], "start_pos": int(start_pos + i)})
+                continue
+            prog = self.programs["all" if all_logits else "last"]
+            out = prog.run({"tokens": ids[i:i + chunk], "start_pos": int(start_pos + i)})
+            parts.append(self.backend.to_numpy(out["logits"]))
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def logits(self, token_ids) -> np.ndarray:
         """Next-token logits for every position of token_ids (from an empty cache): float32 [n, vocab]."""
@@ -183,9 +207,13 @@ class Model:
             yield pending
 
 
-def load(path: str | os.PathLike | None = None, backend: str = "cpu", ctx: int | None = None) -> Model:
+def load(path: str | os.PathLike | None = None, backend: str = "cpu", ctx: int | None = None, *,
+         fuse: bool = True, prefill_chunk: int = 512) -> Model:
     """Load a GGUF model (default: the embedded SmolLM2-135M-Instruct Q4_1) on a backend.
-    ctx: the KV-cache capacity in tokens (default: min(model's context, 4096))."""
+    ctx: the KV-cache capacity in tokens (default: min(model's context, 4096)).
+    fuse: run the fusion passes (off: the builder's graph as is, for checking the passes).
+    prefill_chunk: prompts are processed in chunks of at most this many tokens; intermediate
+    memory is planned for one chunk."""
     t0 = time.perf_counter()
     path = str(path) if path is not None else str(default_model_path())
     f = open_gguf(path)
@@ -197,6 +225,9 @@ def load(path: str | os.PathLike | None = None, backend: str = "cpu", ctx: int |
         ctx = min(cfg.context_length, 4096)
     if not isinstance(ctx, int) or ctx <= 0:
         raise EdgeLLMError(f"ctx must be a positive number of tokens, got {ctx!r}")
-    m = Model(path=path, backend_name=backend, ctx=ctx, file=f, config=cfg, tokenizer=tok)
+    if not isinstance(prefill_chunk, int) or prefill_chunk <= 0:
+        raise EdgeLLMError(f"prefill_chunk must be a positive number of tokens, got {prefill_chunk!r}")
+    m = Model(path=path, backend_name=backend, ctx=ctx, file=f, config=cfg, tokenizer=tok, fuse=fuse,
+              prefill_chunk=prefill_chunk)
     m.load_s = time.perf_counter() - t0
     return m

@@ -106,10 +106,11 @@ def make_tensor(spec: SyntheticSpec, name: str, shape: tuple[int, ...]) -> np.nd
 
 
 def write_synthetic_gguf(path: str | Path, spec: SyntheticSpec,
-                         tokenizer: Callable | None = None) -> Path:
+                         tokenizer: Callable | None = None, *, header_only: bool = False) -> Path:
     """Write a GGUF file for spec. tokenizer(writer) -> vocab size adds tokenizer metadata (and
     fixes the vocabulary size); without it the file has tokenizer.ggml.model = 'none', as
-    llama.cpp's benchmark models do."""
+    llama.cpp's benchmark models do. header_only: write the header and leave the tensor data as a
+    sparse hole of the right size (instant, for `edgellm plan` on large shapes; not for running)."""
     import gguf
 
     path = Path(path)
@@ -138,6 +139,24 @@ def write_synthetic_gguf(path: str | Path, spec: SyntheticSpec,
     if spec.rope_linear_factor:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(spec.rope_linear_factor)
+    if header_only:
+        total = 0
+        for name, shape in tensor_shapes(spec).items():
+            qtype = gguf.GGMLQuantizationType[tensor_type(spec, name, shape).upper()]
+            block, size = gguf.GGML_QUANT_SIZES[qtype]
+            nbytes = int(np.prod(shape)) // block * size
+            byte_shape = list(shape[:-1]) + [shape[-1] // block * size]  # numpy order, as gguf-py expects
+            w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), nbytes, raw_dtype=qtype)
+            total += -(-nbytes // w.data_alignment) * w.data_alignment
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        w.close()
+        with open(path, "r+b") as fh:
+            fh.seek(0, 2)
+            start = -(-fh.tell() // w.data_alignment) * w.data_alignment
+            fh.truncate(start + total)
+        return path
     for name, shape in tensor_shapes(spec).items():
         x = make_tensor(spec, name, shape)
         ttype = tensor_type(spec, name, shape)

@@ -13,11 +13,14 @@ import math
 from typing import Callable
 
 import numpy as np
+import sympy
 import torch
 
 from ..errors import GraphError
 from ..gguf_file import GGUFFile
-from ..graph.ir import Graph, Op
+from ..compiler.memory import MemoryPlan
+from .info import CpuInfo
+from ..graph.ir import CTX, SEQ, Graph, Op
 from ..quant import dequantize
 
 
@@ -89,12 +92,19 @@ def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 class CpuProgram:
     """A graph bound to weights and state tensors, executed op by op."""
 
-    def __init__(self, graph: Graph, weights: CpuWeights, states: dict[str, torch.Tensor]):
+    def __init__(self, graph: Graph, weights: CpuWeights, states: dict[str, torch.Tensor],
+                 plan: MemoryPlan | None = None, arena: torch.Tensor | None = None):
         graph.validate()
         self.graph = graph
         self.weights = weights
         self.states = states
         self._free_after = self._liveness(graph)
+        # the memory plan: each planned intermediate is a view into the arena at its offset
+        self.offsets = plan_offsets(plan) if plan is not None else {}
+        self.arena = arena
+        if self.offsets and (arena is None or arena.numel() < plan.total_bytes):
+            raise GraphError(f"graph '{graph.name}': the arena is smaller than the plan's {plan.total_bytes} bytes")
+        self._shape_fn = {n: sympy.lambdify([SEQ, CTX], list(graph.tensors[n].shape), "math") for n in self.offsets}
         missing = [t.name for t in graph.states() if t.name not in states]
         if missing:
             raise GraphError(f"graph '{graph.name}': no storage for state tensors {missing[:3]}")
@@ -151,6 +161,12 @@ class CpuProgram:
                 free[i].append(name)
         return free
 
+    def _view(self, name: str, seq: int, ctx: int) -> torch.Tensor:
+        shape = [int(d) for d in self._shape_fn[name](seq, ctx)]
+        n = 4 * math.prod(shape)
+        off = self.offsets[name]
+        return self.arena[off : off + n].view(torch.float32).view(shape)
+
     def run(self, inputs: dict[str, object]) -> dict[str, torch.Tensor]:
         env: dict[str, object] = {}
         for name in self.graph.inputs:
@@ -161,25 +177,30 @@ class CpuProgram:
         for t in self.graph.weights():
             env[t.name] = self.weights.get(t.source or t.name)
         env.update(self.states)
+        seq = int(np.asarray(inputs["tokens"]).shape[0]) if "tokens" in inputs else 1
+        ctx = next(iter(self.states.values())).shape[0] if self.states else 1
         with torch.inference_mode():
             for op, free in zip(self.graph.ops, self._free_after):
                 result = self._kernels[op.kind](op, [env[i] for i in op.inputs])
-                if len(op.outputs) == 1:
-                    env[op.outputs[0]] = result
-                else:
-                    env.update(zip(op.outputs, result))
+                results = (result,) if len(op.outputs) == 1 else result
+                for name, value in zip(op.outputs, results):
+                    if name in self.offsets:
+                        view = self._view(name, seq, ctx)
+                        view.copy_(value)
+                        value = view
+                    env[name] = value
                 for name in free:
                     env.pop(name, None)
         return {name: env[name] for name in self.graph.outputs}
 
 
-class CpuBackend:
-    name = "cpu"
+class CpuBackend(CpuInfo):
 
     def __init__(self, f: GGUFFile, threads: int | None = None):
         if threads:
             torch.set_num_threads(threads)
         self.weights = CpuWeights(f)
+        self._arena: torch.Tensor | None = None
 
     @staticmethod
     def available() -> bool:
@@ -188,8 +209,15 @@ class CpuBackend:
     def allocate_states(self, graph: Graph, ctx: int) -> dict[str, torch.Tensor]:
         return {t.name: torch.zeros(t.concrete_shape(ctx=ctx), dtype=torch.float32) for t in graph.states()}
 
-    def compile(self, graph: Graph, states: dict[str, torch.Tensor]) -> CpuProgram:
-        return CpuProgram(graph, self.weights, states)
+    def compile(self, graph: Graph, states: dict[str, torch.Tensor], plan: MemoryPlan | None = None) -> CpuProgram:
+        """Bind a graph to weights and states; with a memory plan, intermediates live in one arena
+        shared by every program of this backend (programs never run concurrently)."""
+        arena = None
+        if plan is not None and plan.total_bytes:
+            if self._arena is None or self._arena.numel() < plan.total_bytes:
+                self._arena = torch.empty(plan.total_bytes, dtype=torch.uint8)
+            arena = self._arena
+        return CpuProgram(graph, self.weights, states, plan, arena)
 
     @staticmethod
     def to_numpy(t: torch.Tensor) -> np.ndarray:
@@ -197,6 +225,19 @@ class CpuBackend:
 
     def describe(self) -> str:
         return f"cpu (torch {torch.__version__}, {torch.get_num_threads()} threads, float32)"
+
+
+def plan_offsets(plan: MemoryPlan) -> dict[str, int]:
+    """Byte offsets in one arena for an arena plan, or for a shared-objects plan (objects laid end to end)."""
+    if plan.offsets is not None:
+        return dict(plan.offsets)
+    if plan.objects is None or plan.assignment is None:
+        return {}
+    base, acc = [], 0
+    for size in plan.objects:
+        base.append(acc)
+        acc += size
+    return {t: base[k] for t, k in plan.assignment.items()}
 
 
 def state_bytes(graph: Graph, ctx: int) -> int:

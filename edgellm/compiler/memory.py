@@ -12,7 +12,8 @@ Deep Neural Net Inference", 2020), which ML Drift also uses. Two kinds of plan e
   whose lifetimes do not intersect. Needed where a tensor must be its own allocation (textures,
   APIs without sub-buffer views). ``total_bytes`` is the sum of the object sizes.
 * **one arena** (``offsets``): a single buffer, each tensor at a byte offset. ``total_bytes`` is
-  the arena size. Never worse than the best shared-object plan in principle and usually better.
+  the arena size. Any shared-object plan can be laid out as an arena of the same size, so the
+  best arena is never larger; the greedy arena is usually the smallest plan found.
 
 Strategies (``STRATEGIES``):
 
@@ -20,7 +21,7 @@ Strategies (``STRATEGIES``):
     Every tensor its own object; the reference the others are reported against.
 ``greedy_shared``
     Shared objects, greedy. Two variants of the paper are run and the smaller plan is kept (the
-    plan's ``variant`` says which won):
+    plan's ``variant`` says which; the second only runs if the first is above the lower bound):
 
     * *greedy in order* (TFLite ``GreedyInOrderAssignment``): walk tensors by ``first``; objects
       whose last tensor has died go back to a pool; a new tensor takes the smallest pooled object
@@ -31,23 +32,31 @@ Strategies (``STRATEGIES``):
 ``greedy_by_size``
     One arena, greedy by size (TFLite ``GreedyBySizeAssignment``, ML Drift's offset calculation):
     largest tensors first; each is placed among the already placed tensors whose lifetimes
-    intersect its own. Two gap rules are run and the smaller arena kept (``variant``):
+    intersect its own. Two gap rules are run and the smaller arena kept (``variant``; the second
+    only if the first is above the lower bound):
     *first fit* (the lowest offset where it fits) and *best fit* (the smallest gap that fits, the
     paper's rule); if no gap fits, the tensor goes just above the highest conflicting tensor.
 ``min_cost_flow``
     Shared objects from TFLite GPU's min-cost-flow formulation, solved by networkx's network
-    simplex (``networkx.min_cost_flow``). Every tensor ``j`` must be given an object exactly once
-    (edge ``right_j -> sink``). It either opens a new object (``source -> right_j``, cost
-    ``size_j``) or inherits the object of a tensor ``i`` that died before it was born
-    (``left_i -> right_j``, cost ``max(0, size_j - size_i)``); each tensor hands its object on
-    at most once (``source -> left_i``, capacity 1). The flow's chains ``i -> j -> k ...`` are the
-    objects; an object's size is the largest tensor on its chain. The flow cost is an upper bound
-    of that total (growth along a chain is counted per step), as in TFLite: a heuristic, not an
-    exact optimum. To keep the graph linear in size, each tensor gets edges from at most
-    ``MCF_CANDIDATES_PER_SIDE`` predecessors of the nearest size at least as large, as many of the
-    nearest smaller size, and as many of the most recently freed ones (all predecessors when there
-    are few); above ``MCF_MAX_RECORDS`` records the strategy falls back to greedy in order
-    (``variant`` says so).
+    simplex (``networkx.min_cost_flow``). Every tensor ``j`` must get an object exactly once: it
+    either opens a new one (cost ``size_j``) or inherits the object of a tensor ``i`` that died
+    before ``j`` was born (cost ``max(0, size_j - size_i)``); each tensor hands its object on at
+    most once. The chains ``i -> j -> k ...`` of the flow are the objects, each as large as its
+    largest tensor. The flow cost only approximates that total (growth is counted per step, and
+    a chain that shrinks then grows pays twice), as in TFLite: a heuristic, not an optimum.
+    Differences from TFLite's graph, all to keep networkx fast in pure Python:
+
+    * tensors that die offering objects of one size are interchangeable for every later tensor,
+      so they are pooled into one node per size class (a new node, fed by the previous one, once
+      a tensor has drawn from it); with every class a candidate this changes no optimum;
+    * a tensor is offered only the ``MCF_CANDIDATES_PER_SIDE`` nearest classes at least as large
+      as itself and as many smaller ones;
+    * tensors are planned in consecutive windows of ``MCF_WINDOW`` (in order of ``first``), one
+      flow per window (rolling horizon): a window may inherit any object left free by earlier
+      windows, priced at that object's actual size so far. Inputs of at most ``MCF_WINDOW``
+      records are one flow. After a flow, a tensor that drew from a class takes, among that
+      class's free objects, the smallest already large enough, else the largest (grown).
+    * above ``MCF_MAX_RECORDS`` records it falls back to greedy in order (``variant`` says so).
 
 All sizes are rounded up to ``alignment`` (so every arena offset is a multiple of it), and
 ``lower_bound`` — the most bytes live at any one op — bounds every plan from below.
@@ -82,10 +91,12 @@ STRATEGIES = ("naive", "greedy_shared", "greedy_by_size", "min_cost_flow")
 #: several objects; naive last).
 _TIE_ORDER = ("greedy_by_size", "greedy_shared", "min_cost_flow", "naive")
 
-#: min_cost_flow: candidate predecessors kept per tensor and per kind (see the module docstring).
-MCF_CANDIDATES_PER_SIDE = 8
+#: min_cost_flow: tensors per flow problem (see the module docstring).
+MCF_WINDOW = 32
+#: min_cost_flow: size classes offered to a tensor on each side of its own size.
+MCF_CANDIDATES_PER_SIDE = 3
 #: min_cost_flow: above this many records, fall back to greedy in order.
-MCF_MAX_RECORDS = 5000
+MCF_MAX_RECORDS = 20000
 
 
 class PlanError(GraphError):
@@ -330,6 +341,8 @@ def _greedy_by_size_objects(p: _Prepared) -> tuple[list[int], list[int]]:
 
 def _greedy_shared(p: _Prepared) -> MemoryPlan:
     in_order = _greedy_in_order(p)
+    if sum(in_order[0]) == p.lower_bound:  # optimal already
+        return p.objects_plan("greedy_shared", *in_order, "greedy in order")
     by_size = _greedy_by_size_objects(p)
     if sum(by_size[0]) < sum(in_order[0]):
         return p.objects_plan("greedy_shared", *by_size, "greedy by size")
@@ -351,21 +364,18 @@ def _arena_greedy_by_size(p: _Prepared, first_fit: bool) -> tuple[int, list[int]
         if placed:
             hit = np.flatnonzero((pf[:placed] <= l) & (pl[:placed] >= f))
             if hit.size:
-                o_hit, e_hit = po[hit], pe[hit]
-                srt = np.argsort(o_hit, kind="stable")
-                prev_end = 0
-                best = -1
-                best_gap = math.inf
-                for o_, e_ in zip(o_hit[srt].tolist(), e_hit[srt].tolist()):
-                    gap = o_ - prev_end
-                    if gap >= s:
-                        if first_fit:
-                            best = prev_end
-                            break
-                        if gap < best_gap:
-                            best, best_gap = prev_end, gap
-                    prev_end = max(prev_end, e_)
-                off = best if best >= 0 else prev_end
+                srt = np.argsort(po[hit], kind="stable")
+                o_hit, e_hit = po[hit][srt], pe[hit][srt]
+                reach = np.maximum.accumulate(e_hit)  # highest byte used by these and lower ones
+                below = np.concatenate(([0], reach[:-1]))  # ... by those strictly before each
+                gaps = o_hit - below  # free bytes just under each conflicting tensor
+                fits = np.flatnonzero(gaps >= s)
+                if fits.size == 0:
+                    off = int(reach[-1])  # above the highest conflicting tensor
+                elif first_fit:
+                    off = int(below[fits[0]])
+                else:  # smallest gap that fits; the lowest of equal ones
+                    off = int(below[fits[np.argmin(gaps[fits])]])
         pf[placed], pl[placed], po[placed], pe[placed] = f, l, off, off + s
         placed += 1
         offsets[k] = off
@@ -374,9 +384,12 @@ def _arena_greedy_by_size(p: _Prepared, first_fit: bool) -> tuple[int, list[int]
 
 
 def _greedy_by_size(p: _Prepared) -> MemoryPlan:
-    ff = _arena_greedy_by_size(p, first_fit=True)
-    bf = _arena_greedy_by_size(p, first_fit=False)
-    total, offsets, variant = (*bf, "best fit") if bf[0] < ff[0] else (*ff, "first fit")
+    total, offsets = _arena_greedy_by_size(p, first_fit=True)
+    variant = "first fit"
+    if total > p.lower_bound:  # not optimal: try the paper's best fit too
+        bf_total, bf_offsets = _arena_greedy_by_size(p, first_fit=False)
+        if bf_total < total:
+            total, offsets, variant = bf_total, bf_offsets, "best fit"
     return p.plan(
         "greedy_by_size",
         total_bytes=total,
@@ -389,68 +402,126 @@ def _min_cost_flow(p: _Prepared) -> MemoryPlan:
     n = p.n
     if n > MCF_MAX_RECORDS:
         sizes, assign = _greedy_in_order(p)
-        return p.objects_plan(
-            "min_cost_flow", sizes, assign, f"fallback to greedy in order (> {MCF_MAX_RECORDS} records)"
-        )
-    if n == 0:
-        return p.objects_plan("min_cost_flow", [], [], None)
-    import networkx as nx
-
+        variant = f"fallback to greedy in order (> {MCF_MAX_RECORDS} records)"
+        return p.objects_plan("min_cost_flow", sizes, assign, variant)
     unit = 0
     for s in p.sizes:
         unit = math.gcd(unit, s)
-    w = [s // unit for s in p.sizes]  # costs in units of the common divisor: smaller integers
-    src, snk = 2 * n, 2 * n + 1  # left_i = i, right_j = n + j
-    g = nx.DiGraph()
-    g.add_node(src, demand=-n)
-    g.add_node(snk, demand=n)
-    edges = []
-    for k in range(n):
-        edges.append((src, k, {"capacity": 1, "weight": 0}))
-        edges.append((src, n + k, {"capacity": 1, "weight": w[k]}))
-        edges.append((n + k, snk, {"capacity": 1, "weight": 0}))
+    w = [s // unit for s in p.sizes]  # costs in units of the common divisor: small integers
+    st = _FlowState(p, w)
+    for a in range(0, n, MCF_WINDOW):
+        st.solve_window(a, min(n, a + MCF_WINDOW))
+    obj_sizes = [m * unit for m in st.obj_max]
+    windows = -(-n // MCF_WINDOW)
+    variant = f"{windows} windows of {MCF_WINDOW} tensors" if windows > 1 else None
+    return p.objects_plan("min_cost_flow", obj_sizes, st.assign, variant)
 
-    per_side = MCF_CANDIDATES_PER_SIDE
-    by_last = sorted(range(n), key=lambda k: p.lasts[k])
-    freed = 0  # by_last[:freed] died before the current tensor's first op
-    avail: list[tuple[int, int, int]] = []  # freed tensors, sorted (size, -last, k)
-    for j in range(n):  # processing order = by first
-        f = p.firsts[j]
-        while freed < n and p.lasts[by_last[freed]] < f:
-            i = by_last[freed]
-            bisect.insort(avail, (w[i], -p.lasts[i], i))
-            freed += 1
-        if len(avail) <= 3 * per_side:
-            cands: Iterable[int] = [t[2] for t in avail]
-        else:
-            pos = bisect.bisect_left(avail, (w[j], -math.inf, -1))
-            chosen = {t[2] for t in avail[pos : pos + per_side]}  # nearest size >= own
-            chosen.update(t[2] for t in avail[max(0, pos - per_side) : pos])  # nearest smaller
-            chosen.update(by_last[max(0, freed - per_side) : freed])  # most recently freed
-            cands = chosen
-        wj = w[j]
-        for i in cands:
-            edges.append((i, n + j, {"capacity": 1, "weight": max(0, wj - w[i])}))
-    g.add_edges_from(edges)
-    flow = nx.min_cost_flow(g)
 
-    pred = [-1] * n
-    for i in range(n):
-        for v, amount in flow[i].items():
-            if amount:
-                pred[v - n] = i
-    obj_sizes: list[int] = []
-    assign = [0] * n
-    for j in range(n):  # a predecessor always comes earlier in processing order
-        i = pred[j]
-        if i < 0:
-            assign[j] = len(obj_sizes)
-            obj_sizes.append(p.sizes[j])
-        else:
-            o = assign[i]
+class _FlowState:
+    """Objects built so far by min_cost_flow, and the tensors whose objects can be handed on."""
+
+    def __init__(self, p: _Prepared, w: list[int]):
+        self.p, self.w = p, w
+        self.assign = [-1] * p.n
+        self.obj_max: list[int] = []  # per object: its size so far, in cost units
+        self.tails: list[int] = []  # tensors that have not handed their object on yet
+
+    def solve_window(self, a: int, b: int) -> None:
+        """Give objects to tensors a..b-1 (processing order) by one min-cost flow."""
+        import networkx as nx
+
+        p, w, assign, obj_max = self.p, self.w, self.assign, self.obj_max
+        firsts, lasts = p.firsts, p.lasts
+        # A tensor offers its object from the op after its last use. Its cost class is what the
+        # flow believes the object's size is: the object's known size for tensors placed by an
+        # earlier window, the tensor's own size (as in TFLite) for tensors of this window.
+        offers = [(lasts[i], obj_max[assign[i]], i) for i in self.tails]
+        offers += [(lasts[j], w[j], j) for j in range(a, b)]
+        offers.sort()
+        # Offers of one class are interchangeable for every later tensor, so they are pooled:
+        # one node per class, and a new node (fed by the previous one) only once a tensor has
+        # drawn from the current one. This is TFLite's bipartite graph with equal left vertices
+        # merged; the optimum is unchanged when every class is a candidate.
+        src = -1
+        g = nx.DiGraph()
+        g.add_node(src, demand=-(b - a))
+        edges = []
+        pool: dict[int, int] = {}  # class -> current pool node
+        pool_tapped: dict[int, bool] = {}
+        pool_supply: dict[int, int] = {}
+        classes: list[int] = []  # classes offered so far, sorted
+        taps: list[list[tuple[int, int]]] = []  # per tensor of the window: (pool node, class)
+        next_node = b - a  # right vertex of tensor j is j - a; pool nodes follow
+        k = 0
+        per_side = MCF_CANDIDATES_PER_SIDE
+        for j in range(a, b):
+            f = firsts[j]
+            while k < len(offers) and offers[k][0] < f:
+                c = offers[k][1]
+                k += 1
+                node = pool.get(c)
+                if node is None or pool_tapped[node]:
+                    new = next_node
+                    next_node += 1
+                    if node is None:
+                        bisect.insort(classes, c)
+                    else:
+                        edges.append((node, new, {"weight": 0}))  # unused offers carry forward
+                    pool[c] = node = new
+                    pool_tapped[node] = False
+                    pool_supply[node] = 0
+                pool_supply[node] += 1
+            rj = j - a
+            g.add_node(rj, demand=1)
+            edges.append((src, rj, {"capacity": 1, "weight": w[j]}))  # a new object
+            mine = []
+            if classes:
+                pos = bisect.bisect_left(classes, w[j])
+                for c in classes[max(0, pos - per_side) : pos + per_side]:
+                    node = pool[c]
+                    pool_tapped[node] = True
+                    mine.append((node, c))
+                    edges.append((node, rj, {"capacity": 1, "weight": max(0, w[j] - c)}))
+            taps.append(mine)
+        for node, count in pool_supply.items():
+            edges.append((src, node, {"capacity": count, "weight": 0}))
+        g.add_edges_from(edges)
+        flow = nx.min_cost_flow(g)
+
+        # Turn pooled flow back into tensor -> object: a tensor drawing from class c takes one
+        # of the class-c offers already made (the flow guarantees there is one), the object
+        # that grows least, preferring the smallest that is already large enough.
+        avail: dict[int, list[int]] = {}
+        k = 0
+        consumed = set()
+        for j in range(a, b):
+            f = firsts[j]
+            while k < len(offers) and offers[k][0] < f:
+                avail.setdefault(offers[k][1], []).append(offers[k][2])
+                k += 1
+            rj = j - a
+            chosen = None
+            for node, c in taps[j - a]:
+                if flow[node][rj]:
+                    chosen = c
+                    break
+            if chosen is None:
+                assign[j] = len(obj_max)
+                obj_max.append(w[j])
+                continue
+            cands = avail[chosen]
+            fit = [t for t in cands if obj_max[assign[t]] >= w[j]]
+            if fit:
+                t = min(fit, key=lambda t: obj_max[assign[t]])
+            else:
+                t = max(cands, key=lambda t: obj_max[assign[t]])
+            cands.remove(t)
+            consumed.add(t)
+            o = assign[t]
             assign[j] = o
-            obj_sizes[o] = max(obj_sizes[o], p.sizes[j])
-    return p.objects_plan("min_cost_flow", obj_sizes, assign, None)
+            obj_max[o] = max(obj_max[o], w[j])
+        self.tails = [t for t in self.tails if t not in consumed]
+        self.tails += [j for j in range(a, b) if j not in consumed]
 
 
 _PLANNERS = {

@@ -1,0 +1,257 @@
+"""Graph passes: cleanup and fusion, as rewrites of a Graph (backends then lower fused ops to
+fused kernels; nothing is special-cased inside a backend).
+
+Each pass takes a Graph and returns a new Graph (the input is not modified). Fused op kinds and
+their semantics (the cpu backend implements each as the composition it replaces):
+
+  add_rms_norm(a, b, w; eps)          -> (s, n):  s = a + b, n = rms_norm(s, w)     residual + norm
+  swiglu(gate, up)                    -> silu(gate) * up
+  linear_swiglu(x, wg, wu)            -> silu(x @ wg.T) * (x @ wu.T)                  gate/up + SiLU·mul
+  linear(x, w, bias?, residual?; has_bias, has_residual)
+                                      -> x @ w.T (+ bias) (+ residual)                element-wise into producer
+  rope_store(x, start, cache, freqs?) -> cache with rows start.. = rope(x)           RoPE + layout + KV write
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..errors import GraphError
+from ..graph.ir import Graph, Op
+
+
+def _clone(g: Graph) -> Graph:
+    out = Graph(g.name, g.meta)
+    out.tensors = {k: copy.copy(v) for k, v in g.tensors.items()}
+    out.ops = [Op(o.name, o.kind, tuple(o.inputs), tuple(o.outputs), dict(o.attrs)) for o in g.ops]
+    out.inputs, out.outputs = list(g.inputs), list(g.outputs)
+    out._counter = g._counter
+    return out
+
+
+def _consumers(g: Graph) -> dict[str, list[int]]:
+    cons: dict[str, list[int]] = {}
+    for i, op in enumerate(g.ops):
+        for t in op.inputs:
+            cons.setdefault(t, []).append(i)
+    return cons
+
+
+def _rename_uses(g: Graph, old: str, new: str) -> None:
+    for op in g.ops:
+        if old in op.inputs:
+            op.inputs = tuple(new if t == old else t for t in op.inputs)
+    g.outputs = [new if t == old else t for t in g.outputs]
+
+
+def _drop_unused_tensors(g: Graph) -> None:
+    used = set(g.inputs) | set(g.outputs)
+    for op in g.ops:
+        used.update(op.inputs)
+        used.update(op.outputs)
+    for name in [n for n, t in g.tensors.items() if n not in used and t.kind in ("activation", "weight")]:
+        del g.tensors[name]
+
+
+# -- cleanup --------------------------------------------------------------------------------------
+
+def remove_identities(g: Graph) -> Graph:
+    """Drop ops that return their input unchanged: single-input add/mul/concat, scale by one,
+    reshape/transpose to the same layout."""
+    g = _clone(g)
+    keep = []
+    for op in g.ops:
+        ident = (
+            (op.kind in ("add", "mul", "concat") and len(op.inputs) == 1)
+            or (op.kind == "scale" and op.attrs.get("factor") == 1)
+            or (op.kind in ("reshape", "transpose") and g.tensors[op.inputs[0]].shape == g.tensors[op.outputs[0]].shape
+                and op.attrs.get("perm") in (None, tuple(range(len(g.tensors[op.inputs[0]].shape)))))
+        )
+        if ident:
+            _rename_uses(g, op.outputs[0], op.inputs[0])
+        else:
+            keep.append(op)
+    g.ops = keep
+    _drop_unused_tensors(g)
+    return g
+
+
+def eliminate_dead_code(g: Graph) -> Graph:
+    """Drop ops whose outputs nothing reads (ops writing state are kept: their effect persists)."""
+    g = _clone(g)
+    live = set(g.outputs)
+    keep: list[Op] = []
+    for op in reversed(g.ops):
+        writes_state = any(g.tensors[o].alias_of for o in op.outputs)
+        if writes_state or any(o in live for o in op.outputs):
+            keep.append(op)
+            live.update(op.inputs)
+    g.ops = keep[::-1]
+    _drop_unused_tensors(g)
+    return g
+
+
+# -- fusion ---------------------------------------------------------------------------------------
+
+def _single_consumer(cons, t) -> int | None:
+    c = cons.get(t, [])
+    return c[0] if len(c) == 1 else None
+
+
+def fuse_linear_epilogue(g: Graph) -> Graph:
+    """Fold a bias add and/or a residual add that follows a linear into the linear (its epilogue)."""
+    g = _clone(g)
+    changed = True
+    while changed:
+        changed = False
+        cons = _consumers(g)
+        for i, op in enumerate(g.ops):
+            if op.kind != "linear" or op.outputs[0] in g.outputs:
+                continue
+            j = _single_consumer(cons, op.outputs[0])
+            if j is None or g.ops[j].kind != "add":
+                continue
+            nxt = g.ops[j]
+            other = [t for t in nxt.inputs if t != op.outputs[0]]
+            if len(other) != 1:
+                continue
+            other_t = g.tensors[other[0]]
+            if other_t.kind == "weight" and len(other_t.shape) == 1 and not op.attrs.get("has_bias"):
+                slot = "has_bias"
+            elif len(other_t.shape) == 2 and not op.attrs.get("has_residual"):
+                slot = "has_residual"
+                if g.producers().get(other[0], -1) > i:  # the residual must exist before the linear runs
+                    continue
+            else:
+                continue
+            bias = [op.inputs[2]] if op.attrs.get("has_bias") else []
+            res = [op.inputs[-1]] if op.attrs.get("has_residual") else []
+            if slot == "has_bias":
+                bias = other
+            else:
+                res = other
+            op.inputs = (op.inputs[0], op.inputs[1], *bias, *res)
+            op.attrs[slot] = True
+            _rename_uses(g, nxt.outputs[0], op.outputs[0])
+            del g.ops[j]
+            changed = True
+            break
+    _drop_unused_tensors(g)
+    return g
+
+
+def fuse_add_rms_norm(g: Graph) -> Graph:
+    """s = add(a, b); n = rms_norm(s, w)  ->  (s, n) = add_rms_norm(a, b, w)."""
+    g = _clone(g)
+    cons = _consumers(g)
+    out: list[Op] = []
+    skip: set[int] = set()
+    for i, op in enumerate(g.ops):
+        if i in skip:
+            continue
+        if op.kind == "add" and len(op.inputs) == 2 and all(len(g.tensors[t].shape) == 2 for t in op.inputs):
+            norm = next((j for j in cons.get(op.outputs[0], []) if g.ops[j].kind == "rms_norm"
+                         and g.ops[j].inputs[0] == op.outputs[0]), None)
+            if norm is not None:
+                n = g.ops[norm]
+                # the norm moves up to the add: its weight is a weight, so nothing it reads comes later
+                out.append(Op(op.name + "+norm", "add_rms_norm", (*op.inputs, n.inputs[1]),
+                              (op.outputs[0], n.outputs[0]), dict(n.attrs)))
+                skip.add(norm)
+                continue
+        out.append(op)
+    g.ops = out
+    return g
+
+
+def fuse_swiglu(g: Graph) -> Graph:
+    """a = silu(gate); y = mul(a, up)  ->  y = swiglu(gate, up); then, when gate and up are linears of
+    the same input read by nothing else, y = linear_swiglu(x, wg, wu)."""
+    g = _clone(g)
+    cons = _consumers(g)
+    prod = g.producers()
+    drop: set[int] = set()
+    for i, op in enumerate(g.ops):
+        if op.kind != "silu":
+            continue
+        j = _single_consumer(cons, op.outputs[0])
+        if j is None or g.ops[j].kind != "mul":
+            continue
+        mul = g.ops[j]
+        up = next(t for t in mul.inputs if t != op.outputs[0]) if mul.inputs.count(op.outputs[0]) == 1 else None
+        if up is None:
+            continue
+        gate = op.inputs[0]
+        gi, ui = prod.get(gate), prod.get(up)
+        lin_g = g.ops[gi] if gi is not None else None
+        lin_u = g.ops[ui] if ui is not None else None
+        if (lin_g and lin_u and lin_g.kind == lin_u.kind == "linear" and len(lin_g.inputs) == len(lin_u.inputs) == 2
+                and lin_g.inputs[0] == lin_u.inputs[0] and len(cons[gate]) == 1 and len(cons[up]) == 1):
+            g.ops[j] = Op(mul.name + "+gate_up", "linear_swiglu", (lin_g.inputs[0], lin_g.inputs[1], lin_u.inputs[1]),
+                          mul.outputs, {})
+            drop.update((i, gi, ui))
+        else:
+            g.ops[j] = Op(mul.name + "+silu", "swiglu", (gate, up), mul.outputs, {})
+            drop.add(i)
+    g.ops = [op for k, op in enumerate(g.ops) if k not in drop]
+    _drop_unused_tensors(g)
+    return g
+
+
+def fuse_rope_store(g: Graph) -> Graph:
+    """k = rope(x, start, freqs?); c = kv_store(cache, k, start)  ->  c = rope_store(x, start, cache, freqs?)
+    when k is read by nothing else: the rotated K goes straight into the cache."""
+    g = _clone(g)
+    cons = _consumers(g)
+    drop: set[int] = set()
+    for i, op in enumerate(g.ops):
+        if op.kind != "rope":
+            continue
+        j = _single_consumer(cons, op.outputs[0])
+        if j is None or g.ops[j].kind != "kv_store" or g.ops[j].inputs[1] != op.outputs[0]:
+            continue
+        st = g.ops[j]
+        freqs = op.inputs[2:]
+        g.ops[j] = Op(st.name + "+rope", "rope_store", (op.inputs[0], op.inputs[1], st.inputs[0], *freqs),
+                      st.outputs, dict(op.attrs))
+        drop.add(i)
+    g.ops = [op for k, op in enumerate(g.ops) if k not in drop]
+    _drop_unused_tensors(g)
+    return g
+
+
+@dataclass
+class PassReport:
+    name: str
+    ops_before: int
+    ops_after: int
+    counts_after: dict[str, int] = field(default_factory=dict)
+
+
+CLEANUP: list[tuple[str, Callable[[Graph], Graph]]] = [
+    ("remove_identities", remove_identities),
+    ("eliminate_dead_code", eliminate_dead_code),
+]
+FUSION: list[tuple[str, Callable[[Graph], Graph]]] = [
+    ("fuse_rope_store", fuse_rope_store),
+    ("fuse_swiglu", fuse_swiglu),
+    ("fuse_add_rms_norm", fuse_add_rms_norm),
+    ("fuse_linear_epilogue", fuse_linear_epilogue),
+]
+
+
+def run_passes(g: Graph, passes=None, *, fuse: bool = True) -> tuple[Graph, list[PassReport]]:
+    """Cleanup then (optionally) fusion; returns the new graph and one report per pass."""
+    passes = passes if passes is not None else CLEANUP + (FUSION if fuse else [])
+    reports = []
+    for name, fn in passes:
+        before = len(g.ops)
+        g = fn(g)
+        try:
+            g.validate()
+        except GraphError as e:
+            raise GraphError(f"pass {name} produced an invalid graph: {e}") from None
+        reports.append(PassReport(name, before, len(g.ops), g.op_counts()))
+    return g, reports
