@@ -126,6 +126,10 @@ class CpuProgram:
             "swiglu": lambda op, i: torch.nn.functional.silu(i[0]) * i[1],
             "linear_swiglu": lambda op, i: (torch.nn.functional.silu(torch.nn.functional.linear(i[0], i[1]))
                                             * torch.nn.functional.linear(i[0], i[2])),
+            "linear_qkv": lambda op, i: torch.cat(
+                [torch.nn.functional.linear(i[0], w, i[4 + k] if op.attrs.get("has_bias") else None)
+                 for k, w in enumerate(i[1:4])], dim=1),
+            "rope_qkv_store": self._rope_qkv_store,
             "rope_store": lambda op, i: self._kv_store(
                 op, [i[2], _rope(i[0], int(i[1]), i[3] if len(i) > 3 else None, op.attrs), i[1]]),
         }
@@ -142,6 +146,15 @@ class CpuProgram:
     def _add_rms_norm(op: Op, i: list) -> tuple[torch.Tensor, torch.Tensor]:
         s = i[0] + i[1]
         return s, _rms_norm(s, i[2], op.attrs["eps"])
+
+    def _rope_qkv_store(self, op: Op, i: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qkv, start, kc, vc = i[0], int(i[1]), i[2], i[3]
+        freqs = i[4] if len(i) > 4 else None
+        a = op.attrs
+        nq, nkv = a["n_heads"] * a["head_dim"], a["n_kv_heads"] * a["head_dim"]
+        q = _rope(qkv[:, :nq].contiguous(), start, freqs, a)
+        k = _rope(qkv[:, nq:nq + nkv].contiguous(), start, freqs, {**a, "n_heads": a["n_kv_heads"]})
+        return (q, self._kv_store(op, [kc, k, start]), self._kv_store(op, [vc, qkv[:, nq + nkv:], start]))
 
     @staticmethod
     def _kv_store(op: Op, i: list) -> torch.Tensor:

@@ -22,7 +22,7 @@ from ..graph.ops import KV_LEN, RULES, flops
 from .memory import MemoryPlan, UsageRecord, lower_bound, plan_all, validate_plan
 from .passes import PassReport, run_passes
 
-FUSED_OPS = {"add_rms_norm", "swiglu", "linear_swiglu", "rope_store"}
+FUSED_OPS = {"add_rms_norm", "swiglu", "linear_swiglu", "rope_store", "linear_qkv", "rope_qkv_store"}
 ALL_OPS = set(RULES) | FUSED_OPS
 
 

@@ -10,6 +10,10 @@ their semantics (the cpu backend implements each as the composition it replaces)
   linear(x, w, bias?, residual?; has_bias, has_residual)
                                       -> x @ w.T (+ bias) (+ residual)                element-wise into producer
   rope_store(x, start, cache, freqs?) -> cache with rows start.. = rope(x)           RoPE + layout + KV write
+  linear_qkv(x, wq, wk, wv, bq?, bk?, bv?; has_bias)
+                                      -> [S, (H + 2G) d]: the q | k | v projections side by side
+  rope_qkv_store(qkv, start, kc, vc, freqs?; n_heads, n_kv_heads, ...)
+                                      -> (q, kc, vc): q rotated; rotated k and v written to the caches
 """
 
 from __future__ import annotations
@@ -222,6 +226,70 @@ def fuse_rope_store(g: Graph) -> Graph:
     return g
 
 
+def fuse_qkv(g: Graph) -> Graph:
+    """Three projections of one input (q, k, v, each maybe with a bias) whose results meet in
+    rope(q), rope_store(k) and kv_store(v) at the same start position become one linear_qkv
+    (the weights are concatenated at load) and one rope_qkv_store: per layer, two kernels instead
+    of six."""
+    g = _clone(g)
+    prod = g.producers()
+    cons = _consumers(g)
+    drop: set[int] = set()
+    new_at: dict[int, list[Op]] = {}
+    for i, op in enumerate(g.ops):
+        if op.kind != "rope_store" or i in drop:
+            continue
+        k_lin_i = prod.get(op.inputs[0])
+        start, kc = op.inputs[1], op.inputs[2]
+        freqs = op.inputs[3:]
+        # the V store and the Q rope of the same layer: same start, linears of the same input
+        v_st = next((j for j, o in enumerate(g.ops) if o.kind == "kv_store" and o.inputs[2] == start
+                     and prod.get(o.inputs[1]) is not None and j not in drop
+                     and g.ops[prod[o.inputs[1]]].kind == "linear" and k_lin_i is not None
+                     and g.ops[prod[o.inputs[1]]].inputs[0] == g.ops[k_lin_i].inputs[0]), None)
+        q_rope = next((j for j, o in enumerate(g.ops) if o.kind == "rope" and o.inputs[1] == start
+                       and prod.get(o.inputs[0]) is not None and j not in drop
+                       and g.ops[prod[o.inputs[0]]].kind == "linear" and k_lin_i is not None
+                       and g.ops[prod[o.inputs[0]]].inputs[0] == g.ops[k_lin_i].inputs[0]), None)
+        if k_lin_i is None or v_st is None or q_rope is None:
+            continue
+        lin = {"q": g.ops[prod[g.ops[q_rope].inputs[0]]], "k": g.ops[k_lin_i], "v": g.ops[prod[g.ops[v_st].inputs[1]]]}
+        if any(len(cons.get(l.outputs[0], [])) != 1 or l.attrs.get("has_residual") for l in lin.values()):
+            continue
+        biased = [bool(l.attrs.get("has_bias")) for l in lin.values()]
+        if any(biased) and not all(biased):
+            continue
+        x = lin["q"].inputs[0]
+        weights = tuple(l.inputs[1] for l in lin.values())
+        biases = tuple(l.inputs[2] for l in lin.values()) if all(biased) else ()
+        rq = g.ops[q_rope]
+        n_q = g.tensors[rq.outputs[0]].shape[1]
+        n_kv = g.tensors[op.inputs[0]].shape[1]
+        qkv_name = lin["q"].outputs[0].replace("attn_q", "attn_qkv")
+        while qkv_name in g.tensors:
+            qkv_name += "_"
+        from ..graph.ir import Tensor
+
+        g.tensors[qkv_name] = Tensor(qkv_name, (g.tensors[x].shape[0], n_q + 2 * n_kv), "f32", "activation")
+        first = min(prod[rq.inputs[0]], k_lin_i, prod[g.ops[v_st].inputs[1]])
+        last = max(i, q_rope, v_st)
+        new_at[first] = [Op(lin["q"].name + "+kv", "linear_qkv", (x, *weights, *biases), (qkv_name,),
+                            {"has_bias": bool(biases)})]
+        attrs = dict(rq.attrs)
+        attrs["n_kv_heads"] = op.attrs["n_heads"]
+        new_at[last] = [Op(rq.name + "+store", "rope_qkv_store", (qkv_name, start, kc, g.ops[v_st].inputs[0], *freqs),
+                           (rq.outputs[0], op.outputs[0], g.ops[v_st].outputs[0]), attrs)]
+        drop.update({prod[rq.inputs[0]], k_lin_i, prod[g.ops[v_st].inputs[1]], q_rope, i, v_st})
+    out: list[Op] = []
+    for k, op in enumerate(g.ops):
+        out.extend(new_at.get(k, []))
+        if k not in drop:
+            out.append(op)
+    g.ops = out
+    _drop_unused_tensors(g)
+    return g
+
+
 @dataclass
 class PassReport:
     name: str
@@ -236,6 +304,7 @@ CLEANUP: list[tuple[str, Callable[[Graph], Graph]]] = [
 ]
 FUSION: list[tuple[str, Callable[[Graph], Graph]]] = [
     ("fuse_rope_store", fuse_rope_store),
+    ("fuse_qkv", fuse_qkv),
     ("fuse_swiglu", fuse_swiglu),
     ("fuse_add_rms_norm", fuse_add_rms_norm),
     ("fuse_linear_epilogue", fuse_linear_epilogue),
