@@ -166,6 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--no-fuse", action="store_true", help="plan without the fusion passes")
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     pl.set_defaults(func=_cmd_plan)
+
+    from .quantize_model import add_quantize_parser
+
+    add_quantize_parser(sub)
     return p
 
 

@@ -7,6 +7,10 @@ converts them into the layout its kernels want.
 Shapes: GGUF lists dimensions in ggml order (innermost first, e.g. [in, out]); here every shape is
 given in numpy order (outermost first, e.g. (out, in)), the order a dequantized array has.
 
+edgellm's own formats (Q8_PC, Q4_G*, FP4_E0M4*) are stored as I8 tensors of raw bytes named by
+`edgellm.quant.<tensor>.format` / `.shape` metadata (edgellm/quant/storage.py); they are mapped back
+here: `type_name` is the format, `shape` the logical shape, `data` the uint8 rows of blocks.
+
 The header is parsed here rather than with gguf-py's GGUFReader: that reader builds one numpy
 array per string and takes ~4 s on a 50k-token vocabulary, this takes ~0.1 s. The tests check the
 two agree on every key and tensor byte.
