@@ -74,7 +74,8 @@ class Model:
                                 backend=self.backend.name, seq=seq, ctx=self.ctx, fuse=self.fuse)
             for name, (g, seq) in stages.items()
         }
-        self.programs = {name: self.backend.compile(c.graph, self.states, c.plan) for name, c in self.compiled.items()}
+        self.programs = {name: self.backend.compile(c.graph, self.states, c.plan, max_seq=c.sizes["seq"])
+                         for name, c in self.compiled.items()}
 
     # -- forward --------------------------------------------------------------------------------
     def forward(self, token_ids, start_pos: int, *, all_logits: bool) -> np.ndarray:
@@ -179,6 +180,22 @@ class Model:
             history.append(token)
             step_in = [token]
             yield token
+            device_greedy = getattr(self.programs["decode"], "greedy_tokens", None)
+            if step == 0 and device_greedy is not None and sampler.params.greedy and \
+                    sampler.params.repetition_penalty == 1.0:
+                # greedy on a backend that can loop on the device: no logits leave it
+                n = min(max_tokens - 1, self.ctx - pos)
+                t0 = time.perf_counter()
+                for token in device_greedy(step_in[0], pos, n):
+                    stats.generated_tokens += 1
+                    if token in stop_ids:
+                        stats.stop_reason = "eos"
+                        break
+                    yield token
+                stats.decode_s += time.perf_counter() - t0
+                if stats.stop_reason != "eos":
+                    stats.stop_reason = "max_tokens" if n == max_tokens - 1 else "context full"
+                return
 
     def _generate(self, ids, max_tokens, params, stops, stats) -> Iterator[str]:
         decoder = self.tokenizer.stream_decoder(strip_leading_space=False)  # a continuation keeps its space

@@ -105,12 +105,33 @@ def make_tensor(spec: SyntheticSpec, name: str, shape: tuple[int, ...]) -> np.nd
     return (spec.std * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
 
 
+def random_blocks(ttype: str, shape: tuple[int, ...], rng: np.random.Generator, std: float) -> np.ndarray | None:
+    """Valid random GGML blocks drawn directly (no float weights, no quantizer): uniform codes
+    with a per-block scale near the one that gives `std`. Seconds for an 8B model where
+    quantizing normal floats takes minutes; for speed benchmarks. None for other types."""
+    rows, cols = int(np.prod(shape[:-1])), shape[-1]
+    nb = cols // 32
+    if ttype == "Q8_0":
+        d = (std / 73.3 * (1 + 0.1 * rng.standard_normal((rows, nb, 1)))).astype(np.float16)
+        q = rng.integers(-127, 128, (rows, nb, 32), dtype=np.int8)
+        return np.concatenate([d.view(np.uint8), q.view(np.uint8)], axis=2).reshape(*shape[:-1], nb * 34)
+    if ttype in ("Q4_0", "Q4_1"):
+        d = (std / 4.6 * (1 + 0.1 * rng.standard_normal((rows, nb, 1)))).astype(np.float16)
+        q = rng.integers(0, 256, (rows, nb, 16), dtype=np.uint8)
+        parts = [d.view(np.uint8)]
+        if ttype == "Q4_1":
+            parts.append((-8 * d.astype(np.float32)).astype(np.float16).view(np.uint8))
+        return np.concatenate(parts + [q], axis=2).reshape(*shape[:-1], nb * (18 if ttype == "Q4_0" else 20))
+    return None
+
+
 def write_synthetic_gguf(path: str | Path, spec: SyntheticSpec,
-                         tokenizer: Callable | None = None, *, header_only: bool = False) -> Path:
+                         tokenizer: Callable | None = None, *, header_only: bool = False, fast: bool = False) -> Path:
     """Write a GGUF file for spec. tokenizer(writer) -> vocab size adds tokenizer metadata (and
     fixes the vocabulary size); without it the file has tokenizer.ggml.model = 'none', as
     llama.cpp's benchmark models do. header_only: write the header and leave the tensor data as a
-    sparse hole of the right size (instant, for `edgellm plan` on large shapes; not for running)."""
+    sparse hole of the right size (instant, for `edgellm plan` on large shapes; not for running).
+    fast: draw Q8_0/Q4_0/Q4_1 weights as random blocks (random_blocks) instead of quantizing."""
     import gguf
 
     path = Path(path)
@@ -158,9 +179,13 @@ def write_synthetic_gguf(path: str | Path, spec: SyntheticSpec,
             fh.truncate(start + total)
         return path
     for name, shape in tensor_shapes(spec).items():
-        x = make_tensor(spec, name, shape)
         ttype = tensor_type(spec, name, shape)
         qtype = gguf.GGMLQuantizationType[ttype.upper()]
+        raw = random_blocks(ttype.upper(), shape, _rng(spec, name), spec.std) if fast and len(shape) == 2 else None
+        if raw is not None:
+            w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=qtype)
+            continue
+        x = make_tensor(spec, name, shape)
         if qtype == gguf.GGMLQuantizationType.F32:
             w.add_tensor(name, x)
         elif qtype == gguf.GGMLQuantizationType.F16:

@@ -4,6 +4,15 @@ from pathlib import Path
 
 import pytest
 
+# Without a GPU, Triton kernels run in its interpreter; it must be chosen before triton is imported.
+try:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:
+    pass
+
 sys.path.insert(0, os.path.dirname(__file__))  # tests/reference.py, tests/vocab_fixtures.py
 
 

@@ -4,25 +4,38 @@ from __future__ import annotations
 
 from ..errors import BackendUnavailableError
 
-BACKENDS = ("cpu",)
+BACKENDS = ("cpu", "cuda")
+
+
+def _auto() -> str:
+    """cuda when a GPU and triton are there, else cpu."""
+    from .cuda.backend import CudaBackend
+
+    return "cuda" if CudaBackend.available() else "cpu"
 
 
 def get_backend_info(name: str):
     """The backend's static description (name, supported ops, memory sizing), importing no framework."""
-    if name == "auto":
-        name = "cpu"
-    if name == "cpu":
-        from .info import CpuInfo
+    from . import info
 
-        return CpuInfo
+    if name == "auto":
+        name = _auto()
+    if name == "cpu":
+        return info.CpuInfo
+    if name == "cuda":
+        return info.CudaInfo
     raise BackendUnavailableError(f"unknown backend '{name}' (available: {', '.join(BACKENDS)}, auto)")
 
 
 def get_backend(name: str):
     if name == "auto":
-        name = "cpu"
+        name = _auto()
     if name == "cpu":
         from .cpu import CpuBackend
 
         return CpuBackend
+    if name == "cuda":
+        from .cuda.backend import CudaBackend
+
+        return CudaBackend
     raise BackendUnavailableError(f"unknown backend '{name}' (available: {', '.join(BACKENDS)}, auto)")

@@ -222,7 +222,8 @@ class CpuBackend(CpuInfo):
     def allocate_states(self, graph: Graph, ctx: int) -> dict[str, torch.Tensor]:
         return {t.name: torch.zeros(t.concrete_shape(ctx=ctx), dtype=torch.float32) for t in graph.states()}
 
-    def compile(self, graph: Graph, states: dict[str, torch.Tensor], plan: MemoryPlan | None = None) -> CpuProgram:
+    def compile(self, graph: Graph, states: dict[str, torch.Tensor], plan: MemoryPlan | None = None,
+                max_seq: int | None = None) -> CpuProgram:
         """Bind a graph to weights and states; with a memory plan, intermediates live in one arena
         shared by every program of this backend (programs never run concurrently)."""
         arena = None

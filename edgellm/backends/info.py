@@ -33,3 +33,40 @@ class CpuInfo:
         vocab_entries = len(f.metadata.get("tokenizer.ggml.tokens", ())) + len(f.metadata.get("tokenizer.ggml.merges", ()))
         return f.total_tensor_bytes + 400 * vocab_entries + (16 << 20)
 
+
+
+# bytes per element of the layouts the cuda kernels read (kernels/packing.py); formats without a
+# kernel layout are stored as Q8_0
+_CUDA_LAYOUT_BYTES = {"F16": 2, "BF16": 2, "F32": 2, "Q4_0": 18 / 32, "Q4_1": 20 / 32, "Q8_0": 34 / 32}
+
+
+class CudaInfo:
+    name = "cuda"
+    SUPPORTED_OPS = frozenset({
+        "embedding", "rms_norm", "add_rms_norm", "linear", "linear_qkv", "linear_swiglu", "swiglu",
+        "rope_qkv_store", "attention", "last_row", "add", "mul", "silu", "rope", "rope_store", "kv_store",
+    })
+
+    @staticmethod
+    def resident_weight_bytes(f: GGUFFile) -> int:
+        """2-D weights in their kernel layouts; vectors as float32."""
+        total = 0
+        for t in f.tensors.values():
+            if len(t.shape) < 2:
+                total += 4 * t.n_elements
+            else:
+                total += int(t.n_elements * _CUDA_LAYOUT_BYTES.get(t.type_name, 34 / 32))
+        return total
+
+    @staticmethod
+    def kv_cache_bytes(cfg, ctx: int) -> int:
+        return 2 * cfg.n_layers * ctx * cfg.kv_dim * 2  # fp16
+
+    @staticmethod
+    def output_bytes(cfg, prefill: int) -> int:
+        return (prefill + 1) * cfg.vocab_size * 4  # float32 logits of a prefill chunk and of a decode step
+
+    @staticmethod
+    def runtime_overhead_bytes(f: GGUFFile, cfg) -> int:
+        """Decode attention workspaces and the CUDA graph's pool: a few MiB."""
+        return 8 << 20

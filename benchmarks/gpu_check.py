@@ -1,0 +1,200 @@
+"""The cuda backend on a GPU: fidelity against the cpu backend, then speed on synthetic models.
+
+    python benchmarks/gpu_check.py [--model SmolLM2.gguf] [--speed 135m,1b,8b] [--formats F16,Q8_0,Q4_0]
+                                   [--json OUT.json]
+
+Fidelity (with --model): greedy 64-token continuations of cpu and cuda for a few chat prompts,
+and top-1 agreement / logit error over 512 teacher-forced positions.
+Speed (llama-bench's method): synthetic random-weight GGUF models (edgellm.synthetic presets);
+prefill p tokens from an empty cache (last logits only), decode n single-token steps from an
+empty context (greedy: the argmax runs on the device and only the token id comes back);
+warm-up, then the median of r runs. MBU = (weight bytes as the kernels read them + KV bytes
+read at the mean position) per token / time per token / measured copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import edgellm  # noqa: E402
+from edgellm.sampling import SamplingParams  # noqa: E402
+from edgellm.synthetic import preset, write_synthetic_gguf  # noqa: E402
+
+PRESETS = {"135m": "smollm2-135m", "1b": "llama-3.2-1b", "8b": "llama-3.1-8b"}
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (median of 20)."""
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    ts = []
+    for _ in range(20):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        torch.cuda.synchronize()
+        ts.append(s.elapsed_time(e) / 1e3)
+    del a, b
+    return 2 * n / statistics.median(ts)
+
+
+def fidelity(path: str) -> dict:
+    cpu = edgellm.load(path, backend="cpu", ctx=1024)
+    gpu = edgellm.load(path, backend="cuda", ctx=1024)
+    out = {"prompts": []}
+    for prompt in ("What is the capital of France?", "Write a short poem about the ocean.",
+                   "Explain in two sentences why the sky is blue."):
+        ids = cpu.prompt_tokens(prompt)
+        a = list(cpu.generate_tokens(ids, 64, SamplingParams(temperature=0)))
+        b = list(gpu.generate_tokens(ids, 64, SamplingParams(temperature=0)))
+        first_diff = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        out["prompts"].append({"prompt": prompt, "identical": a == b, "first_divergence": first_diff,
+                               "cpu": cpu.tokenizer.decode(a), "cuda": gpu.tokenizer.decode(b)})
+    text = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read() * 3
+    ids = cpu.tokenizer.encode(text)[:513]
+    la, lb = cpu.logits(ids[:512]), gpu.logits(ids[:512])
+    out["teacher_forced_positions"] = 512
+    out["top1_agreement"] = float((la.argmax(-1) == lb.argmax(-1)).mean())
+    out["max_abs_logit_err"] = float(np.abs(la - lb).max())
+    out["mean_abs_logit_err"] = float(np.abs(la - lb).mean())
+    out["logit_scale"] = float(np.abs(la).max())
+    return out
+
+
+def weight_bytes_read(m) -> int:
+    """Bytes of the weights a decode step reads: every packed weight once; an untied embedding
+    table is read one row per token, so it counts as one row (tied, it is the output projection)."""
+    total = m.backend.weights.nbytes
+    if not m.config.tied_output:
+        emb = m.backend.weights.packed("token_embd.weight")
+        total -= emb.nbytes - emb.nbytes // emb.shape[0]
+    return total
+
+
+def speed(name: str, fmt: str, p: int, n: int, reps: int, bw: float, tmp: str) -> dict:
+    spec = preset(PRESETS[name], weight_type=fmt)
+    path = os.path.join(tmp, f"{name}-{fmt}.gguf")
+    t = time.perf_counter()
+    write_synthetic_gguf(path, spec, fast=True)
+    gen_s = time.perf_counter() - t
+    res = {"model": name, "format": fmt, "gen_s": gen_s, **measure(path, p, n, reps, bw)}
+    os.remove(path)
+    return res
+
+
+def measure(path: str, p: int, n: int, reps: int, bw: float) -> dict:
+    """edgellm cuda on one GGUF file: prefill p tokens and decode n tokens, llama-bench's way."""
+    t = time.perf_counter()
+    m = edgellm.load(path, backend="cuda", ctx=max(p, n) + 16, prefill_chunk=p)
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, m.config.vocab_size, p).tolist()
+    m.forward(prompt, 0, all_logits=False)  # compiles the prefill kernels
+    torch.cuda.synchronize()
+    load_s = time.perf_counter() - t
+    K = m.backend.K
+    dec = m.programs["decode"]
+
+    def prefill() -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        m.programs["last"].run({"tokens": prompt, "start_pos": 0})
+        torch.cuda.synchronize()
+        return p / (time.perf_counter() - t0)
+
+    def decode() -> float:
+        gen = dec.greedy_tokens(1, 0, n)
+        next(gen)  # the first call compiles and captures; time the steady state from here
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        k = sum(1 for _ in gen)
+        return k / (time.perf_counter() - t0)
+
+    def decode_host() -> float:
+        tok = 1
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(n):
+            out = dec.run({"tokens": [tok], "start_pos": i})
+            tok = int(K.argmax(out["logits"])[0])  # logits stay on the device; one sync per token
+        return n / (time.perf_counter() - t0)
+
+    prefill(), decode()
+    pp = [prefill() for _ in range(reps)]
+    tg = [decode() for _ in range(reps)]
+    tg_host = statistics.median([decode_host() for _ in range(reps)])
+    wbytes = weight_bytes_read(m)
+    cfg = m.config
+    kv_read = 2 * cfg.n_layers * (n / 2) * cfg.kv_dim * 2  # fp16 K and V rows at the mean position
+    tg_med = statistics.median(tg)
+    res = {"file_GB": os.path.getsize(path) / 1e9, "load_s": load_s,
+           f"pp{p}": statistics.median(pp), f"pp{p}_min": min(pp), f"pp{p}_max": max(pp),
+           f"tg{n}": tg_med, f"tg{n}_min": min(tg), f"tg{n}_max": max(tg),
+           f"tg{n}_host_loop": tg_host, "weight_bytes": wbytes, "mbu": (wbytes + kv_read) * tg_med / bw}
+    del m
+    torch.cuda.empty_cache()
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--speed", default="135m,1b,8b")
+    ap.add_argument("--formats", default="F16,Q8_0,Q4_0")
+    ap.add_argument("-p", type=int, default=512)
+    ap.add_argument("-n", type=int, default=128)
+    ap.add_argument("-r", type=int, default=5)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    import triton
+
+    report["triton"] = triton.__version__
+    bw = copy_bandwidth()
+    report["copy_bandwidth_GBps"] = bw / 1e9
+    print(f"{report['device']}: copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
+    if a.model:
+        f = fidelity(a.model)
+        report["fidelity"] = f
+        print(json.dumps(f, indent=1), flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR", "/tmp")) as tmp:
+        for name in [s for s in a.speed.split(",") if s]:
+            for fmt in a.formats.split(","):
+                try:
+                    r = speed(name, fmt, a.p, a.n, a.r, bw, tmp)
+                except Exception as e:  # record and go on
+                    r = {"model": name, "format": fmt, "error": f"{type(e).__name__}: {e}"[:300]}
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+    report["speed"] = rows
+    print(f"\n| model | format | pp{a.p} tok/s | tg{a.n} tok/s | ms/token | MBU | load s |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['model']} | {r['format']} | error: {r['error'][:80]} | | | | |")
+            continue
+        tg = r[f"tg{a.n}"]
+        print(f"| {r['model']} | {r['format']} | {r[f'pp{a.p}']:,.0f} | {tg:,.1f} | {1e3 / tg:.2f} | "
+              f"{100 * r['mbu']:.1f}% | {r['load_s']:.1f} |")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(report, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,267 @@
+"""Attention over the preallocated KV cache, with grouped-query heads (GQA).
+
+Both kernels give one program all G = n_heads / n_kv_heads query heads of one KV head, for one
+or several tokens: the program's query rows are (token, head-in-group) pairs, so each K/V tile is
+loaded once for the whole group and multiplied with tl.dot on the tensor cores.
+
+Decode is flash-decoding: the context is cut into n_splits chunks processed by separate programs,
+each writing a partial (unnormalised output, running max, running sum); a second kernel combines
+them. The grid depends only on n_splits (fixed per device and model), never on the sequence
+length: the chunk length is computed on the device from seq_len, which may be read from a device
+tensor, so one captured CUDA graph serves every step. Splits past seq_len do no work.
+
+Causality: query t of T attends to cache rows 0..pos(t), pos(t) = start + t, where start is
+start_pos (prefill) or seq_len - T (decode). window > 0 limits that to the last `window` rows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from . import configs
+from ._common import check_2d, device_sm_count, int_or_tensor, jit, next_pow2, out_buffer, pdl, pdl_prologue
+
+_LOG2E = 1.4426950408889634
+
+
+@jit
+def _attn_tiles(q, kc_ptr, vc_ptr, stride_c, kvh, lo, hi, pos, scale_log2, window, acc, m_i, l_i,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    d = tl.arange(0, BLOCK_D)
+    dm = d < HEAD_DIM
+    kbase = kc_ptr + kvh * HEAD_DIM
+    vbase = vc_ptr + kvh * HEAD_DIM
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        nm = n < hi
+        n64 = n.to(tl.int64)
+        kt = tl.load(kbase + n64[None, :] * stride_c + d[:, None], mask=dm[:, None] & nm[None, :], other=0.0)
+        s = tl.dot(q, kt) * scale_log2
+        vis = nm[None, :] & (n[None, :] <= pos[:, None])
+        if HAS_WINDOW:
+            vis = vis & (n[None, :] > pos[:, None] - window)
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(vbase + n64[:, None] * stride_c + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@jit
+def _attn_decode_split_kernel(q_ptr, stride_q, kc_ptr, vc_ptr, stride_c, po_ptr, pml_ptr,
+                              seq_ptr, seq_val, T, H, scale_log2, window,
+                              G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_SPLITS: tl.constexpr,
+                              SEQ_FROM_PTR: tl.constexpr, HAS_WINDOW: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
+    pm = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    if SEQ_FROM_PTR:
+        seq_len = tl.load(seq_ptr).to(tl.int32)
+    else:
+        seq_len = seq_val
+    rows = pm * BLOCK_M + tl.arange(0, BLOCK_M)  # row = token * G + head-in-group
+    rmask = rows < T * G
+    t = rows // G
+    h = kvh * G + rows % G
+    pos = seq_len - T + t
+    d = tl.arange(0, BLOCK_D)
+    dm = d < HEAD_DIM
+    q = tl.load(q_ptr + t.to(tl.int64)[:, None] * stride_q + h[:, None] * HEAD_DIM + d[None, :],
+                mask=rmask[:, None] & dm[None, :], other=0.0).to(kc_ptr.dtype.element_ty)
+    chunk = tl.cdiv(tl.cdiv(seq_len, N_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, seq_len)
+    if HAS_WINDOW:
+        lo = tl.maximum(lo, seq_len - T - window + 1)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc, m_i, l_i = _attn_tiles(q, kc_ptr, vc_ptr, stride_c, kvh, lo, hi, pos, scale_log2, window, acc, m_i, l_i,
+                                HEAD_DIM, BLOCK_D, BLOCK_N, HAS_WINDOW)
+    part = ((t * H + h) * N_SPLITS + split).to(tl.int64)  # partial index of (token, head, split)
+    tl.store(po_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=rmask[:, None] & dm[None, :])
+    tl.store(pml_ptr + part * 2, m_i, mask=rmask)
+    tl.store(pml_ptr + part * 2 + 1, l_i, mask=rmask)
+
+
+@jit
+def _attn_decode_reduce_kernel(po_ptr, pml_ptr, out_ptr, stride_o, seq_ptr, seq_val, H,
+                               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                               N_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, SEQ_FROM_PTR: tl.constexpr,
+                               PDL: tl.constexpr):
+    pdl_prologue(PDL)
+    r = tl.program_id(0)  # token * H + head
+    t = r // H
+    h = r % H
+    if SEQ_FROM_PTR:
+        seq_len = tl.load(seq_ptr).to(tl.int32)
+    else:
+        seq_len = seq_val
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len, N_SPLITS), BLOCK_N) * BLOCK_N, BLOCK_N)
+    n_active = tl.cdiv(seq_len, chunk)
+    s = tl.arange(0, SPLITS_PAD)
+    sm = (s < n_active) & (s < N_SPLITS)
+    part = r.to(tl.int64) * N_SPLITS + s
+    m = tl.load(pml_ptr + part * 2, mask=sm, other=float("-inf"))
+    l = tl.load(pml_ptr + part * 2 + 1, mask=sm, other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.where(sm, tl.exp2(m - m_max), 0.0)
+    total = tl.sum(w * l, axis=0)
+    d = tl.arange(0, BLOCK_D)
+    dm = d < HEAD_DIM
+    o = tl.load(po_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=sm[:, None] & dm[None, :], other=0.0)
+    res = tl.sum(w[:, None] * o, axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + t.to(tl.int64) * stride_o + h * HEAD_DIM + d, res.to(out_ptr.dtype.element_ty), mask=dm)
+
+
+@jit
+def _attn_prefill_kernel(q_ptr, stride_q, kc_ptr, vc_ptr, stride_c, out_ptr, stride_o,
+                         pos_ptr, pos_val, T, scale_log2, window,
+                         G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         POS_FROM_PTR: tl.constexpr, HAS_WINDOW: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
+    pm = tl.program_id(0)
+    kvh = tl.program_id(1)
+    if POS_FROM_PTR:
+        start_pos = tl.load(pos_ptr).to(tl.int32)
+    else:
+        start_pos = pos_val
+    rows = pm * BLOCK_M + tl.arange(0, BLOCK_M)  # row = token * G + head-in-group
+    rmask = rows < T * G
+    t = rows // G
+    h = kvh * G + rows % G
+    pos = start_pos + t
+    d = tl.arange(0, BLOCK_D)
+    dm = d < HEAD_DIM
+    qmask = rmask[:, None] & dm[None, :]
+    q = tl.load(q_ptr + t.to(tl.int64)[:, None] * stride_q + h[:, None] * HEAD_DIM + d[None, :],
+                mask=qmask, other=0.0).to(kc_ptr.dtype.element_ty)
+    t_first = (pm * BLOCK_M) // G
+    t_last = tl.minimum(pm * BLOCK_M + BLOCK_M - 1, T * G - 1) // G
+    hi = start_pos + t_last + 1
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(start_pos + t_first - window + 1, 0)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc, m_i, l_i = _attn_tiles(q, kc_ptr, vc_ptr, stride_c, kvh, lo, hi, pos, scale_log2, window, acc, m_i, l_i,
+                                HEAD_DIM, BLOCK_D, BLOCK_N, HAS_WINDOW)
+    res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_o + h[:, None] * HEAD_DIM + d[None, :],
+             res.to(out_ptr.dtype.element_ty), mask=qmask)
+
+
+def _check_attn(q, k_cache, v_cache, n_heads, n_kv_heads, head_dim):
+    check_2d(q, "q")
+    H, HKV = int(n_heads), int(n_kv_heads)
+    if H % HKV:
+        raise ValueError(f"n_heads={H} is not a multiple of n_kv_heads={HKV}")
+    D = q.shape[1] // H if head_dim is None else int(head_dim)
+    if q.shape[1] != H * D:
+        raise ValueError(f"q has width {q.shape[1]}, expected n_heads*head_dim = {H * D}")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_2d(c, name)
+        if c.shape[1] != HKV * D:
+            raise ValueError(f"{name} has width {c.shape[1]}, expected n_kv_heads*head_dim = {HKV * D}")
+    if k_cache.shape != v_cache.shape or k_cache.stride(0) != v_cache.stride(0) or k_cache.dtype != v_cache.dtype:
+        raise ValueError("k_cache and v_cache must have the same shape, dtype and row stride")
+    if k_cache.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"KV caches must be fp16 or bf16, got {k_cache.dtype}")
+    return H, HKV, D
+
+
+def default_decode_splits(q: torch.Tensor, n_kv_heads: int, ctx: int, T: int = 1, n_heads: int | None = None,
+                          config: dict | None = None) -> int:
+    """The number of context splits attention_decode uses: about two programs per SM."""
+    cfg = {**configs.ATTN_DECODE_DEFAULT, **(config or {})}
+    if cfg.get("n_splits"):
+        return int(cfg["n_splits"])
+    G = (n_heads // n_kv_heads) if n_heads else 1
+    m_blocks = triton.cdiv(T * G, max(16, next_pow2(T * G)))
+    want = triton.cdiv(2 * device_sm_count(q), n_kv_heads * m_blocks)
+    return max(1, min(want, triton.cdiv(ctx, cfg["BLOCK_N"]), 128))
+
+
+def decode_workspace(T: int, n_heads: int, head_dim: int, n_splits: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial-result buffers for attention_decode (allocate once, reuse across steps)."""
+    return (torch.empty((T * n_heads * n_splits * head_dim,), dtype=torch.float32, device=device),
+            torch.empty((T * n_heads * n_splits * 2,), dtype=torch.float32, device=device))
+
+
+def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_len,
+                     n_heads: int, n_kv_heads: int, scale: float | None = None, out: torch.Tensor | None = None,
+                     *, head_dim: int | None = None, window: int = 0, workspace=None,
+                     config: dict | None = None) -> torch.Tensor:
+    """Attention of the last T tokens (q [T, n_heads*head_dim], usually T = 1) over cache rows
+    0..seq_len-1, causal among the T tokens; seq_len counts the tokens already written to the
+    caches, these T included. seq_len is an int or a one-element int tensor on the device."""
+    H, HKV, D = _check_attn(q, k_cache, v_cache, n_heads, n_kv_heads, head_dim)
+    T = q.shape[0]
+    G = H // HKV
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    out = out_buffer(out, (T, H * D), q.dtype, q.device)
+    seq_ptr, seq_val, from_ptr = int_or_tensor(seq_len, q, "seq_len")
+    if not from_ptr and not T <= seq_val <= k_cache.shape[0]:
+        raise ValueError(f"seq_len={seq_val} must be in [T={T}, cache rows={k_cache.shape[0]}]")
+    if T == 0:
+        return out
+    cfg = {**configs.ATTN_DECODE_DEFAULT, **(config or {})}
+    n_splits = default_decode_splits(q, HKV, k_cache.shape[0], T, H, cfg)
+    block_m = max(16, next_pow2(T * G))
+    if block_m > 64:
+        block_m = 64
+    block_d = max(16, next_pow2(D))
+    po, pml = workspace if workspace is not None else decode_workspace(T, H, D, n_splits, q.device)
+    if po.numel() < T * H * n_splits * D or pml.numel() < T * H * n_splits * 2:
+        raise ValueError("attention_decode workspace is too small; make it with decode_workspace()")
+    grid = (triton.cdiv(T * G, block_m), HKV, n_splits)
+    _attn_decode_split_kernel[grid](q, q.stride(0), k_cache, v_cache, k_cache.stride(0), po, pml,
+                                    seq_ptr, seq_val, T, H, scale * _LOG2E, int(window),
+                                    G=G, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"],
+                                    N_SPLITS=n_splits, SEQ_FROM_PTR=from_ptr, HAS_WINDOW=window > 0,
+                                    num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl())
+    _attn_decode_reduce_kernel[(T * H,)](po, pml, out, out.stride(0), seq_ptr, seq_val, H,
+                                         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_N=cfg["BLOCK_N"], N_SPLITS=n_splits,
+                                         SPLITS_PAD=next_pow2(n_splits), SEQ_FROM_PTR=from_ptr,
+                                         num_warps=max(1, min(4, block_d // 32)), **pdl())
+    return out
+
+
+def attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start_pos,
+                      n_heads: int, n_kv_heads: int, scale: float | None = None, out: torch.Tensor | None = None,
+                      *, head_dim: int | None = None, window: int = 0, config: dict | None = None) -> torch.Tensor:
+    """Causal attention of T = q.shape[0] tokens at positions start_pos..start_pos+T-1 over the
+    cache rows 0..(own position); the caches must already hold rows 0..start_pos+T-1."""
+    H, HKV, D = _check_attn(q, k_cache, v_cache, n_heads, n_kv_heads, head_dim)
+    T = q.shape[0]
+    G = H // HKV
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    out = out_buffer(out, (T, H * D), q.dtype, q.device)
+    pos_ptr, pos_val, from_ptr = int_or_tensor(start_pos, q, "start_pos")
+    if not from_ptr and not 0 <= pos_val <= k_cache.shape[0] - T:
+        raise ValueError(f"tokens {pos_val}..{pos_val + T - 1} do not fit in a KV cache of {k_cache.shape[0]} rows")
+    if T == 0:
+        return out
+    cfg = {**configs.ATTN_PREFILL_DEFAULT, **(config or {})}
+    block_m = cfg["BLOCK_M"]
+    grid = (triton.cdiv(T * G, block_m), HKV)
+    _attn_prefill_kernel[grid](q, q.stride(0), k_cache, v_cache, k_cache.stride(0), out, out.stride(0),
+                               pos_ptr, pos_val, T, scale * _LOG2E, int(window),
+                               G=G, HEAD_DIM=D, BLOCK_D=max(16, next_pow2(D)), BLOCK_M=block_m,
+                               BLOCK_N=cfg["BLOCK_N"], POS_FROM_PTR=from_ptr, HAS_WINDOW=window > 0,
+                               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl())
+    return out

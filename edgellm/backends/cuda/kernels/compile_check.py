@@ -1,0 +1,180 @@
+"""Compile the kernels for a GPU architecture without a GPU, and summarise the machine code.
+
+    python -m edgellm.backends.cuda.kernels.compile_check [--arch 90] [--only gemv,attn] [--sass DIR]
+
+Triton compiles to a cubin with the ptxas it ships, so this runs on a CPU-only machine: it catches
+what the interpreter cannot (type errors that only code generation sees, layouts, register
+spills), and shows per kernel the registers, spills, shared memory, barriers and the instruction
+mix (16-byte loads, dp4a, tensor-core instructions), which is how the decode kernels were shaped.
+
+It works by swapping Triton's active driver for one that only names the target, and by making
+every launch a compile-only warm-up; the public wrappers are then called on CPU tensors at
+Llama-3.1-8B shapes. Nothing here is used at run time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+
+def _install_fake_driver(arch: int):
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+
+    class CompileOnlyDriver:
+        def get_current_target(self):
+            return GPUTarget("cuda", arch, 32)
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+    driver.set_active(CompileOnlyDriver())
+
+
+def _bin(name: str) -> str:
+    import triton
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+_SASS_OPS = ["STG", "LDS", "STS", "LDL", "STL",
+             "BAR.SYNC", "SHFL", "IDP.4A", "HGMMA", "HMMA", "FFMA", "FMUL", "FADD", "HFMA2", "I2F", "PRMT", "LOP3",
+             "SHF", "IMAD", "MUFU", "LDGSTS", "UTMALDG", "SYNCS"]
+
+
+def summarise(kernel, sass_dir: str | None = None, tag: str = "") -> dict:
+    cubin = kernel.asm["cubin"]
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+        path = f.name
+    try:
+        usage = subprocess.run([_bin("cuobjdump"), "--dump-resource-usage", path], capture_output=True,
+                               text=True).stdout
+        sass = subprocess.run([_bin("cuobjdump"), "--dump-sass", path], capture_output=True, text=True).stdout
+    finally:
+        os.unlink(path)
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
+    regs, stack, shared, local = (int(v) for v in m.groups()) if m else (-1, -1, -1, -1)
+    ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9]+(?:\.[A-Z0-9_]+)*)", sass, re.M)
+    counts = collections.Counter()
+    for op in ops:
+        if op.startswith("LDG"):  # by width: 16-byte loads are what streaming kernels want
+            counts["LDG" + next((w for w in (".128", ".64") if w in op), "") + (".EF" if ".EF" in op else "")] += 1
+            continue
+        for key in _SASS_OPS:
+            if op == key or op.startswith(key + "."):
+                counts[key] += 1
+                break
+    if sass_dir:
+        os.makedirs(sass_dir, exist_ok=True)
+        safe = re.sub(r"[^\w.-]+", "_", tag)[:120]
+        with open(os.path.join(sass_dir, safe + ".sass"), "w") as fh:
+            fh.write(sass)
+        with open(os.path.join(sass_dir, safe + ".ttgir"), "w") as fh:
+            fh.write(kernel.asm["ttgir"])
+    return dict(regs=regs, stack=stack, shared=shared, local=local, n_sass=len(ops), ops=dict(counts))
+
+
+def _cases():
+    from . import PackedWeight, quantize_activations
+    from . import attention_decode, attention_prefill, embedding, linear, linear_silu_mul, rms_norm
+    from . import rope_qkv_cache, silu_mul, argmax
+
+    def pw(fmt, n, k):
+        if fmt == "F16":
+            return PackedWeight("F16", (n, k), qs=torch.empty(n, k, dtype=torch.float16))
+        d = torch.empty(n, k // 32, dtype=torch.float16)
+        if fmt == "Q8_0":
+            return PackedWeight("Q8_0", (n, k), qs=torch.empty(n, k, dtype=torch.int8), d=d)
+        m = d if fmt == "Q4_1" else None
+        return PackedWeight(fmt, (n, k), qs=torch.empty(n, k // 2, dtype=torch.uint8), d=d, m=m)
+
+    h16 = torch.float16
+    x1, x512 = torch.empty(1, 4096, dtype=h16), torch.empty(512, 4096, dtype=h16)
+    for fmt in ("Q4_0", "Q4_1", "Q8_0", "F16"):
+        w = pw(fmt, 4096, 4096)
+        yield f"gemv {fmt}", lambda w=w: linear(x1, w)
+        if fmt != "F16":
+            yield f"gemv-int8 {fmt}", lambda w=w: linear(x1, w, act_int8=True)
+        yield f"glu {fmt}", lambda fmt=fmt: linear_silu_mul(x1, pw(fmt, 2 * 14336, 4096))
+        yield f"gemm {fmt}", lambda w=w: linear(x512, w)
+        yield f"gemm-m32 {fmt}", lambda w=w: linear(torch.empty(32, 4096, dtype=h16), w)
+    yield "quantize_act", lambda: quantize_activations(x1)
+    kc = torch.empty(8192, 1024, dtype=h16)
+    q = torch.empty(1, 4096, dtype=h16)
+    seq = torch.empty(1, dtype=torch.int32)
+    yield "attn-decode", lambda: attention_decode(q, kc, kc, seq, 32, 8)
+    yield "attn-prefill", lambda: attention_prefill(torch.empty(512, 4096, dtype=h16), kc, kc, 0, 32, 8)
+    yield "rms_norm", lambda: rms_norm(x1, torch.empty(4096), 1e-5, residual=x1, out=x1.clone(), residual_out=x1)
+    yield "rope", lambda: rope_qkv_cache(torch.empty(1, 6144, dtype=h16), None, None, kc, kc, seq, 32, 8, 128,
+                                         theta=5e5)
+    yield "silu_mul", lambda: silu_mul(torch.empty(1, 28672, dtype=h16))
+    yield "embedding", lambda: embedding(torch.empty(1, dtype=torch.int32), pw("Q8_0", 128256, 4096))
+    yield "argmax", lambda: argmax(torch.empty(1, 128256, dtype=h16))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--only", default="", help="comma-separated name prefixes")
+    ap.add_argument("--sass", default=None, help="write each kernel's SASS and TTGIR here")
+    a = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("unset TRITON_INTERPRET: compile_check compiles, it does not interpret")
+    _install_fake_driver(a.arch)
+    from triton.runtime.jit import JITFunction
+
+    import importlib
+
+    from . import _common
+    emb_mod = importlib.import_module(__package__ + ".embedding")
+
+    _common.require_device = lambda t, name: None  # CPU tensors stand in for GPU ones
+    emb_mod.require_device = lambda t, name: None
+    _common.sm_count.cache_clear()
+    _common.sm_count = lambda index: 132
+    compiled: list = []
+    original_run = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        k = original_run(self, *args, grid=grid, warmup=True, **kwargs)
+        compiled.append((self.fn.__name__, k))
+        return k
+
+    JITFunction.run = compile_only
+    only = [s for s in a.only.split(",") if s]
+    failures = 0
+    print(f"{'case':22s} {'kernel':30s} {'regs':>4s} {'spill':>5s} {'smem':>6s}  instruction mix")
+    for name, call in _cases():
+        if only and not any(name.startswith(o) for o in only):
+            continue
+        start = len(compiled)
+        try:
+            call()
+        except Exception as e:  # report and go on: one broken kernel must not hide the others
+            failures += 1
+            print(f"{name:22s} FAILED: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            continue
+        for kname, k in compiled[start:]:
+            s = summarise(k, a.sass, f"{name}-{kname}")
+            mix = " ".join(f"{op}:{n}" for op, n in sorted(s["ops"].items(), key=lambda kv: -kv[1]))
+            print(f"{name:22s} {kname:30s} {s['regs']:4d} {s['local']:5d} {s['shared']:6d}  {mix}")
+    JITFunction.run = original_run
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

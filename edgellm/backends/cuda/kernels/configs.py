@@ -1,0 +1,93 @@
+"""Block sizes: the default each kernel launches with, and the candidates a tuner may time.
+
+Defaults are guesses for the H100 from NOTES.md's probe ("small programs won: 1-8 warps, 2-16 rows
+each, K-tile 512-2048; split-K lost"). A tuner picks per (kernel, format, shape, device) from the
+candidate lists and passes the winner as `config=` to the wrapper.
+"""
+
+from __future__ import annotations
+
+# Decode matrix-vector (tokens <= DECODE_MAX_TOKENS): rows per program, K-tile, warps.
+DECODE_MAX_TOKENS = 8
+
+# Quantized tiles are [blocks, rows, words of a block]: the 32 threads of a warp read 32
+# consecutive blocks of one row (512 contiguous bytes for Q4) and each thread repeats over the
+# BLOCK_N rows, reusing its block of x. With one warp and BLOCK_K = 1024 every thread owns one
+# block and the compiled K loop has no barrier (compile_check shows this); with several warps
+# some formats get a barrier and a shared-memory exchange of x per K-tile. Candidates for the
+# tuner include them anyway.
+GEMV_DEFAULT = {
+    "F16": dict(BLOCK_N=4, BLOCK_K=512, num_warps=1),
+    "Q8_0": dict(BLOCK_N=8, BLOCK_K=1024, num_warps=1),
+    "Q4_0": dict(BLOCK_N=8, BLOCK_K=1024, num_warps=1),
+    "Q4_1": dict(BLOCK_N=8, BLOCK_K=1024, num_warps=1),
+}
+# int8 activations (x quantized per 32-block, dp4a): about 1 instruction per weight instead of ~4
+# (float Q4) or ~3.4 (float Q8_0), per compile_check's count of the compiled loop.
+GEMV_I8_DEFAULT = {
+    "Q8_0": dict(BLOCK_N=8, BLOCK_K=1024, num_warps=1),
+    "Q4_0": dict(BLOCK_N=8, BLOCK_K=1024, num_warps=1),
+    "Q4_1": dict(BLOCK_N=8, BLOCK_K=1024, num_warps=1),
+}
+
+
+def gemv_candidates(fmt: str) -> list[dict]:
+    out = []
+    if fmt == "F16":
+        for bn in (2, 4, 8, 16):
+            for bk in (256, 512, 1024):
+                for w in (1, 2, 4):
+                    if bn * bk // (32 * w) >= 8:  # at least a 16-byte load per thread
+                        out.append(dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w))
+        return out
+    for bn in (2, 4, 8, 16):
+        for w in (1, 2, 4, 8):
+            for per_thread in (1, 2):  # blocks of a row per thread
+                out.append(dict(BLOCK_N=bn, BLOCK_K=1024 * w * per_thread, num_warps=w))
+    return out
+
+
+# Prefill matrix-matrix: the kernel computes out^T = W @ x^T, so BLOCK_N (weight rows) is the MMA's
+# M side and BLOCK_M (tokens) its N side.
+GEMM_DEFAULT = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3)
+GEMM_DEFAULT_LARGE_M = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)  # M >= 128
+
+
+def gemm_default(M: int) -> dict:
+    """Per token count: dequantizing a weight tile costs the same whatever BLOCK_M, so larger
+    token tiles amortise it (compile_check: ~5 instructions per weight per K-step)."""
+    if M >= 128:
+        return dict(GEMM_DEFAULT_LARGE_M)
+    return dict(GEMM_DEFAULT, BLOCK_M=max(16, min(64, 1 << (M - 1).bit_length())))
+
+
+def gemm_candidates(fmt: str) -> list[dict]:
+    out = []
+    for bm in (16, 32, 64, 128):
+        for bn in (64, 128, 256):
+            for bk in (32, 64, 128):
+                for w, s in ((4, 3), (4, 4), (8, 3)):
+                    if bn * bk <= 256 * 64 and bm * bk <= 128 * 128:
+                        out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s))
+    return out
+
+
+QUANT_ACT_DEFAULT = dict(BLOCKS=16, num_warps=4)
+
+RMS_NORM_DEFAULT = dict(num_warps=None)  # None: from the row length
+
+ROPE_DEFAULT = dict(num_warps=1)
+
+# Flash-decoding: key rows per inner tile, query rows (tokens x group heads) per program, warps.
+# n_splits None: about two programs per SM, fixed for a given device and model (CUDA-graph safe).
+ATTN_DECODE_DEFAULT = dict(BLOCK_N=64, num_warps=4, num_stages=2, n_splits=None)
+ATTN_DECODE_CANDIDATES = [dict(BLOCK_N=bn, num_warps=w, num_stages=s, n_splits=ns)
+                          for bn in (32, 64, 128) for w in (2, 4, 8) for s in (1, 2, 3) for ns in (None, 16, 32, 64)]
+
+ATTN_PREFILL_DEFAULT = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
+ATTN_PREFILL_CANDIDATES = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
+                           for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)]
+
+ELEMENTWISE_DEFAULT = dict(BLOCK=1024, num_warps=4)
+EMBEDDING_DEFAULT = dict(BLOCK_D=1024, num_warps=4)
+ARGMAX_DEFAULT = dict(BLOCK=4096, num_warps=8)

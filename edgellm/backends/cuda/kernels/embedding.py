@@ -1,0 +1,62 @@
+"""Token embedding: gather rows of a packed table, dequantized on the fly."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import configs
+from ._common import jit, out_buffer, pdl, pdl_prologue, require_device
+from .linear import _FMT_CODE
+from .packing import PackedWeight
+
+
+@jit
+def _embedding_kernel(ids_ptr, q_ptr, d_ptr, m_ptr, out_ptr, stride_o, V, D, stride_q, stride_d,
+                      FMT: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
+    t = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    tok = tl.load(ids_ptr + t).to(tl.int64)
+    ok = (tok >= 0) & (tok < V)  # an id outside the table reads nothing and gives a zero row
+    tok = tl.where(ok, tok, 0)
+    mask = (c < D) & ok
+    if FMT == 0:
+        v = tl.load(q_ptr + tok * stride_q + c, mask=mask, other=0.0).to(tl.float32)
+    elif FMT == 3:
+        q = tl.load(q_ptr + tok * stride_q + c, mask=mask, other=0).to(tl.float32)
+        v = q * tl.load(d_ptr + tok * stride_d + c // 32, mask=mask, other=0.0).to(tl.float32)
+    else:
+        byte = tl.load(q_ptr + tok * stride_q + (c // 32) * 16 + c % 16, mask=mask, other=0)
+        nib = tl.where(c % 32 < 16, byte & 15, byte >> 4).to(tl.float32)
+        d = tl.load(d_ptr + tok * stride_d + c // 32, mask=mask, other=0.0).to(tl.float32)
+        if FMT == 1:
+            v = (nib - 8.0) * d
+        else:
+            v = nib * d + tl.load(m_ptr + tok * stride_d + c // 32, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64) * stride_o + c, v.to(out_ptr.dtype.element_ty), mask=c < D)
+
+
+def embedding(ids: torch.Tensor, table: PackedWeight, out: torch.Tensor | None = None,
+              dtype: torch.dtype = torch.float16, config: dict | None = None) -> torch.Tensor:
+    """out[t] = table[ids[t]] as `dtype` (or out's dtype); ids int32/int64 [T] on the device.
+    Ids outside [0, vocab) give zero rows (the kernel cannot raise; check ids on the host)."""
+    if not isinstance(table, PackedWeight):
+        raise TypeError(f"table must be a PackedWeight, got {type(table).__name__}")
+    if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"ids must be a 1D int32/int64 tensor, got {ids.dtype} {tuple(ids.shape)}")
+    require_device(ids, "ids")
+    V, D = table.shape
+    T = ids.shape[0]
+    out = out_buffer(out, (T, D), dtype, ids.device)
+    cfg = {**configs.EMBEDDING_DEFAULT, **(config or {})}
+    if T:
+        block = min(cfg["BLOCK_D"], triton.next_power_of_2(D))
+        dummy = table.qs
+        _embedding_kernel[(T, triton.cdiv(D, block))](
+            ids.contiguous(), table.qs, table.d if table.d is not None else dummy,
+            table.m if table.m is not None else dummy, out, out.stride(0), V, D,
+            table.qs.stride(0), table.d.stride(0) if table.d is not None else 0,
+            FMT=_FMT_CODE[table.fmt], BLOCK_D=block, num_warps=cfg["num_warps"], **pdl())
+    return out

@@ -1,0 +1,536 @@
+"""y = x @ W.T for packed weights: decode matrix-vector kernels and a prefill matrix-matrix kernel.
+
+Decode (tokens <= DECODE_MAX_TOKENS) streams the weights once: program p computes BLOCK_N output
+rows of one token; the programs of all tokens for one row block are adjacent in the grid, so they
+run together and share the weight tile through L2 (weights cross DRAM once for up to 8 tokens).
+Quantized tiles are [blocks, rows, words of a block]: the threads of a warp read consecutive
+blocks of one row (coalesced 16-byte loads) and each thread repeats over the rows, keeping its
+block of x in registers. The dot product over a block stays inside one thread, the block scale is
+applied once per block, and offsets (Q4_0's -8, Q4_1's minimum) become per-block sums of x
+shared by all rows. Products accumulate in fp32 in a [blocks, rows] tile reduced across threads
+once, after the K loop. (compile_check.py shows the compiled loops: per weight about 4
+instructions for float Q4, 3.4 for float Q8_0, 0.1 for F16.)
+
+The int8-activation path (llama.cpp's way) quantizes x per 32-block to int8 once
+(`quantize_activations`) and takes 4-byte integer dot products (dp4a) of nibbles or int8 weights
+with it: about one instruction per weight in the compiled loop. It adds x's rounding to int8
+(relative error ~0.5% of a dot product), which llama.cpp accepts.
+
+Prefill computes out^T = W @ x^T with tl.dot so that the dequantized weight tile (in registers) is
+the MMA's left operand and the tokens are its N side (which may be as small as 16). Q4 weights are
+split into their low- and high-nibble halves, each multiplied with the matching rows of x^T, so no
+nibble interleaving is needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from . import configs
+from ._common import USE_DP4A, check_2d, dp4a, jit, or_under_one, out_buffer, pdl, pdl_prologue
+from .packing import PackedWeight
+
+_FMT_CODE = {"F16": 0, "Q4_0": 1, "Q4_1": 2, "Q8_0": 3}
+
+
+# ---------------------------------------------------------------------------------------------
+# decode: float activations
+# ---------------------------------------------------------------------------------------------
+
+@jit
+def _ld(ptr, mask, MASKED: tl.constexpr, STREAM: tl.constexpr = False):
+    """A load that is masked only when the tile can overhang the matrix (a masked load first
+    zeroes its registers); STREAM marks weights, read once, so they do not evict x from L2."""
+    if MASKED:
+        if STREAM:
+            v = tl.load(ptr, mask=mask, other=0, eviction_policy="evict_first")
+        else:
+            v = tl.load(ptr, mask=mask, other=0)
+    else:
+        if STREAM:
+            v = tl.load(ptr, eviction_policy="evict_first")
+        else:
+            v = tl.load(ptr)
+    return v
+
+
+@jit
+def _dense_part(w_ptr, rows64, rmask, k, kmask, x, stride_w, MASKED: tl.constexpr):
+    w = _ld(w_ptr + rows64[:, None] * stride_w + k[None, :], rmask[:, None] & kmask[None, :], MASKED, True)
+    return w.to(tl.float32) * x[None, :]
+
+
+@jit
+def _q8_part(q_ptr, d_ptr, rows64, rmask, kb, kmask, x, stride_q, stride_d, MASKED: tl.constexpr):
+    # a block's 32 bytes as [2, 16]: two 16-byte loads by one thread (a single [32] axis would be
+    # split across two threads, which then need shuffles and a layout change per K-tile)
+    h = tl.arange(0, 2)
+    j = tl.arange(0, 16)
+    mask2 = kmask[:, None] & rmask[None, :]
+    off = rows64[None, :, None, None] * stride_q + kb[:, None, None, None] * 32 + h[None, None, :, None] * 16 \
+        + j[None, None, None, :]
+    q = _ld(q_ptr + off, mask2[:, :, None, None], MASKED, True)
+    s = tl.sum(tl.sum(q.to(tl.float32) * x[:, None, :, :], axis=3), axis=2)
+    d = _ld(d_ptr + rows64[None, :] * stride_d + kb[:, None], mask2, MASKED, True).to(tl.float32)
+    return s * d
+
+
+@jit
+def _q4_part(q_ptr, d_ptr, m_ptr, rows64, rmask, kb, kmask, xrow, xsum, stride_q, stride_d,
+             HAS_MIN: tl.constexpr, MASKED: tl.constexpr, USE_ASM: tl.constexpr):
+    # q as 32-bit words [blocks, rows, 4]: word w holds elements 4w..4w+3 (low nibbles) and
+    # 16+4w..16+4w+3 (high nibbles). Nibble n becomes the float 1 + n/16 by moving it under the
+    # exponent bits of 1.0 (one shift, one 3-input logic op): no int-to-float conversion, which
+    # runs at a quarter of the FMA rate and would cap this loop near half the memory bandwidth.
+    # The offset folds into the block sum: sum(n * x) = 16 * (sum((1 + n/16) * x) - sum(x)).
+    w = tl.arange(0, 4)
+    mask2 = kmask[:, None] & rmask[None, :]
+    q = _ld(q_ptr + rows64[None, :, None] * stride_q + kb[:, None, None] * 4 + w[None, None, :],
+            mask2[:, :, None], MASKED, True)
+    acc = tl.zeros_like(q).to(tl.float32)
+    for i in tl.static_range(8):  # nibble i of every word: bits 4i..4i+3 -> mantissa bits 19..22
+        if i < 5:
+            moved = q << (19 - 4 * i)
+        else:
+            moved = q >> (4 * i - 19)
+        f = or_under_one(moved, USE_ASM).to(tl.float32, bitcast=True)
+        # its element in each word w: 16 * (i % 2) + 4w + i // 2 (x reads hit L1: the row was just read)
+        xi = _ld(xrow + kb[:, None] * 32 + (16 * (i % 2) + i // 2) + 4 * w[None, :], kmask[:, None], MASKED)
+        acc += f * xi.to(tl.float32)[:, None, :]
+    s = tl.sum(acc, axis=2)  # per block and row: sum of (1 + n/16) * x
+    d = _ld(d_ptr + rows64[None, :] * stride_d + kb[:, None], mask2, MASKED, True).to(tl.float32)
+    if HAS_MIN:
+        mn = _ld(m_ptr + rows64[None, :] * stride_d + kb[:, None], mask2, MASKED, True).to(tl.float32)
+        r = (16.0 * d) * (s - xsum[:, None]) + mn * xsum[:, None]
+    else:
+        r = (16.0 * d) * (s - 1.5 * xsum[:, None])  # n - 8 = 16 * ((1 + n/16) - 1.5)
+    return r
+
+
+@jit
+def _gemv_kernel(x_ptr, stride_xm,
+                 a_q, a_d, a_m, b_q, b_d, b_m,
+                 bias_ptr, out_ptr, stride_om,
+                 M, N, K, stride_q, stride_d,
+                 FMT: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MASKED: tl.constexpr, USE_ASM: tl.constexpr,
+                 PDL: tl.constexpr):
+    pdl_prologue(PDL)
+    pid = tl.program_id(0)
+    tok = pid % M
+    rows = (pid // M) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    rows64 = rows.to(tl.int64)
+    xrow = x_ptr + tok.to(tl.int64) * stride_xm
+    n_blocks = K // 32
+    if FMT == 0:
+        acc_a = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc_b = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        acc_a = tl.zeros([BLOCK_K // 32, BLOCK_N], dtype=tl.float32)
+        acc_b = tl.zeros([BLOCK_K // 32, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if FMT == 0:
+            k = k0 + tl.arange(0, BLOCK_K)
+            kmask = k < K
+            x = _ld(xrow + k, kmask, MASKED).to(tl.float32)
+            acc_a += _dense_part(a_q, rows64, rmask, k, kmask, x, stride_q, MASKED)
+            if GLU:
+                acc_b += _dense_part(b_q, rows64, rmask, k, kmask, x, stride_q, MASKED)
+        elif FMT == 3:
+            kb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+            kmask = kb < n_blocks
+            xo = kb[:, None, None] * 32 + tl.arange(0, 2)[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
+            x = _ld(xrow + xo, kmask[:, None, None], MASKED).to(tl.float32)
+            acc_a += _q8_part(a_q, a_d, rows64, rmask, kb, kmask, x, stride_q, stride_d, MASKED)
+            if GLU:
+                acc_b += _q8_part(b_q, b_d, rows64, rmask, kb, kmask, x, stride_q, stride_d, MASKED)
+        else:
+            kb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+            kmask = kb < n_blocks
+            xsum = tl.sum(_ld(xrow + kb[:, None] * 32 + tl.arange(0, 32)[None, :], kmask[:, None],
+                              MASKED).to(tl.float32), axis=1)
+            acc_a += _q4_part(a_q, a_d, a_m, rows64, rmask, kb, kmask, xrow, xsum, stride_q, stride_d, FMT == 2,
+                              MASKED, USE_ASM)
+            if GLU:
+                acc_b += _q4_part(b_q, b_d, b_m, rows64, rmask, kb, kmask, xrow, xsum, stride_q, stride_d,
+                                  FMT == 2, MASKED, USE_ASM)
+    _gemv_epilogue(acc_a, acc_b, rows, rmask, tok, bias_ptr, out_ptr, stride_om, FMT == 0, GLU, HAS_BIAS)
+
+
+@jit
+def _gemv_epilogue(acc_a, acc_b, rows, rmask, tok, bias_ptr, out_ptr, stride_om,
+                   ROWS_FIRST: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr):
+    if ROWS_FIRST:  # accumulators are [rows, k] (dense) or [blocks, rows] (quantized)
+        y = tl.sum(acc_a, axis=1)
+    else:
+        y = tl.sum(acc_a, axis=0)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+    if GLU:
+        if ROWS_FIRST:
+            u = tl.sum(acc_b, axis=1)
+        else:
+            u = tl.sum(acc_b, axis=0)
+        y = y / (1.0 + tl.exp(-y)) * u
+    tl.store(out_ptr + tok.to(tl.int64) * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=rmask)
+
+
+# ---------------------------------------------------------------------------------------------
+# decode: int8 activations (x quantized per 32-block), integer dot products
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class QuantizedActivations:
+    """x quantized per 32-block: xq int8 [M, K], xd fp32 [M, K/32] (scales), xs fp32 [M, K/32]
+    (scale * sum of the block's int8 values, for the Q4_0 offset and the Q4_1 minimum)."""
+
+    xq: torch.Tensor
+    xd: torch.Tensor
+    xs: torch.Tensor
+
+    @property
+    def shape(self):
+        return tuple(self.xq.shape)
+
+
+@jit
+def _quantize_act_kernel(x_ptr, stride_xm, xq_ptr, xd_ptr, xs_ptr, K, BLOCKS: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
+    tok = tl.program_id(0)
+    b = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+    n_blocks = K // 32
+    bmask = b < n_blocks
+    j = tl.arange(0, 32)
+    off = b[:, None] * 32 + j[None, :]
+    x = tl.load(x_ptr + tok.to(tl.int64) * stride_xm + off, mask=bmask[:, None], other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)
+    d = amax / 127.0
+    inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
+    v = x * inv[:, None]
+    q = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(0.5 - v))  # round half away from zero
+    tl.store(xq_ptr + tok.to(tl.int64) * K + off, q.to(tl.int8), mask=bmask[:, None])
+    row = tok.to(tl.int64) * n_blocks + b
+    tl.store(xd_ptr + row, d, mask=bmask)
+    tl.store(xs_ptr + row, d * tl.sum(q, axis=1), mask=bmask)
+
+
+def quantize_activations(x: torch.Tensor, out: QuantizedActivations | None = None, config=None) -> QuantizedActivations:
+    """Quantize x [M, K] to int8 per 32-element block (for linear(..., act_int8=True))."""
+    check_2d(x, "x")
+    M, K = x.shape
+    if K % 32:
+        raise ValueError(f"quantize_activations: K={K} is not a multiple of 32")
+    cfg = {**configs.QUANT_ACT_DEFAULT, **(config or {})}
+    if out is None:
+        out = QuantizedActivations(torch.empty((M, K), dtype=torch.int8, device=x.device),
+                                   torch.empty((M, K // 32), dtype=torch.float32, device=x.device),
+                                   torch.empty((M, K // 32), dtype=torch.float32, device=x.device))
+    elif out.shape != (M, K):
+        raise ValueError(f"quantize_activations: out holds {out.shape}, expected {(M, K)}")
+    if M:
+        grid = (M, triton.cdiv(K // 32, cfg["BLOCKS"]))
+        _quantize_act_kernel[grid](x, x.stride(0), out.xq, out.xd, out.xs, K,
+                                   BLOCKS=cfg["BLOCKS"], num_warps=cfg["num_warps"], **pdl())
+    return out
+
+
+@jit
+def _q8_part_i8(q_ptr, d_ptr, rows64, rmask, kb, kmask, xw, xdb, stride_q, stride_d, USE_ASM: tl.constexpr,
+                MASKED: tl.constexpr):
+    h = tl.arange(0, 2)  # a block's 8 words as [2, 4]: one thread, two 16-byte loads
+    w = tl.arange(0, 4)
+    mask2 = kmask[:, None] & rmask[None, :]
+    off = rows64[None, :, None, None] * stride_q + kb[:, None, None, None] * 8 + h[None, None, :, None] * 4 \
+        + w[None, None, None, :]
+    q = _ld(q_ptr + off, mask2[:, :, None, None], MASKED, True)
+    s = tl.sum(tl.sum(dp4a(q, xw[:, None, :, :], USE_ASM), axis=3), axis=2)
+    d = _ld(d_ptr + rows64[None, :] * stride_d + kb[:, None], mask2, MASKED, True).to(tl.float32)
+    return s.to(tl.float32) * d * xdb[:, None]
+
+
+@jit
+def _q4_part_i8(q_ptr, d_ptr, m_ptr, rows64, rmask, kb, kmask, xlo, xhi, xdb, xsb, stride_q, stride_d,
+                HAS_MIN: tl.constexpr, USE_ASM: tl.constexpr, MASKED: tl.constexpr):
+    w = tl.arange(0, 4)
+    mask2 = kmask[:, None] & rmask[None, :]
+    q = _ld(q_ptr + rows64[None, :, None] * stride_q + kb[:, None, None] * 4 + w[None, None, :],
+            mask2[:, :, None], MASKED, True)
+    lo = q & 0x0F0F0F0F  # elements 4w..4w+3 of the block, one per byte
+    hi = (q >> 4) & 0x0F0F0F0F  # elements 16+4w..16+4w+3
+    s = tl.sum(dp4a(lo, xlo[:, None, :], USE_ASM) + dp4a(hi, xhi[:, None, :], USE_ASM), axis=2)
+    d = _ld(d_ptr + rows64[None, :] * stride_d + kb[:, None], mask2, MASKED, True).to(tl.float32)
+    if HAS_MIN:
+        mn = _ld(m_ptr + rows64[None, :] * stride_d + kb[:, None], mask2, MASKED, True).to(tl.float32)
+        r = d * s.to(tl.float32) * xdb[:, None] + mn * xsb[:, None]
+    else:
+        r = d * (s.to(tl.float32) * xdb[:, None] - 8.0 * xsb[:, None])
+    return r
+
+
+@jit
+def _gemv_i8_kernel(xq_ptr, xd_ptr, xs_ptr,
+                    a_q, a_d, a_m, b_q, b_d, b_m,
+                    bias_ptr, out_ptr, stride_om,
+                    M, N, K, stride_q, stride_d,
+                    FMT: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr, MASKED: tl.constexpr,
+                    PDL: tl.constexpr):
+    pdl_prologue(PDL)
+    pid = tl.program_id(0)
+    tok = pid % M
+    rows = (pid // M) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    rows64 = rows.to(tl.int64)
+    n_blocks = K // 32
+    xrow = xq_ptr + tok.to(tl.int64) * (K // 4)  # int32 words
+    srow = tok.to(tl.int64) * n_blocks
+    acc_a = tl.zeros([BLOCK_K // 32, BLOCK_N], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_K // 32, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        kmask = kb < n_blocks
+        xdb = _ld(xd_ptr + srow + kb, kmask, MASKED)
+        if FMT == 3:
+            xo = kb[:, None, None] * 8 + tl.arange(0, 2)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
+            xw = _ld(xrow + xo, kmask[:, None, None], MASKED)
+            acc_a += _q8_part_i8(a_q, a_d, rows64, rmask, kb, kmask, xw, xdb, stride_q, stride_d, USE_ASM, MASKED)
+            if GLU:
+                acc_b += _q8_part_i8(b_q, b_d, rows64, rmask, kb, kmask, xw, xdb, stride_q, stride_d, USE_ASM, MASKED)
+        else:
+            xsb = _ld(xs_ptr + srow + kb, kmask, MASKED)
+            xp = xrow + kb[:, None] * 8 + tl.arange(0, 4)[None, :]
+            xlo = _ld(xp, kmask[:, None], MASKED)
+            xhi = _ld(xp + 4, kmask[:, None], MASKED)
+            acc_a += _q4_part_i8(a_q, a_d, a_m, rows64, rmask, kb, kmask, xlo, xhi, xdb, xsb, stride_q, stride_d,
+                                 FMT == 2, USE_ASM, MASKED)
+            if GLU:
+                acc_b += _q4_part_i8(b_q, b_d, b_m, rows64, rmask, kb, kmask, xlo, xhi, xdb, xsb, stride_q,
+                                     stride_d, FMT == 2, USE_ASM, MASKED)
+    _gemv_epilogue(acc_a, acc_b, rows, rmask, tok, bias_ptr, out_ptr, stride_om, False, GLU, HAS_BIAS)
+
+
+# ---------------------------------------------------------------------------------------------
+# prefill: tensor-core matrix-matrix, weight dequantized in registers
+# ---------------------------------------------------------------------------------------------
+
+@jit
+def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
+                 M, N, K, stride_q, stride_d,
+                 FMT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % num_m  # token blocks of one weight tile run together: the tile crosses DRAM once
+    pid_n = pid // num_m
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    nmask = rn < N
+    mmask = rm < M
+    rn64 = rn.to(tl.int64)
+    xcol = x_ptr + rm.to(tl.int64)[None, :] * stride_xm  # x^T tile: [k, token]
+    n_blocks = K // 32
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if FMT == 0:
+            k = k0 + tl.arange(0, BLOCK_K)
+            km = k < K
+            w = tl.load(w_q + rn64[:, None] * stride_q + k[None, :], mask=nmask[:, None] & km[None, :], other=0.0)
+            xt = tl.load(xcol + k[:, None], mask=km[:, None] & mmask[None, :], other=0.0)
+            acc = tl.dot(w.to(tl.float16), xt.to(tl.float16), acc)
+        else:
+            # quants as [rows, blocks, bytes of a block]: 16-byte loads, one scale per block,
+            # then merged to the [rows, k] operand (free: a block's bytes sit in one thread)
+            kb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+            wm = nmask[:, None] & (kb < n_blocks)[None, :]
+            d = tl.load(w_d + rn64[:, None] * stride_d + kb[None, :], mask=wm, other=0.0).to(tl.float16)[:, :, None]
+            if FMT == 3:
+                j = tl.arange(0, 32)
+                q = tl.load(w_q + rn64[:, None, None] * stride_q + kb[None, :, None] * 32 + j[None, None, :],
+                            mask=wm[:, :, None], other=0)
+                # int8 -> fp16 as above: 0x6400 | (q + 128) is 1024 + q + 128, exact
+                h = (((q.to(tl.uint8, bitcast=True) ^ 0x80).to(tl.uint16)) | 0x6400).to(tl.float16, bitcast=True)
+                w = tl.reshape((h - 1152.0) * d, [BLOCK_N, BLOCK_K])
+                k = k0 + tl.arange(0, BLOCK_K)
+                km = k < K
+                xt = tl.load(xcol + k[:, None], mask=km[:, None] & mmask[None, :], other=0.0)
+                acc = tl.dot(w, xt.to(tl.float16), acc)
+            else:
+                j = tl.arange(0, 16)
+                q = tl.load(w_q + rn64[:, None, None] * stride_q + kb[None, :, None] * 16 + j[None, None, :],
+                            mask=wm[:, :, None], other=0)
+                # nibble -> fp16 without int-to-float conversions (a quarter-rate instruction that
+                # would outlast the MMAs): 0x6400 | q is the fp16 1024 + q, and 1024 + q - 1032
+                # is q - 8 exactly, so the only rounding is the product with the scale
+                lo = ((q & 15).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+                hi = ((q >> 4).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+                if FMT == 1:
+                    lo = (lo - 1032.0) * d
+                    hi = (hi - 1032.0) * d
+                else:
+                    mn = tl.load(w_m + rn64[:, None] * stride_d + kb[None, :], mask=wm,
+                                 other=0.0).to(tl.float16)[:, :, None]
+                    lo = (lo - 1024.0) * d + mn
+                    hi = (hi - 1024.0) * d + mn
+                lo = tl.reshape(lo, [BLOCK_N, BLOCK_K // 2])
+                hi = tl.reshape(hi, [BLOCK_N, BLOCK_K // 2])
+                # operand column c is element (c // 16) * 32 + c % 16 of the tile (low nibbles);
+                # the high nibbles are the same elements + 16
+                c = tl.arange(0, BLOCK_K // 2)
+                klo = k0 + (c // 16) * 32 + c % 16
+                xm = (klo < K)[:, None] & mmask[None, :]
+                xlo = tl.load(xcol + klo[:, None], mask=xm, other=0.0).to(tl.float16)
+                xhi = tl.load(xcol + (klo + 16)[:, None], mask=xm, other=0.0).to(tl.float16)
+                acc = tl.dot(lo, xlo, acc)
+                acc = tl.dot(hi, xhi, acc)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[:, None]
+    optr = out_ptr + rm.to(tl.int64)[None, :] * stride_om + rn[:, None]
+    tl.store(optr, acc.to(out_ptr.dtype.element_ty), mask=nmask[:, None] & mmask[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# wrappers
+# ---------------------------------------------------------------------------------------------
+
+def _weight_args(w: PackedWeight, dummy: torch.Tensor, row_offset: int = 0, int_words: bool = False):
+    """(qs, d, m) for the kernel, starting at output row `row_offset`; absent arrays -> dummy."""
+    qs = w.qs[row_offset:]
+    if int_words:
+        qs = qs.view(torch.int32)
+    d = w.d[row_offset:] if w.d is not None else dummy
+    m = w.m[row_offset:] if w.m is not None else dummy
+    return qs, d, m
+
+
+def _check_weight(x: torch.Tensor, w: PackedWeight, name: str = "w") -> None:
+    if not isinstance(w, PackedWeight):
+        raise TypeError(f"{name} must be a PackedWeight (see packing.repack), got {type(w).__name__}")
+    if w.fmt not in _FMT_CODE:
+        raise ValueError(f"{name}: no kernel for format {w.fmt}")
+    if x.shape[1] != w.in_features:
+        raise ValueError(f"x has {x.shape[1]} features but {name} {w.fmt} {w.shape} expects {w.in_features}")
+
+
+def _decode_cfg(fmt: str, config, act_int8: bool = False) -> dict:
+    base = configs.GEMV_I8_DEFAULT[fmt] if act_int8 and fmt != "F16" else configs.GEMV_DEFAULT[fmt]
+    cfg = {**base, **(config or {})}
+    if fmt != "F16" and cfg["BLOCK_K"] % 32:
+        raise ValueError(f"BLOCK_K={cfg['BLOCK_K']} must be a multiple of 32 for {fmt}")
+    return cfg
+
+
+def _launch_gemv(x, wa, wb, b_offset, bias, out, glu, act_int8, xq, config):
+    M, K = x.shape
+    N = out.shape[1]
+    fmt = wa.fmt
+    cfg = _decode_cfg(fmt, config, act_int8)
+    bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    grid = (M * triton.cdiv(N, bn),)
+    masked = N % bn != 0 or K % bk != 0  # unmasked loads when the tiles cover the matrix exactly
+    has_bias = bias is not None
+    bias_arg = bias if has_bias else out
+    if act_int8 and fmt != "F16":
+        if xq is None:
+            xq = quantize_activations(x)
+        elif xq.shape != (M, K):
+            raise ValueError(f"xq holds activations of shape {xq.shape}, expected {(M, K)}")
+        a = _weight_args(wa, out, 0, int_words=True)
+        b = _weight_args(wb, out, b_offset, int_words=True) if glu else a
+        stride_q = a[0].stride(0)
+        stride_d = wa.d.stride(0)
+        _gemv_i8_kernel[grid](xq.xq.view(torch.int32), xq.xd, xq.xs, *a, *b, bias_arg, out, out.stride(0),
+                              M, N, K, stride_q, stride_d,
+                              FMT=_FMT_CODE[fmt], GLU=glu, HAS_BIAS=has_bias, BLOCK_N=bn, BLOCK_K=bk,
+                              USE_ASM=USE_DP4A, MASKED=masked, num_warps=cfg["num_warps"], **pdl())
+        return
+    words = fmt in ("Q4_0", "Q4_1")
+    a = _weight_args(wa, out, 0, int_words=words)
+    b = _weight_args(wb, out, b_offset, int_words=words) if glu else a
+    stride_q = a[0].stride(0)
+    stride_d = wa.d.stride(0) if wa.d is not None else 0
+    _gemv_kernel[grid](x, x.stride(0), *a, *b, bias_arg, out, out.stride(0),
+                       M, N, K, stride_q, stride_d,
+                       FMT=_FMT_CODE[fmt], GLU=glu, HAS_BIAS=has_bias, BLOCK_N=bn, BLOCK_K=bk, MASKED=masked,
+                       USE_ASM=USE_DP4A, num_warps=cfg["num_warps"], **pdl())
+
+
+def _launch_gemm(x, w, bias, out, config):
+    M, K = x.shape
+    N = out.shape[1]
+    cfg = {**configs.gemm_default(M), **(config or {})}
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    if bk % 32:
+        raise ValueError(f"BLOCK_K={bk} must be a multiple of 32")
+    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
+    qs, d, m = _weight_args(w, out)
+    _gemm_kernel[grid](x, x.stride(0), qs, d, m, bias if bias is not None else out, out, out.stride(0),
+                       M, N, K, w.qs.stride(0), w.d.stride(0) if w.d is not None else 0,
+                       FMT=_FMT_CODE[w.fmt], HAS_BIAS=bias is not None,
+                       BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                       num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl())
+
+
+def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+           *, act_int8: bool = False, xq: QuantizedActivations | None = None, config: dict | None = None,
+           decode_max_tokens: int = configs.DECODE_MAX_TOKENS) -> torch.Tensor:
+    """out[M, N] = x[M, K] @ W.T (+ bias), for W packed by `repack`.
+
+    M <= decode_max_tokens: matrix-vector kernel (act_int8: x quantized to int8 per 32-block and
+    integer dot products, for Q4_0/Q4_1/Q8_0; xq may pass x already quantized). Otherwise the
+    tensor-core kernel. config overrides block sizes (see configs.py). Output dtype: out's, or x's.
+    """
+    check_2d(x, "x")
+    _check_weight(x, w)
+    M = x.shape[0]
+    out = out_buffer(out, (M, w.out_features), x.dtype, x.device)
+    if bias is not None and bias.numel() != w.out_features:
+        raise ValueError(f"bias has {bias.numel()} elements, expected {w.out_features}")
+    if M == 0:
+        return out
+    if M <= decode_max_tokens:
+        _launch_gemv(x, w, None, 0, bias, out, False, act_int8, xq, config)
+    else:
+        _launch_gemm(x, w, bias, out, config)
+    return out
+
+
+def linear_silu_mul(x: torch.Tensor, w_gate: PackedWeight, w_up: PackedWeight | None = None,
+                    out: torch.Tensor | None = None, *, act_int8: bool = False,
+                    xq: QuantizedActivations | None = None, config: dict | None = None,
+                    decode_max_tokens: int = configs.DECODE_MAX_TOKENS) -> torch.Tensor:
+    """silu(x @ Wg.T) * (x @ Wu.T) in one kernel for decode (tokens <= decode_max_tokens).
+
+    w_up None: w_gate holds both, gate rows first then up rows (concat_packed([gate, up])).
+    Prefill: one matrix-matrix product per half, then silu_mul.
+    """
+    check_2d(x, "x")
+    _check_weight(x, w_gate, "w_gate")
+    if w_up is None:
+        if w_gate.out_features % 2:
+            raise ValueError(f"fused gate/up weight has an odd number of rows ({w_gate.out_features})")
+        F, wb, b_off = w_gate.out_features // 2, w_gate, w_gate.out_features // 2
+    else:
+        _check_weight(x, w_up, "w_up")
+        if w_up.fmt != w_gate.fmt or w_up.shape != w_gate.shape:
+            raise ValueError(f"gate {w_gate.fmt} {w_gate.shape} and up {w_up.fmt} {w_up.shape} differ")
+        F, wb, b_off = w_gate.out_features, w_up, 0
+    M = x.shape[0]
+    out = out_buffer(out, (M, F), x.dtype, x.device)
+    if M == 0:
+        return out
+    if M <= decode_max_tokens:
+        _launch_gemv(x, w_gate, wb, b_off, None, out, True, act_int8, xq, config)
+        return out
+    from .elementwise import silu_mul
+    if w_up is None:
+        gu = linear(x, w_gate, config=config, decode_max_tokens=decode_max_tokens)
+        return silu_mul(gu, out=out)
+    g = linear(x, w_gate, config=config, decode_max_tokens=decode_max_tokens)
+    u = linear(x, w_up, config=config, decode_max_tokens=decode_max_tokens)
+    return silu_mul(g, u, out=out)

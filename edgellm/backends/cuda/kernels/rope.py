@@ -1,0 +1,135 @@
+"""RoPE on Q and K fused with the KV-cache write: one launch reads q, k, v once, writes the rotated
+q and writes rotated k and v straight into their rows of the preallocated caches."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton.language as tl
+
+from . import configs
+from ._common import check_2d, int_or_tensor, jit, next_pow2, out_buffer, pdl, pdl_prologue
+
+
+@jit
+def _rope_kernel(q_ptr, k_ptr, v_ptr, stride_q, stride_k, stride_v, qo_ptr, stride_qo,
+                 kc_ptr, vc_ptr, stride_c, pos_ptr, start_pos, ff_ptr, log2_theta,
+                 H,
+                 HEAD_DIM: tl.constexpr, N_ROT: tl.constexpr, HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr,
+                 D_PAD: tl.constexpr, NEOX: tl.constexpr, POS_FROM_PTR: tl.constexpr, HAS_FF: tl.constexpr,
+                 PDL: tl.constexpr):
+    pdl_prologue(PDL)
+    t = tl.program_id(0)
+    h = tl.program_id(1)  # 0..H-1: query heads; H..H+HKV-1: key/value heads
+    if POS_FROM_PTR:
+        pos = tl.load(pos_ptr).to(tl.int32) + t
+    else:
+        pos = start_pos + t
+    i = tl.arange(0, HALF_PAD)
+    im = i < N_ROT // 2
+    inv_freq = tl.exp2(i.to(tl.float32) * (-2.0 / N_ROT) * log2_theta)
+    if HAS_FF:
+        inv_freq = inv_freq / tl.load(ff_ptr + i, mask=im, other=1.0).to(tl.float32)
+    ang = pos.to(tl.float32) * inv_freq
+    # reduce to [-pi, pi] so that fast sin/cos stay accurate at large positions; 2*pi is split as
+    # 6.28125 (exact in 8 bits, so n * 6.28125 is exact for n < 2**16) + 0.00193530717958647...
+    n = tl.floor(ang * 0.15915494309189535 + 0.5)
+    ang = ang - n * 6.28125 - n * 0.0019353071795864769
+    cs = tl.cos(ang)
+    sn = tl.sin(ang)
+    if NEOX:
+        o1 = i
+        o2 = i + N_ROT // 2
+    else:
+        o1 = 2 * i
+        o2 = 2 * i + 1
+    t64 = t.to(tl.int64)
+    # two calls rather than one call on selected pointers: q and the cache may differ in dtype
+    if h < H:
+        _rotate_head(q_ptr + t64 * stride_q + h * HEAD_DIM, qo_ptr + t64 * stride_qo + h * HEAD_DIM,
+                     cs, sn, o1, o2, im, HEAD_DIM, N_ROT, REST_PAD)
+    else:
+        kvh = h - H
+        row = pos.to(tl.int64) * stride_c + kvh * HEAD_DIM
+        _rotate_head(k_ptr + t64 * stride_k + kvh * HEAD_DIM, kc_ptr + row,
+                     cs, sn, o1, o2, im, HEAD_DIM, N_ROT, REST_PAD)
+        dd = tl.arange(0, D_PAD)
+        dm = dd < HEAD_DIM
+        vv = tl.load(v_ptr + t64 * stride_v + kvh * HEAD_DIM + dd, mask=dm, other=0.0)
+        tl.store(vc_ptr + row + dd, vv.to(vc_ptr.dtype.element_ty), mask=dm)
+
+
+@jit
+def _rotate_head(src, dst, cs, sn, o1, o2, im, HEAD_DIM: tl.constexpr, N_ROT: tl.constexpr, REST_PAD: tl.constexpr):
+    x1 = tl.load(src + o1, mask=im, other=0.0).to(tl.float32)
+    x2 = tl.load(src + o2, mask=im, other=0.0).to(tl.float32)
+    tl.store(dst + o1, (x1 * cs - x2 * sn).to(dst.dtype.element_ty), mask=im)
+    tl.store(dst + o2, (x2 * cs + x1 * sn).to(dst.dtype.element_ty), mask=im)
+    if N_ROT < HEAD_DIM:  # partial rotary: the remaining dimensions pass through
+        r = N_ROT + tl.arange(0, REST_PAD)
+        rm = r < HEAD_DIM
+        tl.store(dst + r, tl.load(src + r, mask=rm, other=0.0).to(dst.dtype.element_ty), mask=rm)
+
+
+def rope_qkv_cache(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, start_pos,
+                   n_heads: int, n_kv_heads: int, head_dim: int, *, theta: float = 10000.0, style: str = "norm",
+                   freq_factors: torch.Tensor | None = None, n_rot: int | None = None,
+                   q_out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """Rotate Q and K of T tokens at positions start_pos..start_pos+T-1 and store K, V in the caches.
+
+    q [T, n_heads*head_dim], k and v [T, n_kv_heads*head_dim]; or k = v = None and q the fused
+    [T, (n_heads + 2*n_kv_heads)*head_dim] projection (q | k | v columns). Caches are
+    [ctx, n_kv_heads*head_dim]; rows start_pos.. are written in place. start_pos is an int or a
+    one-element int tensor on the device (read by the kernel, so a CUDA graph can replay it).
+    style "norm": rotate pairs (x[2i], x[2i+1]) (llama GGUF); "neox": pairs (x[i], x[i+n_rot/2]).
+    Frequencies are theta^(-2i/n_rot), divided by freq_factors[i] when given (llama 3 scaling).
+    Only the first n_rot (default head_dim) dimensions rotate. Returns the rotated q
+    (q_out, or a new [T, n_heads*head_dim] tensor; q_out may be q itself to rotate in place).
+    """
+    H, HKV, D = int(n_heads), int(n_kv_heads), int(head_dim)
+    check_2d(q, "q")
+    T = q.shape[0]
+    if k is None and v is None:
+        if q.shape[1] != (H + 2 * HKV) * D:
+            raise ValueError(f"fused qkv has width {q.shape[1]}, expected (n_heads + 2*n_kv_heads)*head_dim = "
+                             f"{(H + 2 * HKV) * D}")
+        qkv = q
+        q, k, v = qkv[:, :H * D], qkv[:, H * D:(H + HKV) * D], qkv[:, (H + HKV) * D:]
+    elif k is None or v is None:
+        raise ValueError("give both k and v, or neither (fused qkv)")
+    else:
+        check_2d(k, "k")
+        check_2d(v, "v")
+        if q.shape[1] != H * D or k.shape != (T, HKV * D) or v.shape != (T, HKV * D):
+            raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match "
+                             f"T={T}, n_heads={H}, n_kv_heads={HKV}, head_dim={D}")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_2d(c, name)
+        if c.shape[1] != HKV * D:
+            raise ValueError(f"{name} has width {c.shape[1]}, expected n_kv_heads*head_dim = {HKV * D}")
+    if k_cache.shape != v_cache.shape or k_cache.stride(0) != v_cache.stride(0):
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ in layout")
+    n_rot = D if n_rot is None else int(n_rot)
+    if n_rot % 2 or not 0 < n_rot <= D:
+        raise ValueError(f"n_rot={n_rot} must be even and in (0, head_dim={D}]")
+    if style not in ("norm", "neox"):
+        raise ValueError(f"rope style must be 'norm' or 'neox', got {style!r}")
+    if freq_factors is not None and freq_factors.numel() != n_rot // 2:
+        raise ValueError(f"freq_factors has {freq_factors.numel()} elements, expected n_rot/2 = {n_rot // 2}")
+    pos_ptr, pos_val, from_ptr = int_or_tensor(start_pos, q, "start_pos")
+    if not from_ptr and not 0 <= pos_val <= k_cache.shape[0] - T:
+        raise ValueError(f"tokens {pos_val}..{pos_val + T - 1} do not fit in a KV cache of {k_cache.shape[0]} rows")
+    q_out = out_buffer(q_out, (T, H * D), q.dtype, q.device, "q_out")
+    if T == 0:
+        return q_out
+    cfg = {**configs.ROPE_DEFAULT, **(config or {})}
+    ff = freq_factors if freq_factors is not None else q
+    _rope_kernel[(T, H + HKV)](
+        q, k, v, q.stride(0), k.stride(0), v.stride(0), q_out, q_out.stride(0),
+        k_cache, v_cache, k_cache.stride(0), pos_ptr, pos_val, ff, math.log2(theta), H,
+        HEAD_DIM=D, N_ROT=n_rot, HALF_PAD=next_pow2(n_rot // 2), REST_PAD=next_pow2(max(1, D - n_rot)),
+        D_PAD=next_pow2(D), NEOX=style == "neox", POS_FROM_PTR=from_ptr, HAS_FF=freq_factors is not None,
+        num_warps=cfg["num_warps"], **pdl())
+    return q_out

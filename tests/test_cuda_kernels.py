@@ -1,0 +1,454 @@
+"""The cuda backend's Triton kernels against float64 references written here, independently.
+
+On a machine without CUDA the kernels run in Triton's interpreter on CPU tensors; this module sets
+TRITON_INTERPRET=1 for that before triton is imported. With CUDA the same tests run on the GPU.
+Shapes are deliberately not multiples of the block sizes; outputs are poisoned with NaN first so
+that an element the kernel never wrote fails; inputs are fresh random values, never zeros.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set; run this module on its own "
+                    "or set TRITON_INTERPRET=1 in the environment", allow_module_level=True)
+    os.environ["TRITON_INTERPRET"] = "1"
+triton = pytest.importorskip("triton")
+
+from gguf import GGMLQuantizationType  # noqa: E402
+from gguf.quants import dequantize as gg_dequantize  # noqa: E402
+from gguf.quants import quantize as gg_quantize  # noqa: E402
+
+from edgellm.backends.cuda import kernels as K  # noqa: E402
+
+DEV = torch.device("cuda" if CUDA else "cpu")
+QFORMATS = ["Q4_0", "Q4_1", "Q8_0"]
+ALL_FORMATS = QFORMATS + ["F16"]
+
+
+@pytest.fixture
+def rng(request):
+    # a different stream for every test (fresh inputs), reproducible from the test's name
+    seed = zlib.crc32(request.node.name.encode())
+    torch.manual_seed(seed)
+    return np.random.default_rng(seed)
+
+
+def poisoned(shape, dtype=torch.float16):
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEV)
+
+
+def check(out: torch.Tensor, ref: np.ndarray, tol: float, what: str = ""):
+    """Every element written (finite), relative Frobenius error and worst element under tol."""
+    got = out.detach().double().cpu().numpy()
+    assert got.shape == ref.shape, f"{what}: shape {got.shape} vs {ref.shape}"
+    assert np.isfinite(got).all(), f"{what}: {np.count_nonzero(~np.isfinite(got))} elements not written/finite"
+    scale = np.linalg.norm(ref)
+    assert scale > 0
+    rel = np.linalg.norm(got - ref) / scale
+    worst = np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30)
+    assert rel < tol and worst < 4 * tol, f"{what}: relative error {rel:.2e}, worst element {worst:.2e} (tol {tol})"
+
+
+def make_weight(rng, fmt, n_out, n_in):
+    """(PackedWeight on DEV, float64 reference matrix from gguf-py's dequantizer)."""
+    w = rng.standard_normal((n_out, n_in)).astype(np.float32)
+    if fmt in ("F16", "BF16", "F32"):
+        if fmt == "F16":
+            raw = w.astype(np.float16)
+            ref = raw.astype(np.float64)
+        elif fmt == "F32":
+            raw = w
+            ref = w.astype(np.float16).astype(np.float64)  # repacked to fp16
+        else:
+            t = torch.from_numpy(w).bfloat16()
+            raw = t.view(torch.uint8).reshape(n_out, n_in * 2)
+            ref = t.double().numpy()
+        return K.repack(raw, fmt, (n_out, n_in), device=DEV), ref
+    raw = gg_quantize(w, GGMLQuantizationType[fmt])
+    ref = gg_dequantize(raw, GGMLQuantizationType[fmt]).astype(np.float64)
+    return K.repack(raw, fmt, (n_out, n_in), device=DEV), ref
+
+
+def rand(rng, *shape, dtype=torch.float16):
+    return torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).to(dtype).to(DEV)
+
+
+def np64(t: torch.Tensor) -> np.ndarray:
+    return t.detach().double().cpu().numpy()
+
+
+GEMV_CFG = dict(BLOCK_N=8, BLOCK_K=64, num_warps=4)  # K=160: two full K-tiles and a partial one
+GEMM_CFG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2)
+
+
+# ------------------------------------------------------------------------------------------- repack
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS + ["BF16", "F32"])
+def test_repack_layout_matches_gguf(rng, fmt):
+    pw, ref = make_weight(rng, fmt, 5, 64)
+    assert pw.shape == (5, 64)
+    np.testing.assert_allclose(np64(K.dequantize(pw)), ref, rtol=0, atol=1e-6)
+    expect = {"F16": 128, "BF16": 128, "F32": 128, "Q8_0": 64 + 4, "Q4_0": 32 + 4, "Q4_1": 32 + 8}[fmt]
+    assert pw.nbytes == 5 * expect
+    if fmt.startswith("Q4"):
+        assert pw.qs.view(torch.int32).shape == (5, 8)  # rows are whole 32-bit words
+
+
+def test_pack_float_q8_0_matches_gguf(rng):
+    w = rng.standard_normal((7, 96)).astype(np.float32)
+    w[2, :32] = 0.0  # an all-zero block
+    pw = K.pack_float(torch.from_numpy(w).to(DEV), "Q8_0")
+    ref = gg_dequantize(gg_quantize(w, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
+    np.testing.assert_allclose(np64(K.dequantize(pw)), ref, rtol=0, atol=1e-6)
+    assert pw.nbytes == 7 * 3 * 34
+    np.testing.assert_array_equal(np64(K.pack_float(torch.from_numpy(w).to(DEV)).qs), w.astype(np.float16))
+
+
+def test_repack_rejects_bad_input():
+    with pytest.raises(K.UnsupportedFormatError, match="Q6_K"):
+        K.repack(np.zeros((2, 210), np.uint8), "Q6_K", (2, 256))
+    assert isinstance(K.UnsupportedFormatError("x"), NotImplementedError)
+    from edgellm.errors import TensorShapeError
+    with pytest.raises(TensorShapeError, match="expected uint8"):
+        K.repack(np.zeros((2, 17), np.uint8), "Q4_0", (2, 32))
+    with pytest.raises(TensorShapeError, match="whole blocks"):
+        K.repack(np.zeros((2, 18), np.uint8), "Q4_0", (2, 40))
+
+
+# ------------------------------------------------------------------------------------------- linear
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_linear_decode(rng, fmt):
+    pw, w = make_weight(rng, fmt, 37, 160)
+    x = rand(rng, 2, 160)
+    bias = rand(rng, 37, dtype=torch.float32)
+    out = poisoned((2, 37))
+    K.linear(x, pw, bias=bias, out=out, config=GEMV_CFG)
+    check(out, np64(x) @ w.T + np64(bias), 2e-3, f"{fmt} decode")
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "F16"])
+def test_linear_decode_default_config_fp32_input(rng, fmt):
+    pw, w = make_weight(rng, fmt, 37, 160)
+    x = rand(rng, 1, 160, dtype=torch.float32)
+    out = poisoned((1, 37), torch.float32)
+    K.linear(x, pw, out=out)
+    check(out, np64(x) @ w.T, 1e-4, f"{fmt} decode fp32")
+
+
+def _q8_act_ref(x: np.ndarray) -> np.ndarray:
+    """x as llama.cpp's int8-per-32-block quantization leaves it (round half away from zero)."""
+    b = x.reshape(x.shape[0], -1, 32)
+    d = np.abs(b).max(axis=2, keepdims=True) / 127.0
+    q = np.sign(b) * np.floor(np.abs(b) / np.where(d > 0, d, 1) + 0.5)
+    return (q * d).reshape(x.shape)
+
+
+@pytest.mark.parametrize("fmt", QFORMATS)
+def test_linear_decode_int8_activations(rng, fmt):
+    pw, w = make_weight(rng, fmt, 37, 160)
+    x = rand(rng, 2, 160)
+    out = poisoned((2, 37))
+    K.linear(x, pw, out=out, act_int8=True, config=GEMV_CFG)
+    check(out, _q8_act_ref(np64(x)) @ w.T, 2e-3, f"{fmt} int8 decode")
+
+
+def test_quantize_activations(rng):
+    x = rand(rng, 3, 96)
+    qa = K.quantize_activations(x)
+    xr = np64(x).reshape(3, 3, 32)
+    d = np.abs(xr).max(axis=2) / 127
+    np.testing.assert_allclose(np64(qa.xd), d, rtol=1e-6)
+    q = qa.xq.cpu().numpy().reshape(3, 3, 32).astype(np.float64)
+    np.testing.assert_allclose(q, np.sign(xr) * np.floor(np.abs(xr) / d[..., None] + 0.5), atol=0)
+    np.testing.assert_allclose(np64(qa.xs), d * q.sum(axis=2), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_linear_prefill(rng, fmt):
+    pw, w = make_weight(rng, fmt, 37, 160)
+    x = rand(rng, 19, 160)
+    bias = rand(rng, 37)
+    out = poisoned((19, 37))
+    K.linear(x, pw, bias=bias, out=out, config=GEMM_CFG)
+    check(out, np64(x) @ w.T + np64(bias), 2e-3, f"{fmt} prefill")
+
+
+def test_linear_prefill_default_config(rng):
+    pw, w = make_weight(rng, "Q4_0", 37, 160)
+    x = rand(rng, 9, 160)
+    out = poisoned((9, 37))
+    K.linear(x, pw, out=out)
+    check(out, np64(x) @ w.T, 2e-3, "Q4_0 prefill default config")
+
+
+def _silu(v):
+    return v / (1 + np.exp(-v))
+
+
+@pytest.mark.parametrize("fmt,fused,int8", [("Q4_0", False, False), ("Q8_0", True, False),
+                                            ("F16", False, False), ("Q4_1", True, True)])
+def test_linear_silu_mul_decode(rng, fmt, fused, int8):
+    wg, g = make_weight(rng, fmt, 21, 96)
+    wu, u = make_weight(rng, fmt, 21, 96)
+    x = rand(rng, 1, 96)
+    out = poisoned((1, 21))
+    if fused:
+        K.linear_silu_mul(x, K.concat_packed([wg, wu]), out=out, act_int8=int8, config=GEMV_CFG)
+    else:
+        K.linear_silu_mul(x, wg, wu, out=out, act_int8=int8, config=GEMV_CFG)
+    xr = _q8_act_ref(np64(x)) if int8 else np64(x)
+    check(out, _silu(xr @ g.T) * (xr @ u.T), 3e-3, f"{fmt} gate/up decode")
+
+
+def test_linear_silu_mul_prefill(rng):
+    wg, g = make_weight(rng, "Q4_0", 21, 96)
+    wu, u = make_weight(rng, "Q4_0", 21, 96)
+    x = rand(rng, 11, 96)
+    out = poisoned((11, 21))
+    K.linear_silu_mul(x, K.concat_packed([wg, wu]), out=out, config=GEMM_CFG)
+    check(out, _silu(np64(x) @ g.T) * (np64(x) @ u.T), 3e-3, "gate/up prefill")
+
+
+# ---------------------------------------------------------------------------------------- elementwise
+
+def test_silu_mul(rng):
+    gu = rand(rng, 3, 2 * 37)
+    out = poisoned((3, 37))
+    K.silu_mul(gu, out=out, config=dict(BLOCK=16, num_warps=1))
+    r = np64(gu)
+    check(out, _silu(r[:, :37]) * r[:, 37:], 2e-3, "silu_mul fused")
+    g, u = rand(rng, 3, 37), rand(rng, 3, 37)
+    out2 = K.silu_mul(g, u, out=poisoned((3, 37)))
+    check(out2, _silu(np64(g)) * np64(u), 2e-3, "silu_mul separate")
+
+
+@pytest.mark.parametrize("with_res", [False, True])
+def test_rms_norm(rng, with_res):
+    x, w = rand(rng, 3, 100), rand(rng, 100, dtype=torch.float32)
+    res = rand(rng, 3, 100) if with_res else None
+    out, rout = poisoned((3, 100)), (poisoned((3, 100)) if with_res else None)
+    K.rms_norm(x, w, 1e-5, residual=res, out=out, residual_out=rout)
+    h = np64(x) + (np64(res) if with_res else 0)
+    ref = h / np.sqrt((h * h).mean(axis=1, keepdims=True) + 1e-5) * np64(w)
+    check(out, ref, 2e-3, "rms_norm")
+    if with_res:
+        check(rout, h, 1e-3, "residual sum")
+
+
+def test_rms_norm_in_place_residual(rng):
+    x, w, res = rand(rng, 2, 64), rand(rng, 64), rand(rng, 2, 64)
+    h = np64(x) + np64(res)
+    out = poisoned((2, 64))
+    K.rms_norm(x, w, 1e-6, residual=res, out=out, residual_out=res)
+    check(res, h, 1e-3, "residual in place")
+    check(out, h / np.sqrt((h * h).mean(axis=1, keepdims=True) + 1e-6) * np64(w), 2e-3, "rms_norm in place")
+
+
+# --------------------------------------------------------------------------------------------- rope
+
+def _rope_ref(x: np.ndarray, pos: np.ndarray, n_rot: int, theta: float, neox: bool, ff=None) -> np.ndarray:
+    """x [T, heads, D] rotated at positions pos [T] (float64)."""
+    half = n_rot // 2
+    inv = theta ** (-2.0 * np.arange(half) / n_rot)
+    if ff is not None:
+        inv = inv / ff
+    ang = pos[:, None, None] * inv[None, None, :]
+    c, s = np.cos(ang), np.sin(ang)
+    y = x.copy()
+    i1 = np.arange(half) if neox else 2 * np.arange(half)
+    i2 = i1 + half if neox else i1 + 1
+    a, b = x[..., i1], x[..., i2]
+    y[..., i1] = a * c - b * s
+    y[..., i2] = b * c + a * s
+    return y
+
+
+@pytest.mark.parametrize("style,D,H,HKV,fused,ff,n_rot", [
+    ("norm", 64, 6, 2, False, True, None),
+    ("neox", 32, 3, 3, True, False, None),
+    ("neox", 32, 2, 1, False, False, 16),
+])
+def test_rope_qkv_cache(rng, style, D, H, HKV, fused, ff, n_rot):
+    T, ctx, start = 5, 67, 41
+    q, k, v = rand(rng, T, H * D), rand(rng, T, HKV * D), rand(rng, T, HKV * D)
+    kc, vc = poisoned((ctx, HKV * D)), poisoned((ctx, HKV * D))
+    factors = torch.from_numpy(rng.uniform(1, 8, (n_rot or D) // 2).astype(np.float32)).to(DEV) if ff else None
+    start_t = torch.tensor([start], dtype=torch.int32, device=DEV)
+    if fused:
+        qo = K.rope_qkv_cache(torch.cat([q, k, v], 1), None, None, kc, vc, start_t, H, HKV, D,
+                              theta=1e4, style=style, freq_factors=factors, n_rot=n_rot)
+    else:
+        qo = poisoned((T, H * D))
+        K.rope_qkv_cache(q, k, v, kc, vc, start, H, HKV, D, theta=5e5, style=style, freq_factors=factors,
+                         n_rot=n_rot, q_out=qo)
+    theta = 1e4 if fused else 5e5
+    pos = np.arange(start, start + T, dtype=np.float64)
+    f = np64(factors) if ff else None
+    nr = n_rot or D
+    check(qo, _rope_ref(np64(q).reshape(T, H, D), pos, nr, theta, style == "neox", f).reshape(T, -1), 2e-3, "q")
+    check(kc[start:start + T], _rope_ref(np64(k).reshape(T, HKV, D), pos, nr, theta, style == "neox", f)
+          .reshape(T, -1), 2e-3, "k cache")
+    check(vc[start:start + T], np64(v), 1e-6, "v cache")
+    assert torch.isnan(kc[:start]).all() and torch.isnan(kc[start + T:]).all(), "wrote outside rows start..start+T"
+    assert torch.isnan(vc[:start]).all() and torch.isnan(vc[start + T:]).all()
+
+
+def test_rope_large_positions(rng):
+    # positions near 100k: the angle reduction keeps fast sin/cos accurate
+    T, H, D = 2, 1, 32
+    q, k, v = rand(rng, T, H * D), rand(rng, T, H * D), rand(rng, T, H * D)
+    kc, vc = poisoned((100_003, D)), poisoned((100_003, D))
+    qo = K.rope_qkv_cache(q, k, v, kc, vc, 100_000, H, H, D, theta=1e4)
+    ref = _rope_ref(np64(q).reshape(T, H, D), np.arange(100_000, 100_002.0), D, 1e4, False).reshape(T, -1)
+    check(qo, ref, 3e-3, "q at large positions")
+
+
+# ---------------------------------------------------------------------------------------- attention
+
+def _attn_ref(q, kc, vc, positions, H, HKV, D, scale, window=0):
+    """q [T, H*D] at `positions`, caches [ctx, HKV*D]: causal softmax attention in float64."""
+    T = q.shape[0]
+    G = H // HKV
+    out = np.zeros((T, H, D))
+    qr = q.reshape(T, H, D)
+    for t in range(T):
+        p = positions[t]
+        lo = max(0, p - window + 1) if window else 0
+        for h in range(H):
+            kv = h // G
+            k = kc[lo:p + 1, kv * D:(kv + 1) * D]
+            v = vc[lo:p + 1, kv * D:(kv + 1) * D]
+            s = k @ qr[t, h] * scale
+            e = np.exp(s - s.max())
+            out[t, h] = (e / e.sum()) @ v
+    return out.reshape(T, H * D)
+
+
+@pytest.mark.parametrize("T,H,HKV,D,seq,as_tensor,splits", [
+    (1, 4, 4, 64, 67, True, None),   # GQA ratio 1, default splits
+    (1, 6, 2, 32, 67, False, 3),     # ratio 3, chunk boundaries inside the context
+    (2, 6, 2, 64, 40, True, 4),      # two tokens, causal between them; last split empty
+])
+def test_attention_decode(rng, T, H, HKV, D, seq, as_tensor, splits):
+    ctx = 80
+    q = rand(rng, T, H * D)
+    kc, vc = poisoned((ctx, HKV * D)), poisoned((ctx, HKV * D))
+    kc[:seq], vc[:seq] = rand(rng, seq, HKV * D), rand(rng, seq, HKV * D)  # rows >= seq stay NaN
+    out = poisoned((T, H * D))
+    sl = torch.tensor([seq], dtype=torch.int32, device=DEV) if as_tensor else seq
+    cfg = dict(BLOCK_N=16, num_warps=4, num_stages=1, n_splits=splits)
+    K.attention_decode(q, kc, vc, sl, H, HKV, 1 / math.sqrt(D), out=out, config=cfg)
+    ref = _attn_ref(np64(q), np64(kc), np64(vc), list(range(seq - T, seq)), H, HKV, D, 1 / math.sqrt(D))
+    check(out, ref, 3e-3, "attention decode")
+
+
+def test_attention_decode_window(rng):
+    T, H, HKV, D, seq = 1, 3, 1, 32, 50
+    q = rand(rng, T, H * D)
+    kc, vc = rand(rng, 64, HKV * D), rand(rng, 64, HKV * D)
+    kc[:20] = float("nan")  # rows outside the window must not be read
+    vc[:20] = float("nan")
+    out = poisoned((T, H * D))
+    K.attention_decode(q, kc, vc, seq, H, HKV, 0.3, out=out, window=16,
+                       config=dict(BLOCK_N=16, num_warps=4, num_stages=1, n_splits=4))
+    check(out, _attn_ref(np64(q), np64(kc), np64(vc), [seq - 1], H, HKV, D, 0.3, window=16), 3e-3, "window")
+
+
+@pytest.mark.parametrize("T,H,HKV,D,start,as_tensor", [
+    (5, 3, 1, 64, 0, False),     # GQA ratio 3, fresh prompt
+    (7, 2, 2, 32, 13, True),     # ratio 1, continuing after 13 cached tokens
+])
+def test_attention_prefill(rng, T, H, HKV, D, start, as_tensor):
+    ctx = 67
+    q = rand(rng, T, H * D)
+    kc, vc = poisoned((ctx, HKV * D)), poisoned((ctx, HKV * D))
+    kc[:start + T], vc[:start + T] = rand(rng, start + T, HKV * D), rand(rng, start + T, HKV * D)
+    out = poisoned((T, H * D))
+    sp = torch.tensor([start], dtype=torch.int64, device=DEV) if as_tensor else start
+    K.attention_prefill(q, kc, vc, sp, H, HKV, 1 / math.sqrt(D), out=out,
+                        config=dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1))
+    ref = _attn_ref(np64(q), np64(kc), np64(vc), list(range(start, start + T)), H, HKV, D, 1 / math.sqrt(D))
+    check(out, ref, 3e-3, "attention prefill")
+
+
+def test_attention_prefill_default_config_window(rng):
+    T, H, HKV, D, start = 6, 4, 2, 64, 3
+    q = rand(rng, T, H * D)
+    kc, vc = rand(rng, 16, HKV * D), rand(rng, 16, HKV * D)
+    out = poisoned((T, H * D))
+    K.attention_prefill(q, kc, vc, start, H, HKV, out=out, window=4)
+    ref = _attn_ref(np64(q), np64(kc), np64(vc), list(range(start, start + T)), H, HKV, D, 1 / math.sqrt(D), 4)
+    check(out, ref, 3e-3, "attention prefill window")
+
+
+# ------------------------------------------------------------------------------------------ embedding
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_embedding(rng, fmt):
+    table, ref = make_weight(rng, fmt, 50, 96)
+    ids = torch.tensor([3, 49, 0, 3, 17], dtype=torch.int32, device=DEV)
+    out = poisoned((5, 96))
+    K.embedding(ids, table, out=out, config=dict(BLOCK_D=64, num_warps=2))
+    check(out, ref[ids.cpu().numpy()], 1e-3, f"{fmt} embedding")
+
+
+# ------------------------------------------------------------------------------------------- sampling
+
+def test_argmax(rng):
+    logits = rand(rng, 3, 1000, dtype=torch.float32)
+    logits[1, 999] = 50.0  # maximum in the last, partial block
+    logits[2, 5] = logits[2, 700] = 60.0  # a tie: the first index wins, as torch.argmax
+    out = torch.full((3,), -1, dtype=torch.int64, device=DEV)
+    K.argmax(logits, out=out, config=dict(BLOCK=256, num_warps=4))
+    assert out.tolist() == torch.argmax(logits.cpu(), dim=1).tolist()
+    assert out.tolist()[1:] == [999, 5]
+    assert K.argmax(logits.half()).tolist() == torch.argmax(logits.half().cpu().float(), dim=1).tolist()
+
+
+def test_sample():
+    g = torch.Generator(device=DEV).manual_seed(0)
+    logits = torch.tensor([[0.0, 3.0, 2.5, -1.0, 2.9]] * 2000, device=DEV)
+    assert (K.sample(logits[:3], temperature=0) == 1).all()  # greedy: the argmax kernel
+    assert (K.sample(logits, top_k=1, generator=g) == 1).all()
+    assert (K.sample(logits, top_p=1e-6, generator=g) == 1).all()
+    top2 = K.sample(logits, top_k=3, generator=g)
+    assert set(top2.unique().tolist()) == {1, 2, 4}
+    draws = K.sample(logits, temperature=1.0, generator=g).cpu()
+    p = torch.softmax(logits[0].cpu(), 0)
+    freq = torch.bincount(draws, minlength=5).double() / len(draws)
+    assert (freq - p.double()).abs().max() < 0.04, (freq, p)
+    nucleus = K.sample(logits, top_p=0.6, generator=g)  # p(1) ~ 0.39, p(4) ~ 0.32: {1, 4} reach 0.6
+    assert set(nucleus.unique().tolist()) == {1, 4}
+
+
+# ------------------------------------------------------------------------------ GPU code generation
+
+@pytest.mark.skipif(os.environ.get("EDGELLM_SM90_COMPILE") != "1",
+                    reason="compiles every kernel for sm_90 (~40 s): set EDGELLM_SM90_COMPILE=1")
+def test_kernels_compile_for_sm90():
+    """The interpreter does not see code generation: compile every kernel for the H100 with
+    Triton's own ptxas (no GPU needed) and check for register spills."""
+    import subprocess
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "edgellm.backends.cuda.kernels.compile_check", "--arch", "90"],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [line.split() for line in r.stdout.splitlines()[1:] if line.strip()]
+    assert len(rows) >= 30, r.stdout
+    for row in rows:
+        # columns: case words..., kernel, regs, spill, smem, mix...
+        i = next(j for j, tok in enumerate(row) if tok.startswith("_"))
+        assert row[i + 2] == "0", f"register spill in {' '.join(row[:i + 1])}"
