@@ -170,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .quantize_model import add_quantize_parser
 
     add_quantize_parser(sub)
+
+    from .bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return p
 
 
