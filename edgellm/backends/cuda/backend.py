@@ -65,7 +65,8 @@ class CudaWeights:
         """One PackedWeight for these tensors stacked along the output axis."""
         w = self._packed.get(names)
         if w is None:
-            parts = [self._pack_one(n) for n in names]
+            # parts of a stacked weight are not kept: the device holds each weight once
+            parts = [self._packed.get((n,)) or self._pack_one(n) for n in names]
             if len({p.fmt for p in parts}) > 1:  # mixed formats: stack as F16
                 parts = [self.K.pack_float(self.K.dequantize(p, torch.float32), "F16") for p in parts]
             w = parts[0] if len(parts) == 1 else self.K.concat_packed(parts)
@@ -73,8 +74,6 @@ class CudaWeights:
         return w
 
     def _pack_one(self, name: str):
-        if (name,) in self._packed:
-            return self._packed[(name,)]
         t = self.file.tensors[name]
         if self.K.can_repack(t.type_name):
             w = self.K.repack(np.ascontiguousarray(t.data), t.type_name, t.shape, device=self.device)
@@ -83,7 +82,6 @@ class CudaWeights:
 
             dense = torch.from_numpy(np.ascontiguousarray(dequantize(t.data, t.type_name, t.shape), dtype=np.float32))
             w = self.K.pack_float(dense.to(self.device), "Q8_0")
-        self._packed[(name,)] = w
         return w
 
     def vector(self, *names: str) -> torch.Tensor:
