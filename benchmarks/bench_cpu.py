@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
@@ -21,17 +20,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import edgellm  # noqa: E402
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+from edgellm.bench.device import cpu_name  # noqa: E402
 
 
 def main() -> None:
@@ -73,7 +62,7 @@ def main() -> None:
 
     print(f"model    {m.path}")
     print(f"backend  {m.backend.describe()}")
-    print(f"machine  {_cpu_name()}, {os.cpu_count()} cores")
+    print(f"machine  {cpu_name()}, {os.cpu_count()} cores")
     print(f"load     {load_s:.2f} s (to first token ready)")
     print(f"pp{a.p:<5} {fmt(pp)}")
     print(f"tg{a.n:<5} {fmt(tg)}")

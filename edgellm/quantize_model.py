@@ -886,14 +886,9 @@ def main(argv: list[str] | None = None) -> int:
         _configure_quantize_parser(p)
         p.set_defaults(func=_cmd_quantize)
     args = p.parse_args(argv)
-    try:
-        return args.func(args)
-    except EdgeLLMError as e:
-        print(f"edgellm: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("\nedgellm: interrupted", file=sys.stderr)
-        return 130
+    from .cli import run_command
+
+    return run_command(args)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from edgellm.compiler.compile import ALL_OPS, check_graph, compile_graph, partit
 from edgellm.compiler.passes import run_passes
 from edgellm.errors import GraphError
 from edgellm.graph.ir import SEQ, Graph, Op
-from edgellm.synthetic import SyntheticSpec, write_synthetic_gguf
+from edgellm.synthetic import write_synthetic_gguf
 
 from test_models import FLOAT64_ONLY, SYNTHETIC
 

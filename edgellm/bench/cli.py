@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..errors import EdgeLLMError
 
 DESCRIPTION = """\
 Benchmark engines on GGUF models (the ELIB method): for every model x quantization x engine x
@@ -141,11 +140,6 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args._argv = argv
-    try:
-        return args.func(args)
-    except EdgeLLMError as e:
-        print(f"edgellm: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("\nedgellm: interrupted", file=sys.stderr)
-        return 130
+    from ..cli import run_command
+
+    return run_command(args)
