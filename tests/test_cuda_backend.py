@@ -70,3 +70,24 @@ def test_cuda_unavailable_is_a_clear_error(tmp_path, monkeypatch):
     path = write_synthetic_gguf(tmp_path / "m.gguf", MODELS["llama-q4_0-gqa2"])
     with pytest.raises(edgellm.errors.BackendUnavailableError, match="--backend cpu"):
         edgellm.load(path, backend="cuda")
+
+
+def test_unsupported_ops_are_delegated_to_cpu(tmp_path, monkeypatch):
+    """A backend that lacks fused norm and gate/up kernels: the partitioner cuts the graph, those
+    ops run on the cpu backend's kernels with transfers, and the logits stay right."""
+    from edgellm.backends.info import CudaInfo
+
+    monkeypatch.setattr(CudaInfo, "SUPPORTED_OPS", CudaInfo.SUPPORTED_OPS - {"add_rms_norm", "linear_swiglu"})
+    spec = MODELS["llama-q4_0-gqa2"]
+    path = write_synthetic_gguf(tmp_path / "m.gguf", spec)
+    ids = np.random.default_rng(1).integers(0, spec.vocab_size, 7).tolist()
+    ref = edgellm.load(path, ctx=32).logits(ids)
+    m = edgellm.load(path, backend="cuda", ctx=32)
+    c = m.compiled["all"]
+    assert {s.backend for s in c.segments} == {"cuda", "cpu"} and c.transfers > 0
+    assert m.programs["all"].delegated
+    got = m.logits(ids)
+    assert np.abs(got - ref).max() <= 5e-3 * np.abs(ref).max()
+    steps = [m.forward(ids[:4], 0, all_logits=False)[-1]] + [m.forward([ids[i]], i, all_logits=False)[-1]
+                                                             for i in range(4, len(ids))]
+    assert np.abs(np.stack(steps) - ref[3:]).max() <= 5e-3 * np.abs(ref).max()

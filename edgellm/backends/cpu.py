@@ -89,6 +89,57 @@ def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
+# -- the reference kernels: op kind -> f(op, inputs) -> output (or a tuple for multi-output ops) --
+def _linear(op: Op, i: list) -> torch.Tensor:
+    y = torch.nn.functional.linear(i[0], i[1], i[2] if op.attrs.get("has_bias") else None)
+    return y + i[-1] if op.attrs.get("has_residual") else y
+
+def _add_rms_norm(op: Op, i: list) -> tuple[torch.Tensor, torch.Tensor]:
+    s = i[0] + i[1]
+    return s, _rms_norm(s, i[2], op.attrs["eps"])
+
+def _rope_qkv_store(op: Op, i: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    qkv, start, kc, vc = i[0], int(i[1]), i[2], i[3]
+    freqs = i[4] if len(i) > 4 else None
+    a = op.attrs
+    nq, nkv = a["n_heads"] * a["head_dim"], a["n_kv_heads"] * a["head_dim"]
+    q = _rope(qkv[:, :nq].contiguous(), start, freqs, a)
+    k = _rope(qkv[:, nq:nq + nkv].contiguous(), start, freqs, {**a, "n_heads": a["n_kv_heads"]})
+    return (q, _kv_store(op, [kc, k, start]), _kv_store(op, [vc, qkv[:, nq + nkv:], start]))
+
+def _kv_store(op: Op, i: list) -> torch.Tensor:
+    cache, x, start = i[0], i[1], int(i[2])
+    if start + x.shape[0] > cache.shape[0]:
+        raise GraphError(f"op '{op.name}': rows {start}..{start + x.shape[0]} exceed the cache's {cache.shape[0]}")
+    cache[start : start + x.shape[0]] = x
+    return cache
+
+
+CPU_KERNELS: dict[str, Callable] = {
+    "embedding": lambda op, i: i[0].index_select(0, i[1].long()),
+    "rms_norm": lambda op, i: _rms_norm(i[0], i[1], op.attrs["eps"]),
+    "linear": _linear,
+    "add": lambda op, i: i[0] + i[1],
+    "mul": lambda op, i: i[0] * i[1],
+    "silu": lambda op, i: torch.nn.functional.silu(i[0]),
+    "rope": lambda op, i: _rope(i[0], int(i[1]), i[2] if len(i) > 2 else None, op.attrs),
+    "kv_store": _kv_store,
+    "attention": lambda op, i: _attention(i[0], i[1], i[2], int(i[3]), op.attrs),
+    "last_row": lambda op, i: i[0][-1:],
+    # fused ops (edgellm.compiler.passes): each the composition it replaces
+    "add_rms_norm": _add_rms_norm,
+    "swiglu": lambda op, i: torch.nn.functional.silu(i[0]) * i[1],
+    "linear_swiglu": lambda op, i: (torch.nn.functional.silu(torch.nn.functional.linear(i[0], i[1]))
+                                    * torch.nn.functional.linear(i[0], i[2])),
+    "linear_qkv": lambda op, i: torch.cat(
+        [torch.nn.functional.linear(i[0], w, i[4 + k] if op.attrs.get("has_bias") else None)
+         for k, w in enumerate(i[1:4])], dim=1),
+    "rope_qkv_store": _rope_qkv_store,
+    "rope_store": lambda op, i: _kv_store(
+        op, [i[2], _rope(i[0], int(i[1]), i[3] if len(i) > 3 else None, op.attrs), i[1]]),
+}
+
+
 class CpuProgram:
     """A graph bound to weights and state tensors, executed op by op."""
 
@@ -110,59 +161,10 @@ class CpuProgram:
             raise GraphError(f"graph '{graph.name}': no storage for state tensors {missing[:3]}")
         for t in graph.weights():
             weights.get(t.source or t.name)
-        self._kernels: dict[str, Callable] = {
-            "embedding": lambda op, i: i[0].index_select(0, i[1].long()),
-            "rms_norm": lambda op, i: _rms_norm(i[0], i[1], op.attrs["eps"]),
-            "linear": self._linear,
-            "add": lambda op, i: i[0] + i[1],
-            "mul": lambda op, i: i[0] * i[1],
-            "silu": lambda op, i: torch.nn.functional.silu(i[0]),
-            "rope": lambda op, i: _rope(i[0], int(i[1]), i[2] if len(i) > 2 else None, op.attrs),
-            "kv_store": self._kv_store,
-            "attention": lambda op, i: _attention(i[0], i[1], i[2], int(i[3]), op.attrs),
-            "last_row": lambda op, i: i[0][-1:],
-            # fused ops (edgellm.compiler.passes): each the composition it replaces
-            "add_rms_norm": self._add_rms_norm,
-            "swiglu": lambda op, i: torch.nn.functional.silu(i[0]) * i[1],
-            "linear_swiglu": lambda op, i: (torch.nn.functional.silu(torch.nn.functional.linear(i[0], i[1]))
-                                            * torch.nn.functional.linear(i[0], i[2])),
-            "linear_qkv": lambda op, i: torch.cat(
-                [torch.nn.functional.linear(i[0], w, i[4 + k] if op.attrs.get("has_bias") else None)
-                 for k, w in enumerate(i[1:4])], dim=1),
-            "rope_qkv_store": self._rope_qkv_store,
-            "rope_store": lambda op, i: self._kv_store(
-                op, [i[2], _rope(i[0], int(i[1]), i[3] if len(i) > 3 else None, op.attrs), i[1]]),
-        }
+        self._kernels = CPU_KERNELS
         unsupported = {op.kind for op in graph.ops} - set(self._kernels)
         if unsupported:
             raise GraphError(f"cpu backend: no kernel for op kinds {sorted(unsupported)}")
-
-    @staticmethod
-    def _linear(op: Op, i: list) -> torch.Tensor:
-        y = torch.nn.functional.linear(i[0], i[1], i[2] if op.attrs.get("has_bias") else None)
-        return y + i[-1] if op.attrs.get("has_residual") else y
-
-    @staticmethod
-    def _add_rms_norm(op: Op, i: list) -> tuple[torch.Tensor, torch.Tensor]:
-        s = i[0] + i[1]
-        return s, _rms_norm(s, i[2], op.attrs["eps"])
-
-    def _rope_qkv_store(self, op: Op, i: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        qkv, start, kc, vc = i[0], int(i[1]), i[2], i[3]
-        freqs = i[4] if len(i) > 4 else None
-        a = op.attrs
-        nq, nkv = a["n_heads"] * a["head_dim"], a["n_kv_heads"] * a["head_dim"]
-        q = _rope(qkv[:, :nq].contiguous(), start, freqs, a)
-        k = _rope(qkv[:, nq:nq + nkv].contiguous(), start, freqs, {**a, "n_heads": a["n_kv_heads"]})
-        return (q, self._kv_store(op, [kc, k, start]), self._kv_store(op, [vc, qkv[:, nq + nkv:], start]))
-
-    @staticmethod
-    def _kv_store(op: Op, i: list) -> torch.Tensor:
-        cache, x, start = i[0], i[1], int(i[2])
-        if start + x.shape[0] > cache.shape[0]:
-            raise GraphError(f"op '{op.name}': rows {start}..{start + x.shape[0]} exceed the cache's {cache.shape[0]}")
-        cache[start : start + x.shape[0]] = x
-        return cache
 
     @staticmethod
     def _liveness(graph: Graph) -> list[list[str]]:

@@ -133,6 +133,7 @@ class CudaProgram:
         self.start = torch.zeros(1, dtype=torch.int32, device=self.dev)
         self.seq_len = torch.zeros(1, dtype=torch.int32, device=self.dev)
         self._host_positions = False
+        self.delegated: list[str] = []
         self._launches: list[Callable[[dict, int, int], None]] = [self._lower(op) for op in graph.ops]
         self._graph: torch.cuda.CUDAGraph | None = None
         self._graph_env: dict | None = None
@@ -158,6 +159,8 @@ class CudaProgram:
         K, W, a = self.K, self.backend.weights, op.attrs
         kind = op.kind
         ins, outs = op.inputs, op.outputs
+        if kind not in self.backend.SUPPORTED_OPS:
+            return self._delegate_to_cpu(op)
 
         def wname(t):
             return self.graph.tensors[t].source or t
@@ -247,6 +250,36 @@ class CudaProgram:
             self._host_positions = True
             return run_unfused
         raise GraphError(f"cuda: no kernel for op '{op.name}' ({kind})")
+
+    def _delegate_to_cpu(self, op: Op) -> Callable:
+        """An op this backend does not support runs on the cpu backend's reference kernel: its
+        activations are copied to the host (float32) and the results back (the transfers the
+        partitioner counts). Only ops without state: a KV-cache write must stay on the device.
+        Such a program is not captured in a CUDA graph."""
+        from ..cpu import CPU_KERNELS
+
+        if any(self.graph.tensors[o].alias_of for o in op.outputs):
+            raise GraphError(f"cuda: op '{op.name}' ({op.kind}) writes state and cannot be delegated to the cpu")
+        fn = CPU_KERNELS[op.kind]
+        self._host_positions = True
+        self.delegated.append(op.name)
+
+        def run_on_cpu(env, s, c):
+            args = []
+            for t in op.inputs:
+                kind = self.graph.tensors[t].kind
+                if t == "start_pos":
+                    args.append(self._host_start)
+                elif t == "tokens":
+                    args.append(self.tokens[:s].cpu())
+                elif kind == "weight":
+                    args.append(self.backend.cpu_weights().get(self.graph.tensors[t].source or t))
+                else:
+                    args.append(env[t].float().cpu())
+            result = fn(op, args)
+            for name, value in zip(op.outputs, (result,) if len(op.outputs) == 1 else result):
+                env[name].copy_(value.to(env[name].dtype))
+        return run_on_cpu
 
     # -- execution ----------------------------------------------------------------------------
     def _env(self, seq: int, ctx: int) -> dict:
@@ -355,6 +388,14 @@ class CudaBackend(CudaInfo):
             return True
         except BackendUnavailableError:
             return False
+
+    def cpu_weights(self):
+        """Float32 host copies of weights, for ops delegated to the cpu backend's kernels."""
+        if getattr(self, "_cpu_weights", None) is None:
+            from ..cpu import CpuWeights
+
+            self._cpu_weights = CpuWeights(self.file)
+        return self._cpu_weights
 
     def arena(self, nbytes: int) -> torch.Tensor:
         """One byte arena shared by every program (programs never run at the same time)."""
