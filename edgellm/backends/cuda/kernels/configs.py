@@ -16,18 +16,43 @@ DECODE_MAX_TOKENS = 8
 # block and the compiled K loop has no barrier (compile_check shows this); with several warps
 # some formats get a barrier and a shared-memory exchange of x per K-tile. Candidates for the
 # tuner include them anyway.
+# Tuned on an H200 (2026-11-22, `bench_kernels.py --tune --model llama8b`, the best config on
+# most of 4096x4096 / 14336x4096 / 4096x14336): F16 10.6-29.5 us (was 15.0-46.4), Q8_0 float
+# 8.8-24.4 us (was 13.0-39.9); int8 Q4_0 4.2-10.0 us (was 6.7-19.5), Q8_0 6.3-17.0 (was 9.4-28.6).
 GEMV_DEFAULT = {
-    "F16": dict(BLOCK_N=4, BLOCK_K=512, num_warps=1),
-    "Q8_0": dict(BLOCK_N=8, BLOCK_K=1024, num_warps=1),
+    "F16": dict(BLOCK_N=8, BLOCK_K=1024, num_warps=2),
+    "Q8_0": dict(BLOCK_N=2, BLOCK_K=1024, num_warps=1),
     "Q4_0": dict(BLOCK_N=8, BLOCK_K=1024, num_warps=1),
     "Q4_1": dict(BLOCK_N=8, BLOCK_K=1024, num_warps=1),
 }
+# Float-activation Q4 GEMV runs on small matrices (below the backend's int8 threshold) and on the
+# output projection; the best tile differs by size (H200, whole decode step): SmolLM2-135M Q4_0
+# 1279.6 tok/s with the tile above, 1721.1 with BLOCK_N=2/BLOCK_K=512; Llama-8B's 128256x4096
+# output projection: 567.7 with the tile above, 574.0 with BLOCK_N=16/BLOCK_K=4096/4 warps,
+# 520.0 with the small one. LARGE_GEMV_ELEMENTS picks between them.
+LARGE_GEMV_ELEMENTS = 4 << 20
+GEMV_SMALL_DEFAULT = {
+    "Q4_0": dict(BLOCK_N=2, BLOCK_K=512, num_warps=1),
+    "Q4_1": dict(BLOCK_N=2, BLOCK_K=512, num_warps=1),  # not measured: Q4_0's layout plus one array
+}
+GEMV_LARGE_DEFAULT = {
+    "Q4_0": dict(BLOCK_N=16, BLOCK_K=4096, num_warps=4),
+    "Q4_1": dict(BLOCK_N=16, BLOCK_K=4096, num_warps=4),
+}
+
+# The fused gate/up kernel (two weight matrices per program) wants its own tile: in a whole F16
+# decode step (H200) the plain tile above made gate/up slower (8B: 171.9 tok/s with it, 217.3
+# with this one; 1B: 891.2 vs 988.7).
+GEMV_GLU_DEFAULT: dict[str, dict] = {
+    "F16": dict(BLOCK_N=4, BLOCK_K=512, num_warps=1),
+}
+
 # int8 activations (x quantized per 32-block, dp4a): about 1 instruction per weight instead of ~4
 # (float Q4) or ~3.4 (float Q8_0), per compile_check's count of the compiled loop.
 GEMV_I8_DEFAULT = {
-    "Q8_0": dict(BLOCK_N=8, BLOCK_K=1024, num_warps=1),
-    "Q4_0": dict(BLOCK_N=8, BLOCK_K=1024, num_warps=1),
-    "Q4_1": dict(BLOCK_N=8, BLOCK_K=1024, num_warps=1),
+    "Q8_0": dict(BLOCK_N=2, BLOCK_K=1024, num_warps=1),
+    "Q4_0": dict(BLOCK_N=2, BLOCK_K=2048, num_warps=1),
+    "Q4_1": dict(BLOCK_N=2, BLOCK_K=2048, num_warps=1),  # not tuned: Q4_0's layout plus one array
 }
 
 

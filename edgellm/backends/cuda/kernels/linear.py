@@ -417,8 +417,18 @@ def _check_weight(x: torch.Tensor, w: PackedWeight, name: str = "w") -> None:
         raise ValueError(f"x has {x.shape[1]} features but {name} {w.fmt} {w.shape} expects {w.in_features}")
 
 
-def _decode_cfg(fmt: str, config, act_int8: bool = False) -> dict:
-    base = configs.GEMV_I8_DEFAULT[fmt] if act_int8 and fmt != "F16" else configs.GEMV_DEFAULT[fmt]
+def _decode_cfg(fmt: str, config, act_int8: bool = False, glu: bool = False, n_elements: int = 0) -> dict:
+    int8 = act_int8 and fmt != "F16"
+    if glu and fmt in configs.GEMV_GLU_DEFAULT and not int8:
+        base = configs.GEMV_GLU_DEFAULT[fmt]
+    elif int8:
+        base = configs.GEMV_I8_DEFAULT[fmt]
+    elif n_elements >= configs.LARGE_GEMV_ELEMENTS and fmt in configs.GEMV_LARGE_DEFAULT:
+        base = configs.GEMV_LARGE_DEFAULT[fmt]
+    elif n_elements and fmt in configs.GEMV_SMALL_DEFAULT:
+        base = configs.GEMV_SMALL_DEFAULT[fmt]
+    else:
+        base = configs.GEMV_DEFAULT[fmt]
     cfg = {**base, **(config or {})}
     if fmt != "F16" and cfg["BLOCK_K"] % 32:
         raise ValueError(f"BLOCK_K={cfg['BLOCK_K']} must be a multiple of 32 for {fmt}")
@@ -429,7 +439,7 @@ def _launch_gemv(x, wa, wb, b_offset, bias, out, glu, act_int8, xq, config):
     M, K = x.shape
     N = out.shape[1]
     fmt = wa.fmt
-    cfg = _decode_cfg(fmt, config, act_int8)
+    cfg = _decode_cfg(fmt, config, act_int8, glu, N * K)
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
     grid = (M * triton.cdiv(N, bn),)
     masked = N % bn != 0 or K % bk != 0  # unmasked loads when the tiles cover the matrix exactly
