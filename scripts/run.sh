@@ -4,6 +4,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/edgellm ] || bash scripts/install.sh
 if [ $# -eq 0 ]; then
-  set -- "What is the capital of France?"
+  set -- --temperature 0 "What is the capital of France?"
 fi
 exec .venv/bin/edgellm run "$@"
