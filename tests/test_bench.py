@@ -168,8 +168,10 @@ def test_tiny_sweep_on_the_default_model(tmp_path, default_model_path, capsys):
     assert pp["tokens_per_s"]["n"] == 2 and pp["tokens_per_s"]["median"] > 0 and pp["ttft_s"]["median"] > 0
     assert pp["flop_per_s"]["median"] > 0
     assert tg["tokens_per_s"]["median"] > 0
-    assert tg["tpot_s"]["median"] == pytest.approx(1 / tg["tokens_per_s"]["median"], rel=0.5)
-    assert 0 < tg["mbu"] < 1
+    # each sample's TPOT is the inverse of its tokens/s (medians of two noisy samples need not be)
+    assert tg["tpot_s"]["min"] == pytest.approx(1 / tg["tokens_per_s"]["max"], rel=1e-6)
+    assert tg["tpot_s"]["max"] == pytest.approx(1 / tg["tokens_per_s"]["min"], rel=1e-6)
+    assert tg["mbu"] > 0  # its bound depends on the copy bandwidth measured on a possibly busy machine
     tensors = open_gguf(default_model_path).tensors.values()  # tied embedding: every weight is read whole
     assert tg["weight_bytes_per_token"] == pytest.approx(sum(t.nbytes for t in tensors))
     assert c["ttlm_s"]["median"] > 0 and c["peak_rss_bytes"] > 0
