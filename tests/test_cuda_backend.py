@@ -91,3 +91,34 @@ def test_unsupported_ops_are_delegated_to_cpu(tmp_path, monkeypatch):
     steps = [m.forward(ids[:4], 0, all_logits=False)[-1]] + [m.forward([ids[i]], i, all_logits=False)[-1]
                                                              for i in range(4, len(ids))]
     assert np.abs(np.stack(steps) - ref[3:]).max() <= 5e-3 * np.abs(ref).max()
+
+
+def test_decode_fusions_match_unfused_program(tmp_path, monkeypatch):
+    """The decode-stage kernel fusions (RoPE + KV write in the q|k|v GEMV epilogue, the int8 copy
+    of the norm output written by the norm kernel) give the logits of the unfused kernels, and the
+    split-count buckets of decode attention (1 split, then more) agree with each other."""
+    monkeypatch.setenv("EDGELLM_ACT_INT8", "1")  # every GEMV on int8 activations: the norm writes them
+    spec = MODELS["llama-q4_0-gqa2"]
+    path = write_synthetic_gguf(tmp_path / "m.gguf", spec)
+    ids = np.random.default_rng(5).integers(0, spec.vocab_size, 7).tolist()
+    ref = edgellm.load(path, ctx=32).logits(ids)
+
+    def decode_steps(fusion: str, keys_per_split: int):
+        monkeypatch.setenv("EDGELLM_DECODE_FUSION", fusion)
+        monkeypatch.setattr("edgellm.backends.cuda.kernels.configs.ATTN_DECODE_KEYS_PER_SPLIT", keys_per_split)
+        m = edgellm.load(path, backend="cuda", ctx=256)  # up to 4 splits of 64 keys
+        prog = m.programs["decode"]
+        assert bool(prog._rope_into_gemv) == (fusion == "1") and bool(prog._xq_for) == (fusion == "1")
+        out = [m.forward([t], i, all_logits=False)[-1] for i, t in enumerate(ids)]
+        return np.stack(out), prog
+    fused, prog = decode_steps("1", 3)  # 1 split up to 3 keys, then 2, 3 splits
+    assert prog._splits == 3
+    plain, _ = decode_steps("0", 512)
+    scale = np.abs(ref).max()
+    # the first step (position 0, no rotation, one split) is the same arithmetic; later ones differ by
+    # fp16 rounding (q|k rotated before rounding, split partials in fp32), which int8 re-quantization
+    # of the next activations amplifies to ~1% (test_cuda_logits_match_cpu checks the float path tightly)
+    assert np.abs(fused[0] - plain[0]).max() <= 1e-4 * scale
+    assert np.abs(fused - plain).max() <= 2e-2 * scale
+    # int8 activations against the float32 cpu reference
+    assert np.abs(fused - ref).max() <= 3e-2 * scale and (fused.argmax(-1) == ref.argmax(-1)).mean() >= 0.8

@@ -247,6 +247,21 @@ def test_rms_norm(rng, with_res):
         check(rout, h, 1e-3, "residual sum")
 
 
+@pytest.mark.parametrize("D", [96, 128])
+def test_rms_norm_writes_int8_activations(rng, D):
+    """rms_norm(..., xq=) equals quantize_activations of its own output, bit for bit."""
+    x, res, w = rand(rng, 3, D), rand(rng, 3, D), rand(rng, D, dtype=torch.float32)
+    xq = K.QuantizedActivations(torch.full((3, D), 99, dtype=torch.int8, device=DEV),
+                                poisoned((3, D // 32), torch.float32), poisoned((3, D // 32), torch.float32))
+    out = K.rms_norm(x, w, 1e-5, residual=res, out=poisoned((3, D)), xq=xq)
+    ref = K.quantize_activations(out)
+    assert torch.equal(xq.xq, ref.xq) and torch.equal(xq.xd, ref.xd) and torch.equal(xq.xs, ref.xs)
+    assert (xq.xq.abs() <= 127).all() and xq.xq.abs().max() == 127
+    with pytest.raises(ValueError, match="expected"):
+        K.rms_norm(rand(rng, 3, 80), rand(rng, 80, dtype=torch.float32), 1e-5,
+                   xq=K.quantize_activations(rand(rng, 3, 96)))
+
+
 def test_rms_norm_in_place_residual(rng):
     x, w, res = rand(rng, 2, 64), rand(rng, 64), rand(rng, 2, 64)
     h = np64(x) + np64(res)
@@ -303,6 +318,55 @@ def test_rope_qkv_cache(rng, style, D, H, HKV, fused, ff, n_rot):
     check(vc[start:start + T], np64(v), 1e-6, "v cache")
     assert torch.isnan(kc[:start]).all() and torch.isnan(kc[start + T:]).all(), "wrote outside rows start..start+T"
     assert torch.isnan(vc[:start]).all() and torch.isnan(vc[start + T:]).all()
+
+
+@pytest.mark.parametrize("fmt,int8,ff,n_rot,T,as_tensor", [
+    ("Q4_0", False, True, None, 1, True),
+    ("Q8_0", True, False, 16, 2, True),
+    ("F16", False, False, None, 3, False),
+    ("Q4_1", True, True, None, 1, False),
+])
+def test_linear_rope_epilogue(rng, fmt, int8, ff, n_rot, T, as_tensor):
+    """linear(..., rope=RopeStore) in decode (the GEMV's epilogue rotates q|k and writes k, v into the
+    caches) against the float64 projection followed by the rope reference."""
+    H, HKV, D, K_in, ctx, start = 3, 1, 32, 96, 40, 29
+    pw, w = make_weight(rng, fmt, (H + 2 * HKV) * D, K_in)
+    x = rand(rng, T, K_in)
+    kc, vc = poisoned((ctx, HKV * D)), poisoned((ctx, HKV * D))
+    qo = poisoned((T, H * D))
+    factors = torch.from_numpy(rng.uniform(1, 8, (n_rot or D) // 2).astype(np.float32)).to(DEV) if ff else None
+    pos_arg = torch.tensor([start], dtype=torch.int32, device=DEV) if as_tensor else start
+    rope = K.RopeStore(kc, vc, pos_arg, H, HKV, D, theta=1e4, freq_factors=factors, n_rot=n_rot, q_out=qo)
+    got = K.linear(x, pw, act_int8=int8, rope=rope, config=dict(BLOCK_N=4, BLOCK_K=64, num_warps=1))
+    assert got is qo
+    xr = _q8_act_ref(np64(x)) if int8 else np64(x)
+    qkv = xr @ w.T
+    pos = np.arange(start, start + T, dtype=np.float64)
+    f = np64(factors) if ff else None
+    nr = n_rot or D
+    q_ref = _rope_ref(qkv[:, :H * D].reshape(T, H, D), pos, nr, 1e4, False, f).reshape(T, -1)
+    k_ref = _rope_ref(qkv[:, H * D:(H + HKV) * D].reshape(T, HKV, D), pos, nr, 1e4, False, f).reshape(T, -1)
+    check(qo, q_ref, 3e-3, f"{fmt} q")
+    check(kc[start:start + T], k_ref, 3e-3, f"{fmt} k cache")
+    check(vc[start:start + T], qkv[:, (H + HKV) * D:], 3e-3, f"{fmt} v cache")
+    assert torch.isnan(kc[:start]).all() and torch.isnan(kc[start + T:]).all(), "wrote outside rows start..start+T"
+    assert torch.isnan(vc[:start]).all() and torch.isnan(vc[start + T:]).all()
+    # neox pairs cannot be formed inside a GEMV program: the same call falls back to two launches
+    kc2, vc2 = poisoned((ctx, HKV * D)), poisoned((ctx, HKV * D))
+    q2 = K.linear(x, pw, act_int8=int8, rope=K.RopeStore(kc2, vc2, pos_arg, H, HKV, D, theta=1e4, style="neox",
+                                                           freq_factors=factors, n_rot=n_rot))
+    q2_ref = _rope_ref(qkv[:, :H * D].reshape(T, H, D), pos, nr, 1e4, True, f).reshape(T, -1)
+    check(q2, q2_ref, 3e-3, f"{fmt} neox fallback q")
+
+
+def test_linear_rope_rejects_bad_input(rng):
+    pw, _ = make_weight(rng, "Q8_0", 5 * 32, 64)
+    x = rand(rng, 1, 64)
+    kc, vc = poisoned((8, 32)), poisoned((8, 32))
+    with pytest.raises(ValueError, match="expected \\(n_heads"):
+        K.linear(x, pw, rope=K.RopeStore(kc, vc, 0, 4, 1, 32))
+    with pytest.raises(ValueError, match="do not fit"):
+        K.linear(x, pw, rope=K.RopeStore(kc, vc, 8, 3, 1, 32))
 
 
 def test_rope_large_positions(rng):

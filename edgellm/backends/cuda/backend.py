@@ -134,18 +134,30 @@ class CudaProgram:
         self.seq_len = torch.zeros(1, dtype=torch.int32, device=self.dev)
         self._host_positions = False
         self.delegated: list[str] = []
+        # decode-stage fusions across ops (see _plan_decode_fusions)
+        self.decode_stage = max_seq <= self.K.configs.DECODE_MAX_TOKENS
+        self._rope_into_gemv: dict[str, Op] = {}  # linear_qkv op name -> the rope_qkv_store it absorbs
+        self._absorbed: set[str] = set()  # ops whose work another op's kernel does
+        self._xq_for: dict[str, object] = {}  # norm output -> int8 copy written by the norm kernel
+        self._own_buffers: dict[str, torch.Tensor] = {}  # tensors kept out of the arena (see below)
+        self._plan_decode_fusions()
+        # attention splits of the current step (from the host's sequence length, see _set_context)
+        self._splits = 1
+        self._split_cap: int | None = None
         self._launches: list[Callable[[dict, int, int], None]] = [self._lower(op) for op in graph.ops]
-        self._graph: torch.cuda.CUDAGraph | None = None
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}  # one CUDA graph per context bucket
         self._graph_env: dict | None = None
         self.use_cuda_graph = (max_seq == 1 and self.dev.type == "cuda" and not self._host_positions
                                and os.environ.get("EDGELLM_CUDA_GRAPHS", "1") != "0")
-        self._warm = False
+        self._warm_buckets: set[int] = set()
 
     # -- buffers ------------------------------------------------------------------------------
     def _buffer(self, name: str, seq: int, ctx: int) -> torch.Tensor:
         t = self.graph.tensors[name]
         shape = [int(d) for d in self._shape_fn[name](seq, ctx)]
         dtype = torch.float32 if name in self.graph.outputs else torch.float16
+        if name in self._own_buffers:
+            return self._own_buffers[name][:shape[0]].view(shape)
         if name in self.offsets:
             off = self.offsets[name]
             n = math.prod(shape) * (4 if dtype == torch.float32 else 2)
@@ -153,6 +165,101 @@ class CudaProgram:
         if name in self.graph.outputs:
             return torch.empty(shape, dtype=dtype, device=self.dev)
         raise GraphError(f"cuda: no buffer planned for '{t.name}'")
+
+    # -- decode-stage fusions ----------------------------------------------------------------
+    def _plan_decode_fusions(self) -> None:
+        """Kernel-level fusions of the decode stage, where a token's time is mostly launches:
+        - a fused q|k|v projection whose only reader is rope_qkv_store (adjacent-pair RoPE) rotates
+          and writes the KV cache in its GEMV epilogue: one launch instead of two;
+        - an RMSNorm whose output feeds int8-activation GEMVs also writes the int8 copy they read,
+          so they skip quantize_activations: one launch less per such GEMV.
+        Prefill stages keep separate kernels (their matrix-matrix products have no such epilogue)."""
+        if not self.decode_stage or os.environ.get("EDGELLM_DECODE_FUSION", "1") == "0":
+            return
+        readers: dict[str, list[Op]] = {}
+        producer: dict[str, Op] = {}
+        for op in self.graph.ops:
+            for t in op.inputs:
+                readers.setdefault(t, []).append(op)
+            for t in op.outputs:
+                producer[t] = op
+        for op in self.graph.ops:
+            if op.kind == "linear_qkv":
+                rd = readers.get(op.outputs[0], [])
+                if (len(rd) == 1 and rd[0].kind == "rope_qkv_store" and rd[0].attrs.get("style") == "norm"
+                        and rd[0].attrs.get("pos_scale", 1.0) == 1.0 and rd[0].inputs[0] == op.outputs[0]):
+                    self._rope_into_gemv[op.name] = rd[0]
+                    self._absorbed.add(rd[0].name)
+                    # the rotated q is now written while the GEMV still reads its input, earlier than
+                    # the memory plan assumed (it may share the input's slot): it gets a buffer of its
+                    # own, one for all layers (each is read by its attention before the next is written)
+                    q = self.graph.tensors[rd[0].outputs[0]]
+                    self._own_buffers[q.name] = self._private_buffer(int(q.shape[-1]))
+        W = self.backend.weights
+        for op in self.graph.ops:
+            if op.kind not in ("linear", "linear_qkv", "linear_swiglu"):
+                continue
+            src = producer.get(op.inputs[0])
+            if src is None or src.kind not in ("rms_norm", "add_rms_norm") or src.kind not in self.backend.SUPPORTED_OPS:
+                continue
+            if not self._linear_uses_int8(op, W):
+                continue
+            width = int(self.graph.tensors[op.inputs[0]].shape[-1])
+            if width % 32:
+                continue
+            self._xq_for[op.inputs[0]] = self._xq_buffer(width)
+
+    def _private_buffer(self, width: int) -> torch.Tensor:
+        bufs = self.backend.__dict__.setdefault("_private_buffers", {})
+        key = (self.max_seq, width)
+        if key not in bufs:
+            bufs[key] = torch.empty((self.max_seq, width), dtype=torch.float16, device=self.dev)
+        return bufs[key]
+
+    def _xq_buffer(self, width: int):
+        """One int8 activation buffer per width, shared: each is read right after it is written."""
+        bufs = self.backend.__dict__.setdefault("_xq_buffers", {})
+        key = (self.max_seq, width)
+        if key not in bufs:
+            n = self.max_seq
+            bufs[key] = self.K.QuantizedActivations(
+                torch.empty((n, width), dtype=torch.int8, device=self.dev),
+                torch.empty((n, width // 32), dtype=torch.float32, device=self.dev),
+                torch.empty((n, width // 32), dtype=torch.float32, device=self.dev))
+        return bufs[key]
+
+    @staticmethod
+    def _xq_rows(xq, s: int):
+        return type(xq)(xq.xq[:s], xq.xd[:s], xq.xs[:s])
+
+    def _linear_weight(self, op: Op, W):
+        def wname(t):
+            return self.graph.tensors[t].source or t
+        if op.kind == "linear_qkv":
+            return W.packed(*(wname(t) for t in op.inputs[1:4]))
+        if op.kind == "linear_swiglu":
+            return W.packed(wname(op.inputs[1]), wname(op.inputs[2]))
+        return W.packed(wname(op.inputs[1]))
+
+    def _linear_uses_int8(self, op: Op, W) -> bool:
+        # the output projection stays on the float path: int8 activations cost up to ~0.3 logits
+        # there (measured on SmolLM2), enough to flip a close argmax; inside the blocks the error
+        # averages out
+        if op.kind == "linear" and op.outputs[0] in self.graph.outputs:
+            return False
+        return _use_act_int8(self._linear_weight(op, W))
+
+    def _set_context(self, seq_len: int) -> int:
+        """The context bucket of a step: its attention split count, from the number of cached
+        tokens. Short contexts take one split (one kernel, no combine step); each further
+        ATTN_DECODE_KEYS_PER_SPLIT keys add a split, up to about two programs per SM. Decode CUDA
+        graphs are captured per bucket."""
+        per = self.K.configs.ATTN_DECODE_KEYS_PER_SPLIT
+        n = max(1, -(-int(seq_len) // per))
+        if self._split_cap is not None:
+            n = min(n, self._split_cap)
+        self._splits = n
+        return n
 
     # -- lowering: one closure per op ---------------------------------------------------------
     def _lower(self, op: Op) -> Callable:
@@ -168,37 +275,21 @@ class CudaProgram:
         if kind == "embedding":
             table = W.packed(wname(ins[0]))
             return lambda env, s, c: K.embedding(self.tokens[:s], table, out=env[outs[0]])
-        if kind == "rms_norm":
-            w = W.vector(wname(ins[1]))
-            return lambda env, s, c: K.rms_norm(env[ins[0]], w, a["eps"], out=env[outs[0]])
-        if kind == "add_rms_norm":
+        if op.name in self._absorbed:
+            return lambda env, s, c: None
+        if kind in ("rms_norm", "add_rms_norm"):
+            normed = outs[0] if kind == "rms_norm" else outs[1]
+            xq = self._xq_for.get(normed)
+            if kind == "rms_norm":
+                w = W.vector(wname(ins[1]))
+                return lambda env, s, c: K.rms_norm(env[ins[0]], w, a["eps"], out=env[outs[0]],
+                                                    xq=None if xq is None else self._xq_rows(xq, s))
             w = W.vector(wname(ins[2]))
             return lambda env, s, c: K.rms_norm(env[ins[0]], w, a["eps"], residual=env[ins[1]],
-                                                out=env[outs[1]], residual_out=env[outs[0]])
-        if kind == "linear":
-            w = W.packed(wname(ins[1]))
-            bias = W.vector(wname(ins[2])) if a.get("has_bias") else None
-            res = ins[-1] if a.get("has_residual") else None
-
-            # the output projection stays on the float path: int8 activations cost up to ~0.3 logits
-            # there (measured on SmolLM2), enough to flip a close argmax; inside the blocks the
-            # error averages out
-            i8 = _use_act_int8(w) and outs[0] not in self.graph.outputs
-
-            def run_linear(env, s, c):
-                y = K.linear(env[ins[0]], w, bias=bias, out=env[outs[0]], act_int8=i8)
-                if res is not None:
-                    y.add_(env[res])
-            return run_linear
-        if kind == "linear_qkv":
-            w = W.packed(*(wname(t) for t in ins[1:4]))
-            bias = W.vector(*(wname(t) for t in ins[4:7])) if a.get("has_bias") else None
-            i8 = _use_act_int8(w)
-            return lambda env, s, c: K.linear(env[ins[0]], w, bias=bias, out=env[outs[0]], act_int8=i8)
-        if kind == "linear_swiglu":
-            w = W.packed(wname(ins[1]), wname(ins[2]))
-            i8 = _use_act_int8(w)
-            return lambda env, s, c: K.linear_silu_mul(env[ins[0]], w, out=env[outs[0]], act_int8=i8)
+                                                out=env[outs[1]], residual_out=env[outs[0]],
+                                                xq=None if xq is None else self._xq_rows(xq, s))
+        if kind in ("linear", "linear_qkv", "linear_swiglu"):
+            return self._lower_linear(op)
         if kind == "swiglu":
             return lambda env, s, c: K.silu_mul(env[ins[0]], env[ins[1]], out=env[outs[0]])
         if kind == "rope_qkv_store":
@@ -211,15 +302,23 @@ class CudaProgram:
                 n_rot=a.get("rope_dim", a["head_dim"]), q_out=env[outs[0]])
         if kind == "attention":
             ws = {}
+            G = a["n_heads"] // a["n_kv_heads"]
 
             def run_attention(env, s, c):
                 q, kc, vc, out = env[ins[0]], env[ins[1]], env[ins[2]], env[outs[0]]
                 if s <= 4:
-                    if s not in ws:
-                        n = K.default_decode_splits(q, a["n_kv_heads"], kc.shape[0], s, a["n_heads"])
-                        ws[s] = K.decode_workspace(s, a["n_heads"], a["head_dim"], n, self.dev)
+                    cap = K.default_decode_splits(q, a["n_kv_heads"], kc.shape[0], s, a["n_heads"])
+                    self._split_cap = cap if self._split_cap is None else max(self._split_cap, cap)
+                    n = min(self._splits, cap)
+                    if n == 1:  # the whole context in one program per KV head: no combine kernel
+                        bm = min(64, max(16, 1 << (s * G - 1).bit_length()))
+                        K.attention_prefill(q, kc, vc, self.start, a["n_heads"], a["n_kv_heads"], a["scale"],
+                                            out=out, head_dim=a["head_dim"], config=dict(BLOCK_M=bm))
+                        return
+                    if (s, n) not in ws:
+                        ws[s, n] = K.decode_workspace(s, a["n_heads"], a["head_dim"], n, self.dev)
                     K.attention_decode(q, kc, vc, self.seq_len, a["n_heads"], a["n_kv_heads"], a["scale"], out=out,
-                                       head_dim=a["head_dim"], workspace=ws[s])
+                                       head_dim=a["head_dim"], workspace=ws[s, n], config=dict(n_splits=n))
                 else:
                     K.attention_prefill(q, kc, vc, self.start, a["n_heads"], a["n_kv_heads"], a["scale"], out=out,
                                         head_dim=a["head_dim"])
@@ -250,6 +349,70 @@ class CudaProgram:
             self._host_positions = True
             return run_unfused
         raise GraphError(f"cuda: no kernel for op '{op.name}' ({kind})")
+
+    def _lower_linear(self, op: Op) -> Callable:
+        K, W, a = self.K, self.backend.weights, op.attrs
+        ins, outs, kind = op.inputs, op.outputs, op.kind
+
+        def wname(t):
+            return self.graph.tensors[t].source or t
+
+        w = self._linear_weight(op, W)
+        i8 = self._linear_uses_int8(op, W)
+        xq = self._xq_for.get(ins[0]) if i8 else None
+        cfg = self._tuned_gemv(op, w, i8) if self.decode_stage else None
+        if kind == "linear_swiglu":
+            return lambda env, s, c: K.linear_silu_mul(env[ins[0]], w, out=env[outs[0]], act_int8=i8, config=cfg,
+                                                       xq=None if xq is None else self._xq_rows(xq, s))
+        if kind == "linear_qkv":
+            bias = W.vector(*(wname(t) for t in ins[4:7])) if a.get("has_bias") else None
+            rope_op = self._rope_into_gemv.get(op.name)
+            if rope_op is None:
+                return lambda env, s, c: K.linear(env[ins[0]], w, bias=bias, out=env[outs[0]], act_int8=i8, config=cfg,
+                                                  xq=None if xq is None else self._xq_rows(xq, s))
+            ra = rope_op.attrs
+            freqs = W.vector(wname(rope_op.inputs[4])) if len(rope_op.inputs) > 4 else None
+
+            def run_qkv_rope(env, s, c):
+                rope = K.RopeStore(env[rope_op.inputs[2]], env[rope_op.inputs[3]], self.start, ra["n_heads"],
+                                   ra["n_kv_heads"], ra["head_dim"], theta=ra["theta"], style=ra["style"],
+                                   freq_factors=freqs, n_rot=ra.get("rope_dim", ra["head_dim"]),
+                                   q_out=env[rope_op.outputs[0]])
+                K.linear(env[ins[0]], w, bias=bias, act_int8=i8, config=cfg, rope=rope,
+                         xq=None if xq is None else self._xq_rows(xq, s))
+            return run_qkv_rope
+        bias = W.vector(wname(ins[2])) if a.get("has_bias") else None
+        res = ins[-1] if a.get("has_residual") else None
+
+        def run_linear(env, s, c):
+            y = K.linear(env[ins[0]], w, bias=bias, out=env[outs[0]], act_int8=i8, config=cfg,
+                         xq=None if xq is None else self._xq_rows(xq, s))
+            if res is not None:
+                y.add_(env[res])
+        return run_linear
+
+    def _tuned_gemv(self, op: Op, w, i8: bool) -> dict | None:
+        """The decode GEMV launch configuration for this weight's (format, shape, path), timed at
+        first load and cached on disk (tuning.py); None = the default of configs.py."""
+        tuner = self.backend.tuner
+        if tuner is None or not tuner.enabled:
+            return None
+        K = self.K
+        glu = op.kind == "linear_swiglu"
+        n_out = w.out_features // 2 if glu else w.out_features
+        key = (w.fmt, n_out, w.in_features, "i8" if i8 and w.fmt != "F16" else "float", "glu" if glu else "plain")
+        cands = K.configs.gemv_tune_candidates(w.fmt, i8 and w.fmt != "F16", glu)
+        default = K.configs.gemv_config(w.fmt, i8, glu, n_out * w.in_features)
+        x = torch.randn((1, w.in_features), device=self.dev).to(torch.float16)
+        out = torch.empty((1, n_out), dtype=torch.float16, device=self.dev)
+        xq = K.quantize_activations(x) if i8 and w.fmt != "F16" else None
+
+        def run(cfg):
+            if glu:
+                K.linear_silu_mul(x, w, out=out, act_int8=i8, xq=xq, config=cfg)
+            else:
+                K.linear(x, w, out=out, act_int8=i8, xq=xq, config=cfg)
+        return tuner.pick("gemv", key, cands, default, run)
 
     def _delegate_to_cpu(self, op: Op) -> Callable:
         """An op this backend does not support runs on the cpu backend's reference kernel: its
@@ -312,7 +475,8 @@ class CudaProgram:
         self.start.fill_(start)
         self.seq_len.fill_(start + 1)
         if self.dev.type != "cuda" or self._host_positions:
-            for _ in range(n):
+            for i in range(n):
+                self._set_context(start + 1 + i)
                 env = self._env(1, ctx)
                 self._launch_all(env, 1, ctx)
                 tok = int(self.K.argmax(env["logits"])[0])
@@ -322,19 +486,26 @@ class CudaProgram:
                 self.start.add_(1)
                 self.seq_len.add_(1)
             return
-        if getattr(self, "_greedy_graph", None) is None:
-            env = self._env(1, ctx)
+        if not hasattr(self, "_greedy_graphs"):
+            self._greedy_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+            self._greedy_env = self._env(1, ctx)
             self._next = torch.zeros(1, dtype=torch.int64, device=self.dev)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                self._launch_all(env, 1, ctx)
-                self.K.argmax(env["logits"], out=self._next)
-                self.tokens[:1].copy_(self._next)
-                self.start.add_(1)
-                self.seq_len.add_(1)
-            self._greedy_graph = g
-        for _ in range(n):
-            self._greedy_graph.replay()
+        for i in range(n):
+            bucket = self._set_context(start + 1 + i)
+            g = self._greedy_graphs.get(bucket)
+            if g is None:
+                # compile this bucket's kernels outside the capture (the step it runs is the one the
+                # replay below repeats: same token, same cache row)
+                self._launch_all(self._greedy_env, 1, ctx)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    self._launch_all(self._greedy_env, 1, ctx)
+                    self.K.argmax(self._greedy_env["logits"], out=self._next)
+                    self.tokens[:1].copy_(self._next)
+                    self.start.add_(1)
+                    self.seq_len.add_(1)
+                self._greedy_graphs[bucket] = g
+            g.replay()
             yield int(self._next.item())
 
     def run(self, inputs: dict[str, object]) -> dict[str, torch.Tensor]:
@@ -347,19 +518,22 @@ class CudaProgram:
         self.tokens[:seq].copy_(torch.from_numpy(ids), non_blocking=True)
         self.start.fill_(start)
         self.seq_len.fill_(start + seq)
-        if self.use_cuda_graph and self._warm:
-            if self._graph is None:
-                self._graph_env = self._env(seq, ctx)
+        bucket = self._set_context(start + seq)
+        if self.use_cuda_graph and bucket in self._warm_buckets:
+            g = self._graphs.get(bucket)
+            if g is None:
+                if self._graph_env is None:
+                    self._graph_env = self._env(seq, ctx)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g):
                     self._launch_all(self._graph_env, seq, ctx)
-                self._graph = g
-            self._graph.replay()
+                self._graphs[bucket] = g
+            g.replay()
             env = self._graph_env
         else:
             env = self._env(seq, ctx)
             self._launch_all(env, seq, ctx)
-            self._warm = True  # the first run compiles and autotunes the kernels outside a capture
+            self._warm_buckets.add(bucket)  # a bucket's first run compiles its kernels outside a capture
         return {name: env[name] for name in self.graph.outputs}
 
 
@@ -379,6 +553,21 @@ class CudaBackend(CudaInfo):
         self.file = f
         self.weights = CudaWeights(f, self.device)
         self._arena: torch.Tensor | None = None
+        self.tuner = self._make_tuner()
+
+    def _make_tuner(self):
+        """EDGELLM_TUNE=1: decode GEMV configurations are timed on this device at first load and
+        cached on disk (tuning.py). Off by default: the first H100 run timed single launches (host
+        bound) and its picks slowed decode; the graph-based timer that replaced it has not yet been
+        checked on a GPU, so the defaults of configs.py (tuned on an H200) stay in force."""
+        if self.device.type != "cuda":
+            return None
+        from .tuning import Tuner
+        import triton
+
+        major, minor = torch.cuda.get_device_capability(self.device)
+        name = f"{torch.cuda.get_device_name(self.device)}|sm{major}{minor}|triton-{triton.__version__}"
+        return Tuner(name, enabled=os.environ.get("EDGELLM_TUNE", "0") == "1")
 
     @staticmethod
     def available() -> bool:

@@ -24,12 +24,12 @@ from .linear import QuantizedActivations, linear, linear_silu_mul, quantize_acti
 from .norm import rms_norm
 from .packing import (PACKED_FORMATS, SUPPORTED_FORMATS, PackedWeight, UnsupportedFormatError, can_repack,
                       concat_packed, dequantize, pack_float, repack)
-from .rope import rope_qkv_cache
+from .rope import RopeStore, rope_qkv_cache
 from .sampling import argmax, sample
 
 __all__ = [
     "INTERPRET", "USE_DP4A", "PACKED_FORMATS", "SUPPORTED_FORMATS", "PackedWeight", "UnsupportedFormatError",
-    "QuantizedActivations", "argmax", "attention_decode", "attention_prefill", "can_repack", "concat_packed",
+    "QuantizedActivations", "RopeStore", "argmax", "attention_decode", "attention_prefill", "can_repack", "concat_packed",
     "decode_workspace", "default_decode_splits", "dequantize", "embedding", "linear", "linear_silu_mul", "pack_float",
     "quantize_activations", "repack", "rms_norm", "rope_qkv_cache", "sample", "set_pdl", "silu_mul",
 ]

@@ -56,6 +56,38 @@ GEMV_I8_DEFAULT = {
 }
 
 
+def gemv_config(fmt: str, act_int8: bool = False, glu: bool = False, n_elements: int = 0) -> dict:
+    """The default decode GEMV tile for a weight format, path (int8 activations or float, fused
+    gate/up or not) and size (rows x columns)."""
+    int8 = act_int8 and fmt != "F16"
+    if glu and fmt in GEMV_GLU_DEFAULT and not int8:
+        return dict(GEMV_GLU_DEFAULT[fmt])
+    if int8:
+        return dict(GEMV_I8_DEFAULT[fmt])
+    if n_elements >= LARGE_GEMV_ELEMENTS and fmt in GEMV_LARGE_DEFAULT:
+        return dict(GEMV_LARGE_DEFAULT[fmt])
+    if n_elements and fmt in GEMV_SMALL_DEFAULT:
+        return dict(GEMV_SMALL_DEFAULT[fmt])
+    return dict(GEMV_DEFAULT[fmt])
+
+
+def gemv_tune_candidates(fmt: str, act_int8: bool = False, glu: bool = False) -> list[dict]:
+    """What the backend times at first load for one decode GEMV (tuning.py): a dozen tiles around
+    the defaults, each compiling once per Triton cache. BLOCK_N stays even (the RoPE epilogue
+    rotates pairs of rows inside one program)."""
+    out = []
+    if fmt == "F16":
+        for bn in (2, 4, 8, 16):
+            for bk, w in ((512, 1), (1024, 2), (1024, 4)):
+                out.append(dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w))
+        return out
+    tiles = ((1024, 1), (2048, 1), (2048, 2), (4096, 4)) if act_int8 else ((512, 1), (1024, 1), (2048, 2), (4096, 4))
+    for bn in (2, 4, 8, 16):
+        for bk, w in tiles:
+            out.append(dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w))
+    return out
+
+
 def gemv_candidates(fmt: str) -> list[dict]:
     out = []
     if fmt == "F16":
@@ -105,6 +137,10 @@ ROPE_DEFAULT = dict(num_warps=1)
 
 # Flash-decoding: key rows per inner tile, query rows (tokens x group heads) per program, warps.
 # n_splits None: about two programs per SM, fixed for a given device and model (CUDA-graph safe).
+# Context buckets of the decode step: up to this many cached keys attention runs as one program
+# per KV head (no combine kernel); each further such run of keys adds a split. The decode CUDA
+# graph is captured once per bucket (split count).
+ATTN_DECODE_KEYS_PER_SPLIT = 512
 ATTN_DECODE_DEFAULT = dict(BLOCK_N=64, num_warps=4, num_stages=2, n_splits=None)
 ATTN_DECODE_CANDIDATES = [dict(BLOCK_N=bn, num_warps=w, num_stages=s, n_splits=ns)
                           for bn in (32, 64, 128) for w in (2, 4, 8) for s in (1, 2, 3) for ns in (None, 16, 32, 64)]

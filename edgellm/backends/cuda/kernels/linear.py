@@ -24,6 +24,7 @@ nibble interleaving is needed.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -31,8 +32,9 @@ import triton
 import triton.language as tl
 
 from . import configs
-from ._common import USE_DP4A, check_2d, dp4a, jit, or_under_one, out_buffer, pdl, pdl_prologue
+from ._common import USE_DP4A, check_2d, dp4a, int_or_tensor, jit, or_under_one, out_buffer, pdl, pdl_prologue
 from .packing import PackedWeight
+from .rope import RopeStore, rope_cos_sin
 
 _FMT_CODE = {"F16": 0, "Q4_0": 1, "Q4_1": 2, "Q8_0": 3}
 
@@ -116,9 +118,11 @@ def _gemv_kernel(x_ptr, stride_xm,
                  a_q, a_d, a_m, b_q, b_d, b_m,
                  bias_ptr, out_ptr, stride_om,
                  M, N, K, stride_q, stride_d,
+                 pos_ptr, pos_val, ff_ptr, log2_theta, qo_ptr, stride_qo, kc_ptr, vc_ptr, stride_c, QD, KVD,
                  FMT: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MASKED: tl.constexpr, USE_ASM: tl.constexpr,
-                 PDL: tl.constexpr):
+                 ROPE: tl.constexpr, POS_FROM_PTR: tl.constexpr, HEAD_DIM: tl.constexpr, N_ROT: tl.constexpr,
+                 HAS_FF: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
     pid = tl.program_id(0)
     tok = pid % M
@@ -159,12 +163,17 @@ def _gemv_kernel(x_ptr, stride_xm,
             if GLU:
                 acc_b += _q4_part(b_q, b_d, b_m, rows64, rmask, kb, kmask, xrow, xsum, stride_q, stride_d,
                                   FMT == 2, MASKED, USE_ASM)
-    _gemv_epilogue(acc_a, acc_b, rows, rmask, tok, bias_ptr, out_ptr, stride_om, FMT == 0, GLU, HAS_BIAS)
+    _gemv_epilogue(acc_a, acc_b, rows, rmask, tok, bias_ptr, out_ptr, stride_om, FMT == 0, GLU, HAS_BIAS, BLOCK_N,
+                   pos_ptr, pos_val, ff_ptr, log2_theta, qo_ptr, stride_qo, kc_ptr, vc_ptr, stride_c, QD, KVD,
+                   ROPE, POS_FROM_PTR, HEAD_DIM, N_ROT, HAS_FF)
 
 
 @jit
 def _gemv_epilogue(acc_a, acc_b, rows, rmask, tok, bias_ptr, out_ptr, stride_om,
-                   ROWS_FIRST: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr):
+                   ROWS_FIRST: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                   pos_ptr, pos_val, ff_ptr, log2_theta, qo_ptr, stride_qo, kc_ptr, vc_ptr, stride_c, QD, KVD,
+                   ROPE: tl.constexpr, POS_FROM_PTR: tl.constexpr, HEAD_DIM: tl.constexpr, N_ROT: tl.constexpr,
+                   HAS_FF: tl.constexpr):
     if ROWS_FIRST:  # accumulators are [rows, k] (dense) or [blocks, rows] (quantized)
         y = tl.sum(acc_a, axis=1)
     else:
@@ -177,7 +186,29 @@ def _gemv_epilogue(acc_a, acc_b, rows, rmask, tok, bias_ptr, out_ptr, stride_om,
         else:
             u = tl.sum(acc_b, axis=0)
         y = y / (1.0 + tl.exp(-y)) * u
-    tl.store(out_ptr + tok.to(tl.int64) * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=rmask)
+    if ROPE:
+        # y holds rows of the q|k|v projection: rotate (q, k) pairs (2i, 2i+1) of each head, then
+        # write q to its buffer and k, v straight into row `pos` of the caches (rope_qkv_cache's
+        # work, without a launch of its own). BLOCK_N is even, so pairs never straddle programs.
+        if POS_FROM_PTR:
+            pos = tl.load(pos_ptr).to(tl.int32) + tok
+        else:
+            pos = pos_val + tok
+        y1, y2 = tl.split(tl.reshape(y, [BLOCK_N // 2, 2]))
+        r0 = tl.min(rows, axis=0) + 2 * tl.arange(0, BLOCK_N // 2)
+        pm = r0 < QD + 2 * KVD
+        within = r0 % HEAD_DIM
+        rot = (r0 < QD + KVD) & (within < N_ROT)
+        cs, sn = rope_cos_sin(pos, within // 2, rot & pm, ff_ptr, log2_theta, N_ROT, HAS_FF)
+        o1 = tl.where(rot, y1 * cs - y2 * sn, y1)
+        o2 = tl.where(rot, y2 * cs + y1 * sn, y2)
+        cache_row = pos.to(tl.int64) * stride_c
+        dst = tl.where(r0 < QD, qo_ptr + tok.to(tl.int64) * stride_qo + r0,
+                       tl.where(r0 < QD + KVD, kc_ptr + cache_row + (r0 - QD), vc_ptr + cache_row + (r0 - QD - KVD)))
+        tl.store(dst, o1.to(qo_ptr.dtype.element_ty), mask=pm)
+        tl.store(dst + 1, o2.to(qo_ptr.dtype.element_ty), mask=pm)
+    else:
+        tl.store(out_ptr + tok.to(tl.int64) * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=rmask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,9 +308,11 @@ def _gemv_i8_kernel(xq_ptr, xd_ptr, xs_ptr,
                     a_q, a_d, a_m, b_q, b_d, b_m,
                     bias_ptr, out_ptr, stride_om,
                     M, N, K, stride_q, stride_d,
+                    pos_ptr, pos_val, ff_ptr, log2_theta, qo_ptr, stride_qo, kc_ptr, vc_ptr, stride_c, QD, KVD,
                     FMT: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr, MASKED: tl.constexpr,
-                    PDL: tl.constexpr):
+                    ROPE: tl.constexpr, POS_FROM_PTR: tl.constexpr, HEAD_DIM: tl.constexpr, N_ROT: tl.constexpr,
+                    HAS_FF: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
     pid = tl.program_id(0)
     tok = pid % M
@@ -311,7 +344,9 @@ def _gemv_i8_kernel(xq_ptr, xd_ptr, xs_ptr,
             if GLU:
                 acc_b += _q4_part_i8(b_q, b_d, b_m, rows64, rmask, kb, kmask, xlo, xhi, xdb, xsb, stride_q,
                                      stride_d, FMT == 2, USE_ASM, MASKED)
-    _gemv_epilogue(acc_a, acc_b, rows, rmask, tok, bias_ptr, out_ptr, stride_om, False, GLU, HAS_BIAS)
+    _gemv_epilogue(acc_a, acc_b, rows, rmask, tok, bias_ptr, out_ptr, stride_om, False, GLU, HAS_BIAS, BLOCK_N,
+                   pos_ptr, pos_val, ff_ptr, log2_theta, qo_ptr, stride_qo, kc_ptr, vc_ptr, stride_c, QD, KVD,
+                   ROPE, POS_FROM_PTR, HEAD_DIM, N_ROT, HAS_FF)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -418,26 +453,28 @@ def _check_weight(x: torch.Tensor, w: PackedWeight, name: str = "w") -> None:
 
 
 def _decode_cfg(fmt: str, config, act_int8: bool = False, glu: bool = False, n_elements: int = 0) -> dict:
-    int8 = act_int8 and fmt != "F16"
-    if glu and fmt in configs.GEMV_GLU_DEFAULT and not int8:
-        base = configs.GEMV_GLU_DEFAULT[fmt]
-    elif int8:
-        base = configs.GEMV_I8_DEFAULT[fmt]
-    elif n_elements >= configs.LARGE_GEMV_ELEMENTS and fmt in configs.GEMV_LARGE_DEFAULT:
-        base = configs.GEMV_LARGE_DEFAULT[fmt]
-    elif n_elements and fmt in configs.GEMV_SMALL_DEFAULT:
-        base = configs.GEMV_SMALL_DEFAULT[fmt]
-    else:
-        base = configs.GEMV_DEFAULT[fmt]
-    cfg = {**base, **(config or {})}
+    cfg = {**configs.gemv_config(fmt, act_int8, glu, n_elements), **(config or {})}
     if fmt != "F16" and cfg["BLOCK_K"] % 32:
         raise ValueError(f"BLOCK_K={cfg['BLOCK_K']} must be a multiple of 32 for {fmt}")
     return cfg
 
 
-def _launch_gemv(x, wa, wb, b_offset, bias, out, glu, act_int8, xq, config):
+def _rope_args(rope, x, out) -> tuple[list, dict]:
+    """Runtime arguments and constexprs of the GEMV's RoPE epilogue (inactive when rope is None)."""
+    if rope is None:
+        return [out, 0, out, 0.0, out, 0, out, out, 0, 0, 0], dict(ROPE=False, POS_FROM_PTR=False, HEAD_DIM=2,
+                                                                     N_ROT=2, HAS_FF=False)
+    pos_ptr, pos_val, from_ptr = int_or_tensor(rope.start_pos, x, "start_pos")
+    ff = rope.freq_factors
+    D = rope.head_dim
+    return ([pos_ptr, pos_val, ff if ff is not None else out, math.log2(rope.theta), rope.q_out, rope.q_out.stride(0),
+             rope.k_cache, rope.v_cache, rope.k_cache.stride(0), rope.n_heads * D, rope.n_kv_heads * D],
+            dict(ROPE=True, POS_FROM_PTR=from_ptr, HEAD_DIM=D, N_ROT=rope.rot_dims, HAS_FF=ff is not None))
+
+
+def _launch_gemv(x, wa, wb, b_offset, bias, out, glu, act_int8, xq, config, rope=None):
     M, K = x.shape
-    N = out.shape[1]
+    N = wa.out_features - b_offset if glu and wb is wa else wa.out_features
     fmt = wa.fmt
     cfg = _decode_cfg(fmt, config, act_int8, glu, N * K)
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
@@ -445,6 +482,7 @@ def _launch_gemv(x, wa, wb, b_offset, bias, out, glu, act_int8, xq, config):
     masked = N % bn != 0 or K % bk != 0  # unmasked loads when the tiles cover the matrix exactly
     has_bias = bias is not None
     bias_arg = bias if has_bias else out
+    rope_rt, rope_ce = _rope_args(rope, x, out)
     if act_int8 and fmt != "F16":
         if xq is None:
             xq = quantize_activations(x)
@@ -455,9 +493,9 @@ def _launch_gemv(x, wa, wb, b_offset, bias, out, glu, act_int8, xq, config):
         stride_q = a[0].stride(0)
         stride_d = wa.d.stride(0)
         _gemv_i8_kernel[grid](xq.xq.view(torch.int32), xq.xd, xq.xs, *a, *b, bias_arg, out, out.stride(0),
-                              M, N, K, stride_q, stride_d,
+                              M, N, K, stride_q, stride_d, *rope_rt,
                               FMT=_FMT_CODE[fmt], GLU=glu, HAS_BIAS=has_bias, BLOCK_N=bn, BLOCK_K=bk,
-                              USE_ASM=USE_DP4A, MASKED=masked, num_warps=cfg["num_warps"], **pdl())
+                              USE_ASM=USE_DP4A, MASKED=masked, num_warps=cfg["num_warps"], **rope_ce, **pdl())
         return
     words = fmt in ("Q4_0", "Q4_1")
     a = _weight_args(wa, out, 0, int_words=words)
@@ -465,9 +503,9 @@ def _launch_gemv(x, wa, wb, b_offset, bias, out, glu, act_int8, xq, config):
     stride_q = a[0].stride(0)
     stride_d = wa.d.stride(0) if wa.d is not None else 0
     _gemv_kernel[grid](x, x.stride(0), *a, *b, bias_arg, out, out.stride(0),
-                       M, N, K, stride_q, stride_d,
+                       M, N, K, stride_q, stride_d, *rope_rt,
                        FMT=_FMT_CODE[fmt], GLU=glu, HAS_BIAS=has_bias, BLOCK_N=bn, BLOCK_K=bk, MASKED=masked,
-                       USE_ASM=USE_DP4A, num_warps=cfg["num_warps"], **pdl())
+                       USE_ASM=USE_DP4A, num_warps=cfg["num_warps"], **rope_ce, **pdl())
 
 
 def _launch_gemm(x, w, bias, out, config):
@@ -488,19 +526,32 @@ def _launch_gemm(x, w, bias, out, config):
 
 def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
            *, act_int8: bool = False, xq: QuantizedActivations | None = None, config: dict | None = None,
-           decode_max_tokens: int = configs.DECODE_MAX_TOKENS) -> torch.Tensor:
+           decode_max_tokens: int = configs.DECODE_MAX_TOKENS, rope: RopeStore | None = None) -> torch.Tensor:
     """out[M, N] = x[M, K] @ W.T (+ bias), for W packed by `repack`.
 
     M <= decode_max_tokens: matrix-vector kernel (act_int8: x quantized to int8 per 32-block and
     integer dot products, for Q4_0/Q4_1/Q8_0; xq may pass x already quantized). Otherwise the
     tensor-core kernel. config overrides block sizes (see configs.py). Output dtype: out's, or x's.
+
+    rope: W is a fused q|k|v projection and the result goes through rope_qkv_cache as `rope`
+    describes (K and V into the caches, rotated q into rope.q_out, which is returned). Decode
+    does it in the matrix-vector kernel's epilogue (style "norm"); otherwise two launches.
     """
     check_2d(x, "x")
     _check_weight(x, w)
     M = x.shape[0]
-    out = out_buffer(out, (M, w.out_features), x.dtype, x.device)
     if bias is not None and bias.numel() != w.out_features:
         raise ValueError(f"bias has {bias.numel()} elements, expected {w.out_features}")
+    if rope is not None:
+        rope = rope.checked(M, w.out_features, x)
+        if M == 0:
+            return rope.q_out
+        if M <= decode_max_tokens and rope.fusable(x) and _decode_cfg(w.fmt, config, act_int8)["BLOCK_N"] % 2 == 0:
+            _launch_gemv(x, w, None, 0, bias, rope.q_out, False, act_int8, xq, config, rope=rope)
+            return rope.q_out
+        qkv = linear(x, w, bias, out, act_int8=act_int8, xq=xq, config=config, decode_max_tokens=decode_max_tokens)
+        return rope.apply(qkv)
+    out = out_buffer(out, (M, w.out_features), x.dtype, x.device)
     if M == 0:
         return out
     if M <= decode_max_tokens:

@@ -4,6 +4,7 @@ q and writes rotated k and v straight into their rows of the preallocated caches
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 
 import torch
 import triton.language as tl
@@ -28,16 +29,7 @@ def _rope_kernel(q_ptr, k_ptr, v_ptr, stride_q, stride_k, stride_v, qo_ptr, stri
         pos = start_pos + t
     i = tl.arange(0, HALF_PAD)
     im = i < N_ROT // 2
-    inv_freq = tl.exp2(i.to(tl.float32) * (-2.0 / N_ROT) * log2_theta)
-    if HAS_FF:
-        inv_freq = inv_freq / tl.load(ff_ptr + i, mask=im, other=1.0).to(tl.float32)
-    ang = pos.to(tl.float32) * inv_freq
-    # reduce to [-pi, pi] so that fast sin/cos stay accurate at large positions; 2*pi is split as
-    # 6.28125 (exact in 8 bits, so n * 6.28125 is exact for n < 2**16) + 0.00193530717958647...
-    n = tl.floor(ang * 0.15915494309189535 + 0.5)
-    ang = ang - n * 6.28125 - n * 0.0019353071795864769
-    cs = tl.cos(ang)
-    sn = tl.sin(ang)
+    cs, sn = rope_cos_sin(pos, i, im, ff_ptr, log2_theta, N_ROT, HAS_FF)
     if NEOX:
         o1 = i
         o2 = i + N_ROT // 2
@@ -58,6 +50,21 @@ def _rope_kernel(q_ptr, k_ptr, v_ptr, stride_q, stride_k, stride_v, qo_ptr, stri
         dm = dd < HEAD_DIM
         vv = tl.load(v_ptr + t64 * stride_v + kvh * HEAD_DIM + dd, mask=dm, other=0.0)
         tl.store(vc_ptr + row + dd, vv.to(vc_ptr.dtype.element_ty), mask=dm)
+
+
+@jit
+def rope_cos_sin(pos, i, im, ff_ptr, log2_theta, N_ROT: tl.constexpr, HAS_FF: tl.constexpr):
+    """cos and sin of pos * theta^(-2i/N_ROT) [/ ff[i]] for pair indices i (masked by im); pos may
+    be a scalar or a tensor shaped like i. Shared by this kernel and the GEMV's RoPE epilogue."""
+    inv_freq = tl.exp2(i.to(tl.float32) * (-2.0 / N_ROT) * log2_theta)
+    if HAS_FF:
+        inv_freq = inv_freq / tl.load(ff_ptr + i, mask=im, other=1.0).to(tl.float32)
+    ang = pos.to(tl.float32) * inv_freq
+    # reduce to [-pi, pi] so that fast sin/cos stay accurate at large positions; 2*pi is split as
+    # 6.28125 (exact in 8 bits, so n * 6.28125 is exact for n < 2**16) + 0.00193530717958647...
+    n = tl.floor(ang * 0.15915494309189535 + 0.5)
+    ang = ang - n * 6.28125 - n * 0.0019353071795864769
+    return tl.cos(ang), tl.sin(ang)
 
 
 @jit
@@ -133,3 +140,52 @@ def rope_qkv_cache(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | No
         D_PAD=next_pow2(D), NEOX=style == "neox", POS_FROM_PTR=from_ptr, HAS_FF=freq_factors is not None,
         num_warps=cfg["num_warps"], **pdl())
     return q_out
+
+
+@dataclass
+class RopeStore:
+    """rope_qkv_cache's arguments, for a kernel that produces the fused q|k|v projection and
+    rotates/stores it in its epilogue (linear(..., rope=RopeStore(...)))."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    start_pos: object  # int or one-element int tensor on the device
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    theta: float = 10000.0
+    style: str = "norm"
+    freq_factors: torch.Tensor | None = None
+    n_rot: int | None = None
+    q_out: torch.Tensor | None = None
+
+    @property
+    def rot_dims(self) -> int:
+        return self.head_dim if self.n_rot is None else int(self.n_rot)
+
+    def checked(self, T: int, width: int, like: torch.Tensor) -> "RopeStore":
+        """Validate against a [T, width] projection (by running rope_qkv_cache's checks on an empty
+        view) and return a copy whose q_out is allocated."""
+        H, HKV, D = int(self.n_heads), int(self.n_kv_heads), int(self.head_dim)
+        if width != (H + 2 * HKV) * D:
+            raise ValueError(f"fused qkv has width {width}, expected (n_heads + 2*n_kv_heads)*head_dim = "
+                             f"{(H + 2 * HKV) * D}")
+        q_out = out_buffer(self.q_out, (T, H * D), self.k_cache.dtype,
+                           like.device, "q_out")
+        probe = torch.empty((0, width), dtype=q_out.dtype, device=like.device)
+        rope_qkv_cache(probe, None, None, self.k_cache, self.v_cache, self.start_pos, H, HKV, D, theta=self.theta,
+                       style=self.style, freq_factors=self.freq_factors, n_rot=self.n_rot, q_out=q_out[:0])
+        if not isinstance(self.start_pos, torch.Tensor) and not 0 <= int(self.start_pos) <= self.k_cache.shape[0] - T:
+            raise ValueError(f"tokens {self.start_pos}..{int(self.start_pos) + T - 1} do not fit in a KV cache of "
+                             f"{self.k_cache.shape[0]} rows")
+        return replace(self, q_out=q_out)
+
+    def fusable(self, like: torch.Tensor) -> bool:
+        """Whether a GEMV epilogue can do it: adjacent pairs, and q_out and the caches of one dtype."""
+        return (self.style == "norm" and self.q_out.dtype == self.k_cache.dtype == self.v_cache.dtype
+                and self.q_out.stride(1) == 1)
+
+    def apply(self, qkv: torch.Tensor) -> torch.Tensor:
+        return rope_qkv_cache(qkv, None, None, self.k_cache, self.v_cache, self.start_pos, self.n_heads,
+                              self.n_kv_heads, self.head_dim, theta=self.theta, style=self.style,
+                              freq_factors=self.freq_factors, n_rot=self.n_rot, q_out=self.q_out)

@@ -1,0 +1,220 @@
+"""The kernel-configuration tuner: choice, disk cache, EDGELLM_TUNE, failures. CPU only, with a fake timer."""
+
+import json
+import warnings
+
+import pytest
+
+from edgellm.backends.cuda.tuning import Tuner, cuda_event_timer, default_cache_dir
+
+DEVICE = "NVIDIA H200|sm90|triton-3.6.0"
+DEFAULT = {"BLOCK": 64, "warps": 4}
+CANDIDATES = [{"BLOCK": 32, "warps": 4}, {"BLOCK": 64, "warps": 4}, {"BLOCK": 128, "warps": 8}]
+
+
+class Bench:
+    """A fake kernel: `run` launches it, `timer` returns a time looked up from the last config run."""
+
+    def __init__(self, times, fail=()):
+        self.times, self.fail = times, set(fail)
+        self.runs: list[dict] = []
+        self.timed = 0
+        self.last = None
+
+    def run(self, cfg):
+        self.runs.append(dict(cfg))
+        if cfg["BLOCK"] in self.fail:
+            raise RuntimeError(f"out of resources for BLOCK={cfg['BLOCK']}")
+        self.last = cfg
+
+    def timer(self, fn):
+        self.timed += 1
+        fn()
+        return self.times[self.last["BLOCK"]]
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for var in ("EDGELLM_TUNE", "EDGELLM_CACHE_DIR", "EDGELLM_PROGRESS"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def tuner(bench, cache_dir, device=DEVICE, **kw):
+    return Tuner(device, cache_dir=cache_dir, timer=bench.timer, **kw)
+
+
+def pick(t, bench, key=(4096, 4096, "q4_1"), candidates=CANDIDATES, default=DEFAULT):
+    return t.pick("matmul", key, candidates, default, bench.run)
+
+
+def cache_file(cache_dir):
+    (path,) = (cache_dir / "tune").glob("*.json")
+    assert path.name == "NVIDIA_H200_sm90_triton-3.6.0.json"
+    return path
+
+
+def test_picks_fastest_and_dedupes(tmp_path):
+    bench = Bench({32: 5.0, 64: 9.0, 128: 7.0})
+    t = tuner(bench, tmp_path)
+    assert pick(t, bench) == {"BLOCK": 32, "warps": 4}
+    assert bench.timed == 3  # the default, listed again among the candidates, is timed once
+    assert bench.runs[0] == DEFAULT  # the default is timed first
+    (r,) = t.report()
+    assert r == {"kernel": "matmul", "key": (4096, 4096, "q4_1"), "config": {"BLOCK": 32, "warps": 4},
+                 "us": 5.0, "default_us": 9.0, "source": "tuned"}
+
+
+def test_cached_on_disk_and_reused_without_timing(tmp_path):
+    bench = Bench({32: 5.0, 64: 9.0, 128: 3.0})
+    assert pick(tuner(bench, tmp_path), bench) == {"BLOCK": 128, "warps": 8}
+
+    data = json.loads(cache_file(tmp_path).read_text())
+    assert data == {"matmul|4096,4096,q4_1": {"config": {"BLOCK": 128, "warps": 8}, "us": 3.0,
+                                              "default_us": 9.0, "candidates": 3}}
+
+    again = Bench({32: 5.0, 64: 9.0, 128: 3.0})
+    t2 = tuner(again, tmp_path)
+    assert pick(t2, again) == {"BLOCK": 128, "warps": 8}
+    assert again.timed == 0 and again.runs == []
+    assert t2.report()[0]["source"] == "cached"
+    assert t2.cached("matmul", (4096, 4096, "q4_1")) == {"BLOCK": 128, "warps": 8}
+    # another key, kernel or device is not cached
+    assert t2.cached("matmul", (4096, 11008, "q4_1")) is None
+    assert t2.cached("rmsnorm", (4096, 4096, "q4_1")) is None
+    other = Bench({32: 1.0, 64: 2.0, 128: 3.0})
+    assert pick(tuner(other, tmp_path, device="NVIDIA H100|sm90|triton-3.6.0"), other) == {"BLOCK": 32, "warps": 4}
+    assert other.timed == 3
+
+
+def test_stale_cached_config_is_retuned(tmp_path):
+    bench = Bench({32: 5.0, 64: 9.0, 128: 3.0, 256: 1.0})
+    pick(tuner(bench, tmp_path), bench)
+    again = Bench(bench.times)
+    new_candidates = [{"BLOCK": 32, "warps": 4}, {"BLOCK": 256, "warps": 8}]  # BLOCK=128 is no longer offered
+    assert pick(tuner(again, tmp_path), again, candidates=new_candidates) == {"BLOCK": 256, "warps": 8}
+    assert again.timed == 3
+
+
+def test_tuning_off_returns_default_without_running(tmp_path, monkeypatch):
+    bench = Bench({32: 5.0, 64: 9.0, 128: 3.0})
+    pick(tuner(bench, tmp_path), bench)  # a cached choice exists, and must be ignored
+    monkeypatch.setenv("EDGELLM_TUNE", "0")
+    off = Bench(bench.times)
+    t = tuner(off, tmp_path)
+    assert not t.enabled
+    assert pick(t, off) == DEFAULT
+    assert off.runs == [] and off.timed == 0
+    assert t.report()[0]["source"] == "default"
+    monkeypatch.setenv("EDGELLM_TUNE", "1")
+    assert tuner(off, tmp_path).enabled
+    assert not tuner(off, tmp_path / "x", enabled=False).enabled
+
+
+def test_failing_candidate_is_skipped(tmp_path):
+    bench = Bench({32: 1.0, 64: 9.0, 128: 3.0}, fail={32})
+    t = tuner(bench, tmp_path)
+    assert pick(t, bench) == {"BLOCK": 128, "warps": 8}
+    entry = json.loads(cache_file(tmp_path).read_text())["matmul|4096,4096,q4_1"]
+    assert entry["config"] == {"BLOCK": 128, "warps": 8} and entry["candidates"] == 3
+
+
+def test_failing_default_is_skipped(tmp_path):
+    bench = Bench({32: 4.0, 64: 1.0, 128: 3.0}, fail={64})
+    t = tuner(bench, tmp_path)
+    assert pick(t, bench) == {"BLOCK": 128, "warps": 8}
+    assert t.report()[0]["default_us"] is None
+
+
+def test_all_failing_returns_default_and_caches_nothing(tmp_path):
+    bench = Bench({32: 1.0, 64: 2.0, 128: 3.0}, fail={32, 64, 128})
+    t = tuner(bench, tmp_path)
+    assert pick(t, bench) == DEFAULT
+    assert t.report()[0]["source"] == "failed"
+    assert t.cached("matmul", (4096, 4096, "q4_1")) is None
+    assert not (tmp_path / "tune").exists() or not list((tmp_path / "tune").glob("*.json"))
+
+
+def test_default_wins_ties(tmp_path):
+    bench = Bench({32: 5.0, 64: 5.0, 128: 5.0})
+    assert pick(tuner(bench, tmp_path), bench, candidates=CANDIDATES[::-1]) == DEFAULT
+
+
+def test_corrupt_cache_warns_and_is_rewritten(tmp_path):
+    path = tmp_path / "tune" / "NVIDIA_H200_sm90_triton-3.6.0.json"
+    path.parent.mkdir()
+    path.write_text("{not json")
+    bench = Bench({32: 5.0, 64: 9.0, 128: 3.0})
+    t = tuner(bench, tmp_path)
+    with pytest.warns(RuntimeWarning, match="NVIDIA_H200_sm90_triton-3.6.0.json"):
+        assert pick(t, bench) == {"BLOCK": 128, "warps": 8}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once only
+        pick(t, bench, key=(1, 2, "q8_0"))
+    data = json.loads(path.read_text())
+    assert set(data) == {"matmul|4096,4096,q4_1", "matmul|1,2,q8_0"}
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left behind
+
+
+def test_wrong_json_shape_is_corrupt(tmp_path):
+    path = tmp_path / "tune" / "NVIDIA_H200_sm90_triton-3.6.0.json"
+    path.parent.mkdir()
+    path.write_text("[1, 2]")
+    bench = Bench({32: 5.0, 64: 9.0, 128: 3.0})
+    with pytest.warns(RuntimeWarning, match="cannot be read"):
+        assert pick(tuner(bench, tmp_path), bench) == {"BLOCK": 128, "warps": 8}
+    assert isinstance(json.loads(path.read_text()), dict)
+
+
+def test_unwritable_cache_dir_warns_and_keeps_results_in_memory(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    bench = Bench({32: 5.0, 64: 9.0, 128: 3.0})
+    t = tuner(bench, blocker / "cache")
+    with pytest.warns(RuntimeWarning, match="cannot be written"):
+        assert pick(t, bench) == {"BLOCK": 128, "warps": 8}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once only
+        assert pick(t, bench) == {"BLOCK": 128, "warps": 8}
+        assert pick(t, bench, key=(1, 2, "q8_0")) == {"BLOCK": 128, "warps": 8}
+    assert bench.timed == 6  # the repeated key came from memory
+
+
+def test_session_saves_once_at_the_end_and_prints_nothing_off_a_terminal(tmp_path, capsys):
+    bench = Bench({32: 5.0, 64: 9.0, 128: 3.0})
+    t = tuner(bench, tmp_path)
+    with t.tuning_session(total=3):
+        for n in (1, 2, 3):
+            pick(t, bench, key=(n, n, "q4_1"))
+        assert not (tmp_path / "tune").exists()
+    assert len(json.loads(cache_file(tmp_path).read_text())) == 3
+    assert capsys.readouterr() == ("", "")
+
+
+def test_progress_bar_forced_on(tmp_path, monkeypatch):
+    monkeypatch.setenv("EDGELLM_PROGRESS", "1")
+    bench = Bench({32: 5.0, 64: 9.0, 128: 3.0})
+    t = tuner(bench, tmp_path)
+    with t.tuning_session(total=2):
+        pick(t, bench, key=(1,))
+        pick(t, bench, key=(2,))
+    assert t._bar is None  # stopped at the end of the session
+    assert pick(t, bench, key=(3,)) == {"BLOCK": 128, "warps": 8}  # outside a session too
+    assert [r["key"] for r in t.report()] == [(1,), (2,), (3,)]
+
+
+def test_default_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_dir() == tmp_path / "xdg" / "edgellm"
+    monkeypatch.setenv("EDGELLM_CACHE_DIR", str(tmp_path / "mine"))
+    assert default_cache_dir() == tmp_path / "mine"
+    assert Tuner(DEVICE).path == tmp_path / "mine" / "tune" / "NVIDIA_H200_sm90_triton-3.6.0.json"
+
+
+def test_cuda_event_timer():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    x = torch.randn(256, 256, device="cuda")
+    calls = []
+    us = cuda_event_timer(lambda: calls.append(x @ x))
+    assert us > 0 and 6 <= len(calls) <= 101
