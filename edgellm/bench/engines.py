@@ -327,7 +327,8 @@ class LlamaCppEngine(Engine):
         d = super().info()
         d["version"] = _version("llama_cpp_python") or getattr(sys.modules.get("llama_cpp"), "__version__", None)
         d["threads"] = self.threads or _threads()
-        d["extra_buffer_types"] = "on" if self.extra_bufts(self.backend)[0] else self.extra_bufts(self.backend)[1]
+        on, why = self.extra_bufts(self.backend)
+        d["extra_buffer_types"] = "on" if on else why
         return d
 
 

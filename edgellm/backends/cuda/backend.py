@@ -210,31 +210,27 @@ class CudaProgram:
             self._xq_for[op.inputs[0]] = self._xq_buffer(width)
 
     def _private_buffer(self, width: int) -> torch.Tensor:
-        bufs = self.backend.__dict__.setdefault("_private_buffers", {})
-        key = (self.max_seq, width)
-        if key not in bufs:
-            bufs[key] = torch.empty((self.max_seq, width), dtype=torch.float16, device=self.dev)
-        return bufs[key]
+        return self.backend.shared_buffer(("q", self.max_seq, width), lambda: torch.empty(
+            (self.max_seq, width), dtype=torch.float16, device=self.dev))
 
     def _xq_buffer(self, width: int):
         """One int8 activation buffer per width, shared: each is read right after it is written."""
-        bufs = self.backend.__dict__.setdefault("_xq_buffers", {})
-        key = (self.max_seq, width)
-        if key not in bufs:
-            n = self.max_seq
-            bufs[key] = self.K.QuantizedActivations(
-                torch.empty((n, width), dtype=torch.int8, device=self.dev),
-                torch.empty((n, width // 32), dtype=torch.float32, device=self.dev),
-                torch.empty((n, width // 32), dtype=torch.float32, device=self.dev))
-        return bufs[key]
+        n = self.max_seq
+        return self.backend.shared_buffer(("xq", n, width), lambda: self.K.QuantizedActivations(
+            torch.empty((n, width), dtype=torch.int8, device=self.dev),
+            torch.empty((n, width // 32), dtype=torch.float32, device=self.dev),
+            torch.empty((n, width // 32), dtype=torch.float32, device=self.dev)))
 
     @staticmethod
     def _xq_rows(xq, s: int):
         return type(xq)(xq.xq[:s], xq.xd[:s], xq.xs[:s])
 
+    def _wname(self, t: str) -> str:
+        """The file tensor behind a graph weight tensor."""
+        return self.graph.tensors[t].source or t
+
     def _linear_weight(self, op: Op, W):
-        def wname(t):
-            return self.graph.tensors[t].source or t
+        wname = self._wname
         if op.kind == "linear_qkv":
             return W.packed(*(wname(t) for t in op.inputs[1:4]))
         if op.kind == "linear_swiglu":
@@ -268,9 +264,7 @@ class CudaProgram:
         ins, outs = op.inputs, op.outputs
         if kind not in self.backend.SUPPORTED_OPS:
             return self._delegate_to_cpu(op)
-
-        def wname(t):
-            return self.graph.tensors[t].source or t
+        wname = self._wname
 
         if kind == "embedding":
             table = W.packed(wname(ins[0]))
@@ -301,15 +295,16 @@ class CudaProgram:
                 a["head_dim"], theta=a["theta"], style=a["style"], freq_factors=freqs,
                 n_rot=a.get("rope_dim", a["head_dim"]), q_out=env[outs[0]])
         if kind == "attention":
-            ws = {}
+            ws, caps = {}, {}
             G = a["n_heads"] // a["n_kv_heads"]
 
             def run_attention(env, s, c):
                 q, kc, vc, out = env[ins[0]], env[ins[1]], env[ins[2]], env[outs[0]]
                 if s <= 4:
-                    cap = K.default_decode_splits(q, a["n_kv_heads"], kc.shape[0], s, a["n_heads"])
-                    self._split_cap = cap if self._split_cap is None else max(self._split_cap, cap)
-                    n = min(self._splits, cap)
+                    if s not in caps:
+                        caps[s] = K.default_decode_splits(q, a["n_kv_heads"], kc.shape[0], s, a["n_heads"])
+                        self._split_cap = max(self._split_cap or 1, caps[s])
+                    n = min(self._splits, caps[s])
                     if n == 1:  # the whole context in one program per KV head: no combine kernel
                         bm = min(64, max(16, 1 << (s * G - 1).bit_length()))
                         K.attention_prefill(q, kc, vc, self.start, a["n_heads"], a["n_kv_heads"], a["scale"],
@@ -353,10 +348,7 @@ class CudaProgram:
     def _lower_linear(self, op: Op) -> Callable:
         K, W, a = self.K, self.backend.weights, op.attrs
         ins, outs, kind = op.inputs, op.outputs, op.kind
-
-        def wname(t):
-            return self.graph.tensors[t].source or t
-
+        wname = self._wname
         w = self._linear_weight(op, W)
         i8 = self._linear_uses_int8(op, W)
         xq = self._xq_for.get(ins[0]) if i8 else None
@@ -553,6 +545,7 @@ class CudaBackend(CudaInfo):
         self.file = f
         self.weights = CudaWeights(f, self.device)
         self._arena: torch.Tensor | None = None
+        self._shared: dict[tuple, object] = {}
         self.tuner = self._make_tuner()
 
     def _make_tuner(self):
@@ -585,6 +578,13 @@ class CudaBackend(CudaInfo):
 
             self._cpu_weights = CpuWeights(self.file)
         return self._cpu_weights
+
+    def shared_buffer(self, key: tuple, make: Callable[[], object]):
+        """A buffer outside the arena, made once per key and shared by every program (programs
+        never run at the same time)."""
+        if key not in self._shared:
+            self._shared[key] = make()
+        return self._shared[key]
 
     def arena(self, nbytes: int) -> torch.Tensor:
         """One byte arena shared by every program (programs never run at the same time)."""
