@@ -54,6 +54,33 @@ def test_cuda_logits_match_cpu(name, tmp_path):
     assert np.abs(np.stack(steps) - ref[5:]).max() <= 5e-3 * np.abs(ref).max()
 
 
+def test_padded_prefill_matches_unpadded(tmp_path):
+    """Prefill runs padded to a multiple of prefill_pad tokens (so prompts of nearby lengths share a
+    CUDA graph): the logits of the real tokens, the last-token logits and the decode steps that
+    follow must not see the padding rows. Repeated runs (captured and replayed on a GPU) agree."""
+    spec = MODELS["llama-q4_0-gqa2"]
+    path = write_synthetic_gguf(tmp_path / "m.gguf", spec)
+    ids = np.random.default_rng(5).integers(0, spec.vocab_size, 11).tolist()
+    ref = edgellm.load(path, backend="cuda", ctx=40, prefill_chunk=16)
+    for prog in ("all", "last"):
+        ref.programs[prog].prefill_pad = 0
+    want = ref.logits(ids)
+    want_next = ref.forward([ids[3]], 11, all_logits=False)
+    m = edgellm.load(path, backend="cuda", ctx=40, prefill_chunk=16)
+    for prog in ("all", "last"):
+        m.programs[prog].prefill_pad = 8  # 11 tokens run as 16
+    assert m.programs["all"]._padded(11, 0, 40) == 16 and m.programs["all"]._padded(11, 30, 40) == 11
+    for _ in range(3):  # first run, capture, replay
+        got = m.logits(ids)
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-3 * np.abs(want).max())
+        last = m.forward(ids, 0, all_logits=False)
+        np.testing.assert_allclose(last, want[-1:], rtol=0, atol=1e-3 * np.abs(want).max())
+    # padding rows wrote K/V at positions 11..15: the next decode step overwrites row 11 first
+    np.testing.assert_allclose(m.forward([ids[3]], 11, all_logits=False), want_next, rtol=0,
+                               atol=1e-3 * np.abs(want_next).max())
+
+
 def test_cuda_greedy_generation_matches_cpu(tmp_path):
     spec = MODELS["llama-q4_0-gqa2"]
     path = write_synthetic_gguf(tmp_path / "m.gguf", spec)

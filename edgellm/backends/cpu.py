@@ -49,10 +49,11 @@ def _rope(x: torch.Tensor, start: int, freqs: torch.Tensor | None, a: dict) -> t
     s = x.shape[0]
     h, d, r = a["n_heads"], a["head_dim"], a.get("rope_dim", a["head_dim"])
     # angles in float64, then rounded once to float32
-    inv = a["theta"] ** (-torch.arange(0, r, 2, dtype=torch.float64) / r)
+    dev = x.device  # also called by the cuda backend's unfused rope ops, on device tensors
+    inv = a["theta"] ** (-torch.arange(0, r, 2, dtype=torch.float64, device=dev) / r)
     if freqs is not None:
-        inv = inv / freqs.to(torch.float64)
-    pos = torch.arange(start, start + s, dtype=torch.float64) * a.get("pos_scale", 1.0)
+        inv = inv / freqs.to(device=dev, dtype=torch.float64)
+    pos = torch.arange(start, start + s, dtype=torch.float64, device=dev) * a.get("pos_scale", 1.0)
     ang = pos[:, None] * inv[None, :]  # [S, r/2]
     cos, sin = ang.cos().to(x.dtype)[:, None, :], ang.sin().to(x.dtype)[:, None, :]
     xh = x.view(s, h, d)
