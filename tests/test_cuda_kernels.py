@@ -164,6 +164,43 @@ def test_linear_decode_int8_activations(rng, fmt):
     check(out, _q8_act_ref(np64(x)) @ w.T, 2e-3, f"{fmt} int8 decode")
 
 
+@pytest.mark.skipif(not CUDA, reason="every tuner candidate compiles its own kernel: GPU only (minutes in the interpreter)")
+@pytest.mark.parametrize("fmt,int8", [(f, False) for f in ALL_FORMATS] + [(f, True) for f in QFORMATS])
+def test_linear_decode_every_tune_candidate(rng, fmt, int8):
+    """The backend's tuner may launch any of configs.gemv_tune_candidates: each must give the same
+    answer on a matrix no tile divides (rows 2 * 3 * 37, 130 blocks of 32 columns), with a bias,
+    as a fused gate/up and with the RoPE epilogue."""
+    from edgellm.backends.cuda.kernels import configs
+    n_out, n_in, T = 222, 4160, 2
+    pw, w = make_weight(rng, fmt, n_out, n_in)
+    x = rand(rng, T, n_in)
+    bias = rand(rng, n_out, dtype=torch.float32)
+    xr = _q8_act_ref(np64(x)) if int8 else np64(x)
+    ref = xr @ w.T
+    H, HKV, D = 5, 1, 32  # (5 + 2) * 32 = 224 rows for the rope case
+    pq, wq = make_weight(rng, fmt, (H + 2 * HKV) * D, n_in)
+    qkv = xr @ wq.T
+    pos = np.arange(7, 7 + T, dtype=np.float64)
+    q_ref = _rope_ref(qkv[:, :H * D].reshape(T, H, D), pos, D, 1e4, False, None).reshape(T, -1)
+    bad = []
+    for cfg in configs.gemv_tune_candidates(fmt, int8) + configs.gemv_tune_candidates(fmt, int8, glu=True):
+        try:
+            out = poisoned((T, n_out))
+            K.linear(x, pw, bias=bias, out=out, act_int8=int8, config=cfg)
+            check(out, ref + np64(bias), 3e-3, "linear")
+            g = poisoned((T, n_out // 2))
+            K.linear_silu_mul(x, pw, out=g, act_int8=int8, config=cfg)
+            check(g, _silu(ref[:, :n_out // 2]) * ref[:, n_out // 2:], 4e-3, "gate/up")
+            kc, vc = poisoned((16, HKV * D)), poisoned((16, HKV * D))
+            q = K.linear(x, pq, act_int8=int8, config=cfg,
+                         rope=K.RopeStore(kc, vc, 7, H, HKV, D, theta=1e4, q_out=poisoned((T, H * D))))
+            check(q, q_ref, 3e-3, "rope q")
+            check(vc[7:7 + T], qkv[:, (H + HKV) * D:], 3e-3, "rope v")
+        except AssertionError as e:
+            bad.append(f"{cfg}: {str(e).splitlines()[0]}")
+    assert not bad, f"{len(bad)} tune candidates give wrong results for {fmt} (int8={int8}):\n" + "\n".join(bad)
+
+
 def test_quantize_activations(rng):
     x = rand(rng, 3, 96)
     qa = K.quantize_activations(x)

@@ -218,3 +218,7 @@ def test_cuda_event_timer():
     calls = []
     us = cuda_event_timer(lambda: calls.append(x @ x))
     assert us > 0 and 6 <= len(calls) <= 101
+    # device time, not host time: a 64x larger product (4096 x 4096 x 1024) takes longer
+    big = torch.randn(4096, 4096, device="cuda")
+    us_big = cuda_event_timer(lambda: big @ big[:, :1024])
+    assert us_big > 4 * us, (us, us_big)

@@ -77,39 +77,61 @@ def tuning_enabled() -> bool:
     return os.environ.get("EDGELLM_TUNE", "").strip() != "0"
 
 
-def cuda_event_timer(fn: Callable[[], None], *, launches: int = 20, replays: int = 5) -> float:
+def cuda_event_timer(fn: Callable[[], None], *, launches: int = 20, replays: int = 5,
+                     flush_bytes: int = 128 << 20) -> float:
     """Median device time of one ``fn`` in microseconds.
 
     A decode kernel runs for a few microseconds, less than the host needs to launch it, so timing
     single calls with events measures the host (a first H100 run this way timed every GEMV at
     60-290 us and picked noise). Here ``fn`` runs once to compile, is captured ``launches`` times
     into one CUDA graph, and the graph is replayed ``replays`` times between events.
+
+    In a decode step every weight comes from DRAM (the model is larger than L2), but the same
+    launch repeated keeps a matrix of a few MB in L2 and would time L2. So each launch in the
+    graph follows a write of ``flush_bytes`` (more than the L2) to a scratch buffer, and the time
+    of a graph of those writes alone is subtracted (``flush_bytes=0``: no flushing).
     """
     import torch
 
     fn()
     torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # a warm launch on the capture stream
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(launches):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times: list[float] = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    scratch = torch.empty(max(flush_bytes, 1), dtype=torch.uint8, device="cuda")
+
+    def capture(with_fn: bool):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            if with_fn:
+                fn()  # a warm launch on the capture stream
+            scratch.fill_(1)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(launches):
+                if flush_bytes:
+                    scratch.fill_(1)
+                if with_fn:
+                    fn()
         graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / launches)  # ms -> us per launch
-    return statistics.median(times)
+        torch.cuda.synchronize()
+        return graph
+
+    def per_launch(graph) -> float:
+        times: list[float] = []
+        for _ in range(replays):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1000.0 / launches)  # ms -> us per launch
+        return statistics.median(times)
+
+    total = per_launch(capture(True))
+    if not flush_bytes:
+        return total
+    return max(total - per_launch(capture(False)), 0.01)
 
 
 def _sanitize(device: str) -> str:
