@@ -1,11 +1,16 @@
 """edgellm cuda and llama.cpp (llama-bench) on the same GGUF files, in the same run.
 
-    python benchmarks/bench_vs_llamacpp.py --llama-bench PATH/llama-bench MODEL.gguf [...]
-        [-p 512] [-n 128] [-r 5] [--fa 1] [--json OUT.json]
+    python benchmarks/bench_vs_llamacpp.py --llama-bench PATH/llama-bench [MODEL.gguf ...]
+        [--synthetic smollm2-135m,llama-3.2-1b,llama-3.1-8b --formats F16,Q8_0,Q4_0 --model-dir DIR]
+        [-p 512,1024] [-n 128,256] [-r 5] [--fa 1] [--json OUT.json]
 
-For each file: llama-bench -ngl 99 -p P -n N -fa FA -r R (its own warm-up and mean/stddev), then
-edgellm's measurement of the same two tests (benchmarks/gpu_check.py's `measure`: warm-up, median
-of R). Prints one table with both engines' tokens/s and the ratio, plus edgellm's MBU against a
+--synthetic writes random-weight GGUF files (edgellm.synthetic presets: normal, std 0.02, the
+llama.cpp quantizer's policy for the output projection) into --model-dir, once per shape and
+format (an existing file is reused), and adds them to the models. For each file: llama-bench
+-ngl 99 -p P -n N -fa FA -r R (its own warm-up; mean and stddev), then edgellm's measurement of
+the same tests (gpu_check.py's `measure`: warm-up, median of R; prefill from an empty cache,
+decode from an empty context). The file's runs are adjacent, so drift hits both engines alike.
+Prints one table with both engines' tokens/s and the ratio, plus edgellm's decode MBU against a
 measured copy bandwidth.
 """
 
@@ -16,15 +21,20 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
 from gpu_check import copy_bandwidth, measure  # noqa: E402
 
 
-def llama_bench(exe: str, path: str, p: int, n: int, r: int, fa: int) -> dict:
-    cmd = [exe, "-m", path, "-ngl", "99", "-p", str(p), "-n", str(n), "-fa", str(fa), "-r", str(r), "-o", "json"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+def llama_bench(exe: str, path: str, p: list[int], n: list[int], r: int, fa: int) -> dict:
+    cmd = [exe, "-m", path, "-ngl", "99", "-p", ",".join(map(str, p)), "-n", ",".join(map(str, n)),
+           "-fa", str(fa), "-r", str(r), "-o", "json"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    except subprocess.TimeoutExpired:
+        return {"error": "llama-bench timed out after 900 s"}
     if out.returncode:
         return {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"}
     res = {}
@@ -34,22 +44,59 @@ def llama_bench(exe: str, path: str, p: int, n: int, r: int, fa: int) -> dict:
     return res
 
 
+def synthetic_models(names: str, formats: str, folder: str) -> list[str]:
+    from edgellm.synthetic import preset, write_synthetic_gguf
+
+    paths = []
+    os.makedirs(folder, exist_ok=True)
+    for name in [x for x in names.split(",") if x]:
+        for fmt in [x for x in formats.split(",") if x]:
+            path = os.path.join(folder, f"{name}-{fmt}.gguf")
+            if not os.path.exists(path):
+                t = time.perf_counter()
+                write_synthetic_gguf(path, preset(name, weight_type=fmt), fast=True)
+                print(f"wrote {path} ({os.path.getsize(path) / 1e9:.2f} GB, {time.perf_counter() - t:.0f} s)", flush=True)
+            paths.append(path)
+    return paths
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        vals = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token counts, got {text!r}") from None
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive token counts, got {text!r}")
+    return vals
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("models", nargs="+")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("models", nargs="*")
     ap.add_argument("--llama-bench", required=True)
-    ap.add_argument("-p", type=int, default=512)
-    ap.add_argument("-n", type=int, default=128)
+    ap.add_argument("--synthetic", default="", help="preset names to write (edgellm.synthetic.PRESETS)")
+    ap.add_argument("--formats", default="F16,Q8_0,Q4_0")
+    ap.add_argument("--model-dir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "edgellm-synthetic"))
+    ap.add_argument("-p", type=_ints, default=[512])
+    ap.add_argument("-n", type=_ints, default=[128])
     ap.add_argument("-r", type=int, default=5)
     ap.add_argument("--fa", type=int, default=1)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
+    if not os.access(a.llama_bench, os.X_OK):
+        ap.error(f"--llama-bench {a.llama_bench}: not an executable file")
+    models = list(a.models) + synthetic_models(a.synthetic, a.formats, a.model_dir)
+    if not models:
+        ap.error("no models: give GGUF paths or --synthetic")
+    for path in models:
+        if not os.path.isfile(path):
+            ap.error(f"model {path}: no such file")
     bw = copy_bandwidth()
     import torch
 
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s (read + write)", flush=True)
     rows = []
-    for path in a.models:
+    for path in models:
         name = os.path.basename(path).removesuffix(".gguf")
         lc = llama_bench(a.llama_bench, path, a.p, a.n, a.r, a.fa)
         try:
@@ -58,9 +105,9 @@ def main() -> None:
             ours = {"error": f"{type(e).__name__}: {e}"[:200]}
         rows.append({"model": name, "llama.cpp": lc, "edgellm": ours})
         print(json.dumps(rows[-1]), flush=True)
-    pp, tg = f"pp{a.p}", f"tg{a.n}"
-    print(f"\n| model | llama.cpp {pp} | edgellm {pp} | ratio | llama.cpp {tg} | edgellm {tg} | ratio | edgellm MBU |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    tests = [f"pp{q}" for q in a.p] + [f"tg{k}" for k in a.n]
+    print("\n| model | " + " | ".join(f"{t} llama.cpp | {t} edgellm | ratio" for t in tests) + " | edgellm MBU tg |")
+    print("|---|" + "---:|---:|---:|" * len(tests) + "---:|")
     for r in rows:
         lc, us = r["llama.cpp"], r["edgellm"]
 
@@ -70,12 +117,13 @@ def main() -> None:
         def ratio(k):
             return f"{us[k] / lc[k]:.2f}x" if k in us and k in lc else "-"
 
-        mbu = f"{100 * us['mbu']:.1f}%" if "mbu" in us else "-"
-        print(f"| {r['model']} | {cell(lc, pp)} | {cell(us, pp)} | {ratio(pp)} | {cell(lc, tg)} | {cell(us, tg)} | "
-              f"{ratio(tg)} | {mbu} |")
+        mbu = " / ".join(f"{100 * us[f'tg{k}_mbu']:.1f}%" for k in a.n if f"tg{k}_mbu" in us) or "-"
+        print(f"| {r['model']} | " + " | ".join(f"{cell(lc, t)} | {cell(us, t)} | {ratio(t)}" for t in tests)
+              + f" | {mbu} |")
     if a.json:
         with open(a.json, "w") as fh:
-            json.dump({"copy_bandwidth": bw, "rows": rows}, fh, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(), "copy_bandwidth": bw, "p": a.p, "n": a.n,
+                       "r": a.r, "fa": a.fa, "rows": rows}, fh, indent=1)
 
 
 if __name__ == "__main__":
