@@ -125,6 +125,49 @@ def random_blocks(ttype: str, shape: tuple[int, ...], rng: np.random.Generator, 
     return None
 
 
+def _byte_tokens() -> list[str]:
+    """GPT-2's byte-level alphabet: each byte as one printable character (printable ASCII and
+    Latin-1 stand for themselves, the other bytes map to U+0100 onwards)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return [out[b] for b in range(256)]
+
+
+def byte_bpe_vocab(vocab_size: int, pre: str = "llama-bpe") -> Callable:
+    """A tokenizer for write_synthetic_gguf with exactly vocab_size tokens (tokenizer.ggml.model
+    'gpt2'), for synthetic models that peers load only with a vocabulary (llama-cpp-python's
+    Llama(), transformers): the 256 byte tokens, merges of common letter pairs, BOS/EOS control
+    tokens and reserved control tokens up to vocab_size (the embedding rows of a model shape)."""
+    byte_tok = _byte_tokens()
+    space = byte_tok[ord(" ")]
+    letters = "etaoinshrdlu"
+    merges = [f"{a} {b}" for a in space + letters for b in letters]
+    base = byte_tok + [m.replace(" ", "") for m in merges] + ["<|begin_of_text|>", "<|end_of_text|>"]
+    if vocab_size < len(base):
+        raise EdgeLLMError(f"byte_bpe_vocab: a vocabulary needs at least {len(base)} tokens, got {vocab_size}")
+
+    def add(writer) -> int:
+        tokens = base + [f"<|reserved_special_token_{i}|>" for i in range(vocab_size - len(base))]
+        types = [1] * (len(base) - 2) + [3] * (vocab_size - len(base) + 2)  # 1 normal, 3 control
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(pre)
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+        writer.add_token_merges(merges)
+        writer.add_bos_token_id(len(base) - 2)
+        writer.add_eos_token_id(len(base) - 1)
+        writer.add_add_bos_token(True)
+        return len(tokens)
+
+    return add
+
+
 def write_synthetic_gguf(path: str | Path, spec: SyntheticSpec,
                          tokenizer: Callable | None = None, *, header_only: bool = False, fast: bool = False) -> Path:
     """Write a GGUF file for spec. tokenizer(writer) -> vocab size adds tokenizer metadata (and

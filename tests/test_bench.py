@@ -215,6 +215,31 @@ def test_failures_are_recorded_and_the_sweep_goes_on(tmp_path, default_model_pat
     assert "**crash**" in report and "**timeout**" in report and "timed out after 8 s" in report
 
 
+def test_sigterm_keeps_finished_results(tmp_path, default_model_path):
+    """A sweep stopped by SIGTERM (a `timeout`, a scheduler) or Ctrl-C still writes its report: the
+    finished configurations with their numbers, the rest marked interrupted, no job left running."""
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "edgellm.bench", str(default_model_path), "--engine",
+           f"{STUBS}:ToyEngine,{STUBS}:SleepEngine", "-p", "8", "-n", "2", "-r", "1", "--timeout", "300",
+           "--no-ppl", "--peak-bw", "10", "-o", str(out), "--no-progress"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    while not any((out / "logs").glob("*sleep*-rep1.log")) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    time.sleep(1.0)  # the sleep job is running now
+    proc.send_signal(signal.SIGTERM)
+    printed, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, printed
+    by = {c["engine"]: c for c in _results(out)["configurations"]}
+    assert by["toy"]["status"] == "ok" and all(t["tokens_per_s"]["median"] > 0 for t in by["toy"]["tests"])
+    assert by["sleep"]["status"] == "interrupted"
+    assert "**interrupted**" in (out / "report.md").read_text() and "interrupted" in printed
+
+
 def test_out_of_memory_is_recorded(tmp_path, default_model_path):
     from edgellm.bench.runner import run_job
 

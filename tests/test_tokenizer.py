@@ -397,3 +397,25 @@ def test_template_environment():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert render_chat_template("{{ strftime_now('%Y') | length }}", MESSAGES) == "4"
+
+
+def test_synthetic_byte_bpe_vocab_matches_transformers(tmp_path):
+    """synthetic.byte_bpe_vocab gives benchmark models of any vocabulary size a tokenizer that
+    peers load (transformers builds its own from the GGUF metadata): same ids, exact size."""
+    from edgellm.synthetic import SyntheticSpec, byte_bpe_vocab, write_synthetic_gguf
+
+    spec = SyntheticSpec(n_layers=1, d_model=32, n_heads=2, n_kv_heads=1, ffn_dim=32, vocab_size=700)
+    path = write_synthetic_gguf(tmp_path / "v.gguf", spec, tokenizer=byte_bpe_vocab(700))
+    tok = Tokenizer.from_metadata(open_gguf(path).metadata, source=path.name)
+    text = "the rain in Spain stays mainly in the plain: 42 ÿ\u00e9!"
+    ids = tok.encode(text, add_bos=False)
+    assert tok.decode(ids) == text and len(ids) < len(text.encode())  # merges were applied
+    with pytest.raises(Exception, match="at least"):
+        byte_bpe_vocab(100)
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("transformers is not installed")
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="v.gguf")
+    assert hf.vocab_size == 700
+    assert hf(text, add_special_tokens=False)["input_ids"] == ids

@@ -81,7 +81,7 @@ def _add_arguments(b: argparse.ArgumentParser) -> None:
                    help="which tensors get which type when quantizing: uniform, mixed-8-4-4, llama.cpp "
                         "(default: the quantizer's, uniform)")
     b.add_argument("-t", "--threads", metavar="N", default=None, help="CPU threads for every engine (default: theirs)")
-    b.add_argument("--no-warmup", action="store_true", help="skip the warm-up run in each process")
+    b.add_argument("--no-warmup", action="store_true", help="skip the warm-up in each process (each prompt length twice, a short decode)")
     b.add_argument("--no-progress", action="store_true", help="no live progress display")
 
 
@@ -125,6 +125,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"\nresults in {plan.out_dir}: {', '.join(results.get('files', []))}")
     else:
         print("\n(-o DIR writes results.json, results.csv, report.md and plots)")
+    if results.get("interrupted"):
+        print("the sweep was interrupted: the configurations that had not finished are marked 'interrupted'")
+        return 130
     return 0
 
 

@@ -67,6 +67,8 @@ class Engine:
     name = "engine"
     #: backends the engine knows how to target at all (others are reported unavailable)
     backends: tuple[str, ...] = ("cpu", "cuda")
+    #: modules the child process imports before anything else (before edgellm and numpy)
+    preload: tuple[str, ...] = ()
 
     def __init__(self, threads: int | None = None):
         self.threads = threads
@@ -186,6 +188,14 @@ class EdgeLLMEngine(Engine):
         return int(np.argmax(self._last[-1]))
 
     def decode(self, n: int) -> None:
+        """n greedy steps from an empty context. Where the backend loops on the device (cuda:
+        argmax inside the decode step's CUDA graph, the path generate_tokens takes at temperature
+        0) only the token ids come back; otherwise logits come to the host, as for llama.cpp."""
+        greedy = getattr(self.model.programs["decode"], "greedy_tokens", None)
+        if greedy is not None and n <= self.model.ctx:
+            for _ in greedy(self._start, 0, n):
+                pass
+            return
         tok = self._start
         for i in range(n):
             tok = int(np.argmax(self.model.forward([tok], i, all_logits=False)[-1]))
@@ -219,6 +229,9 @@ class LlamaCppEngine(Engine):
     """llama.cpp through llama-cpp-python (`llama_cpp`), with its default f16 KV cache."""
 
     name = "llama.cpp"
+    # imported first in the child process: with numpy loaded before it, llama-cpp-python's CUDA
+    # build segfaulted in its first eval on the H100 machine (2026-11-22; imported first, it ran)
+    preload = ("llama_cpp",)
 
     @classmethod
     def available(cls, backend: str) -> tuple[bool, str]:
@@ -248,7 +261,7 @@ class LlamaCppEngine(Engine):
         want = os.environ.get("EDGELLM_LLAMACPP_EXTRA_BUFTS", "auto")
         if want in ("0", "1"):
             return want == "1", "EDGELLM_LLAMACPP_EXTRA_BUFTS"
-        if backend == "cpu" and _cpu_has_amx():
+        if _cpu_has_amx():  # also with GPU offload: the weights llama.cpp keeps on the CPU use them
             return False, "off: llama.cpp's AMX path crashes on this CPU (see LlamaCppEngine.extra_bufts)"
         return True, "llama.cpp default"
 

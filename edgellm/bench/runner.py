@@ -3,6 +3,7 @@ in its own process, configurations round-robin), gather the results, write the r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -280,6 +281,7 @@ def run_bench(plan: BenchPlan, *, progress: bool = True, argv: list[str] | None 
         out_dir / "quant" if out_dir else cache_root() / "quant")
     text = plan.ppl_path.read_text(encoding="utf-8") if plan.ppl else None
     t_start = time.perf_counter()
+    interrupted = False
 
     with tempfile.TemporaryDirectory(prefix="edgellm-bench-") as tmp, _Progress(progress) as prog:
         workdir = Path(tmp)
@@ -348,52 +350,87 @@ def run_bench(plan: BenchPlan, *, progress: bool = True, argv: list[str] | None 
         # the sweep: repetitions outermost, so drift during the run hits every configuration alike
         ctx_need = max(max(plan.prompt_lengths), max(plan.gen_lengths) + 2)
         prog.add(plan.repetitions * len(runnable))
-        for rep in range(plan.repetitions):
-            last = rep == plan.repetitions - 1
+        try:
+            with _sigterm_as_interrupt():
+                _sweep(plan, runnable, ctx_need, ppl_inputs, workdir, log_dir, prog)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep what finished, report the rest as interrupted
             for c in runnable:
-                tag = f"[{rep + 1}/{plan.repetitions}] {c.id}"
-                if c.status in FAILED:
-                    c.runs.append({"rep": rep, "status": "skipped", "error": "an earlier repetition failed"})
-                    prog.done()
-                    continue
-                ppl, ppl_reason = (None, None)
-                if plan.ppl and last:
-                    ppl, ppl_reason = ppl_inputs.get(c.variant.path, (None, "no perplexity input"))
-                    if ppl_reason:
-                        c.ppl_skipped = ppl_reason
-                # the same KV capacity in every repetition, perplexity or not (it can change the programs)
-                ppl_ctx = (ppl_inputs.get(c.variant.path, (None, None))[0] or {}).get("n_ctx", 0) if plan.ppl else 0
-                ctx = max(ctx_need, ppl_ctx)
-                job = {"job": "run", "engine": c.engine_spec, "backend": c.backend, "model": c.variant.path,
-                       "ctx": ctx, "pp": plan.prompt_lengths, "tg": plan.gen_lengths, "warmup": plan.warmup,
-                       "threads": plan.threads, "seed": plan.seed, "ppl": ppl}
-                prog.start(tag)
-                safe = c.id.replace("/", "_").replace(":", "_")
-                out = run_job(job, plan.timeout_s, workdir, log_dir / f"{safe}-rep{rep + 1}.log" if log_dir else None)
-                run = {"rep": rep, "status": out.status, "error": out.error, "wall_s": out.wall_s,
-                       "returncode": out.returncode, "ctx": ctx, "result": out.result}
-                if out.status != "ok":
-                    run["log_tail"] = out.log[-2000:]
-                c.runs.append(run)
-                phase = out.result.get("phase")
-                if out.status == "ok":
-                    c.status = "ok"
-                    prog.done()
-                elif phase == "perplexity":  # the timed tests are all in: only perplexity is lost
-                    c.status = "ok"
-                    c.ppl_error = out.error
-                    prog.done(f"[yellow]{tag}: perplexity {out.status}[/]: {out.error}")
-                else:
-                    c.status, c.error = out.status, out.error
-                    prog.done(f"[red]{tag}: {out.status}[/]: {out.error}")
+                if c.status == "pending" or not c.runs:
+                    c.status, c.error = "interrupted", "the sweep was stopped before this configuration finished"
+                elif len(c.runs) < plan.repetitions and c.status == "ok":
+                    c.error = f"interrupted after {len(c.runs)} of {plan.repetitions} repetitions"
+            interrupted = True
 
     results = assemble(plan, variants, configs, devices, costs, argv=argv, started=started,
                        elapsed_s=time.perf_counter() - t_start)
+    if interrupted:
+        results["interrupted"] = True
     if out_dir:
         from .report import write_outputs
 
         results["files"] = write_outputs(results, out_dir)
     return results
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """SIGTERM (a `timeout`, a job scheduler) stops the sweep like Ctrl-C: finished results are kept."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def _sweep(plan, runnable, ctx_need, ppl_inputs, workdir, log_dir, prog) -> None:
+    """Every repetition of every runnable configuration, each in its own process (run_job)."""
+    for rep in range(plan.repetitions):
+        last = rep == plan.repetitions - 1
+        for c in runnable:
+            tag = f"[{rep + 1}/{plan.repetitions}] {c.id}"
+            if c.status in FAILED:
+                c.runs.append({"rep": rep, "status": "skipped", "error": "an earlier repetition failed"})
+                prog.done()
+                continue
+            ppl, ppl_reason = (None, None)
+            if plan.ppl and last:
+                ppl, ppl_reason = ppl_inputs.get(c.variant.path, (None, "no perplexity input"))
+                if ppl_reason:
+                    c.ppl_skipped = ppl_reason
+            # the same KV capacity in every repetition, perplexity or not (it can change the programs)
+            ppl_ctx = (ppl_inputs.get(c.variant.path, (None, None))[0] or {}).get("n_ctx", 0) if plan.ppl else 0
+            ctx = max(ctx_need, ppl_ctx)
+            job = {"job": "run", "engine": c.engine_spec, "backend": c.backend, "model": c.variant.path,
+                   "ctx": ctx, "pp": plan.prompt_lengths, "tg": plan.gen_lengths, "warmup": plan.warmup,
+                   "threads": plan.threads, "seed": plan.seed, "ppl": ppl}
+            prog.start(tag)
+            safe = c.id.replace("/", "_").replace(":", "_")
+            out = run_job(job, plan.timeout_s, workdir, log_dir / f"{safe}-rep{rep + 1}.log" if log_dir else None)
+            run = {"rep": rep, "status": out.status, "error": out.error, "wall_s": out.wall_s,
+                   "returncode": out.returncode, "ctx": ctx, "result": out.result}
+            if out.status != "ok":
+                run["log_tail"] = out.log[-2000:]
+            c.runs.append(run)
+            phase = out.result.get("phase")
+            if out.status == "ok":
+                c.status = "ok"
+                prog.done()
+            elif phase == "perplexity":  # the timed tests are all in: only perplexity is lost
+                c.status = "ok"
+                c.ppl_error = out.error
+                prog.done(f"[yellow]{tag}: perplexity {out.status}[/]: {out.error}")
+            else:
+                c.status, c.error = out.status, out.error
+                prog.done(f"[red]{tag}: {out.status}[/]: {out.error}")
 
 
 # -- results ---------------------------------------------------------------------------------------
@@ -503,7 +540,8 @@ def assemble(plan: BenchPlan, variants: list[Variant], configs: list[Config], de
             "ttft": "time from submitting the p tokens to holding the first greedy token id",
             "decode": "n single-token steps from an empty cache, each fed the previous greedy pick; t/s = n / time",
             "ttlm": "engine load + one single-token step (ready for the first token), imports excluded",
-            "statistics": f"one warm-up per process, then one sample per repetition; repetitions round-robin "
+            "statistics": f"warm-up per process (each prompt length twice, a short decode), then one sample per "
+                          f"repetition; repetitions round-robin "
                           f"over configurations, each in a fresh process; spread = (max-min)/median, flagged "
                           f"above {metrics.SPREAD_FLAG:.0%}",
             "flops": "sum of edgellm.graph.ops.flops over the model graph (prefill: seq=kv_len=p; "
