@@ -125,26 +125,14 @@ def random_blocks(ttype: str, shape: tuple[int, ...], rng: np.random.Generator, 
     return None
 
 
-def _byte_tokens() -> list[str]:
-    """GPT-2's byte-level alphabet: each byte as one printable character (printable ASCII and
-    Latin-1 stand for themselves, the other bytes map to U+0100 onwards)."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    out, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            out[b] = chr(b)
-        else:
-            out[b] = chr(256 + extra)
-            extra += 1
-    return [out[b] for b in range(256)]
-
-
 def byte_bpe_vocab(vocab_size: int, pre: str = "llama-bpe") -> Callable:
     """A tokenizer for write_synthetic_gguf with exactly vocab_size tokens (tokenizer.ggml.model
     'gpt2'), for synthetic models that peers load only with a vocabulary (llama-cpp-python's
     Llama(), transformers): the 256 byte tokens, merges of common letter pairs, BOS/EOS control
     tokens and reserved control tokens up to vocab_size (the embedding rows of a model shape)."""
-    byte_tok = _byte_tokens()
+    from .tokenizer import BYTE_ALPHABET
+
+    byte_tok = [BYTE_ALPHABET[b] for b in range(256)]
     space = byte_tok[ord(" ")]
     letters = "etaoinshrdlu"
     merges = [f"{a} {b}" for a in space + letters for b in letters]

@@ -105,6 +105,32 @@ def test_repack_layout_matches_gguf(rng, fmt):
         assert pw.qs.view(torch.int32).shape == (5, 8)  # rows are whole 32-bit words
 
 
+@pytest.mark.parametrize("fmt", ["Q5_0", "Q4_K"])
+def test_repack_converted_formats_match_gguf(rng, fmt):
+    """Q5_0 becomes the Q8_0 layout exactly; Q4_K the Q4_1 layout with its per-32 scale and minimum
+    products rounded to fp16. Checked against gguf-py's dequantizer, then through the GEMV."""
+    from edgellm.quant import quantize as eq_quantize
+
+    w = rng.standard_normal((6, 512)).astype(np.float32) * rng.uniform(0.01, 3, (6, 1)).astype(np.float32)
+    raw = eq_quantize(w, fmt)  # edgellm's quantizer (gguf-py has none for Q4_K); gguf-py reads it back
+    ref = gg_dequantize(raw, GGMLQuantizationType[fmt]).astype(np.float64)
+    pw = K.repack(raw, fmt, (6, 512), device=DEV)
+    assert pw.source_fmt == fmt and pw.fmt == {"Q5_0": "Q8_0", "Q4_K": "Q4_1"}[fmt]
+    got = np64(K.dequantize(pw))
+    if fmt == "Q5_0":
+        np.testing.assert_array_equal(got, ref)
+    else:  # fp16 rounding (2^-11 relative) of each sub-block's scale d and minimum m: |dq| <= 15
+        err = np.abs(got - ref).reshape(6, 16, 32).max(axis=2)
+        bound = 2.0 ** -11 * (15 * np.abs(np64(pw.d)) + np.abs(np64(pw.m))) * 1.001 + 1e-7
+        assert (err <= bound).all(), (err / bound).max()
+        assert err.max() > 0  # really rounded: this is not the exact path
+        assert pw.nbytes == 6 * 512 * 5 // 8  # 5 bits per weight
+    x = rand(rng, 1, 512)
+    out = poisoned((1, 6))
+    K.linear(x, pw, out=out, config=dict(BLOCK_N=2, BLOCK_K=256, num_warps=1))
+    check(out, np64(x) @ ref.T, 2e-3, f"{fmt} GEMV")
+
+
 def test_pack_float_q8_0_matches_gguf(rng):
     w = rng.standard_normal((7, 96)).astype(np.float32)
     w[2, :32] = 0.0  # an all-zero block

@@ -10,6 +10,11 @@ Layouts (all row-major, one row per output feature, `nb = in / 32` blocks per ro
   Q8_0  qs int8 [out, in]      d fp16 [out, nb]          value = q * d
   Q4_0  qs uint8 [out, in/2]   d fp16 [out, nb]          value = (q - 8) * d
   Q4_1  qs uint8 [out, in/2]   d fp16 [out, nb]  m fp16 [out, nb]   value = q * d + m
+Two GGML types are converted into these layouts rather than given their own:
+  Q5_0 -> Q8_0 exactly (q - 16 fits in int8, same fp16 scale per 32);
+  Q4_K -> Q4_1: each 32-element sub-block gets d = super-block d * 6-bit scale and m = -dmin * 6-bit
+  min, rounded to fp16 (relative error <= 2^-11 of each value; 5 bits per weight instead of 4.5).
+Other K-quants (Q5_K, Q6_K) and Q5_1 have no exact layout here: see `pack_float`.
 In the 4-bit layouts, byte j (0..15) of a block holds element j in its low nibble and element
 j + 16 in its high nibble, exactly as in GGML: a block's 16 bytes give its first half from the
 low nibbles and its second half from the high nibbles, so both halves pair with contiguous runs
@@ -27,7 +32,8 @@ import torch
 from ....errors import TensorShapeError
 
 # GGML type name -> (block elements, bytes per block)
-_BLOCK = {"F16": (1, 2), "BF16": (1, 2), "F32": (1, 4), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34)}
+_BLOCK = {"F16": (1, 2), "BF16": (1, 2), "F32": (1, 4), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34),
+          "Q5_0": (32, 22), "Q4_K": (256, 144)}
 SUPPORTED_FORMATS = frozenset(_BLOCK)
 PACKED_FORMATS = ("F16", "Q4_0", "Q4_1", "Q8_0")  # what PackedWeight.fmt can be after repacking
 _FP16_MAX = 65504.0
@@ -142,6 +148,8 @@ def repack(raw, fmt: str, shape, device=None) -> PackedWeight:
     if raw.dtype != torch.uint8 or tuple(raw.shape) != (n_out, row_bytes):
         raise TensorShapeError(f"{fmt} weight {(n_out, n_in)}: raw data is {raw.dtype} {tuple(raw.shape)}, "
                                f"expected uint8 {(n_out, row_bytes)}")
+    if fmt == "Q4_K":
+        return _repack_q4_k(raw, n_out, n_in)
     nb = n_in // 32
     blocks = raw.contiguous().reshape(n_out, nb, tsize)
 
@@ -154,9 +162,41 @@ def repack(raw, fmt: str, shape, device=None) -> PackedWeight:
     if fmt == "Q4_0":
         qs = blocks[:, :, 2:18].reshape(n_out, nb * 16).contiguous()
         return PackedWeight("Q4_0", (n_out, n_in), qs=qs, d=f16(0))
+    if fmt == "Q5_0":
+        qh = blocks[:, :, 2:6].contiguous().view(torch.int32)  # [out, nb, 1]: bit j = high bit of element j
+        bits = (qh >> torch.arange(32, dtype=torch.int32, device=raw.device)) & 1  # [out, nb, 32]
+        lo = blocks[:, :, 6:22].to(torch.int32)
+        q = torch.cat([lo & 15, lo >> 4], dim=2) | (bits << 4)
+        qs = (q - 16).to(torch.int8).reshape(n_out, n_in)
+        return PackedWeight("Q8_0", (n_out, n_in), qs=qs, d=f16(0), source_fmt="Q5_0")
     # Q4_1
     qs = blocks[:, :, 4:20].reshape(n_out, nb * 16).contiguous()
     return PackedWeight("Q4_1", (n_out, n_in), qs=qs, d=f16(0), m=f16(2))
+
+
+def _repack_q4_k(raw: torch.Tensor, n_out: int, n_in: int) -> PackedWeight:
+    """Q4_K super-blocks (d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles) -> the
+    Q4_1 layout, one (d * scale, -dmin * min) pair per 32-element sub-block."""
+    from ....quant.ggml_kquants import _unpack_scales
+
+    nsb = n_in // 256
+    blocks = raw.contiguous().reshape(n_out * nsb, 144)
+    d = blocks[:, 0:2].contiguous().view(torch.float16).float()  # [N, 1]
+    dmin = blocks[:, 2:4].contiguous().view(torch.float16).float()
+    sc, mn = _unpack_scales(blocks[:, 4:16])  # [N, 8] each
+    sub_d = d * sc.float()
+    sub_m = -(dmin * mn.float())
+    for what, v in (("scale", sub_d), ("minimum", sub_m)):
+        big = v.abs().max().item() if v.numel() else 0.0
+        if not np.isfinite(big) or big > _FP16_MAX:
+            raise ValueError(f"Q4_K weight {(n_out, n_in)}: a sub-block {what} of {big} does not fit in fp16")
+    # 64-element chunks: 32 bytes whose low nibbles are sub-block 2j and high nibbles sub-block 2j + 1
+    qs = blocks[:, 16:].reshape(n_out * nsb, 4, 32)
+    vals = torch.stack([qs & 15, qs >> 4], dim=2).reshape(n_out * nsb * 8, 32)  # element order
+    packed = vals[:, :16] | (vals[:, 16:] << 4)  # byte i: element i (low), element i + 16 (high)
+    nb = n_in // 32
+    return PackedWeight("Q4_1", (n_out, n_in), qs=packed.reshape(n_out, nb * 16).contiguous(),
+                        d=sub_d.reshape(n_out, nb).half(), m=sub_m.reshape(n_out, nb).half(), source_fmt="Q4_K")
 
 
 def pack_float(w: torch.Tensor, fmt: str = "F16") -> PackedWeight:
