@@ -131,9 +131,10 @@ def test_unsupported_ops_are_delegated_to_cpu(tmp_path, monkeypatch):
 
 def test_decode_fusions_match_unfused_program(tmp_path, monkeypatch):
     """The decode-stage kernel fusions (RoPE + KV write in the q|k|v GEMV epilogue, the int8 copy
-    of the norm output written by the norm kernel) give the logits of the unfused kernels, and the
+    of the norm output written by the norm kernel, the residual add + norm in the GEMV before it) give the logits of the unfused kernels, and the
     split-count buckets of decode attention (1 split, then more) agree with each other."""
     monkeypatch.setenv("EDGELLM_ACT_INT8", "1")  # every GEMV on int8 activations: the norm writes them
+    monkeypatch.setenv("EDGELLM_NORM_TAIL", "1")  # opt-in
     spec = MODELS["llama-q4_0-gqa2"]
     path = write_synthetic_gguf(tmp_path / "m.gguf", spec)
     ids = np.random.default_rng(5).integers(0, spec.vocab_size, 7).tolist()
@@ -145,6 +146,7 @@ def test_decode_fusions_match_unfused_program(tmp_path, monkeypatch):
         m = edgellm.load(path, backend="cuda", ctx=256)  # up to 4 splits of 64 keys
         prog = m.programs["decode"]
         assert bool(prog._rope_into_gemv) == (fusion == "1") and bool(prog._xq_for) == (fusion == "1")
+        assert bool(prog._norm_tail) == (fusion == "1")  # residual add + norm in the o / down GEMVs
         out = [m.forward([t], i, all_logits=False)[-1] for i, t in enumerate(ids)]
         return np.stack(out), prog
     fused, prog = decode_steps("1", 3)  # 1 split up to 3 keys, then 2, 3 splits

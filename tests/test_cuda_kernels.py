@@ -334,6 +334,59 @@ def test_rms_norm_in_place_residual(rng):
     check(out, h / np.sqrt((h * h).mean(axis=1, keepdims=True) + 1e-6) * np64(w), 2e-3, "rms_norm in place")
 
 
+def _norm_ref(s: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return s / np.sqrt((s * s).mean(axis=1, keepdims=True) + eps) * w
+
+
+@pytest.mark.parametrize("fmt,int8,T,in_place,chunk", [("Q4_0", False, 1, True, None), ("F16", False, 2, False, None),
+                                                       ("Q8_0", True, 3, True, None), ("Q4_1", True, 1, True, 64)])
+def test_linear_norm_tail(rng, fmt, int8, T, in_place, chunk, monkeypatch):
+    """The GEMV's norm tail gives add_rms_norm of its product: the residual sum as stored, the norm of
+    it and its int8 copy (bit for bit what quantize_activations makes of the norm written); the
+    counter is back at zero, so a second launch with other inputs is right too. N = 224 rows: no
+    tile divides it; chunk 64 makes the last program normalise in several steps."""
+    from edgellm.backends.cuda.kernels import norm as norm_mod
+    if chunk:
+        monkeypatch.setattr(norm_mod, "NORM_TAIL_CHUNK", chunk)
+    N, Kin = 224, 160
+    pw, w = make_weight(rng, fmt, N, Kin)
+    nw = torch.from_numpy(rng.uniform(0.5, 1.5, N).astype(np.float32)).to(DEV)
+    counter = torch.zeros(1, dtype=torch.int32, device=DEV)
+    for _ in range(2):
+        x, res = rand(rng, T, Kin), rand(rng, T, N)
+        res_before = np64(res)
+        xq = K.QuantizedActivations(torch.full((T, N), 99, dtype=torch.int8, device=DEV),
+                                    poisoned((T, N // 32), torch.float32), poisoned((T, N // 32), torch.float32))
+        sum_out = res if in_place else poisoned((T, N))
+        nt = K.NormTail(res, sum_out, poisoned((T, N)), nw, 1e-5, counter, xq if int8 else None)
+        got = K.linear(x, pw, act_int8=int8, config=GEMV_CFG, norm=nt)
+        assert got is nt.out
+        y = (_q8_act_ref(np64(x)) if int8 else np64(x)) @ w.T
+        s_ref = res_before + y.astype(np.float16).astype(np.float64)
+        check(sum_out, s_ref, 1e-3, f"{fmt} residual sum")
+        check(nt.out, _norm_ref(np64(sum_out), np64(nw), 1e-5), 2e-3, f"{fmt} norm")
+        if int8:
+            ref = K.quantize_activations(nt.out)
+            assert torch.equal(xq.xq, ref.xq) and torch.equal(xq.xd, ref.xd) and torch.equal(xq.xs, ref.xs)
+        assert int(counter.item()) == 0
+
+
+def test_linear_norm_tail_prefill_and_bad_input(rng):
+    """More tokens than a GEMV takes: the product, then the rms_norm kernel (same results)."""
+    pw, w = make_weight(rng, "Q8_0", 64, 96)
+    x, res, nw = rand(rng, 11, 96), rand(rng, 11, 64), rand(rng, 64, dtype=torch.float32)
+    s_ref = np64(res) + (np64(x) @ w.T).astype(np.float16).astype(np.float64)
+    counter = torch.zeros(1, dtype=torch.int32, device=DEV)
+    nt = K.NormTail(res, poisoned((11, 64)), poisoned((11, 64)), nw, 1e-6, counter)
+    K.linear(x, pw, config=GEMM_CFG, norm=nt)
+    check(nt.sum_out, s_ref, 2e-3, "prefill residual sum")
+    check(nt.out, _norm_ref(s_ref, np64(nw), 1e-6), 3e-3, "prefill norm")
+    with pytest.raises(ValueError, match="norm residual has shape"):
+        K.linear(x[:1], pw, norm=K.NormTail(res[:, :32], res[:1], res[:1], nw, 1e-6, counter))
+    with pytest.raises(ValueError, match="exclude each other"):
+        K.linear(x[:1], pw, norm=nt, rope=K.RopeStore(res, res, 0, 1, 1, 2))
+
+
 # --------------------------------------------------------------------------------------------- rope
 
 def _rope_ref(x: np.ndarray, pos: np.ndarray, n_rot: int, theta: float, neox: bool, ff=None) -> np.ndarray:
@@ -542,6 +595,22 @@ def test_argmax(rng):
     assert out.tolist() == torch.argmax(logits.cpu(), dim=1).tolist()
     assert out.tolist()[1:] == [999, 5]
     assert K.argmax(logits.half()).tolist() == torch.argmax(logits.half().cpu().float(), dim=1).tolist()
+
+
+def test_argmax_step_updates_decode_inputs(rng):
+    """argmax(..., step=) also stores the token and advances position and cache length (the greedy
+    loop's next inputs), in the kernel."""
+    logits = rand(rng, 1, 777, dtype=torch.float32)
+    tokens = torch.full((4,), -5, dtype=torch.int32, device=DEV)
+    start = torch.tensor([41], dtype=torch.int32, device=DEV)
+    seq = torch.tensor([42], dtype=torch.int32, device=DEV)
+    out = torch.full((1,), -1, dtype=torch.int64, device=DEV)
+    K.argmax(logits, out=out, step=(tokens[:1], start, seq), config=dict(BLOCK=128, num_warps=4))
+    best = int(torch.argmax(logits.cpu()))
+    assert out.tolist() == [best] and tokens.tolist() == [best, -5, -5, -5]
+    assert start.tolist() == [42] and seq.tolist() == [43]
+    with pytest.raises(ValueError, match="one row"):
+        K.argmax(rand(rng, 2, 10, dtype=torch.float32), step=(tokens[:1], start, seq))
 
 
 def test_sample():

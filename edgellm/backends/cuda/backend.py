@@ -154,6 +154,8 @@ class CudaProgram:
         self._absorbed: set[str] = set()  # ops whose work another op's kernel does
         self._xq_for: dict[str, object] = {}  # norm output -> int8 copy written by the norm kernel
         self._own_buffers: dict[str, torch.Tensor] = {}  # tensors kept out of the arena (see below)
+        self._norm_tail: dict[str, tuple[Op, str, torch.Tensor]] = {}  # linear -> (norm, residual, counter)
+        self._aliases: dict[str, str] = {}  # tensor -> the tensor whose buffer it is (no op writes it)
         self._plan_decode_fusions()
         # attention splits of the current step (from the host's sequence length, see _set_context)
         self._splits = 1
@@ -191,10 +193,18 @@ class CudaProgram:
         - a fused q|k|v projection whose only reader is rope_qkv_store (adjacent-pair RoPE) rotates
           and writes the KV cache in its GEMV epilogue: one launch instead of two;
         - an RMSNorm whose output feeds int8-activation GEMVs also writes the int8 copy they read,
-          so they skip quantize_activations: one launch less per such GEMV.
+          so they skip quantize_activations: one launch less per such GEMV;
+        - a residual add + RMSNorm (add_rms_norm) whose branch input comes from a projection is done
+          by that projection's GEMV (NormTail: each program adds its rows into the residual stream,
+          the last one to finish normalises): one launch less, twice per layer.
         Prefill stages keep separate kernels (their matrix-matrix products have no such epilogue)."""
         if not self.decode_stage or os.environ.get("EDGELLM_DECODE_FUSION", "1") == "0":
             return
+        if self.max_seq == 1:  # one token: its last row is its only row, no copy needed
+            for op in self.graph.ops:
+                if op.kind == "last_row":
+                    self._aliases[op.outputs[0]] = op.inputs[0]
+                    self._absorbed.add(op.name)
         readers: dict[str, list[Op]] = {}
         producer: dict[str, Op] = {}
         for op in self.graph.ops:
@@ -202,6 +212,10 @@ class CudaProgram:
                 readers.setdefault(t, []).append(op)
             for t in op.outputs:
                 producer[t] = op
+        # off by default: on the H100 it saved 24 us per token on Llama-3.2-1B Q4_0 in one run and
+        # cost up to 25% of SmolLM2's decode speed in two later ones (docs/benchmarks.md section 1d)
+        if os.environ.get("EDGELLM_NORM_TAIL", "0") == "1":
+            self._plan_norm_tails(readers, producer)
         for op in self.graph.ops:
             if op.kind == "linear_qkv":
                 rd = readers.get(op.outputs[0], [])
@@ -227,6 +241,51 @@ class CudaProgram:
             if width % 32:
                 continue
             self._xq_for[op.inputs[0]] = self._xq_buffer(width)
+
+    def _plan_norm_tails(self, readers: dict[str, list[Op]], producer: dict[str, Op]) -> None:
+        """Which add_rms_norm ops the GEMV before them absorbs (see _plan_decode_fusions). The sums
+        they write (the residual stream) go to one buffer outside the arena, updated in place: the
+        GEMV writes them while its other programs still read x, which the memory plan may have put
+        in the sum's slot. So a sum must be read before the next absorbing GEMV writes that buffer,
+        or by that GEMV itself as its residual (each program reads its rows, then writes them)."""
+        ops = self.graph.ops
+        order = {op.name: i for i, op in enumerate(ops)}
+        cand: dict[str, tuple[Op, Op, str]] = {}  # norm name -> (norm, the linear it follows, residual)
+        if "add_rms_norm" not in self.backend.SUPPORTED_OPS:  # delegated to the cpu: it runs as it is
+            return
+        for op in ops:
+            if op.kind != "add_rms_norm" or op.outputs[0] in self.graph.outputs:
+                continue
+            for i in (0, 1):
+                lin = producer.get(op.inputs[i])
+                if (lin is not None and lin.kind == "linear" and not lin.attrs.get("has_residual")
+                        and readers.get(op.inputs[i], []) == [op] and op.inputs[i] not in self.graph.outputs
+                        and op.inputs[1 - i] != op.inputs[i]):
+                    cand[op.name] = (op, lin, op.inputs[1 - i])
+                    break
+        changed = True
+        while changed:  # a dropped norm changes the writers of the buffer: check again
+            changed = False
+            writers = sorted(order[lin.name] for _, lin, _ in cand.values())
+            for name, (norm, lin, _) in list(cand.items()):
+                nxt = next((w for w in writers if w > order[lin.name]), len(ops))
+                for r in readers.get(norm.outputs[0], []):
+                    in_place = (r.name in cand and cand[r.name][2] == norm.outputs[0]
+                                and order[cand[r.name][1].name] == nxt)
+                    if not in_place and (r.name in cand or order[r.name] >= nxt):
+                        del cand[name]
+                        changed = True
+                        break
+        if not cand:
+            return
+        self._norm_counters = torch.zeros(len(cand), dtype=torch.int32, device=self.dev)
+        for i, (name, (norm, lin, residual)) in enumerate(cand.items()):
+            width = int(self.graph.tensors[norm.outputs[0]].shape[-1])
+            self._own_buffers[norm.outputs[0]] = self.backend.shared_buffer(
+                ("resid", self.max_seq, width),
+                lambda: torch.empty((self.max_seq, width), dtype=torch.float16, device=self.dev))
+            self._norm_tail[lin.name] = (norm, residual, self._norm_counters[i:i + 1])
+            self._absorbed.add(name)
 
     def _private_buffer(self, width: int) -> torch.Tensor:
         return self.backend.shared_buffer(("q", self.max_seq, width), lambda: torch.empty(
@@ -327,7 +386,9 @@ class CudaProgram:
                     if n == 1:  # the whole context in one program per KV head: no combine kernel
                         bm = min(64, max(16, 1 << (s * G - 1).bit_length()))
                         K.attention_prefill(q, kc, vc, self.start, a["n_heads"], a["n_kv_heads"], a["scale"],
-                                            out=out, head_dim=a["head_dim"], config=dict(BLOCK_M=bm))
+                                            out=out, head_dim=a["head_dim"],
+                                            config=dict(BLOCK_M=bm, BLOCK_N=K.configs.attn_decode_single_block_n(
+                                                a["n_kv_heads"])))
                         return
                     if (s, n) not in ws:
                         ws[s, n] = K.decode_workspace(s, a["n_heads"], a["head_dim"], n, self.dev)
@@ -394,6 +455,18 @@ class CudaProgram:
             return run_qkv_rope
         bias = W.vector(wname(ins[2])) if a.get("has_bias") else None
         res = ins[-1] if a.get("has_residual") else None
+        if op.name in self._norm_tail:
+            norm, residual, counter = self._norm_tail[op.name]
+            nw, eps = W.vector(wname(norm.inputs[2])), norm.attrs["eps"]
+            s_name, n_name = norm.outputs
+            nxq = self._xq_for.get(n_name)
+
+            def run_linear_norm(env, s, c):
+                tail = K.NormTail(env[residual], env[s_name], env[n_name], nw, eps, counter,
+                                  None if nxq is None else self._xq_rows(nxq, s))
+                K.linear(env[ins[0]], w, bias=bias, act_int8=i8, config=cfg, norm=tail,
+                         xq=None if xq is None else self._xq_rows(xq, s))
+            return run_linear_norm
 
         def run_linear(env, s, c):
             y = K.linear(env[ins[0]], w, bias=bias, out=env[outs[0]], act_int8=i8, config=cfg,
@@ -413,7 +486,7 @@ class CudaProgram:
         n_out = w.out_features // 2 if glu else w.out_features
         key = (w.fmt, n_out, w.in_features, "i8" if i8 and w.fmt != "F16" else "float", "glu" if glu else "plain")
         cands = K.configs.gemv_tune_candidates(w.fmt, i8 and w.fmt != "F16", glu)
-        default = K.configs.gemv_config(w.fmt, i8, glu, n_out * w.in_features)
+        default = K.configs.gemv_config(w.fmt, i8, glu, n_out * w.in_features, w.in_features)
         x = torch.randn((1, w.in_features), device=self.dev).to(torch.float16)
         out = torch.empty((1, n_out), dtype=torch.float16, device=self.dev)
         xq = K.quantize_activations(x) if i8 and w.fmt != "F16" else None
@@ -463,8 +536,10 @@ class CudaProgram:
                 t = self.graph.tensors[o]
                 if t.alias_of is not None:
                     env[o] = self.states[t.alias_of]
-                else:
+                elif o not in self._aliases:
                     env[o] = self._buffer(o, seq, ctx)
+        for o, src in self._aliases.items():
+            env[o] = env[src]
         return env
 
     def _launch_all(self, env: dict, seq: int, ctx: int) -> None:
@@ -511,10 +586,8 @@ class CudaProgram:
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g):
                     self._launch_all(self._greedy_env, 1, ctx)
-                    self.K.argmax(self._greedy_env["logits"], out=self._next)
-                    self.tokens[:1].copy_(self._next)
-                    self.start.add_(1)
-                    self.seq_len.add_(1)
+                    self.K.argmax(self._greedy_env["logits"], out=self._next,
+                                  step=(self.tokens[:1], self.start, self.seq_len))
                 self._greedy_graphs[bucket] = g
             g.replay()
             yield int(self._next.item())

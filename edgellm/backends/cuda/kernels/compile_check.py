@@ -89,7 +89,7 @@ def summarise(kernel, sass_dir: str | None = None, tag: str = "") -> dict:
 
 
 def _cases():
-    from . import PackedWeight, quantize_activations
+    from . import NormTail, PackedWeight, QuantizedActivations, quantize_activations
     from . import attention_decode, attention_prefill, embedding, linear, linear_silu_mul, rms_norm
     from . import rope_qkv_cache, silu_mul, argmax
 
@@ -113,6 +113,15 @@ def _cases():
         yield f"gemm {fmt}", lambda w=w: linear(x512, w)
         yield f"gemm-m32 {fmt}", lambda w=w: linear(torch.empty(32, 4096, dtype=h16), w)
     yield "quantize_act", lambda: quantize_activations(x1)
+
+    def norm_tail(fmt, int8):  # the o projection with the residual add + RMSNorm after it
+        xq = QuantizedActivations(torch.empty(1, 4096, dtype=torch.int8), torch.empty(1, 128), torch.empty(1, 128))
+        nt = NormTail(x1, x1, x1.clone(), torch.empty(4096), 1e-5, torch.empty(1, dtype=torch.int32),
+                      xq if int8 else None)
+        return linear(x1, pw(fmt, 4096, 4096), act_int8=int8, norm=nt)
+    for fmt in ("Q4_0", "Q8_0", "F16"):
+        yield f"gemv-norm {fmt}", lambda fmt=fmt: norm_tail(fmt, False)
+    yield "gemv-norm-int8 Q4_0", lambda: norm_tail("Q4_0", True)
     kc = torch.empty(8192, 1024, dtype=h16)
     q = torch.empty(1, 4096, dtype=h16)
     seq = torch.empty(1, dtype=torch.int32)

@@ -56,19 +56,33 @@ GEMV_I8_DEFAULT = {
 }
 
 
-def gemv_config(fmt: str, act_int8: bool = False, glu: bool = False, n_elements: int = 0) -> dict:
+GEMV_FIT_K = 1  # 0: keep the tiles as listed whatever the row length (for A/B measurements)
+
+
+def gemv_config(fmt: str, act_int8: bool = False, glu: bool = False, n_elements: int = 0, K: int = 0) -> dict:
     """The default decode GEMV tile for a weight format, path (int8 activations or float, fused
-    gate/up or not) and size (rows x columns)."""
+    gate/up or not), size (rows x columns) and row length K."""
     int8 = act_int8 and fmt != "F16"
     if glu and fmt in GEMV_GLU_DEFAULT and not int8:
-        return dict(GEMV_GLU_DEFAULT[fmt])
-    if int8:
-        return dict(GEMV_I8_DEFAULT[fmt])
-    if n_elements >= LARGE_GEMV_ELEMENTS and fmt in GEMV_LARGE_DEFAULT:
-        return dict(GEMV_LARGE_DEFAULT[fmt])
-    if n_elements and fmt in GEMV_SMALL_DEFAULT:
-        return dict(GEMV_SMALL_DEFAULT[fmt])
-    return dict(GEMV_DEFAULT[fmt])
+        cfg = dict(GEMV_GLU_DEFAULT[fmt])
+    elif int8:
+        cfg = dict(GEMV_I8_DEFAULT[fmt])
+    elif n_elements >= LARGE_GEMV_ELEMENTS and fmt in GEMV_LARGE_DEFAULT:
+        cfg = dict(GEMV_LARGE_DEFAULT[fmt])
+    elif n_elements and fmt in GEMV_SMALL_DEFAULT:
+        cfg = dict(GEMV_SMALL_DEFAULT[fmt])
+    else:
+        cfg = dict(GEMV_DEFAULT[fmt])
+    # a K-tile longer than the row leaves whole warps masked off, and the float-Q4 loop is bound by
+    # instruction issue: the large tile (4096 columns, 4 warps) ran the 128256 x 2048 output
+    # projection at 44% of copy bandwidth and SmolLM2's 49152 x 576 one at 15% (H100 profile,
+    # 2026-11-22). Halve tile and warps together until the tile fits the row.
+    if fmt != "F16" and K and GEMV_FIT_K:
+        fit = max(32, 1 << (int(K) - 1).bit_length())
+        while cfg["BLOCK_K"] > fit and cfg["num_warps"] > 1:
+            cfg["BLOCK_K"] //= 2
+            cfg["num_warps"] //= 2
+    return cfg
 
 
 def gemv_tune_candidates(fmt: str, act_int8: bool = False, glu: bool = False) -> list[dict]:
@@ -146,6 +160,18 @@ ATTN_DECODE_CANDIDATES = [dict(BLOCK_N=bn, num_warps=w, num_stages=s, n_splits=n
                           for bn in (32, 64, 128) for w in (2, 4, 8) for s in (1, 2, 3) for ns in (None, 16, 32, 64)]
 
 ATTN_PREFILL_DEFAULT = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
+# Decode attention over up to ATTN_DECODE_KEYS_PER_SPLIT keys runs as one prefill-kernel program
+# per KV head (BLOCK_M from the query rows): key tiles of this length. It is latency-bound (a
+# handful of programs walk the context one tile after another). Measured on an H100 (2026-11-22,
+# whole decode steps at 128-192 cached tokens, `profile_decode.py --variants`): 128-key tiles
+# saved 17-25 us per token on Llama-3.2-1B shapes (8 KV heads) and 66 us on Llama-3.1-8B, and cost
+# 23 us on SmolLM2-135M (3 KV heads), where 64 stays.
+ATTN_DECODE_SINGLE_BLOCK_N = 128
+ATTN_DECODE_SINGLE_BLOCK_N_FEW_HEADS = 64  # fewer than 8 KV heads
+
+
+def attn_decode_single_block_n(n_kv_heads: int) -> int:
+    return ATTN_DECODE_SINGLE_BLOCK_N if n_kv_heads >= 8 else ATTN_DECODE_SINGLE_BLOCK_N_FEW_HEADS
 ATTN_PREFILL_CANDIDATES = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
                            for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)]
 

@@ -33,6 +33,7 @@ import triton.language as tl
 
 from . import configs
 from ._common import USE_DP4A, check_2d, dp4a, int_or_tensor, jit, or_under_one, out_buffer, pdl, pdl_prologue
+from .norm import NormTail, norm_tail_epilogue
 from .packing import PackedWeight
 from .rope import RopeStore, rope_cos_sin
 
@@ -119,10 +120,13 @@ def _gemv_kernel(x_ptr, stride_xm,
                  bias_ptr, out_ptr, stride_om,
                  M, N, K, stride_q, stride_d,
                  pos_ptr, pos_val, ff_ptr, log2_theta, qo_ptr, stride_qo, kc_ptr, vc_ptr, stride_c, QD, KVD,
+                 res_ptr, stride_r, sum_ptr, stride_s, nrm_ptr, stride_n, nw_ptr, eps, cnt_ptr,
+                 nxq_ptr, nxd_ptr, nxs_ptr,
                  FMT: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MASKED: tl.constexpr, USE_ASM: tl.constexpr,
                  ROPE: tl.constexpr, POS_FROM_PTR: tl.constexpr, HEAD_DIM: tl.constexpr, N_ROT: tl.constexpr,
-                 HAS_FF: tl.constexpr, PDL: tl.constexpr):
+                 HAS_FF: tl.constexpr, NORM: tl.constexpr, NORM_QUANT: tl.constexpr, NORM_CHUNK: tl.constexpr,
+                 PDL: tl.constexpr):
     pdl_prologue(PDL)
     pid = tl.program_id(0)
     tok = pid % M
@@ -165,7 +169,8 @@ def _gemv_kernel(x_ptr, stride_xm,
                                   FMT == 2, MASKED, USE_ASM)
     _gemv_epilogue(acc_a, acc_b, rows, rmask, tok, bias_ptr, out_ptr, stride_om, FMT == 0, GLU, HAS_BIAS, BLOCK_N,
                    pos_ptr, pos_val, ff_ptr, log2_theta, qo_ptr, stride_qo, kc_ptr, vc_ptr, stride_c, QD, KVD,
-                   ROPE, POS_FROM_PTR, HEAD_DIM, N_ROT, HAS_FF)
+                   ROPE, POS_FROM_PTR, HEAD_DIM, N_ROT, HAS_FF, M, N, res_ptr, stride_r, sum_ptr, stride_s,
+                   nrm_ptr, stride_n, nw_ptr, eps, cnt_ptr, nxq_ptr, nxd_ptr, nxs_ptr, NORM, NORM_QUANT, NORM_CHUNK)
 
 
 @jit
@@ -173,7 +178,9 @@ def _gemv_epilogue(acc_a, acc_b, rows, rmask, tok, bias_ptr, out_ptr, stride_om,
                    ROWS_FIRST: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                    pos_ptr, pos_val, ff_ptr, log2_theta, qo_ptr, stride_qo, kc_ptr, vc_ptr, stride_c, QD, KVD,
                    ROPE: tl.constexpr, POS_FROM_PTR: tl.constexpr, HEAD_DIM: tl.constexpr, N_ROT: tl.constexpr,
-                   HAS_FF: tl.constexpr):
+                   HAS_FF: tl.constexpr, M, N, res_ptr, stride_r, sum_ptr, stride_s, nrm_ptr, stride_n, nw_ptr, eps,
+                   cnt_ptr, nxq_ptr, nxd_ptr, nxs_ptr, NORM: tl.constexpr, NORM_QUANT: tl.constexpr,
+                   NORM_CHUNK: tl.constexpr):
     if ROWS_FIRST:  # accumulators are [rows, k] (dense) or [blocks, rows] (quantized)
         y = tl.sum(acc_a, axis=1)
     else:
@@ -207,6 +214,10 @@ def _gemv_epilogue(acc_a, acc_b, rows, rmask, tok, bias_ptr, out_ptr, stride_om,
                        tl.where(r0 < QD + KVD, kc_ptr + cache_row + (r0 - QD), vc_ptr + cache_row + (r0 - QD - KVD)))
         tl.store(dst, o1.to(qo_ptr.dtype.element_ty), mask=pm)
         tl.store(dst + 1, o2.to(qo_ptr.dtype.element_ty), mask=pm)
+    elif NORM:
+        # the residual add and the RMSNorm that follow this projection (NormTail)
+        norm_tail_epilogue(y, rows, rmask, tok, M, N, tl.num_programs(0), res_ptr, stride_r, sum_ptr, stride_s,
+                           nrm_ptr, stride_n, nw_ptr, eps, cnt_ptr, nxq_ptr, nxd_ptr, nxs_ptr, NORM_QUANT, NORM_CHUNK)
     else:
         tl.store(out_ptr + tok.to(tl.int64) * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=rmask)
 
@@ -309,10 +320,13 @@ def _gemv_i8_kernel(xq_ptr, xd_ptr, xs_ptr,
                     bias_ptr, out_ptr, stride_om,
                     M, N, K, stride_q, stride_d,
                     pos_ptr, pos_val, ff_ptr, log2_theta, qo_ptr, stride_qo, kc_ptr, vc_ptr, stride_c, QD, KVD,
+                    res_ptr, stride_r, sum_ptr, stride_s, nrm_ptr, stride_n, nw_ptr, eps, cnt_ptr,
+                 nxq_ptr, nxd_ptr, nxs_ptr,
                     FMT: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr, MASKED: tl.constexpr,
                     ROPE: tl.constexpr, POS_FROM_PTR: tl.constexpr, HEAD_DIM: tl.constexpr, N_ROT: tl.constexpr,
-                    HAS_FF: tl.constexpr, PDL: tl.constexpr):
+                    HAS_FF: tl.constexpr, NORM: tl.constexpr, NORM_QUANT: tl.constexpr, NORM_CHUNK: tl.constexpr,
+                 PDL: tl.constexpr):
     pdl_prologue(PDL)
     pid = tl.program_id(0)
     tok = pid % M
@@ -346,7 +360,8 @@ def _gemv_i8_kernel(xq_ptr, xd_ptr, xs_ptr,
                                      stride_d, FMT == 2, USE_ASM, MASKED)
     _gemv_epilogue(acc_a, acc_b, rows, rmask, tok, bias_ptr, out_ptr, stride_om, False, GLU, HAS_BIAS, BLOCK_N,
                    pos_ptr, pos_val, ff_ptr, log2_theta, qo_ptr, stride_qo, kc_ptr, vc_ptr, stride_c, QD, KVD,
-                   ROPE, POS_FROM_PTR, HEAD_DIM, N_ROT, HAS_FF)
+                   ROPE, POS_FROM_PTR, HEAD_DIM, N_ROT, HAS_FF, M, N, res_ptr, stride_r, sum_ptr, stride_s,
+                   nrm_ptr, stride_n, nw_ptr, eps, cnt_ptr, nxq_ptr, nxd_ptr, nxs_ptr, NORM, NORM_QUANT, NORM_CHUNK)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -452,8 +467,8 @@ def _check_weight(x: torch.Tensor, w: PackedWeight, name: str = "w") -> None:
         raise ValueError(f"x has {x.shape[1]} features but {name} {w.fmt} {w.shape} expects {w.in_features}")
 
 
-def _decode_cfg(fmt: str, config, act_int8: bool = False, glu: bool = False, n_elements: int = 0) -> dict:
-    cfg = {**configs.gemv_config(fmt, act_int8, glu, n_elements), **(config or {})}
+def _decode_cfg(fmt: str, config, act_int8: bool = False, glu: bool = False, n_elements: int = 0, K: int = 0) -> dict:
+    cfg = {**configs.gemv_config(fmt, act_int8, glu, n_elements, K), **(config or {})}
     if fmt != "F16" and cfg["BLOCK_K"] % 32:
         raise ValueError(f"BLOCK_K={cfg['BLOCK_K']} must be a multiple of 32 for {fmt}")
     return cfg
@@ -472,17 +487,25 @@ def _rope_args(rope, x, out) -> tuple[list, dict]:
             dict(ROPE=True, POS_FROM_PTR=from_ptr, HEAD_DIM=D, N_ROT=rope.rot_dims, HAS_FF=ff is not None))
 
 
-def _launch_gemv(x, wa, wb, b_offset, bias, out, glu, act_int8, xq, config, rope=None):
+def _norm_args(norm, out) -> tuple[list, dict]:
+    """Runtime arguments and constexprs of the GEMV's norm tail (inactive when norm is None)."""
+    if norm is None:
+        return [out, 0, out, 0, out, 0, out, 0.0, out, out, out, out], dict(NORM=False, NORM_QUANT=False, NORM_CHUNK=32)
+    return norm.kernel_args()
+
+
+def _launch_gemv(x, wa, wb, b_offset, bias, out, glu, act_int8, xq, config, rope=None, norm=None):
     M, K = x.shape
     N = wa.out_features - b_offset if glu and wb is wa else wa.out_features
     fmt = wa.fmt
-    cfg = _decode_cfg(fmt, config, act_int8, glu, N * K)
+    cfg = _decode_cfg(fmt, config, act_int8, glu, N * K, K)
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
     grid = (M * triton.cdiv(N, bn),)
     masked = N % bn != 0 or K % bk != 0  # unmasked loads when the tiles cover the matrix exactly
     has_bias = bias is not None
     bias_arg = bias if has_bias else out
     rope_rt, rope_ce = _rope_args(rope, x, out)
+    norm_rt, norm_ce = _norm_args(norm, out)
     if act_int8 and fmt != "F16":
         if xq is None:
             xq = quantize_activations(x)
@@ -493,9 +516,10 @@ def _launch_gemv(x, wa, wb, b_offset, bias, out, glu, act_int8, xq, config, rope
         stride_q = a[0].stride(0)
         stride_d = wa.d.stride(0)
         _gemv_i8_kernel[grid](xq.xq.view(torch.int32), xq.xd, xq.xs, *a, *b, bias_arg, out, out.stride(0),
-                              M, N, K, stride_q, stride_d, *rope_rt,
+                              M, N, K, stride_q, stride_d, *rope_rt, *norm_rt,
                               FMT=_FMT_CODE[fmt], GLU=glu, HAS_BIAS=has_bias, BLOCK_N=bn, BLOCK_K=bk,
-                              USE_ASM=USE_DP4A, MASKED=masked, num_warps=cfg["num_warps"], **rope_ce, **pdl())
+                              USE_ASM=USE_DP4A, MASKED=masked, num_warps=cfg["num_warps"], **rope_ce, **norm_ce,
+                              **pdl())
         return
     words = fmt in ("Q4_0", "Q4_1")
     a = _weight_args(wa, out, 0, int_words=words)
@@ -503,9 +527,9 @@ def _launch_gemv(x, wa, wb, b_offset, bias, out, glu, act_int8, xq, config, rope
     stride_q = a[0].stride(0)
     stride_d = wa.d.stride(0) if wa.d is not None else 0
     _gemv_kernel[grid](x, x.stride(0), *a, *b, bias_arg, out, out.stride(0),
-                       M, N, K, stride_q, stride_d, *rope_rt,
+                       M, N, K, stride_q, stride_d, *rope_rt, *norm_rt,
                        FMT=_FMT_CODE[fmt], GLU=glu, HAS_BIAS=has_bias, BLOCK_N=bn, BLOCK_K=bk, MASKED=masked,
-                       USE_ASM=USE_DP4A, num_warps=cfg["num_warps"], **rope_ce, **pdl())
+                       USE_ASM=USE_DP4A, num_warps=cfg["num_warps"], **rope_ce, **norm_ce, **pdl())
 
 
 def _launch_gemm(x, w, bias, out, config):
@@ -526,7 +550,8 @@ def _launch_gemm(x, w, bias, out, config):
 
 def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
            *, act_int8: bool = False, xq: QuantizedActivations | None = None, config: dict | None = None,
-           decode_max_tokens: int = configs.DECODE_MAX_TOKENS, rope: RopeStore | None = None) -> torch.Tensor:
+           decode_max_tokens: int = configs.DECODE_MAX_TOKENS, rope: RopeStore | None = None,
+           norm: NormTail | None = None) -> torch.Tensor:
     """out[M, N] = x[M, K] @ W.T (+ bias), for W packed by `repack`.
 
     M <= decode_max_tokens: matrix-vector kernel (act_int8: x quantized to int8 per 32-block and
@@ -536,12 +561,19 @@ def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, o
     rope: W is a fused q|k|v projection and the result goes through rope_qkv_cache as `rope`
     describes (K and V into the caches, rotated q into rope.q_out, which is returned). Decode
     does it in the matrix-vector kernel's epilogue (style "norm"); otherwise two launches.
+
+    norm: the residual add and RMSNorm that follow (see NormTail): the product is added into
+    norm.residual (stored to norm.sum_out) and normalised into norm.out, which is returned; out is
+    not written. Decode does it in the matrix-vector kernel (the last program normalises); otherwise
+    the rms_norm kernel runs after the product.
     """
     check_2d(x, "x")
     _check_weight(x, w)
     M = x.shape[0]
     if bias is not None and bias.numel() != w.out_features:
         raise ValueError(f"bias has {bias.numel()} elements, expected {w.out_features}")
+    if rope is not None and norm is not None:
+        raise ValueError("linear: rope and norm epilogues exclude each other")
     if rope is not None:
         rope = rope.checked(M, w.out_features, x)
         if M == 0:
@@ -551,6 +583,15 @@ def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, o
             return rope.q_out
         qkv = linear(x, w, bias, out, act_int8=act_int8, xq=xq, config=config, decode_max_tokens=decode_max_tokens)
         return rope.apply(qkv)
+    if norm is not None:
+        norm = norm.checked(M, w.out_features)
+        if M == 0:
+            return norm.out
+        if M <= decode_max_tokens:
+            _launch_gemv(x, w, None, 0, bias, norm.out, False, act_int8, xq, config, norm=norm)
+            return norm.out
+        y = linear(x, w, bias, out, act_int8=act_int8, xq=xq, config=config, decode_max_tokens=decode_max_tokens)
+        return norm.unfused(y)
     out = out_buffer(out, (M, w.out_features), x.dtype, x.device)
     if M == 0:
         return out

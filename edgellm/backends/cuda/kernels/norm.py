@@ -1,11 +1,36 @@
-"""RMSNorm with the residual add fused in: one read of x and the residual, one write of each result."""
+"""RMSNorm with the residual add fused in: one read of x and the residual, one write of each result.
+
+Also the norm as a matrix-vector kernel's tail (NormTail): the decode GEMV that produces the
+residual branch adds it into the residual stream in its epilogue, and the last of its programs to
+finish normalises the whole row, so the add + norm costs no launch of its own.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton.language as tl
 
 from ._common import check_2d, jit, next_pow2, out_buffer, pdl, pdl_prologue
+
+
+@jit
+def _store_int8_blocks(y, row, D, xq_ptr, xd_ptr, xs_ptr, c, BLOCK_D: tl.constexpr):
+    """y (one row's chunk of BLOCK_D elements at columns c, a multiple of 32 from the row start)
+    quantized to int8 per 32-block, as quantize_activations does (round half away from zero):
+    xq int8 [., D], xd scales and xs scale * sum of the int8 values [., D / 32]."""
+    b = tl.reshape(y.to(tl.float32), [BLOCK_D // 32, 32])
+    amax = tl.max(tl.abs(b), axis=1)
+    inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
+    v = b * inv[:, None]
+    q = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(0.5 - v))
+    kb = tl.min(c, axis=0) // 32 + tl.arange(0, BLOCK_D // 32)
+    bm = kb < D // 32
+    tl.store(xq_ptr + row * D + tl.reshape(c, [BLOCK_D // 32, 32]), q.to(tl.int8), mask=bm[:, None])
+    d = amax / 127.0
+    tl.store(xd_ptr + row * (D // 32) + kb, d, mask=bm)
+    tl.store(xs_ptr + row * (D // 32) + kb, d * tl.sum(q, axis=1), mask=bm)
 
 
 @jit
@@ -33,17 +58,7 @@ def _rms_norm_kernel(x_ptr, stride_x, r_ptr, stride_r, w_ptr, out_ptr, stride_o,
     if QUANT:
         # the row as stored, quantized to int8 per 32-block for the int8-activation GEMVs that read
         # it (quantize_activations' arithmetic; saves them a launch)
-        b = tl.reshape(y.to(tl.float32), [BLOCK_D // 32, 32])
-        amax = tl.max(tl.abs(b), axis=1)
-        inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
-        v = b * inv[:, None]
-        q = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(0.5 - v))  # round half away from zero
-        kb = tl.arange(0, BLOCK_D // 32)
-        bm = kb < D // 32
-        tl.store(xq_ptr + row * D + tl.reshape(c, [BLOCK_D // 32, 32]), q.to(tl.int8), mask=bm[:, None])
-        d = amax / 127.0
-        tl.store(xd_ptr + row * (D // 32) + kb, d, mask=bm)
-        tl.store(xs_ptr + row * (D // 32) + kb, d * tl.sum(q, axis=1), mask=bm)
+        _store_int8_blocks(y, row, D, xq_ptr, xd_ptr, xs_ptr, c, BLOCK_D)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
@@ -80,3 +95,85 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
                            float(eps), *qa, HAS_RES=has_res, WRITE_RES=write_res, QUANT=xq is not None,
                            BLOCK_D=block, num_warps=nw, **pdl())
     return out
+
+
+@dataclass
+class NormTail:
+    """add_rms_norm's work done by the matrix-vector kernel that produces its branch input y:
+    sum_out = residual + y (rounded as stored), out = rms_norm(sum_out) * weight, and with xq the
+    int8 copy of out (as rms_norm(..., xq=) writes it). Every program adds its rows; the last one to
+    finish (counted in `counter`, an int32 that is zero between launches) normalises whole rows.
+    sum_out may be residual itself (an in-place residual stream), but neither may overlap the
+    kernel's input x: they are written while other programs still read x."""
+
+    residual: torch.Tensor
+    sum_out: torch.Tensor
+    out: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+    counter: torch.Tensor
+    xq: object = None  # QuantizedActivations
+
+    def checked(self, T: int, width: int) -> "NormTail":
+        for name in ("residual", "sum_out", "out"):
+            t = getattr(self, name)
+            check_2d(t, f"norm {name}")
+            if tuple(t.shape) != (T, width):
+                raise ValueError(f"norm {name} has shape {tuple(t.shape)}, expected {(T, width)}")
+        if self.weight.numel() != width or not self.weight.is_contiguous():
+            raise ValueError(f"norm weight has {self.weight.numel()} elements (contiguous), expected {width}")
+        if self.counter.dtype != torch.int32 or self.counter.numel() < 1:
+            raise ValueError("norm counter must be an int32 tensor (zero when no kernel runs)")
+        if self.xq is not None and (tuple(self.xq.shape) != (T, width) or width % 32):
+            raise ValueError(f"norm xq holds activations of shape {self.xq.shape}, expected {(T, width)} "
+                             f"with a width that is a multiple of 32")
+        return self
+
+    def unfused(self, y: torch.Tensor) -> torch.Tensor:
+        """The same result from y with the rms_norm kernel (prefill sizes)."""
+        return rms_norm(y, self.weight, self.eps, residual=self.residual, out=self.out, residual_out=self.sum_out,
+                        xq=self.xq)
+
+    def kernel_args(self) -> tuple[list, dict]:
+        qa = [self.xq.xq, self.xq.xd, self.xq.xs] if self.xq is not None else [self.out] * 3
+        width = self.out.shape[1]
+        return ([self.residual, self.residual.stride(0), self.sum_out, self.sum_out.stride(0), self.out,
+                 self.out.stride(0), self.weight, float(self.eps), self.counter, *qa],
+                dict(NORM=True, NORM_QUANT=self.xq is not None, NORM_CHUNK=min(next_pow2(width), NORM_TAIL_CHUNK)))
+
+
+# columns the tail normalises per step: a chunk stays in the registers of a 1-warp program
+NORM_TAIL_CHUNK = 1024
+
+
+@jit
+def norm_tail_epilogue(y, rows, rmask, tok, M, N, n_programs,
+                       res_ptr, stride_r, sum_ptr, stride_s, n_ptr, stride_n, w_ptr, eps, cnt_ptr,
+                       xq_ptr, xd_ptr, xs_ptr, QUANT: tl.constexpr, CHUNK: tl.constexpr):
+    """In a GEMV epilogue: y (fp32, this program's rows of token tok) is rounded as the unfused
+    kernel would store it and added to the residual; then the program counts itself done, and
+    the last one normalises every token's row (reading the sums from L2: other SMs wrote them)."""
+    y = y.to(sum_ptr.dtype.element_ty).to(tl.float32)
+    a = tl.load(res_ptr + tok.to(tl.int64) * stride_r + rows, mask=rmask, other=0.0).to(tl.float32)
+    tl.store(sum_ptr + tok.to(tl.int64) * stride_s + rows, (a + y).to(sum_ptr.dtype.element_ty), mask=rmask)
+    tl.debug_barrier()  # all of this program's stores come before its release of the counter
+    done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+    if done == n_programs - 1:
+        c0 = tl.arange(0, CHUNK)
+        for t in range(M):  # M <= 8 tokens: int32 offsets suffice
+            srow = sum_ptr + t * stride_s
+            acc = tl.zeros([CHUNK], dtype=tl.float32)
+            for k in range(0, N, CHUNK):
+                x = tl.load(srow + k + c0, mask=k + c0 < N, other=0.0, cache_modifier=".cg").to(tl.float32)
+                acc += x * x
+            r = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / N + eps)
+            for k in range(0, N, CHUNK):
+                c = k + c0
+                cm = c < N
+                x = tl.load(srow + c, mask=cm, other=0.0, cache_modifier=".cg").to(tl.float32)
+                w = tl.load(w_ptr + c, mask=cm, other=0.0).to(tl.float32)
+                out = (x * r * w).to(n_ptr.dtype.element_ty)
+                tl.store(n_ptr + t * stride_n + c, out, mask=cm)
+                if QUANT:
+                    _store_int8_blocks(out, t, N, xq_ptr, xd_ptr, xs_ptr, c, CHUNK)
+        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")  # ready for the next launch

@@ -25,7 +25,8 @@ def _argmax_partial_kernel(x_ptr, stride_x, pv_ptr, pi_ptr, V, N_PART, BLOCK: tl
 
 
 @jit
-def _argmax_final_kernel(pv_ptr, pi_ptr, out_ptr, V, N_PART, PART_PAD: tl.constexpr, PDL: tl.constexpr):
+def _argmax_final_kernel(pv_ptr, pi_ptr, out_ptr, V, N_PART, tok_ptr, start_ptr, seq_ptr, PART_PAD: tl.constexpr,
+                         STEP: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
     row = tl.program_id(0)
     p = tl.arange(0, PART_PAD)
@@ -36,12 +37,24 @@ def _argmax_final_kernel(pv_ptr, pi_ptr, out_ptr, V, N_PART, PART_PAD: tl.conste
     best = tl.min(tl.where(v == mx, i, V), axis=0)
     best = tl.where(best >= V, 0, best)  # all -inf (or NaN): 0
     tl.store(out_ptr + row, best.to(out_ptr.dtype.element_ty))
+    if STEP:  # the next decode step's inputs: this token, its position, the cache length
+        tl.store(tok_ptr, best.to(tok_ptr.dtype.element_ty))
+        tl.store(start_ptr, tl.load(start_ptr) + 1)
+        tl.store(seq_ptr, tl.load(seq_ptr) + 1)
 
 
-def argmax(logits: torch.Tensor, out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
-    """Index of the largest logit of each row: logits [T, V] -> int64 [T] (or out's int dtype)."""
+def argmax(logits: torch.Tensor, out: torch.Tensor | None = None, config: dict | None = None,
+           step: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Index of the largest logit of each row: logits [T, V] -> int64 [T] (or out's int dtype).
+
+    step = (tokens, start, seq_len), one-element int tensors of a greedy decode loop on the device:
+    the kernel also stores the token into tokens[0] and adds one to start and seq_len (one row only),
+    which saves a greedy step three launches."""
     check_2d(logits, "logits")
     T, V = logits.shape
+    if step is not None:
+        if T != 1 or any(t.dtype not in (torch.int32, torch.int64) or t.numel() < 1 for t in step):
+            raise ValueError("argmax step takes one row of logits and three int32/int64 tensors (tokens, start, seq_len)")
     if out is None:
         out = torch.empty((T,), dtype=torch.int64, device=logits.device)
     elif out.shape != (T,) or out.dtype not in (torch.int32, torch.int64):
@@ -55,7 +68,9 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None, config: dict |
     pi = torch.empty((T, n_part), dtype=torch.int32, device=logits.device)
     _argmax_partial_kernel[(T, n_part)](logits, logits.stride(0), pv, pi, V, n_part, BLOCK=block,
                                         num_warps=cfg["num_warps"], **pdl())
-    _argmax_final_kernel[(T,)](pv, pi, out, V, n_part, PART_PAD=next_pow2(n_part), num_warps=1, **pdl())
+    tok, start, seq = step if step is not None else (out, out, out)
+    _argmax_final_kernel[(T,)](pv, pi, out, V, n_part, tok, start, seq, PART_PAD=next_pow2(n_part),
+                               STEP=step is not None, num_warps=1, **pdl())
     return out
 
 
