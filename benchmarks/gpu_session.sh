@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# One GPU session's measurements on a lent H100/H200 (the device tool), as steps that fit its
+# 10-minute calls: bash benchmarks/gpu_session.sh STEP [ARGS...]. State lives in /tmp/gpu-session,
+# which survives between calls while the machine stays warm.
+#
+# Carried into the call (ignored by git): .whl/ (wheels the image lacks: gguf) and
+# .llama/llama_trim.tar.gz (llama-cpp-python 0.3.36's sdist without the vendored llama.cpp's
+# models/, docs/, examples/ and backends other than CUDA/CPU: 6 MB instead of 76 MB).
+#
+#   setup                 install the carried wheels
+#   build_llama           llama.cpp CUDA (sm_90): llama-bench and libllama.so; the Python bindings
+#                         of the same sdist load that library (run it under setsid: about 5 min)
+#   wait_llama [SECONDS]  wait for build_llama
+#   models NAME:FMT,...   write synthetic models (edgellm.synthetic presets) into the session folder
+#   tests                 the cuda backend's kernel and whole-model tests on the GPU
+#   vs NAME:FMT,... [bench_vs_llamacpp options]   edgellm cuda vs llama-bench on those models
+#   bench_1b              edgellm bench: the Llama-3.2-1B shape in q4_0 and q8_0, edgellm cuda vs
+#                         llama.cpp CUDA (llama-cpp-python) vs transformers (issue 5's GPU report)
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+W=/tmp/gpu-session
+OUT=${OUT:-$W/out}
+mkdir -p "$W/models" "$OUT"
+export PYTHONPATH="$ROOT:$W/site:$W/lpy"
+export PYTHONUNBUFFERED=1
+
+model_path() { echo "$W/models/${1%%:*}-${1##*:}.gguf"; }
+preset_of() { case "$1" in 135m) echo smollm2-135m;; 1b) echo llama-3.2-1b;; 8b) echo llama-3.1-8b;; *) echo "$1";; esac; }
+
+step=${1:?step}
+shift
+case "$step" in
+setup)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$W/site" "$ROOT"/.whl/*.whl
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+  ;;
+build_llama)
+  rm -f "$W/llama.done"
+  tar xzf "$ROOT/.llama/llama_trim.tar.gz" -C "$W"
+  S=$W/llama_cpp_python-0.3.36
+  cmake -S "$S/vendor/llama.cpp" -B "$W/lb" -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+    -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+    -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF >"$W/cmake.log" 2>&1 || { tail -20 "$W/cmake.log"; exit 1; }
+  cmake --build "$W/lb" -j16 --target llama-bench llama >"$W/build.log" 2>&1 || { tail -30 "$W/build.log"; exit 1; }
+  mkdir -p "$W/lpy/llama_cpp/lib"
+  cp -r "$S/llama_cpp/." "$W/lpy/llama_cpp/"
+  find "$W/lb" -name 'lib*.so*' -exec ln -sf {} "$W/lpy/llama_cpp/lib/" \;
+  touch "$W/llama.done"
+  ;;
+wait_llama)
+  for _ in $(seq "${1:-400}"); do [ -e "$W/llama.done" ] && break; sleep 1; done
+  [ -e "$W/llama.done" ] || { echo "llama.cpp build not done"; tail -5 "$W/build.log" "$W/cmake.log" 2>/dev/null; exit 1; }
+  ls "$W/lb/bin"
+  ;;
+models)
+  for item in ${1//,/ }; do
+    python3 -c "import sys; from edgellm.synthetic import preset, write_synthetic_gguf as w
+w(sys.argv[1], preset(sys.argv[2], weight_type=sys.argv[3]), fast=True)" \
+      "$(model_path "$item")" "$(preset_of "${item%%:*}")" "${item##*:}" &
+  done
+  wait
+  ls -la "$W/models"
+  ;;
+tests)
+  python3 -m pytest -q -p no:cacheprovider "$ROOT/tests/test_cuda_kernels.py" "$ROOT/tests/test_cuda_backend.py" 2>&1 \
+    | tee "$OUT/gpu_tests.txt" | tail -8
+  ;;
+vs)
+  models=()
+  for item in ${1//,/ }; do models+=("$(model_path "$item")"); done
+  shift
+  python3 "$ROOT/benchmarks/bench_vs_llamacpp.py" --llama-bench "$W/lb/bin/llama-bench" "${models[@]}" "$@"
+  ;;
+bench_1b)
+  f=$W/models/llama-3.2-1b-F16-vocab.gguf
+  [ -e "$f" ] || python3 -c "import sys; from edgellm.synthetic import preset, write_synthetic_gguf, byte_bpe_vocab
+write_synthetic_gguf(sys.argv[1], preset('llama-3.2-1b', weight_type='F16'), byte_bpe_vocab(128256), fast=True)" "$f"
+  timeout -s TERM "${BENCH_SECONDS:-480}" python3 -m edgellm.bench "$f" --quant q4_0,q8_0 \
+    --engine edgellm,llama.cpp,transformers --backend cuda -p 512 -n 128 -r 2 --no-ppl --timeout 150 \
+    -o "$W/bench_1b_gpu" "$@"
+  (cd "$W" && find bench_1b_gpu -name '*.md' -o -name '*.csv' -o -name '*.json' -o -name '*.png' -o -name '*.log' \
+    | tar czf "$OUT/bench_1b_gpu.tar.gz" -T -)
+  ;;
+*)
+  echo "unknown step $step" >&2
+  exit 2
+  ;;
+esac
