@@ -250,9 +250,9 @@ class CudaProgram:
         or by that GEMV itself as its residual (each program reads its rows, then writes them)."""
         ops = self.graph.ops
         order = {op.name: i for i, op in enumerate(ops)}
-        cand: dict[str, tuple[Op, Op, str]] = {}  # norm name -> (norm, the linear it follows, residual)
         if "add_rms_norm" not in self.backend.SUPPORTED_OPS:  # delegated to the cpu: it runs as it is
             return
+        cand: dict[str, tuple[Op, Op, str]] = {}  # norm name -> (norm, the linear it follows, residual)
         for op in ops:
             if op.kind != "add_rms_norm" or op.outputs[0] in self.graph.outputs:
                 continue

@@ -29,7 +29,7 @@ from .sampling import argmax, sample
 
 __all__ = [
     "INTERPRET", "USE_DP4A", "PACKED_FORMATS", "SUPPORTED_FORMATS", "PackedWeight", "UnsupportedFormatError",
-    "NormTail", "QuantizedActivations", "RopeStore", "argmax", "attention_decode", "attention_prefill", "can_repack", "concat_packed",
-    "decode_workspace", "default_decode_splits", "dequantize", "embedding", "linear", "linear_silu_mul", "pack_float",
-    "quantize_activations", "repack", "rms_norm", "rope_qkv_cache", "sample", "set_pdl", "silu_mul",
+    "NormTail", "QuantizedActivations", "RopeStore", "argmax", "attention_decode", "attention_prefill", "can_repack",
+    "concat_packed", "decode_workspace", "default_decode_splits", "dequantize", "embedding", "linear",
+    "linear_silu_mul", "pack_float", "quantize_activations", "repack", "rms_norm", "rope_qkv_cache", "sample", "set_pdl", "silu_mul",
 ]

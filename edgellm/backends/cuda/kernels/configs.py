@@ -169,11 +169,12 @@ ATTN_PREFILL_DEFAULT = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
 ATTN_DECODE_SINGLE_BLOCK_N = 128
 ATTN_DECODE_SINGLE_BLOCK_N_FEW_HEADS = 64  # fewer than 8 KV heads
 
+ATTN_PREFILL_CANDIDATES = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
+                           for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)]
+
 
 def attn_decode_single_block_n(n_kv_heads: int) -> int:
     return ATTN_DECODE_SINGLE_BLOCK_N if n_kv_heads >= 8 else ATTN_DECODE_SINGLE_BLOCK_N_FEW_HEADS
-ATTN_PREFILL_CANDIDATES = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
-                           for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)]
 
 ELEMENTWISE_DEFAULT = dict(BLOCK=1024, num_warps=4)
 EMBEDDING_DEFAULT = dict(BLOCK_D=1024, num_warps=4)

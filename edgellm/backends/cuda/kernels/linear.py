@@ -321,12 +321,12 @@ def _gemv_i8_kernel(xq_ptr, xd_ptr, xs_ptr,
                     M, N, K, stride_q, stride_d,
                     pos_ptr, pos_val, ff_ptr, log2_theta, qo_ptr, stride_qo, kc_ptr, vc_ptr, stride_c, QD, KVD,
                     res_ptr, stride_r, sum_ptr, stride_s, nrm_ptr, stride_n, nw_ptr, eps, cnt_ptr,
-                 nxq_ptr, nxd_ptr, nxs_ptr,
+                    nxq_ptr, nxd_ptr, nxs_ptr,
                     FMT: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr, MASKED: tl.constexpr,
                     ROPE: tl.constexpr, POS_FROM_PTR: tl.constexpr, HEAD_DIM: tl.constexpr, N_ROT: tl.constexpr,
                     HAS_FF: tl.constexpr, NORM: tl.constexpr, NORM_QUANT: tl.constexpr, NORM_CHUNK: tl.constexpr,
-                 PDL: tl.constexpr):
+                    PDL: tl.constexpr):
     pdl_prologue(PDL)
     pid = tl.program_id(0)
     tok = pid % M
@@ -467,7 +467,8 @@ def _check_weight(x: torch.Tensor, w: PackedWeight, name: str = "w") -> None:
         raise ValueError(f"x has {x.shape[1]} features but {name} {w.fmt} {w.shape} expects {w.in_features}")
 
 
-def _decode_cfg(fmt: str, config, act_int8: bool = False, glu: bool = False, n_elements: int = 0, K: int = 0) -> dict:
+def _decode_cfg(fmt: str, config, act_int8: bool = False, glu: bool = False, n_elements: int = 0,
+                K: int = 0) -> dict:
     cfg = {**configs.gemv_config(fmt, act_int8, glu, n_elements, K), **(config or {})}
     if fmt != "F16" and cfg["BLOCK_K"] % 32:
         raise ValueError(f"BLOCK_K={cfg['BLOCK_K']} must be a multiple of 32 for {fmt}")

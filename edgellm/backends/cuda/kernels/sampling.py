@@ -54,7 +54,8 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None, config: dict |
     T, V = logits.shape
     if step is not None:
         if T != 1 or any(t.dtype not in (torch.int32, torch.int64) or t.numel() < 1 for t in step):
-            raise ValueError("argmax step takes one row of logits and three int32/int64 tensors (tokens, start, seq_len)")
+            raise ValueError("argmax step takes one row of logits and three int32/int64 tensors "
+                             "(tokens, start, seq_len)")
     if out is None:
         out = torch.empty((T,), dtype=torch.int64, device=logits.device)
     elif out.shape != (T,) or out.dtype not in (torch.int32, torch.int64):
