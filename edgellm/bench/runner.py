@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..errors import EdgeLLMError
 from . import metrics
-from .device import cache_root, git_commit, host_info, versions
+from .device import cache_root, git_commit, git_dirty, host_info, versions
 from .engines import engine_class, engine_label
 from .plan import BenchPlan, validate
 from .quantize import SOURCE, QuantizationUnavailable, cached_path
@@ -41,9 +41,33 @@ def _package_root() -> str:
     return str(Path(__file__).resolve().parent.parent.parent)
 
 
+# The child's entry: import the engine's preload modules first (before edgellm, numpy and torch
+# load their own native libraries), then run edgellm.bench.worker as __main__ with the job file.
+# A preload that fails to import is left to the engine's own import, which reports it.
+_BOOT = """import importlib, runpy, sys
+for _m in sys.argv[2:]:
+    try:
+        importlib.import_module(_m)
+    except Exception:
+        pass
+sys.argv = sys.argv[:2]
+runpy.run_module("edgellm.bench.worker", run_name="__main__", alter_sys=True)
+"""
+
+
+def _preload(job: dict) -> list[str]:
+    if job.get("job") != "run" or not job.get("engine"):
+        return []
+    try:
+        return list(engine_class(job["engine"]).preload)
+    except EdgeLLMError:  # the worker reports an engine it cannot import
+        return []
+
+
 def run_job(job: dict, timeout_s: float, workdir: Path, log_path: Path | None = None) -> JobOutcome:
-    """Run one job in `python -m edgellm.bench.worker` with a wall-clock limit. A timeout kills the
-    job's whole process group; a crash, a signal or an exception is returned, never raised."""
+    """Run one job in a child `python` (edgellm.bench.worker) with a wall-clock limit. A timeout
+    kills the job's whole process group; a crash, a signal or an exception is returned, never raised.
+    The engine's `preload` modules are imported first in the child (Engine.preload)."""
     workdir.mkdir(parents=True, exist_ok=True)
     fd, cfg_path = tempfile.mkstemp(prefix="job-", suffix=".json", dir=workdir)
     result_path = cfg_path[:-5] + ".result.json"
@@ -54,10 +78,11 @@ def run_job(job: dict, timeout_s: float, workdir: Path, log_path: Path | None = 
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([_package_root()] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONFAULTHANDLER"] = "1"  # a native crash leaves the Python stack in the job's log
     t0 = time.perf_counter()
     timed_out = False
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "edgellm.bench.worker", cfg_path], stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen([sys.executable, "-c", _BOOT, cfg_path, *_preload(job)], stdin=subprocess.DEVNULL,
                                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout_s)
@@ -531,7 +556,8 @@ def assemble(plan: BenchPlan, variants: list[Variant], configs: list[Config], de
         "elapsed_s": elapsed_s,
         "command": ["edgellm", "bench"] + list(argv) if argv is not None else None,
         "plan": plan.to_dict(),
-        "environment": {"versions": versions(), "git_commit": git_commit(), "host": host_info()},
+        "environment": {"versions": versions(), "git_commit": git_commit(), "git_dirty": git_dirty(),
+                        "host": host_info()},
         "devices": devices,
         "variants": [dict(vars(v)) for v in variants],
         "configurations": rows,

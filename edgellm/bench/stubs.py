@@ -6,6 +6,9 @@
   RaiseEngine   loading raises an exception
   SleepEngine   loading sleeps for an hour (for --timeout)
   OOMEngine     loading raises MemoryError
+  PreloadEngine asks the child to import 'edgellm_preload_probe' first (a module the test puts
+                on PYTHONPATH) and reports, in info(), the packages loaded before it
+  MissingPreloadEngine  the same with a preload module that does not exist
 """
 
 from __future__ import annotations
@@ -90,3 +93,19 @@ class OOMEngine(ToyEngine):
 
     def load(self, model_path: str, backend: str, ctx: int) -> None:
         raise MemoryError("OOMEngine: simulated out of memory")
+
+
+class PreloadEngine(ToyEngine):
+    name = "preload"
+    preload = ("edgellm_preload_probe",)
+
+    def info(self) -> dict:
+        import importlib
+
+        d = super().info()
+        d["loaded_before_preload"] = getattr(importlib.import_module(self.preload[0]), "LOADED", None)
+        return d
+
+
+class MissingPreloadEngine(PreloadEngine):
+    preload = ("no_such_module_for_edgellm",)
