@@ -13,6 +13,7 @@ import time
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from edgellm.bench import metrics
@@ -248,6 +249,43 @@ def test_out_of_memory_is_recorded(tmp_path, default_model_path):
     assert out.status == "oom" and "MemoryError" in out.error and out.returncode == 1
 
 
+def test_engine_preload_is_imported_before_edgellm_and_numpy(tmp_path, monkeypatch, default_model_path):
+    """An engine's preload modules come first in the child (llama-cpp-python's CUDA build needs its
+    libraries loaded before numpy's and torch's); a preload that cannot be imported is no crash."""
+    from edgellm.bench.runner import run_job
+
+    (tmp_path / "edgellm_preload_probe.py").write_text(
+        "import sys\nLOADED = sorted(m for m in ('edgellm', 'numpy', 'torch') if m in sys.modules)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    job = {"job": "run", "engine": f"{STUBS}:PreloadEngine", "backend": "cpu", "model": str(default_model_path),
+           "ctx": 16, "pp": [4], "tg": [2]}
+    out = run_job(job, 120, tmp_path / "w")
+    assert out.status == "ok", out.log
+    assert out.result["info"]["loaded_before_preload"] == []
+    out = run_job(dict(job, engine=f"{STUBS}:MissingPreloadEngine"), 120, tmp_path / "w2")
+    assert out.status == "error" and "no_such_module_for_edgellm" in out.error, out.log
+
+
+def test_git_commit_and_dirty_state(tmp_path):
+    """results.json records the commit and whether tracked files differed from it."""
+    import subprocess
+
+    from edgellm.bench.device import git_commit, git_dirty
+
+    assert git_commit(tmp_path) is None and git_dirty(tmp_path) is None  # not a checkout
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@example.com"]
+    subprocess.run(git + ["init", "-q"], cwd=tmp_path, check=True)
+    (tmp_path / "a.txt").write_text("one")
+    subprocess.run(git + ["add", "a.txt"], cwd=tmp_path, check=True)
+    subprocess.run(git + ["commit", "-q", "-m", "a"], cwd=tmp_path, check=True)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True).stdout.strip()
+    assert git_commit(tmp_path) == head and len(head) == 40
+    (tmp_path / "b.txt").write_text("untracked")  # not part of the measured code
+    assert git_dirty(tmp_path) is False
+    (tmp_path / "a.txt").write_text("two")
+    assert git_dirty(tmp_path) is True
+
+
 def test_quantized_variants_come_from_the_cache(tmp_path):
     from edgellm.bench.quantize import cached_path
 
@@ -356,6 +394,31 @@ def test_main_cli_has_bench_when_wired(capsys):
 
 
 # -- against llama.cpp -------------------------------------------------------------------------------
+def test_llama_cpp_engine_greedy_path_matches_its_logits(default_model_path):
+    """The timed path (llama_decode through the C API, argmax over its logits in place) picks the
+    argmax of the logits llama.cpp's high-level API computes for the same tokens, in prefill and decode."""
+    pytest.importorskip("llama_cpp")
+    from edgellm.bench.engines import LlamaCppEngine
+
+    e = LlamaCppEngine(threads=2)
+    e.prepare("cpu")
+    e.load(str(default_model_path), "cpu", 64)
+    try:
+        rng = np.random.default_rng()
+        ids = rng.integers(0, e.vocab_size(), 12).tolist()
+        for _ in range(2):  # again on a cleared cache
+            e.prefill(ids)
+            assert e.next_token() == int(np.argmax(e.logits(ids)[-1]))
+        e.decode(6)
+        seq = [int(e.llm.token_bos())]
+        for tok in e.tokens_out:
+            assert tok == int(np.argmax(e.logits(seq)[-1])), (seq, e.tokens_out)
+            seq.append(tok)
+        assert len(e.tokens_out) == 6
+    finally:
+        e.close()
+
+
 def test_perplexity_agrees_with_llama_cpp(tmp_path, default_model_path):
     pytest.importorskip("llama_cpp")
     out = tmp_path / "out"

@@ -127,14 +127,24 @@ def versions() -> dict:
     return out
 
 
-def git_commit() -> str | None:
-    """The commit of the edgellm source tree, when it is a git checkout (read-only query)."""
-    here = Path(__file__).resolve().parent
+def _git(args: list[str], where: Path | None) -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
+        out = subprocess.run(["git", *args], cwd=where or Path(__file__).resolve().parent, capture_output=True,
+                             text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def git_commit(where: Path | None = None) -> str | None:
+    """The commit of the edgellm source tree, when it is a git checkout (read-only query)."""
+    return _git(["rev-parse", "HEAD"], where) or None
+
+
+def git_dirty(where: Path | None = None) -> bool | None:
+    """Whether tracked files differ from that commit (the results then are not of the commit alone)."""
+    out = _git(["status", "--porcelain", "--untracked-files=no"], where)
+    return None if out is None else bool(out)
 
 
 def host_info() -> dict:

@@ -67,7 +67,8 @@ class Engine:
     name = "engine"
     #: backends the engine knows how to target at all (others are reported unavailable)
     backends: tuple[str, ...] = ("cpu", "cuda")
-    #: modules the child process imports before anything else (before edgellm and numpy)
+    #: modules the child process imports before anything else (before edgellm, numpy and torch
+    #: load their native libraries): runner.run_job passes them to the child's entry
     preload: tuple[str, ...] = ()
 
     def __init__(self, threads: int | None = None):
@@ -226,11 +227,13 @@ class EdgeLLMEngine(Engine):
 
 # -- llama.cpp -------------------------------------------------------------------------------------
 class LlamaCppEngine(Engine):
-    """llama.cpp through llama-cpp-python (`llama_cpp`), with its default f16 KV cache."""
+    """llama.cpp through llama-cpp-python (`llama_cpp`), with its default f16 KV cache: loaded by
+    Llama(), timed through the C API (llama_decode; argmax over its logits in place)."""
 
     name = "llama.cpp"
-    # imported first in the child process: with numpy loaded before it, llama-cpp-python's CUDA
-    # build segfaulted in its first eval on the H100 machine (2026-11-22; imported first, it ran)
+    # imported first in the child process: imported after numpy + torch (or after edgellm), a CUDA
+    # build of llama-cpp-python 0.3.36 segfaulted loading a model on the H100 machine; imported
+    # first, it ran (benchmarks/gpu_session.sh llama_check, 2026-11-22)
     preload = ("llama_cpp",)
 
     @classmethod
@@ -265,6 +268,18 @@ class LlamaCppEngine(Engine):
             return False, "off: llama.cpp's AMX path crashes on this CPU (see LlamaCppEngine.extra_bufts)"
         return True, "llama.cpp default"
 
+    @staticmethod
+    def flash_attention(backend: str) -> tuple[bool, str]:
+        """Whether the context uses flash attention. llama.cpp's own tools default to 'auto' (on
+        where the backend has it: CUDA), llama-cpp-python's Llama() to off, which cost llama.cpp
+        ~0.3 ms per decode token on the 1B shape on the H100 (1.28 vs llama-bench -fa 1's 1.0 ms).
+        On for cuda, off on the CPU (as the perplexity agreement was measured);
+        EDGELLM_LLAMACPP_FLASH_ATTN=0/1 forces it."""
+        want = os.environ.get("EDGELLM_LLAMACPP_FLASH_ATTN", "auto")
+        if want in ("0", "1"):
+            return want == "1", "EDGELLM_LLAMACPP_FLASH_ATTN"
+        return (True, "llama.cpp's default on CUDA") if backend == "cuda" else (False, "Llama()'s default")
+
     def _open(self, logits_all: bool):
         import llama_cpp
         import llama_cpp.llama as high_level
@@ -284,50 +299,75 @@ class LlamaCppEngine(Engine):
             return llama_cpp.Llama(model_path=self.path, n_ctx=self.ctx, n_batch=self.ctx,
                                    n_ubatch=min(self.ctx, 512), n_gpu_layers=-1 if self.backend == "cuda" else 0,
                                    n_threads=threads, n_threads_batch=threads, logits_all=logits_all, seed=0,
-                                   verbose=False)
+                                   flash_attn=self.flash_attention(self.backend)[0], verbose=False)
         finally:
             high_level.llama_cpp.llama_model_default_params = defaults
 
     def load(self, model_path: str, backend: str, ctx: int) -> None:
+        import llama_cpp
+
         self.path, self.backend, self.ctx = str(model_path), backend, ctx
         self.llm = self._open(logits_all=False)
         self._all = None  # a second context that keeps every position's logits (perplexity only)
+        # prefill and decode go through the C API, as llama.cpp's own tools do (llama_decode on a
+        # batch), and the next token is the argmax over the logits llama_decode left on the host,
+        # read in place. Measured per token on the H100 host (1B shape, vocabulary 128,256):
+        # llama.cpp's greedy sampler (llama_sampler_sample) fills a 128,256-entry candidate array
+        # and cost ~0.6 ms more than Llama.eval + a numpy argmax of a copy; in place, no copy.
+        self._one = (llama_cpp.llama_token * 1)()
+        self._n_vocab = int(self.llm.n_vocab())
+        self.tokens_out: list[int] = []  # the last decode()'s tokens (tests compare them)
+
+    def _clear(self, llm) -> None:
+        import llama_cpp
+
+        llm.reset()  # the high-level object's n_tokens = 0
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llm.ctx), True)
+
+    def _decode(self, llm, ids: Sequence[int], buf=None) -> None:
+        import llama_cpp
+
+        if buf is None:
+            buf = (llama_cpp.llama_token * len(ids))(*ids)
+        rc = llama_cpp.llama_decode(llm.ctx, llama_cpp.llama_batch_get_one(buf, len(ids)))
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc} on a batch of {len(ids)} tokens")
+
+    def _sample(self, llm) -> int:
+        import llama_cpp
+
+        ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)  # synchronises
+        return int(np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)).argmax())
 
     def _sync(self, llm) -> None:
         import llama_cpp
 
-        sync = getattr(llama_cpp, "llama_synchronize", None)
-        if sync is not None:
-            sync(llm.ctx)
-
-    def _last_logits(self, llm) -> np.ndarray:
-        import llama_cpp
-
-        ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)  # synchronises
-        return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),)).copy()
-
-    def _run(self, llm, ids: Sequence[int]) -> None:
-        llm.reset()  # n_tokens = 0: eval() drops the cache beyond it
-        llm.eval(list(ids))
+        llama_cpp.llama_synchronize(llm.ctx)
 
     def prefill(self, ids: Sequence[int]) -> None:
-        self._run(self.llm, ids)
+        self._clear(self.llm)
+        self._decode(self.llm, ids)
         self._sync(self.llm)
 
     def next_token(self) -> int:
-        return int(np.argmax(self._last_logits(self.llm)))
+        return self._sample(self.llm)
 
     def decode(self, n: int) -> None:
         tok = int(self.llm.token_bos()) if self.llm.token_bos() >= 0 else 1
-        self.llm.reset()
+        self._clear(self.llm)
+        out = []
         for _ in range(n):
-            self.llm.eval([tok])
-            tok = int(np.argmax(self._last_logits(self.llm)))
+            self._one[0] = tok
+            self._decode(self.llm, (tok,), self._one)
+            tok = self._sample(self.llm)
+            out.append(tok)
+        self.tokens_out = out
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         if self._all is None:
             self._all = self._open(logits_all=True)
-        self._run(self._all, ids)
+        self._all.reset()  # n_tokens = 0: eval() drops the cache beyond it
+        self._all.eval(list(ids))
         return np.array(self._all.scores[: len(ids)], dtype=np.float32)
 
     def vocab_size(self) -> int:
@@ -342,6 +382,8 @@ class LlamaCppEngine(Engine):
         d["threads"] = self.threads or _threads()
         on, why = self.extra_bufts(self.backend)
         d["extra_buffer_types"] = "on" if on else why
+        on, why = self.flash_attention(self.backend)
+        d["flash_attention"] = f"{'on' if on else 'off'} ({why})"
         return d
 
 

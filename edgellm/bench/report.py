@@ -152,7 +152,8 @@ def markdown(results: dict, plots: dict[str, str] | None = None) -> str:
                      f"{' (' + d['source'] + ')' if d.get('source') else ''}"
                      f"{'; driver ' + d['driver'] if d.get('driver') else ''}")
     parts.append("- versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val) +
-                 (f"; git {env['git_commit'][:12]}" if env.get("git_commit") else ""))
+                 (f"; git {env['git_commit'][:12]}" if env.get("git_commit") else "")
+                 + (" with uncommitted changes" if env.get("git_dirty") else ""))
     parts.append(f"- host: {env['host']['cpu']}, {env['host']['cpu_count']} cores, {env['host']['platform']}")
     plan = results["plan"]
     parts.append(f"- plan: -p {','.join(map(str, plan['prompt_lengths']))} -n {','.join(map(str, plan['gen_lengths']))}"
