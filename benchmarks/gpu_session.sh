@@ -11,11 +11,18 @@
 #   build_llama           llama.cpp CUDA (sm_90): llama-bench and libllama.so; the Python bindings
 #                         of the same sdist load that library (run it under setsid: about 5 min)
 #   wait_llama [SECONDS]  wait for build_llama
+#   build_llama_py        llama-cpp-python itself with CUDA, as a user installs it
+#                         (CMAKE_ARGS=-DGGML_CUDA=on pip install), into the session's site folder
+#                         (run it under setsid: about 5 min); wait_llama_py [SECONDS] waits for it
+#   llama_check           load + evaluate a 1B-shape Q4_0 model through the bindings, with llama_cpp
+#                         imported first, after numpy + torch, and after edgellm (which import order
+#                         crashes, if any)
 #   models NAME:FMT,...   write synthetic models (edgellm.synthetic presets) into the session folder
 #   tests                 the cuda backend's kernel and whole-model tests on the GPU
 #   vs NAME:FMT,... [bench_vs_llamacpp options]   edgellm cuda vs llama-bench on those models
 #   bench_1b              edgellm bench: the Llama-3.2-1B shape in q4_0 and q8_0, edgellm cuda vs
-#                         llama.cpp CUDA (llama-cpp-python) vs transformers (issue 5's GPU report)
+#                         llama.cpp CUDA (llama-cpp-python from build_llama_py) vs transformers
+#                         (issue 5's GPU report)
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 W=/tmp/gpu-session
@@ -52,6 +59,54 @@ wait_llama)
   for _ in $(seq "${1:-400}"); do [ -e "$W/llama.done" ] && break; sleep 1; done
   [ -e "$W/llama.done" ] || { echo "llama.cpp build not done"; tail -5 "$W/build.log" "$W/cmake.log" 2>/dev/null; exit 1; }
   ls "$W/lb/bin"
+  ;;
+build_llama_py)
+  rm -f "$W/llama_py.done"
+  tar xzf "$ROOT/.llama/llama_trim.tar.gz" -C "$W"
+  CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAVA_BUILD=off" CMAKE_BUILD_PARALLEL_LEVEL=16 \
+    python3 -m pip wheel -v --no-build-isolation --no-deps --no-index -w "$W/wheels" "$W/llama_cpp_python-0.3.36" \
+    >"$W/pip_build.log" 2>&1 || { tail -30 "$W/pip_build.log"; exit 1; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$W/site" "$W"/wheels/llama_cpp_python-*.whl
+  touch "$W/llama_py.done"
+  ;;
+wait_llama_py)
+  for _ in $(seq "${1:-400}"); do [ -e "$W/llama_py.done" ] && break; sleep 1; done
+  [ -e "$W/llama_py.done" ] || { echo "llama-cpp-python build not done"; tail -5 "$W/pip_build.log" 2>/dev/null; exit 1; }
+  ls "$W/site/llama_cpp/lib"
+  ;;
+llama_check)
+  f=$W/models/llama-3.2-1b-Q4_0-vocab.gguf
+  [ -e "$f" ] || python3 -c "import sys; from edgellm.synthetic import preset, write_synthetic_gguf, byte_bpe_vocab
+write_synthetic_gguf(sys.argv[1], preset('llama-3.2-1b', weight_type='Q4_0'), byte_bpe_vocab(128256), fast=True)" "$f"
+  for first in "" "import numpy, torch" "import edgellm.bench.worker"; do
+    echo "== llama_cpp after: '${first:-nothing}'"
+    PYTHONPATH="$W/site:$ROOT" timeout 120 python3 -X faulthandler -c "$first
+import llama_cpp, time
+t = time.perf_counter()
+llm = llama_cpp.Llama(model_path='$f', n_ctx=640, n_batch=640, n_ubatch=512, n_gpu_layers=-1, seed=0, verbose=False)
+llm.eval(list(range(1, 513)))
+print('ok: gpu offload', llama_cpp.llama_supports_gpu_offload(), 'load+pp512', round(time.perf_counter() - t, 2), 's')
+if not '$first':  # per decode token: llama_decode alone (as llama-bench tg), + argmax, via Llama.eval
+    import numpy as np
+    one, n = (llama_cpp.llama_token * 1)(), llm.n_vocab()
+    def tg(read):
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llm.ctx), True)
+        t = time.perf_counter()
+        for i in range(128):
+            one[0] = 600 + i
+            llama_cpp.llama_decode(llm.ctx, llama_cpp.llama_batch_get_one(one, 1))
+            llama_cpp.llama_synchronize(llm.ctx)
+            if read: np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n,)).argmax()
+        return (time.perf_counter() - t) / 128 * 1e3
+    def ev():
+        llm.reset(); t = time.perf_counter()
+        for i in range(128): llm.eval([600 + i]); llama_cpp.llama_synchronize(llm.ctx)
+        return (time.perf_counter() - t) / 128 * 1e3
+    for name, f in (('decode', lambda: tg(False)), ('decode+argmax', lambda: tg(True)), ('Llama.eval', ev)):
+        f(); print(f'{name}: {min(f() for _ in range(3)):.3f} ms/token')
+" 2>&1 | tail -25
+    echo "rc=${PIPESTATUS[0]}"
+  done
   ;;
 models)
   for item in ${1//,/ }; do
