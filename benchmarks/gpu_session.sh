@@ -34,6 +34,14 @@ export PYTHONUNBUFFERED=1
 model_path() { echo "$W/models/${1%%:*}-${1##*:}.gguf"; }
 preset_of() { case "$1" in 135m) echo smollm2-135m;; 1b) echo llama-3.2-1b;; 8b) echo llama-3.1-8b;; *) echo "$1";; esac; }
 
+# wait_done FLAG SECONDS LOG...: wait for a background build's done-flag, or show its logs' tails
+wait_done() {
+  local flag=$1 secs=$2
+  shift 2
+  for _ in $(seq "$secs"); do [ -e "$flag" ] && return 0; sleep 1; done
+  echo "build not done: no $flag"; tail -5 "$@" 2>/dev/null; exit 1
+}
+
 step=${1:?step}
 shift
 case "$step" in
@@ -56,8 +64,7 @@ build_llama)
   touch "$W/llama.done"
   ;;
 wait_llama)
-  for _ in $(seq "${1:-400}"); do [ -e "$W/llama.done" ] && break; sleep 1; done
-  [ -e "$W/llama.done" ] || { echo "llama.cpp build not done"; tail -5 "$W/build.log" "$W/cmake.log" 2>/dev/null; exit 1; }
+  wait_done "$W/llama.done" "${1:-400}" "$W/build.log" "$W/cmake.log"
   ls "$W/lb/bin"
   ;;
 build_llama_py)
@@ -70,8 +77,7 @@ build_llama_py)
   touch "$W/llama_py.done"
   ;;
 wait_llama_py)
-  for _ in $(seq "${1:-400}"); do [ -e "$W/llama_py.done" ] && break; sleep 1; done
-  [ -e "$W/llama_py.done" ] || { echo "llama-cpp-python build not done"; tail -5 "$W/pip_build.log" 2>/dev/null; exit 1; }
+  wait_done "$W/llama_py.done" "${1:-400}" "$W/pip_build.log"
   ls "$W/site/llama_cpp/lib"
   ;;
 llama_check)

@@ -318,48 +318,40 @@ class LlamaCppEngine(Engine):
         self._n_vocab = int(self.llm.n_vocab())
         self.tokens_out: list[int] = []  # the last decode()'s tokens (tests compare them)
 
-    def _clear(self, llm) -> None:
+    def _clear(self) -> None:
         import llama_cpp
 
-        llm.reset()  # the high-level object's n_tokens = 0
-        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llm.ctx), True)
+        self.llm.reset()  # the high-level object's n_tokens = 0
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.llm.ctx), True)
 
-    def _decode(self, llm, ids: Sequence[int], buf=None) -> None:
+    def _decode(self, buf, n: int) -> None:
         import llama_cpp
 
-        if buf is None:
-            buf = (llama_cpp.llama_token * len(ids))(*ids)
-        rc = llama_cpp.llama_decode(llm.ctx, llama_cpp.llama_batch_get_one(buf, len(ids)))
+        rc = llama_cpp.llama_decode(self.llm.ctx, llama_cpp.llama_batch_get_one(buf, n))
         if rc != 0:
-            raise RuntimeError(f"llama_decode returned {rc} on a batch of {len(ids)} tokens")
-
-    def _sample(self, llm) -> int:
-        import llama_cpp
-
-        ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)  # synchronises
-        return int(np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)).argmax())
-
-    def _sync(self, llm) -> None:
-        import llama_cpp
-
-        llama_cpp.llama_synchronize(llm.ctx)
+            raise RuntimeError(f"llama_decode returned {rc} on a batch of {n} tokens")
 
     def prefill(self, ids: Sequence[int]) -> None:
-        self._clear(self.llm)
-        self._decode(self.llm, ids)
-        self._sync(self.llm)
+        import llama_cpp
+
+        self._clear()
+        self._decode((llama_cpp.llama_token * len(ids))(*ids), len(ids))
+        llama_cpp.llama_synchronize(self.llm.ctx)
 
     def next_token(self) -> int:
-        return self._sample(self.llm)
+        import llama_cpp
+
+        ptr = llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)  # synchronises
+        return int(np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)).argmax())
 
     def decode(self, n: int) -> None:
         tok = int(self.llm.token_bos()) if self.llm.token_bos() >= 0 else 1
-        self._clear(self.llm)
+        self._clear()
         out = []
         for _ in range(n):
             self._one[0] = tok
-            self._decode(self.llm, (tok,), self._one)
-            tok = self._sample(self.llm)
+            self._decode(self._one, 1)
+            tok = self.next_token()
             out.append(tok)
         self.tokens_out = out
 
