@@ -99,6 +99,25 @@ class _HeaderParser:
         self.pos += n
         return s
 
+    def strings(self, n: int, what: str) -> list[str]:
+        """n strings in a row (a vocabulary: 50k-260k of them), in one tight loop: the general
+        value() path cost 13 us a string, a second of a small model's load."""
+        buf, pos, end = self.buf, self.pos, len(self.buf)
+        length = struct.Struct("<Q").unpack_from
+        out = []
+        append = out.append
+        for _ in range(n):
+            if pos + 8 > end:
+                raise ModelFileError(f"truncated GGUF header in {self.path}: the file ends inside {what}")
+            (k,) = length(buf, pos)
+            pos += 8
+            if pos + k > end:
+                raise ModelFileError(f"truncated GGUF header in {self.path}: the file ends inside {what}")
+            append(str(buf[pos:pos + k], "utf-8", errors="replace"))
+            pos += k
+        self.pos = pos
+        return out
+
     def value(self, vtype: int, what: str):
         if vtype in _SCALARS:
             return self.scalar(_SCALARS[vtype], what)
@@ -115,6 +134,8 @@ class _HeaderParser:
                 return arr.tolist()
             if n > len(self.buf):
                 raise ModelFileError(f"corrupt GGUF header in {self.path}: {what} claims {n} items")
+            if itype == _STRING:
+                return self.strings(n, what)
             return [self.value(itype, what) for _ in range(n)]
         raise ModelFileError(f"corrupt GGUF header in {self.path}: {what} has unknown value type {vtype}")
 

@@ -71,7 +71,8 @@ class Model:
         stages = {"all": ("all", chunk), "last": ("last", chunk), "decode": ("last", 1)}
         self.compiled = {
             name: compile_graph(self.graphs[g], supported_ops=getattr(self.backend, "SUPPORTED_OPS", None),
-                                backend=self.backend.name, seq=seq, ctx=self.ctx, fuse=self.fuse)
+                                backend=self.backend.name, seq=seq, ctx=self.ctx, fuse=self.fuse,
+                                planner="greedy_by_size")
             for name, (g, seq) in stages.items()
         }
         self.programs = {name: self.backend.compile(c.graph, self.states, c.plan, max_seq=c.sizes["seq"])

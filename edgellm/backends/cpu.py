@@ -13,14 +13,14 @@ import math
 from typing import Callable
 
 import numpy as np
-import sympy
 import torch
 
 from ..errors import GraphError
 from ..gguf_file import GGUFFile
 from ..compiler.memory import MemoryPlan
 from .info import CpuInfo
-from ..graph.ir import CTX, SEQ, Graph, Op
+from ..graph.ir import Graph, Op
+from ..graph.shapes import shape_function
 from ..quant import dequantize
 
 
@@ -156,7 +156,7 @@ class CpuProgram:
         self.arena = arena
         if self.offsets and (arena is None or arena.numel() < plan.total_bytes):
             raise GraphError(f"graph '{graph.name}': the arena is smaller than the plan's {plan.total_bytes} bytes")
-        self._shape_fn = {n: sympy.lambdify([SEQ, CTX], list(graph.tensors[n].shape), "math") for n in self.offsets}
+        self._shape_fn = {n: shape_function(graph.tensors[n].shape) for n in self.offsets}
         missing = [t.name for t in graph.states() if t.name not in states]
         if missing:
             raise GraphError(f"graph '{graph.name}': no storage for state tensors {missing[:3]}")
@@ -178,7 +178,7 @@ class CpuProgram:
         return free
 
     def _view(self, name: str, seq: int, ctx: int) -> torch.Tensor:
-        shape = [int(d) for d in self._shape_fn[name](seq, ctx)]
+        shape = self._shape_fn[name]({"seq": seq, "ctx": ctx})
         n = 4 * math.prod(shape)
         off = self.offsets[name]
         return self.arena[off : off + n].view(torch.float32).view(shape)

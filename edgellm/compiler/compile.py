@@ -19,7 +19,7 @@ import sympy
 from ..errors import GraphError
 from ..graph.ir import DTYPE_BYTES, SEQ, Graph
 from ..graph.ops import KV_LEN, RULES, flops
-from .memory import MemoryPlan, UsageRecord, lower_bound, plan_all, validate_plan
+from .memory import MemoryPlan, UsageRecord, lower_bound, plan_all, plan_memory, validate_plan
 from .passes import PassReport, run_passes
 
 FUSED_OPS = {"add_rms_norm", "swiglu", "linear_swiglu", "rope_store", "linear_qkv", "rope_qkv_store"}
@@ -115,7 +115,11 @@ def partition(graph: Graph, supported: set[str], backend: str) -> list[Segment]:
 
 
 def compile_graph(graph: Graph, *, supported_ops: set[str] | None = None, backend: str = "cpu",
-                  seq: int = 512, ctx: int = 4096, fuse: bool = True, alignment: int = 256) -> CompiledGraph:
+                  seq: int = 512, ctx: int = 4096, fuse: bool = True, alignment: int = 256,
+                  planner: str = "all") -> CompiledGraph:
+    """planner: "all" runs every memory planner and keeps the smallest plan (what `edgellm plan`
+    reports); a strategy name (memory.STRATEGIES) runs only that one, as a model's load does:
+    the min-cost-flow planner alone took 1.5 s of a 135M model's load and its plan is not used."""
     check_graph(graph)
     original = len(graph.ops)
     g, reports = run_passes(graph, fuse=fuse)
@@ -124,7 +128,12 @@ def compile_graph(graph: Graph, *, supported_ops: set[str] | None = None, backen
     segments = partition(g, supported, backend)
     sizes = {"seq": seq, "ctx": ctx}
     records = usage_records(g, sizes)
-    plans = plan_all(records, alignment=alignment) if records else {}
+    if not records:
+        plans = {}
+    elif planner == "all":
+        plans = plan_all(records, alignment=alignment)
+    else:
+        plans = {planner: plan_memory(records, planner, alignment=alignment)}
     best = min(plans.values(), key=lambda p: p.total_bytes) if plans else MemoryPlan("naive", 0, {}, None, None)
     if records:
         validate_plan(best, records)

@@ -13,12 +13,14 @@ them, not an axis, which keeps layouts a backend decision (tensor virtualization
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import sympy
 
 from ..errors import GraphError
+from .shapes import shape_function
 
 SEQ = sympy.Symbol("seq", integer=True, positive=True)
 CTX = sympy.Symbol("ctx", integer=True, positive=True)
@@ -44,25 +46,16 @@ class Tensor:
     alias_of: str | None = None
 
     def numel(self, **sizes: int) -> int:
-        return int(sympy.Mul(*self.shape).subs(_symbols(sizes))) if self.shape else 1
+        return math.prod(self.concrete_shape(**sizes))
 
     def nbytes_expr(self) -> sympy.Expr:
         return sympy.Mul(*self.shape, DTYPE_BYTES.get(self.dtype, 4))
 
     def concrete_shape(self, **sizes: int) -> tuple[int, ...]:
-        subs = _symbols(sizes)
-        out = []
-        for d in self.shape:
-            v = sympy.sympify(d).subs(subs)
-            if not v.is_Integer:
-                raise GraphError(f"tensor '{self.name}': dimension {d} is not known for sizes {sizes}")
-            out.append(int(v))
-        return tuple(out)
-
-
-def _symbols(sizes: dict[str, int]) -> dict[sympy.Symbol, int]:
-    table = {"seq": SEQ, "ctx": CTX}
-    return {table[k]: v for k, v in sizes.items() if k in table}
+        try:
+            return shape_function(self.shape)(sizes)
+        except GraphError as e:
+            raise GraphError(f"tensor '{self.name}': {e}") from None
 
 
 @dataclass

@@ -29,7 +29,8 @@ import torch
 
 from ...errors import BackendUnavailableError, EdgeLLMError, GraphError
 from ...gguf_file import GGUFFile
-from ...graph.ir import CTX, SEQ, Graph, Op
+from ...graph.ir import Graph, Op
+from ...graph.shapes import shape_function
 from ..cpu import _rope, plan_offsets
 from ..info import CudaInfo
 
@@ -141,7 +142,8 @@ class CudaProgram:
         self.offsets = plan_offsets(plan) if plan is not None else {}
         need = plan.total_bytes if plan is not None else 0
         self.arena = backend.arena(need)
-        self._shape_fn = {n: _shape_fn(graph, n) for n in graph.tensors if graph.tensors[n].kind == "activation"}
+        self._shape_fn = {n: shape_function(graph.tensors[n].shape) for n in graph.tensors
+                          if graph.tensors[n].kind == "activation"}
         # static device inputs: tokens, start position, tokens in the cache after this step
         self.tokens = torch.zeros(max_seq, dtype=torch.int32, device=self.dev)
         self.start = torch.zeros(1, dtype=torch.int32, device=self.dev)
@@ -175,7 +177,7 @@ class CudaProgram:
     # -- buffers ------------------------------------------------------------------------------
     def _buffer(self, name: str, seq: int, ctx: int) -> torch.Tensor:
         t = self.graph.tensors[name]
-        shape = [int(d) for d in self._shape_fn[name](seq, ctx)]
+        shape = self._shape_fn[name]({"seq": seq, "ctx": ctx})
         dtype = torch.float32 if name in self.graph.outputs else torch.float16
         if name in self._own_buffers:
             return self._own_buffers[name][:shape[0]].view(shape)
@@ -643,15 +645,9 @@ class CudaProgram:
         out = {}
         for name in self.graph.outputs:
             t = env[name]
-            rows = int(self._shape_fn[name](seq, ctx)[0]) if name in self._shape_fn else t.shape[0]
+            rows = self._shape_fn[name]({"seq": seq, "ctx": ctx})[0] if name in self._shape_fn else t.shape[0]
             out[name] = t[:rows] if t.shape[0] != rows else t
         return out
-
-
-def _shape_fn(graph: Graph, name: str):
-    import sympy
-
-    return sympy.lambdify([SEQ, CTX], list(graph.tensors[name].shape), "math")
 
 
 class CudaBackend(CudaInfo):
