@@ -29,7 +29,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
             prompt = "Tell me a short story about a robot who learns to paint."
         else:
             prompt = sys.stdin.read()
-    m = load(args.model, backend=args.backend, ctx=args.ctx)
+    from .progress import slow_notice
+
+    with slow_notice("loading the model (the first load on this device compiles kernels; later ones read "
+                     "them from ~/.cache/edgellm)", after=1.5):
+        m = load(args.model, backend=args.backend, ctx=args.ctx)
     chat = False if args.raw else None
     stream = m.generate(prompt, max_tokens=args.max_tokens, chat=chat, system=args.system, stop=args.stop or (),
                         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -39,7 +43,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
     sys.stdout.write("\n")
     if not args.quiet:
-        print(f"[{m.backend.describe()}; load {m.load_s:.2f} s; {m.last_stats.summary()}]", file=sys.stderr)
+        cached = f" (cached: {', '.join(m.cache_hits)})" if m.cache_hits else ""
+        print(f"[{m.backend.describe()}; load {m.load_s:.2f} s{cached}; {m.last_stats.summary()}]", file=sys.stderr)
     return 0
 
 
@@ -174,6 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+
+    from .cache_cli import add_cache_parser
+
+    add_cache_parser(sub)
     return p
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections import OrderedDict
 from typing import Callable, Iterator
 
@@ -57,11 +58,19 @@ def _device() -> torch.device:
 
 
 def _kernels():
+    # compiled kernels live in the engine's cache (`edgellm cache info|clear` covers them)
+    from ...cache import cache_root
+
+    os.environ.setdefault("TRITON_CACHE_DIR", str(cache_root() / "triton"))
     try:
         from . import kernels
     except ImportError as e:  # triton missing
         raise BackendUnavailableError(f"the cuda backend needs triton: {e}") from None
     return kernels
+
+
+# weights decoded on the device a slab of this many elements at a time (float32: 256 MiB)
+_DECODE_SLAB_ELEMENTS = 64 << 20
 
 
 class CudaWeights:
@@ -91,13 +100,21 @@ class CudaWeights:
     def _pack_one(self, name: str):
         t = self.file.tensors[name]
         if self.K.can_repack(t.type_name):
-            w = self.K.repack(np.ascontiguousarray(t.data), t.type_name, t.shape, device=self.device)
-        else:
-            from ...quant import dequantize
+            return self.K.repack(np.ascontiguousarray(t.data), t.type_name, t.shape, device=self.device)
+        # no layout of its own (Q5_1, Q5_K, Q6_K): the raw blocks go to the device and are decoded
+        # there (bitwise the reference decode) and packed as Q8_0, a slab of rows at a time. Decoding
+        # on the host with numpy took most of an 8B Q4_K_M file's 10.7 s load (its Q6_K output
+        # matrix alone is 525M weights).
+        from ...quant import dequantize_torch
 
-            dense = torch.from_numpy(np.ascontiguousarray(dequantize(t.data, t.type_name, t.shape), dtype=np.float32))
-            w = self.K.pack_float(dense.to(self.device), "Q8_0")
-        return w
+        raw = torch.from_numpy(np.ascontiguousarray(t.data))
+        rows = max(1, _DECODE_SLAB_ELEMENTS // t.shape[-1])
+        parts = []
+        for i in range(0, t.shape[0], rows):
+            slab = raw[i:i + rows].to(self.device, non_blocking=False)
+            dense = dequantize_torch(slab, t.type_name, (slab.shape[0], t.shape[-1]))
+            parts.append(self.K.pack_float(dense, "Q8_0"))
+        return parts[0] if len(parts) == 1 else self.K.concat_packed(parts)
 
     def vector(self, *names: str) -> torch.Tensor:
         """1-D tensors (norm weights, biases, rope factors) as fp32 on the device, concatenated."""
@@ -168,7 +185,9 @@ class CudaProgram:
         self._graph_envs: dict[int, dict] = {}
         self.use_cuda_graph = (self.dev.type == "cuda" and not self._host_positions and not self.delegated
                                and os.environ.get("EDGELLM_CUDA_GRAPHS", "1") != "0")
-        self._warm_buckets: set[tuple[int, int]] = set()
+        # seconds this program spent on one-time work (kernel compiles, graph captures), which the
+        # generation stats report apart from prefill and decode speed
+        self.one_time_s = 0.0
         # prefill token counts round up to a multiple of this, so prompts of nearby lengths share a
         # graph (the padding rows are computed and dropped; 0: no padding)
         self.prefill_pad = PREFILL_PAD if self.use_cuda_graph and max_seq > 1 else 0
@@ -584,12 +603,15 @@ class CudaProgram:
             if g is None:
                 # compile this bucket's kernels outside the capture (the step it runs is the one the
                 # replay below repeats: same token, same cache row)
+                t0 = time.perf_counter()
                 self._launch_all(self._greedy_env, 1, ctx)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g):
                     self._launch_all(self._greedy_env, 1, ctx)
                     self.K.argmax(self._greedy_env["logits"], out=self._next,
                                   step=(self.tokens[:1], self.start, self.seq_len))
+                torch.cuda.synchronize(self.dev)
+                self.one_time_s += time.perf_counter() - t0
                 self._greedy_graphs[bucket] = g
             g.replay()
             yield int(self._next.item())
@@ -622,26 +644,30 @@ class CudaProgram:
         self.start.fill_(start)
         self.seq_len.fill_(start + padded)
         key = (padded, self._set_context(start + padded))
-        if self.use_cuda_graph and key in self._warm_buckets:
+        if self.use_cuda_graph:
             env = self._graph_envs.get(padded)
             if env is None:
                 env = self._graph_envs[padded] = self._env(padded, ctx)
             g = self._graphs.get(key)
             if g is None:
+                # a shape's first step: its kernels compile (or load from Triton's cache) in a run
+                # outside the capture, then the capture; the replay below is the step itself. Running
+                # it twice is harmless: the same rows of the KV cache get the same values.
+                t0 = time.perf_counter()
+                self._launch_all(env, padded, ctx)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g):
                     self._launch_all(env, padded, ctx)
+                torch.cuda.synchronize(self.dev)
+                self.one_time_s += time.perf_counter() - t0
                 self._graphs[key] = g
                 if len(self._graphs) > MAX_GRAPHS:  # the least recently used one goes, with its memory
-                    old = next(iter(self._graphs))
-                    del self._graphs[old]
-                    self._warm_buckets.discard(old)
+                    del self._graphs[next(iter(self._graphs))]
             self._graphs.move_to_end(key)
             g.replay()
         else:
             env = self._env(padded, ctx)
             self._launch_all(env, padded, ctx)
-            self._warm_buckets.add(key)  # a shape's first run compiles its kernels outside a capture
         out = {}
         for name in self.graph.outputs:
             t = env[name]
@@ -685,6 +711,21 @@ class CudaBackend(CudaInfo):
             return True
         except BackendUnavailableError:
             return False
+
+    def warmup_sizes(self, programs: dict, ctx: int, full: bool) -> list[tuple[str, int, int]]:
+        """(program, tokens, start position) steps that meet every first-run shape of a short
+        prompt (one padded prefill size, the first decode bucket), or with full of every prompt
+        (each padded prefill size of both prefill programs, each decode context bucket)."""
+        if self.device.type != "cuda":
+            return []  # the interpreter compiles nothing
+        chunk = programs["last"].max_seq
+        pad = PREFILL_PAD
+        steps = [("last", min(pad, chunk, ctx - 1), 0), ("decode", 1, 0)]
+        if full:
+            steps += [(stage, n, 0) for stage in ("last", "all") for n in range(pad, min(chunk, ctx - 1) + 1, pad)]
+            per = self.K.configs.ATTN_DECODE_KEYS_PER_SPLIT
+            steps += [("decode", 1, start) for start in range(per, ctx, per)]
+        return steps
 
     def cpu_weights(self):
         """Float32 host copies of weights, for ops delegated to the cpu backend's kernels."""
