@@ -16,7 +16,6 @@ from typing import Iterator
 import numpy as np
 
 from .backends import get_backend
-from .compiler.compile import compile_graph
 from .default_model import default_model_path
 from .errors import ContextOverflowError, EdgeLLMError, MetadataError
 from .gguf_file import open_gguf
@@ -111,6 +110,8 @@ class Model:
                     return out
                 except EdgeLLMError:  # unreadable entry: compiled anew and rewritten below
                     pass
+        from .compiler.compile import compile_graph
+
         graphs = self.graphs
         out = {name: compile_graph(graphs[g], supported_ops=supported, backend=self.backend.name, seq=seq,
                                    ctx=self.ctx, fuse=self.fuse, planner="greedy_by_size")

@@ -122,6 +122,17 @@ def random_blocks(ttype: str, shape: tuple[int, ...], rng: np.random.Generator, 
         if ttype == "Q4_1":
             parts.append((-8 * d.astype(np.float32)).astype(np.float16).view(np.uint8))
         return np.concatenate(parts + [q], axis=2).reshape(*shape[:-1], nb * (18 if ttype == "Q4_0" else 20))
+    if ttype in ("Q4_K", "Q6_K") and cols % 256 == 0:
+        # super-blocks of 256: random codes and 6-bit (Q4_K) or int8 (Q6_K) sub-block scales, every
+        # bit pattern valid; the fp16 super-block scales sized so that values have about `std`
+        ns = cols // 256
+        if ttype == "Q4_K":  # d, dmin, 12 bytes of scales and mins, 128 bytes of nibbles
+            d = (std / 4.6 / 32 * (1 + 0.1 * rng.standard_normal((rows, ns, 2)))).astype(np.float16)
+            rest = rng.integers(0, 256, (rows, ns, 140), dtype=np.uint8)
+            return np.concatenate([d.view(np.uint8), rest], axis=2).reshape(*shape[:-1], ns * 144)
+        rest = rng.integers(0, 256, (rows, ns, 208), dtype=np.uint8)  # ql, qh, int8 scales, then d
+        d = (std / 18.5 / 64 * (1 + 0.1 * rng.standard_normal((rows, ns, 1)))).astype(np.float16)
+        return np.concatenate([rest, d.view(np.uint8)], axis=2).reshape(*shape[:-1], ns * 210)
     return None
 
 

@@ -12,45 +12,20 @@ Everything here works from shapes and metadata alone: no weight is read.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import sympy
 
 from ..errors import GraphError
 from ..graph.ir import DTYPE_BYTES, SEQ, Graph
 from ..graph.ops import KV_LEN, RULES, flops
 from .memory import MemoryPlan, UsageRecord, lower_bound, plan_all, plan_memory, validate_plan
-from .passes import PassReport, run_passes
+from .passes import run_passes
+from .program import CompiledGraph, Segment
+
+__all__ = ["ALL_OPS", "FUSED_OPS", "CompiledGraph", "Segment", "check_graph", "compile_graph", "graph_flops",
+           "partition", "tensor_bytes", "usage_records"]
 
 FUSED_OPS = {"add_rms_norm", "swiglu", "linear_swiglu", "rope_store", "linear_qkv", "rope_qkv_store"}
 ALL_OPS = set(RULES) | FUSED_OPS
-
-
-@dataclass
-class Segment:
-    backend: str
-    ops: list[int]  # indices into the graph's op list
-    inputs_in: list[str] = field(default_factory=list)  # activations transferred in at the cut
-
-
-@dataclass
-class CompiledGraph:
-    graph: Graph
-    original_ops: int
-    pass_reports: list[PassReport]
-    segments: list[Segment]
-    sizes: dict[str, int]
-    records: list[UsageRecord]
-    plans: dict[str, MemoryPlan]
-    plan: MemoryPlan
-    lower_bound: int
-
-    @property
-    def transfers(self) -> int:
-        return sum(len(s.inputs_in) for s in self.segments)
-
-    def kernel_counts(self) -> dict[str, int]:
-        return self.graph.op_counts()
 
 
 def tensor_bytes(graph: Graph, name: str, sizes: dict[str, int]) -> int:

@@ -17,15 +17,28 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import sympy
+from typing import TYPE_CHECKING
 
 from ..errors import GraphError
 from .shapes import shape_function
 
-SEQ = sympy.Symbol("seq", integer=True, positive=True)
-CTX = sympy.Symbol("ctx", integer=True, positive=True)
+if TYPE_CHECKING:
+    import sympy
 
-Shape = tuple[sympy.Expr, ...]
+Shape = tuple  # of sympy expressions, ints, or SymDims (graphs read back from the program cache)
+
+
+def __getattr__(name: str):
+    """SEQ and CTX, the graph's symbols, made on first use: a program read back from the cache
+    runs without importing sympy (see edgellm.compiler.serialize)."""
+    if name in ("SEQ", "CTX"):
+        import sympy
+
+        g = globals()
+        g.setdefault("SEQ", sympy.Symbol("seq", integer=True, positive=True))
+        g.setdefault("CTX", sympy.Symbol("ctx", integer=True, positive=True))
+        return g[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "i32": 4, "i64": 8}
 
@@ -48,7 +61,9 @@ class Tensor:
     def numel(self, **sizes: int) -> int:
         return math.prod(self.concrete_shape(**sizes))
 
-    def nbytes_expr(self) -> sympy.Expr:
+    def nbytes_expr(self) -> "sympy.Expr":
+        import sympy
+
         return sympy.Mul(*self.shape, DTYPE_BYTES.get(self.dtype, 4))
 
     def concrete_shape(self, **sizes: int) -> tuple[int, ...]:
