@@ -101,7 +101,7 @@ def test_plots_name_model_device_date_values_and_requantized_points(tmp_path):
         assert {"1,234", "988"} <= set(_texts(figs["prefill"].axes[0])), _texts(figs["prefill"].axes[0])
         assert {"45.7", "38.9"} <= set(_texts(figs["decode"].axes[0]))
         assert {"25.0"} <= set(_texts(figs["mbu"].axes[0]))
-        ppl = _texts(figs["ppl"].axes[0])
+        ppl = _texts(figs["ppl"].axes[0]) + [t.get_text().replace("\n", " ") for t in figs["ppl"].texts]
         assert "Q8_0 (from Q4_1)" in ppl and "Q4_1" in ppl  # the re-quantized point says so, the original not
         assert any("re-quantized from an already-quantized file" in t and "Q8_0 from smol (Q4_1)" in t for t in ppl)
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import textwrap
 from pathlib import Path
 
 from .metrics import SPREAD_FLAG
@@ -365,9 +366,6 @@ def make_figures(results: dict) -> dict:
                     ax.plot([bpw], [p], "o", markersize=11, markerfacecolor="white", color=line.get_color())
                 ax.annotate(q + (f" (from {src})" if src else ""), (bpw, p), textcoords="offset points",
                             xytext=(4, 4), fontsize=8)
-        note = requantized_note(results)
-        if note:
-            ax.text(0.01, 0.01, "hollow: " + note, transform=ax.transAxes, fontsize=7, va="bottom", wrap=True)
         ax.set_xlabel("bits per weight (file)")
         ax.set_ylabel("perplexity")
         ax.grid(alpha=0.3)
@@ -375,7 +373,13 @@ def make_figures(results: dict) -> dict:
     else:
         _empty(ax, "no perplexity measured")
     ax.set_title(f"Perplexity vs bits per weight\n{subtitle}", fontsize=10)
-    fig.tight_layout()
+    note = requantized_note(results) if pts else None
+    if note:  # under the axes, wrapped to the figure's width
+        note = textwrap.fill("Hollow markers: " + note + ".", 100)
+        fig.text(0.01, 0.01, note, fontsize=7, va="bottom")
+        fig.tight_layout(rect=(0, 0.035 * (note.count("\n") + 1) + 0.01, 1, 1))
+    else:
+        fig.tight_layout()
     figures["ppl"] = fig
     return figures
 
