@@ -17,11 +17,24 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = dict(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, ffn_dim=128, context_length=1024)
 
 
-def tiny_gguf(path: Path, weight_type: str = "F32", **kw) -> Path:
+# ChatML, as the default model's template (without its default system prompt)
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def tiny_gguf(path: Path, weight_type: str = "F32", chat_template: str | None = None, **kw) -> Path:
     from edgellm.synthetic import SyntheticSpec, byte_bpe_vocab, write_synthetic_gguf
 
     spec = SyntheticSpec(**{**TINY, "weight_type": weight_type, "embed_type": "F32", **kw})
-    return write_synthetic_gguf(path, spec, tokenizer=byte_bpe_vocab(512))
+    vocab = byte_bpe_vocab(512)
+
+    def tokenizer(writer) -> int:
+        n = vocab(writer)
+        if chat_template:
+            writer.add_chat_template(chat_template)
+        return n
+
+    return write_synthetic_gguf(path, spec, tokenizer=tokenizer)
 
 
 def hf_folder(path: Path, vocab: int = 320, seed: int = 0) -> Path:

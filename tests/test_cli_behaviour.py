@@ -112,6 +112,13 @@ def test_bad_arguments_fail_before_loading(files):
         assert "does-not-exist" not in err, (args, err)
 
 
+def test_default_model_override_names_a_missing_file(files):
+    r = edgellm("info", env=child_env(EDGELLM_MODEL=str(files["dir"] / "gone.gguf")))
+    one_line_error(r, "EDGELLM_MODEL=", "gone.gguf")
+    r = edgellm("info", env=child_env(EDGELLM_MODEL=str(files["gguf"])))
+    assert r.returncode == 0 and str(files["gguf"]) in r.stdout, r.stderr
+
+
 # -- 4. empty prompts ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("prompt, stdin", [(None, ""), (None, " \n\t\n"), ("", None), ("   ", None)])
 def test_an_empty_prompt_is_refused(files, prompt, stdin):
