@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -104,11 +105,17 @@ def test_readme_command_runs(line, command, fixtures, tmp_path):
             if re.search(rf"(?<![\w.-]){re.escape(name)}(?![\w.-])", command):
                 (shutil.copytree if (d / name).is_dir() else shutil.copy)(d / name, cwd / name)
     env = child_env(EDGELLM_MODEL=str(default), PATH=f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}")
+    # its own process group, so that a timeout ends the command's children too (bench's workers)
+    proc = subprocess.Popen(["bash", "-c", "set -eo pipefail\n" + command], cwd=cwd, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
     try:
-        r = subprocess.run(["bash", "-c", "set -eo pipefail\n" + command], cwd=cwd, env=env, capture_output=True,
-                           text=True, timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
+        out, err = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
         pytest.fail(f"{where} did not finish in {TIMEOUT_S} s (a README command must end by itself)")
+    r = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     assert r.returncode == 0, f"{where} failed with status {r.returncode}:\n{r.stderr[-3000:]}"
     assert "Traceback" not in r.stderr, f"{where} printed a traceback:\n{r.stderr[-3000:]}"
     assert r.stdout, f"{where} printed nothing on stdout"
