@@ -6,9 +6,14 @@ import argparse
 import os
 import sys
 
+from . import arguments as A
 from .errors import EdgeLLMError
 
 DEFAULT_MAX_TOKENS = 256
+
+# import name -> what to pip install, where the two differ (anything else: the import name)
+PIP_NAMES = {"llama_cpp": "llama-cpp-python", "yaml": "pyyaml", "PIL": "pillow", "sklearn": "scikit-learn",
+             "torch": "torch (scripts/install.sh installs the pinned CPU build)"}
 
 
 def _add_model_arg(p: argparse.ArgumentParser, positional: bool = False) -> None:
@@ -29,8 +34,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
             prompt = "Tell me a short story about a robot who learns to paint."
         else:
             prompt = sys.stdin.read()
+    if not prompt.strip() and not args.allow_empty:
+        raise EdgeLLMError("the prompt is empty (give the prompt as an argument or on stdin; "
+                           "--allow-empty runs an empty prompt deliberately)")
+    import torch
+
     from .progress import slow_notice
 
+    torch.set_num_threads(args.threads or A.physical_cores())  # the cpu backend's matrix code
     with slow_notice("loading the model (the first load on this device compiles kernels; later ones read "
                      "them from ~/.cache/edgellm)", after=1.5):
         m = load(args.model, backend=args.backend, ctx=args.ctx)
@@ -117,10 +128,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from .compiler.report import plan_model, render_plan
     from .default_model import default_model_path
 
-    if args.ctx is not None and args.ctx <= 0:
-        raise EdgeLLMError(f"--ctx must be a positive number of tokens, got {args.ctx}")
-    if args.prefill <= 0:
-        raise EdgeLLMError(f"--prefill must be a positive number of tokens, got {args.prefill}")
     path = args.model or str(default_model_path())
     p = plan_model(path, backend=args.backend, ctx=args.ctx, prefill=args.prefill, fuse=not args.no_fuse)
     print(json.dumps(p, indent=2) if args.json else render_plan(p), end="" if not args.json else "\n")
@@ -130,7 +137,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    p = argparse.ArgumentParser(prog="edgellm", description="Run large language models fast, from GGUF files.")
+    p = A.ArgumentParser(prog="edgellm", description="Run large language models fast, from GGUF files.")
     p.add_argument("--version", action="version", version=f"edgellm {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -139,17 +146,24 @@ def build_parser() -> argparse.ArgumentParser:
                                    "models with a chat template get it applied unless --raw.")
     r.add_argument("prompt", nargs="?", default=None, help="the prompt (default: read stdin, or a demo prompt)")
     _add_model_arg(r)
-    r.add_argument("--backend", default="auto", help="cpu, or auto (default: the fastest available)")
-    r.add_argument("-n", "--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="tokens to generate at most")
-    r.add_argument("-c", "--ctx", type=int, default=None, help="context size in tokens (default: min(model, 4096))")
-    r.add_argument("--temperature", "--temp", type=float, default=0.8, help="0 = greedy (default 0.8)")
-    r.add_argument("--top-k", type=int, default=40, help="0 disables (default 40)")
-    r.add_argument("--top-p", type=float, default=0.95, help="1.0 disables (default 0.95)")
-    r.add_argument("--min-p", type=float, default=0.05, help="0 disables (default 0.05)")
-    r.add_argument("--repeat-penalty", type=float, default=1.0, help="1.0 disables (default 1.0)")
-    r.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-    r.add_argument("--stop", action="append", help="stop when this text appears (repeatable)")
-    r.add_argument("--system", default=None, help="system message for chat models")
+    r.add_argument("--backend", default="auto", type=A.backend_name,
+                   help="cpu, or auto (default: the fastest available)")
+    r.add_argument("-n", "--max-tokens", type=A.at_least(0), default=DEFAULT_MAX_TOKENS,
+                   help="tokens to generate at most")
+    r.add_argument("-c", "--ctx", type=A.positive(int), default=None,
+                   help="context size in tokens (default: min(model, 4096))")
+    r.add_argument("-t", "--threads", type=A.positive(int), default=None,
+                   help="CPU threads (default: the physical cores, here %d)" % A.physical_cores())
+    r.add_argument("--temperature", "--temp", type=A.at_least(0.0, float), default=0.8, help="0 = greedy (default 0.8)")
+    r.add_argument("--top-k", type=A.at_least(0), default=40, help="0 disables (default 40)")
+    r.add_argument("--top-p", type=A.between(0.0, 1.0), default=0.95, help="1.0 disables (default 0.95)")
+    r.add_argument("--min-p", type=A.between(0.0, 1.0), default=0.05, help="0 disables (default 0.05)")
+    r.add_argument("--repeat-penalty", type=A.positive(float), default=1.0, help="1.0 disables (default 1.0)")
+    r.add_argument("--seed", type=A.at_least(0), default=None, help="random seed for sampling")
+    r.add_argument("--stop", action="append", type=A.unescape,
+                   help=r"stop when this text appears (repeatable; escapes as llama-cli: \n \t \\ \xHH \uXXXX ...)")
+    r.add_argument("--system", default=None, type=A.unescape, help="system message for chat models (escapes as --stop)")
+    r.add_argument("--allow-empty", action="store_true", help="run an empty prompt instead of refusing it")
     r.add_argument("--raw", action="store_true", help="do not apply the chat template")
     r.add_argument("-q", "--quiet", action="store_true", help="do not print timings to stderr")
     r.set_defaults(func=_cmd_run)
@@ -165,9 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "pass, kernels per stage, delegated subgraphs, intermediate memory per planner, "
                                     "weight bytes per format, KV-cache bytes and the estimated peak memory.")
     _add_model_arg(pl, positional=True)
-    pl.add_argument("--backend", default="cpu", help="backend to plan for (default cpu)")
-    pl.add_argument("-c", "--ctx", type=int, default=None, help="context size (default: min(model, 4096))")
-    pl.add_argument("--prefill", type=int, default=512, help="prefill chunk in tokens (default 512)")
+    pl.add_argument("--backend", default="cpu", type=A.backend_name, help="backend to plan for (default cpu)")
+    pl.add_argument("-c", "--ctx", type=A.positive(int), default=None, help="context size (default: min(model, 4096))")
+    pl.add_argument("--prefill", type=A.positive(int), default=512, help="prefill chunk in tokens (default 512)")
     pl.add_argument("--no-fuse", action="store_true", help="plan without the fusion passes")
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     pl.set_defaults(func=_cmd_plan)
@@ -186,12 +200,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def missing_module_message(e: ImportError) -> str:
+    """One line for an ImportError: the module that is missing and what to install."""
+    name = (e.name or "").split(".")[0]
+    if isinstance(e, ModuleNotFoundError) and name and name != "edgellm":
+        return f"this needs the Python module '{name}', which is not installed: pip install {PIP_NAMES.get(name, name)}"
+    what = f" ({name})" if name else ""
+    return f"a module does not import{what}: {e}; reinstall it (pip install --force-reinstall {PIP_NAMES.get(name, name or '...')})"
+
+
 def run_command(args: argparse.Namespace) -> int:
     """Run a parsed subcommand: user errors become one line on stderr and exit status 1."""
     try:
         return args.func(args)
     except EdgeLLMError as e:
         print(f"edgellm: error: {e}", file=sys.stderr)
+        return 1
+    except ImportError as e:  # an optional (or broken) dependency: say what to install, not a traceback
+        print(f"edgellm: error: {missing_module_message(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("\nedgellm: interrupted", file=sys.stderr)
@@ -201,7 +227,12 @@ def run_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_command(build_parser().parse_args(argv))
+    try:
+        parser = build_parser()  # subcommands may import their dependencies here
+    except ImportError as e:
+        print(f"edgellm: error: {missing_module_message(e)}", file=sys.stderr)
+        return 1
+    return run_command(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -387,8 +387,11 @@ class StreamDecoder:
         return self._emit(self._utf8.decode(self._tok._token_bytes[i]))
 
     def flush(self) -> str:
-        """End of stream: bytes still held back (an incomplete character) come out as U+FFFD."""
-        return self._emit(self._utf8.decode(b"", final=True))
+        """End of stream: bytes still held back are an incomplete character (generation stopped inside
+        it, e.g. an emoji cut by max_tokens): they are dropped, not shown as U+FFFD, as llama.cpp does.
+        The decoder is reset, ready for a new stream."""
+        self._utf8.reset()  # only a valid-so-far prefix is ever held back; invalid bytes already became U+FFFD
+        return ""
 
     def _emit(self, text: str) -> str:
         if text and not self._started:
