@@ -231,6 +231,10 @@ def load(path: str | os.PathLike | None = None, backend: str = "cpu", ctx: int |
     fuse: run the fusion passes (off: the builder's graph as is, for checking the passes).
     prefill_chunk: prompts are processed in chunks of at most this many tokens; intermediate
     memory is planned for one chunk."""
+    if path is not None and str(path).lower().endswith(".onnx"):  # a network, not a language model
+        from .onnx import load_onnx
+
+        return load_onnx(path, backend=backend, fuse=fuse)
     t0 = time.perf_counter()
     path = str(path) if path is not None else str(default_model_path())
     f = open_gguf(path)

@@ -115,14 +115,16 @@ def partition(graph: Graph, supported: set[str], backend: str) -> list[Segment]:
 
 
 def compile_graph(graph: Graph, *, supported_ops: set[str] | None = None, backend: str = "cpu",
-                  seq: int = 512, ctx: int = 4096, fuse: bool = True, alignment: int = 256) -> CompiledGraph:
+                  seq: int = 512, ctx: int = 4096, fuse: bool = True, alignment: int = 256,
+                  sizes: dict[str, int] | None = None) -> CompiledGraph:
+    """sizes: values of further symbols (an imported network's batch, height, ...) for the plan."""
     check_graph(graph)
     original = len(graph.ops)
     g, reports = run_passes(graph, fuse=fuse)
     check_graph(g)
     supported = ALL_OPS if supported_ops is None else set(supported_ops)
     segments = partition(g, supported, backend)
-    sizes = {"seq": seq, "ctx": ctx}
+    sizes = {"seq": seq, "ctx": ctx, **(sizes or {})}
     records = usage_records(g, sizes)
     plans = plan_all(records, alignment=alignment) if records else {}
     best = min(plans.values(), key=lambda p: p.total_bytes) if plans else MemoryPlan("naive", 0, {}, None, None)

@@ -23,6 +23,18 @@ from ..errors import GraphError
 SEQ = sympy.Symbol("seq", integer=True, positive=True)
 CTX = sympy.Symbol("ctx", integer=True, positive=True)
 
+# Every size symbol by name. Language models use seq and ctx; imported networks (ONNX) add their
+# own dynamic dimensions (batch, height, width, ...) through symbol().
+SYMBOLS: dict[str, sympy.Symbol] = {"seq": SEQ, "ctx": CTX}
+
+
+def symbol(name: str) -> sympy.Symbol:
+    """The size symbol called `name` (a positive integer), registered on first use."""
+    s = SYMBOLS.get(name)
+    if s is None:
+        s = SYMBOLS[name] = sympy.Symbol(name, integer=True, positive=True)
+    return s
+
 Shape = tuple[sympy.Expr, ...]
 
 DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "i32": 4, "i64": 8}
@@ -61,8 +73,7 @@ class Tensor:
 
 
 def _symbols(sizes: dict[str, int]) -> dict[sympy.Symbol, int]:
-    table = {"seq": SEQ, "ctx": CTX}
-    return {table[k]: v for k, v in sizes.items() if k in table}
+    return {SYMBOLS[k]: v for k, v in sizes.items() if k in SYMBOLS}
 
 
 @dataclass
