@@ -62,6 +62,8 @@ def _load_proto(path: str):
         onnx.checker.check_model(model)
     except Exception as e:
         msg = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        if "Field 'shape' of 'type' is required" in msg:  # outputs declared without a shape: we derive them
+            return model
         raise ModelFileError(f"{path}: invalid ONNX model: {msg}") from None
     return model
 
@@ -524,7 +526,7 @@ def _c_batchnorm(im, node, a):
         # fold: w' = w * s (per output channel), b' = (b - mean) * s + beta
         w = im.weights[w_name].astype(np.float64)
         b = im.weights[conv.inputs[2]].astype(np.float64) if conv.attrs.get("has_bias") else np.zeros(w.shape[0])
-        new_w, new_b = f"{w_name}:bn:{node.name or x}", f"{conv.name}.bias:bn"
+        new_w, new_b = f"{w_name}:bn:{node.output[0]}", f"{conv.name}.bias:bn:{node.output[0]}"
         im.host[new_w] = (w * s[:, None, None, None]).astype(np.float32)
         im.host[new_b] = (b * s + shift).astype(np.float32)
         conv.inputs = (conv.inputs[0], im.tensor(new_w, node), im.tensor(new_b, node))

@@ -1,0 +1,254 @@
+"""Convolution and pooling kernels for imported vision networks (NCHW tensors, fp16 or fp32).
+
+- conv2d_igemm: convolution as an implicit GEMM on tensor cores (tl.dot): rows are output pixels
+  (n, oh, ow), columns output channels, the reduction runs over (c, kh, kw) of one group; the
+  im2col matrix is never built, its tile is gathered from the input per K step. The weight is
+  repacked once at load to [groups, C/g*KH*KW, O/g] (K-major rows, as the dot reads them).
+  Epilogue, fused (edgellm.compiler.passes.fuse_conv_epilogue): + bias, act, + residual, res_act.
+- conv2d_depthwise: groups == channels (MobileNet, EfficientNet, ConvNeXt): no reduction over
+  channels, so no GEMM; each program owns a block of output pixels of one (n, c) plane and
+  accumulates the KH*KW taps in fp32. Same epilogue.
+- pool2d (max / average with ONNX's padding and divisor rules) and global_avgpool.
+Activations (ACT codes) match edgellm.backends.cpu_nd.ACTIVATIONS.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import INTERPRET, jit, require_device
+
+ACT_CODES = {None: 0, "relu": 1, "clip": 2, "hardswish": 3, "hardsigmoid": 4, "sigmoid": 5, "silu": 6,
+             "gelu": 7, "tanh": 8}
+
+
+@jit
+def _act(x, ACT: tl.constexpr, p0, p1):
+    if ACT == 1:
+        x = tl.maximum(x, 0.0)
+    elif ACT == 2:
+        x = tl.minimum(tl.maximum(x, p0), p1)
+    elif ACT == 3:
+        x = x * tl.minimum(tl.maximum(x + 3.0, 0.0), 6.0) / 6.0
+    elif ACT == 4:
+        x = tl.minimum(tl.maximum(p0 * x + p1, 0.0), 1.0)
+    elif ACT == 5:
+        x = 1.0 / (1.0 + tl.exp(-x))
+    elif ACT == 6:
+        x = x / (1.0 + tl.exp(-x))
+    elif ACT == 7:
+        x = 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
+    elif ACT == 8:
+        x = 2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0
+    return x
+
+
+@jit
+def _conv_igemm_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr,
+                       N, C, H, W, O, OH, OW, Cg, Og, K,
+                       SH: tl.constexpr, SW: tl.constexpr, PT, PL, DH: tl.constexpr, DW: tl.constexpr,
+                       KH: tl.constexpr, KW: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, ACT: tl.constexpr, a0, a1,
+                       HAS_RES: tl.constexpr, RACT: tl.constexpr, r0, r1, IEEE: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    g = tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # output pixels
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output channels within the group
+    M = N * OH * OW
+    n = rows // (OH * OW)
+    rem = rows % (OH * OW)
+    oh = rem // OW
+    ow = rem % OW
+    row_ok = rows < M
+    col_ok = cols < Og
+    ih0 = oh * SH - PT
+    iw0 = ow * SW - PL
+    x_row = x_ptr + (n.to(tl.int64) * C + g * Cg) * H * W
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        c = ks // (KH * KW)
+        kr = ks % (KH * KW)
+        kh = kr // KW
+        kw = kr % KW
+        ih = ih0[:, None] + kh[None, :] * DH
+        iw = iw0[:, None] + kw[None, :] * DW
+        ok = row_ok[:, None] & (ks < K)[None, :] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+        a = tl.load(x_row[:, None] + c[None, :] * H * W + ih * W + iw, mask=ok, other=0.0)
+        b = tl.load(w_ptr + (g * K + ks[:, None]) * Og + cols[None, :],
+                    mask=(ks < K)[:, None] & col_ok[None, :], other=0.0)
+        if IEEE:
+            acc += tl.dot(a, b, input_precision="ieee")
+        else:
+            acc += tl.dot(a, b)
+    oc = g * Og + cols
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + oc, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    acc = _act(acc, ACT, a0, a1)
+    offs = (n.to(tl.int64)[:, None] * O + oc[None, :]) * OH * OW + (oh * OW + ow)[:, None]
+    mask = row_ok[:, None] & col_ok[None, :]
+    if HAS_RES:
+        acc += tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        acc = _act(acc, RACT, r0, r1)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@jit
+def _conv_depthwise_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr,
+                           C, H, W, OH, OW,
+                           SH: tl.constexpr, SW: tl.constexpr, PT, PL, DH: tl.constexpr, DW: tl.constexpr,
+                           KH: tl.constexpr, KW: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, ACT: tl.constexpr, a0, a1,
+                           HAS_RES: tl.constexpr, RACT: tl.constexpr, r0, r1, BLOCK: tl.constexpr):
+    plane = tl.program_id(0)  # n * C + c
+    c = plane % C
+    pix = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = pix < OH * OW
+    oh = pix // OW
+    ow = pix % OW
+    x_plane = x_ptr + plane.to(tl.int64) * H * W
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for kh in tl.static_range(KH):
+        ih = oh * SH - PT + kh * DH
+        for kw in tl.static_range(KW):
+            iw = ow * SW - PL + kw * DW
+            m = ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+            xv = tl.load(x_plane + ih * W + iw, mask=m, other=0.0).to(tl.float32)
+            acc += xv * tl.load(w_ptr + c * KH * KW + kh * KW + kw).to(tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + c).to(tl.float32)
+    acc = _act(acc, ACT, a0, a1)
+    offs = plane.to(tl.int64) * OH * OW + pix
+    if HAS_RES:
+        acc += tl.load(r_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        acc = _act(acc, RACT, r0, r1)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@jit
+def _pool_kernel(x_ptr, y_ptr, H, W, OH, OW, PT, PL,
+                 KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+                 DH: tl.constexpr, DW: tl.constexpr, IS_MAX: tl.constexpr, COUNT_PAD: tl.constexpr,
+                 PH_END, PW_END, BLOCK: tl.constexpr):
+    plane = tl.program_id(0)
+    pix = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = pix < OH * OW
+    oh = pix // OW
+    ow = pix % OW
+    x_plane = x_ptr + plane.to(tl.int64) * H * W
+    if IS_MAX:
+        acc = tl.full((BLOCK,), float("-inf"), tl.float32)
+    else:
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    cnt = tl.zeros((BLOCK,), dtype=tl.float32)
+    for kh in tl.static_range(KH):
+        ih = oh * SH - PT + kh * DH
+        for kw in tl.static_range(KW):
+            iw = ow * SW - PL + kw * DW
+            inside = (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+            m = ok & inside
+            if IS_MAX:
+                v = tl.load(x_plane + ih * W + iw, mask=m, other=float("-inf")).to(tl.float32)
+                acc = tl.maximum(acc, v)
+            else:
+                acc += tl.load(x_plane + ih * W + iw, mask=m, other=0.0).to(tl.float32)
+                if COUNT_PAD:  # padding counts, the part of the window past the padded input does not
+                    cnt += ((ih < H + PH_END) & (iw < W + PW_END)).to(tl.float32)
+                else:
+                    cnt += inside.to(tl.float32)
+    if not IS_MAX:
+        acc = acc / tl.maximum(cnt, 1.0)
+    tl.store(y_ptr + plane.to(tl.int64) * OH * OW + pix, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@jit
+def _global_avgpool_kernel(x_ptr, y_ptr, HW, BLOCK: tl.constexpr):
+    plane = tl.program_id(0)
+    base = x_ptr + plane.to(tl.int64) * HW
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(0, HW, BLOCK):
+        idx = s + tl.arange(0, BLOCK)
+        acc += tl.load(base + idx, mask=idx < HW, other=0.0).to(tl.float32)
+    tl.store(y_ptr + plane, (tl.sum(acc, axis=0) / HW).to(y_ptr.dtype.element_ty))
+
+
+# -- host side ---------------------------------------------------------------------------------------
+
+def pack_conv_weight(w: torch.Tensor, groups: int) -> torch.Tensor:
+    """[O, C/g, KH, KW] -> [g, C/g*KH*KW, O/g] contiguous: the B operand of the implicit GEMM."""
+    o, cg, kh, kw = w.shape
+    return w.reshape(groups, o // groups, cg * kh * kw).transpose(1, 2).contiguous()
+
+
+def _act_args(act: str | None, args: dict | None) -> tuple[int, float, float]:
+    args = args or {}
+    if act == "clip":
+        lo, hi = args.get("min"), args.get("max")
+        return ACT_CODES[act], float("-inf") if lo is None else float(lo), float("inf") if hi is None else float(hi)
+    if act == "hardsigmoid":
+        return ACT_CODES[act], float(args.get("alpha", 1 / 6)), float(args.get("beta", 0.5))
+    if act == "gelu" and args.get("approximate", "none") != "none":
+        raise ValueError("gelu with approximate='tanh' has no fused kernel")
+    return ACT_CODES[act], 0.0, 0.0
+
+
+def conv2d(x: torch.Tensor, w_packed: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None, *,
+           out_channels: int, kernel: tuple[int, int], strides, pads, dilations, groups: int, out_hw,
+           act=None, act_args=None, res_act=None, res_act_args=None, depthwise_w: torch.Tensor | None = None,
+           block: tuple[int, int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """y = res_act(act(conv(x, w) + bias) + residual); pads = (top, left) (the bottom/right padding
+    only shows in out_hw). depthwise_w ([C, KH*KW]) selects the depthwise kernel."""
+    require_device(x, "conv2d input")
+    x = x.contiguous()
+    n, c, h, wd = x.shape
+    oh, ow = out_hw
+    y = out if out is not None else torch.empty((n, out_channels, oh, ow), device=x.device, dtype=x.dtype)
+    act_c, a0, a1 = _act_args(act, act_args)
+    ract_c, r0, r1 = _act_args(res_act, res_act_args) if residual is not None else (0, 0.0, 0.0)
+    b = bias if bias is not None else y
+    r = residual.contiguous() if residual is not None else y
+    kh, kw = kernel
+    if depthwise_w is not None:
+        blk = 128 if INTERPRET else 256
+        grid = (n * c, triton.cdiv(oh * ow, blk))
+        _conv_depthwise_kernel[grid](x, depthwise_w, b, r, y, c, h, wd, oh, ow, strides[0], strides[1], pads[0], pads[1],
+                                     dilations[0], dilations[1], kh, kw, bias is not None, act_c, a0, a1,
+                                     residual is not None, ract_c, r0, r1, BLOCK=blk)
+        return y
+    cg, og = c // groups, out_channels // groups
+    k = cg * kh * kw
+    bm, bn, bk = block or ((32, 32, 32) if INTERPRET else (64, 64 if og > 32 else 32, 32))
+    grid = (triton.cdiv(n * oh * ow, bm), triton.cdiv(og, bn), groups)
+    _conv_igemm_kernel[grid](x, w_packed, b, r, y, n, c, h, wd, out_channels, oh, ow, cg, og, k,
+                             strides[0], strides[1], pads[0], pads[1], dilations[0], dilations[1], kh, kw,
+                             bias is not None, act_c, a0, a1, residual is not None, ract_c, r0, r1,
+                             x.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    return y
+
+
+def pool2d(x: torch.Tensor, *, is_max: bool, kernel, strides, pads, dilations, out_hw, count_include_pad: bool,
+           pads_end=(0, 0), out: torch.Tensor | None = None) -> torch.Tensor:
+    require_device(x, "pool input")
+    x = x.contiguous()
+    n, c, h, w = x.shape
+    oh, ow = out_hw
+    y = out if out is not None else torch.empty((n, c, oh, ow), device=x.device, dtype=x.dtype)
+    blk = 128 if INTERPRET else 256
+    _pool_kernel[(n * c, triton.cdiv(oh * ow, blk))](x, y, h, w, oh, ow, pads[0], pads[1], kernel[0], kernel[1],
+                                                    strides[0], strides[1], dilations[0], dilations[1], is_max,
+                                                    count_include_pad, pads_end[0], pads_end[1], BLOCK=blk)
+    return y
+
+
+def global_avgpool(x: torch.Tensor) -> torch.Tensor:
+    require_device(x, "pool input")
+    x = x.contiguous()
+    n, c = x.shape[:2]
+    hw = x[0, 0].numel()
+    y = torch.empty((n, c) + (1,) * (x.dim() - 2), device=x.device, dtype=x.dtype)
+    _global_avgpool_kernel[(n * c,)](x, y, hw, BLOCK=min(1024, triton.next_power_of_2(max(hw, 16))))
+    return y
