@@ -77,3 +77,33 @@ def test_plan_reports_memory(exported, capsys):
     out = capsys.readouterr().out
     for word in ("greedy_by_size", "naive", "lower bound", "conv2d"):
         assert word in out
+
+
+@pytest.fixture(scope="module")
+def small_mobilenet(tmp_path_factory):
+    tvm = torchvision_models()
+    model = randomize(tvm.mobilenet_v3_small(width_mult=0.25, num_classes=10))
+    return export(model, tmp_path_factory.mktemp("small") / "mobilenet_v3_small_x025.onnx", 16)
+
+
+@pytest.mark.parametrize("dtype,tol", [("f32", 1e-4), ("f16", 2e-2)])
+def test_cuda_backend_in_interpreter(small_mobilenet, dtype, tol):
+    """The cuda backend's Triton kernels (implicit-GEMM and depthwise conv with fused epilogues,
+    global pooling) on a whole network, in Triton's interpreter at a tiny size."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    import os
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and TRITON_INTERPRET is not set")
+    from edgellm.backends.cuda.vision import TRITON_KINDS
+    from edgellm.onnx import load_onnx
+
+    m = load_onnx(small_mobilenet, backend="cuda", dtype=dtype)
+    x = np.random.default_rng(3).standard_normal((1, 3, 16, 16)).astype(np.float32)
+    ref = onnxruntime_run(small_mobilenet, {"input": x})[0]
+    assert rel_err(m(x)["logits"], ref) < tol
+    c = next(iter(m.runner._bound.values())).compiled
+    assert [s.backend for s in c.segments] == ["cuda"]
+    kinds = c.graph.op_counts()
+    assert kinds["conv2d"] == 52 and set(kinds) & TRITON_KINDS == {"conv2d", "global_avgpool"}

@@ -99,84 +99,100 @@ def _conv_igemm_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr,
 
 @jit
 def _conv_depthwise_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr,
-                           C, H, W, OH, OW,
+                           NC, C, H, W, OH, OW,
                            SH: tl.constexpr, SW: tl.constexpr, PT, PL, DH: tl.constexpr, DW: tl.constexpr,
                            KH: tl.constexpr, KW: tl.constexpr,
                            HAS_BIAS: tl.constexpr, ACT: tl.constexpr, a0, a1,
-                           HAS_RES: tl.constexpr, RACT: tl.constexpr, r0, r1, BLOCK: tl.constexpr):
-    plane = tl.program_id(0)  # n * C + c
-    c = plane % C
-    pix = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+                           HAS_RES: tl.constexpr, RACT: tl.constexpr, r0, r1,
+                           BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr):
+    # a tile of BLOCK_C (n, c) planes x BLOCK_P output pixels; the taps are unrolled
+    planes = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    pc_ok = planes < NC
+    c = planes % C
+    pix = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
     ok = pix < OH * OW
     oh = pix // OW
     ow = pix % OW
-    x_plane = x_ptr + plane.to(tl.int64) * H * W
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    x_plane = x_ptr + planes.to(tl.int64)[:, None] * H * W
+    acc = tl.zeros((BLOCK_C, BLOCK_P), dtype=tl.float32)
     for kh in tl.static_range(KH):
         ih = oh * SH - PT + kh * DH
         for kw in tl.static_range(KW):
             iw = ow * SW - PL + kw * DW
             m = ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-            xv = tl.load(x_plane + ih * W + iw, mask=m, other=0.0).to(tl.float32)
-            acc += xv * tl.load(w_ptr + c * KH * KW + kh * KW + kw).to(tl.float32)
+            xv = tl.load(x_plane + (ih * W + iw)[None, :], mask=pc_ok[:, None] & m[None, :], other=0.0).to(tl.float32)
+            wv = tl.load(w_ptr + c * KH * KW + kh * KW + kw, mask=pc_ok, other=0.0).to(tl.float32)
+            acc += xv * wv[:, None]
     if HAS_BIAS:
-        acc += tl.load(b_ptr + c).to(tl.float32)
+        acc += tl.load(b_ptr + c, mask=pc_ok, other=0.0).to(tl.float32)[:, None]
     acc = _act(acc, ACT, a0, a1)
-    offs = plane.to(tl.int64) * OH * OW + pix
+    offs = planes.to(tl.int64)[:, None] * OH * OW + pix[None, :]
+    mask = pc_ok[:, None] & ok[None, :]
     if HAS_RES:
-        acc += tl.load(r_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        acc += tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         acc = _act(acc, RACT, r0, r1)
-    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @jit
-def _pool_kernel(x_ptr, y_ptr, H, W, OH, OW, PT, PL,
+def _pool_kernel(x_ptr, y_ptr, NC, H, W, OH, OW, PT, PL,
                  KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
                  DH: tl.constexpr, DW: tl.constexpr, IS_MAX: tl.constexpr, COUNT_PAD: tl.constexpr,
-                 PH_END, PW_END, BLOCK: tl.constexpr):
-    plane = tl.program_id(0)
-    pix = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+                 PH_END, PW_END, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr):
+    planes = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    pc_ok = planes < NC
+    pix = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
     ok = pix < OH * OW
     oh = pix // OW
     ow = pix % OW
-    x_plane = x_ptr + plane.to(tl.int64) * H * W
+    x_plane = x_ptr + planes.to(tl.int64)[:, None] * H * W
     if IS_MAX:
-        acc = tl.full((BLOCK,), float("-inf"), tl.float32)
+        acc = tl.full((BLOCK_C, BLOCK_P), float("-inf"), tl.float32)
     else:
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    cnt = tl.zeros((BLOCK,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_C, BLOCK_P), dtype=tl.float32)
+    cnt = tl.zeros((BLOCK_P,), dtype=tl.float32)
     for kh in tl.static_range(KH):
         ih = oh * SH - PT + kh * DH
         for kw in tl.static_range(KW):
             iw = ow * SW - PL + kw * DW
             inside = (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-            m = ok & inside
+            m = pc_ok[:, None] & (ok & inside)[None, :]
             if IS_MAX:
-                v = tl.load(x_plane + ih * W + iw, mask=m, other=float("-inf")).to(tl.float32)
+                v = tl.load(x_plane + (ih * W + iw)[None, :], mask=m, other=float("-inf")).to(tl.float32)
                 acc = tl.maximum(acc, v)
             else:
-                acc += tl.load(x_plane + ih * W + iw, mask=m, other=0.0).to(tl.float32)
+                acc += tl.load(x_plane + (ih * W + iw)[None, :], mask=m, other=0.0).to(tl.float32)
                 if COUNT_PAD:  # padding counts, the part of the window past the padded input does not
                     cnt += ((ih < H + PH_END) & (iw < W + PW_END)).to(tl.float32)
                 else:
                     cnt += inside.to(tl.float32)
     if not IS_MAX:
-        acc = acc / tl.maximum(cnt, 1.0)
-    tl.store(y_ptr + plane.to(tl.int64) * OH * OW + pix, acc.to(y_ptr.dtype.element_ty), mask=ok)
+        acc = acc / tl.maximum(cnt, 1.0)[None, :]
+    offs = planes.to(tl.int64)[:, None] * OH * OW + pix[None, :]
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=pc_ok[:, None] & ok[None, :])
 
 
 @jit
-def _global_avgpool_kernel(x_ptr, y_ptr, HW, BLOCK: tl.constexpr):
-    plane = tl.program_id(0)
-    base = x_ptr + plane.to(tl.int64) * HW
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+def _global_avgpool_kernel(x_ptr, y_ptr, NC, HW, BLOCK_C: tl.constexpr, BLOCK: tl.constexpr):
+    planes = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    pc_ok = planes < NC
+    base = x_ptr + planes.to(tl.int64)[:, None] * HW
+    acc = tl.zeros((BLOCK_C, BLOCK), dtype=tl.float32)
     for s in range(0, HW, BLOCK):
         idx = s + tl.arange(0, BLOCK)
-        acc += tl.load(base + idx, mask=idx < HW, other=0.0).to(tl.float32)
-    tl.store(y_ptr + plane, (tl.sum(acc, axis=0) / HW).to(y_ptr.dtype.element_ty))
+        acc += tl.load(base + idx[None, :], mask=pc_ok[:, None] & (idx < HW)[None, :], other=0.0).to(tl.float32)
+    tl.store(y_ptr + planes, (tl.sum(acc, axis=1) / HW).to(y_ptr.dtype.element_ty), mask=pc_ok)
 
 
 # -- host side ---------------------------------------------------------------------------------------
+
+def _plane_tile(planes: int, pixels: int) -> tuple[int, int]:
+    """(planes, pixels) per program for the per-plane kernels: about 1-2K elements a program, as
+    many pixels as the plane has (small late-stage planes share a program across channels)."""
+    bp = min(256, triton.next_power_of_2(max(pixels, 16)))
+    bc = max(1, min(triton.next_power_of_2(planes), 2048 // bp))
+    return bc, bp
+
 
 def pack_conv_weight(w: torch.Tensor, groups: int) -> torch.Tensor:
     """[O, C/g, KH, KW] -> [g, C/g*KH*KW, O/g] contiguous: the B operand of the implicit GEMM."""
@@ -213,11 +229,11 @@ def conv2d(x: torch.Tensor, w_packed: torch.Tensor, bias: torch.Tensor | None, r
     r = residual.contiguous() if residual is not None else y
     kh, kw = kernel
     if depthwise_w is not None:
-        blk = 128 if INTERPRET else 256
-        grid = (n * c, triton.cdiv(oh * ow, blk))
-        _conv_depthwise_kernel[grid](x, depthwise_w, b, r, y, c, h, wd, oh, ow, strides[0], strides[1], pads[0], pads[1],
-                                     dilations[0], dilations[1], kh, kw, bias is not None, act_c, a0, a1,
-                                     residual is not None, ract_c, r0, r1, BLOCK=blk)
+        bc, bp = _plane_tile(n * c, oh * ow)
+        grid = (triton.cdiv(n * c, bc), triton.cdiv(oh * ow, bp))
+        _conv_depthwise_kernel[grid](x, depthwise_w, b, r, y, n * c, c, h, wd, oh, ow, strides[0], strides[1], pads[0],
+                                     pads[1], dilations[0], dilations[1], kh, kw, bias is not None, act_c, a0, a1,
+                                     residual is not None, ract_c, r0, r1, BLOCK_C=bc, BLOCK_P=bp)
         return y
     cg, og = c // groups, out_channels // groups
     k = cg * kh * kw
@@ -237,10 +253,10 @@ def pool2d(x: torch.Tensor, *, is_max: bool, kernel, strides, pads, dilations, o
     n, c, h, w = x.shape
     oh, ow = out_hw
     y = out if out is not None else torch.empty((n, c, oh, ow), device=x.device, dtype=x.dtype)
-    blk = 128 if INTERPRET else 256
-    _pool_kernel[(n * c, triton.cdiv(oh * ow, blk))](x, y, h, w, oh, ow, pads[0], pads[1], kernel[0], kernel[1],
-                                                    strides[0], strides[1], dilations[0], dilations[1], is_max,
-                                                    count_include_pad, pads_end[0], pads_end[1], BLOCK=blk)
+    bc, bp = _plane_tile(n * c, oh * ow)
+    _pool_kernel[(triton.cdiv(n * c, bc), triton.cdiv(oh * ow, bp))](
+        x, y, n * c, h, w, oh, ow, pads[0], pads[1], kernel[0], kernel[1], strides[0], strides[1], dilations[0],
+        dilations[1], is_max, count_include_pad, pads_end[0], pads_end[1], BLOCK_C=bc, BLOCK_P=bp)
     return y
 
 
@@ -250,5 +266,7 @@ def global_avgpool(x: torch.Tensor) -> torch.Tensor:
     n, c = x.shape[:2]
     hw = x[0, 0].numel()
     y = torch.empty((n, c) + (1,) * (x.dim() - 2), device=x.device, dtype=x.dtype)
-    _global_avgpool_kernel[(n * c,)](x, y, hw, BLOCK=min(1024, triton.next_power_of_2(max(hw, 16))))
+    blk = min(256, triton.next_power_of_2(max(hw, 16)))
+    bc = max(1, min(64, 4096 // blk))
+    _global_avgpool_kernel[(triton.cdiv(n * c, bc),)](x, y, n * c, hw, BLOCK_C=bc, BLOCK=blk)
     return y
