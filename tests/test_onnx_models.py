@@ -107,3 +107,29 @@ def test_cuda_backend_in_interpreter(small_mobilenet, dtype, tol):
     assert [s.backend for s in c.segments] == ["cuda"]
     kinds = c.graph.op_counts()
     assert kinds["conv2d"] == 52 and set(kinds) & TRITON_KINDS == {"conv2d", "global_avgpool"}
+
+
+def test_cli_run_top5_and_bench(exported, small_mobilenet, tmp_path, capsys):
+    from PIL import Image
+
+    from edgellm.cli import main
+    from edgellm.onnx.cli import load_image
+
+    path, _ = exported("resnet18")
+    img = tmp_path / "cat.png"
+    Image.fromarray(np.random.default_rng(4).integers(0, 255, (50, 70, 3), dtype=np.uint8)).save(img)
+    labels = tmp_path / "labels.txt"
+    labels.write_text("\n".join(f"class_{i}" for i in range(1000)))
+    assert main(["run", str(path), "--input", str(img), "--labels", str(labels), "--image-size", "32",
+                 "--resize", "36", "-q"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    x = load_image(str(img), size=32, resize=36)
+    assert x.shape == (1, 3, 32, 32)
+    ref = onnxruntime_run(path, {"input": x})[0][0]
+    top = [int(line.split()[1]) for line in out[1:6]]
+    assert top == list(np.argsort(-ref)[:5]) and out[1].split()[2] == f"class_{top[0]}"
+    assert main(["run", str(path), "--input", str(tmp_path / "none.png")]) == 1
+    assert "none.png" in capsys.readouterr().err
+    assert main(["bench", str(small_mobilenet), "-r", "1", "--no-warmup"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert [r[2] for r in rows] == ["1", "8"] and all(float(r[3]) > 0 for r in rows)

@@ -247,3 +247,18 @@ def test_triton_pool_matches_reference(conv_kernels, is_max, count_pad):
     assert rel_err(y.numpy(), ref.numpy()) < 1e-6
     gp = conv_kernels.global_avgpool(x)
     assert rel_err(gp.numpy(), x.double().mean((2, 3), keepdim=True).numpy()) < 1e-6
+
+
+def test_external_data_is_memory_mapped(tmp_path):
+    w = _w(8, 4, 3, 3)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["y"], name="conv", pads=[1, 1, 1, 1])]
+    path = _model(tmp_path, nodes, [("x", [1, 4, 6, 6])], ["y"], [("w", w)], name="ext")
+    m = onnx.load(str(path))
+    onnx.save(m, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location="ext.bin",
+              size_threshold=0)
+    imp = edgellm.onnx.import_onnx(path)
+    assert isinstance(imp.weights["w"], np.memmap) and np.array_equal(imp.weights["w"], w)
+    _check(path, {"x": _w(1, 4, 6, 6)})
+    (tmp_path / "ext.bin").write_bytes(b"\0" * 10)  # truncated external data: named in the error
+    with pytest.raises(ModelFileError, match="'w'"):
+        edgellm.load(path)
