@@ -50,8 +50,10 @@ class OnnxModel:
         weights = {n: torch.from_numpy(np.array(a, dtype=np.float32, copy=False) if a.flags.writeable
                                        else np.array(a, dtype=np.float32)).to(device, tdtype)
                    for n, a in imported.weights.items()}
+        # cuda: CUDA graphs per input sizes (EDGELLM_CUDA_GRAPHS=0 turns them off, as for language models)
+        graphs = device.type == "cuda" and os.environ.get("EDGELLM_CUDA_GRAPHS", "1") != "0"
         self.runner = GraphRunner(self.graph, weights, kernels, supported, backend, device, tdtype, fuse=fuse,
-                                  use_arena=device.type == "cpu")
+                                  use_arena=device.type == "cpu", graphs=graphs)
         self.load_s = time.perf_counter() - t0
 
     def _arrays(self, args, kwargs) -> dict[str, np.ndarray]:
@@ -78,7 +80,20 @@ class OnnxModel:
 
     def __call__(self, *args, **kwargs) -> dict[str, np.ndarray]:
         arrays = self._arrays(args, kwargs)
+        if self.runner.graphs:
+            outs = self.run_device({n: torch.from_numpy(np.ascontiguousarray(a)).to(self.device, self.dtype)
+                                    for n, a in arrays.items()})
+            return {n: o.float().cpu().numpy() for n, o in outs.items()}
         outs = self.runner.run(arrays)
+        return dict(zip(self.output_names, outs))
+
+    def run_device(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Device tensors in, device tensors out (no host copies; for timing and pipelines). The
+        outputs of a CUDA-graph replay are the graph's own buffers: copy them to keep them."""
+        missing = [n for n in self.input_names if n not in tensors]
+        if missing:
+            raise InputError(f"{os.path.basename(self.path)}: inputs {missing} not given")
+        outs = self.runner.run_device({n: tensors[n].to(self.device, self.dtype).contiguous() for n in self.input_names})
         return dict(zip(self.output_names, outs))
 
     def compiled(self, **sizes: int):

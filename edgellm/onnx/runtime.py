@@ -76,7 +76,7 @@ class GraphRunner:
 
     def __init__(self, graph: Graph, weights: dict[str, torch.Tensor], kernels: dict[str, Callable],
                  supported: set[str], backend: str, device: torch.device, dtype: torch.dtype,
-                 fuse: bool = True, use_arena: bool = True):
+                 fuse: bool = True, use_arena: bool = True, graphs: bool = False):
         self.graph = graph
         self.weights = weights
         self.kernels = kernels
@@ -88,6 +88,10 @@ class GraphRunner:
         self.use_arena = use_arena
         self._bound: dict[tuple, BoundProgram] = {}
         self._arena: torch.Tensor | None = None
+        self.graphs = graphs
+        self._graphs: dict[tuple, tuple] = {}
+        self._warmed: set[tuple] = set()
+        self.graph_errors: dict[tuple, str] = {}  # sizes whose capture failed, and why
 
     def compile(self, sizes: dict[str, int]) -> CompiledGraph:
         return compile_graph(self.graph, supported_ops=self.supported, backend=self.backend, fuse=self.fuse,
@@ -128,6 +132,41 @@ class GraphRunner:
 
     def run(self, arrays: dict[str, np.ndarray]) -> list[np.ndarray]:
         sizes = bind_sizes(self.graph, arrays)
+        env = {n: torch.as_tensor(np.ascontiguousarray(arrays[n])).to(self.device, self.dtype) for n in self.graph.inputs}
+        return [o.float().cpu().numpy() for o in self.execute(sizes, env)]
+
+    def run_device(self, tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """Inputs already on the device in the backend's dtype; outputs stay there. With
+        graphs=True (cuda), the op sequence is captured in a CUDA graph per input sizes at the
+        second call and replayed after (inputs copied into the captured buffers)."""
+        sizes = bind_sizes(self.graph, {n: np.empty(tuple(t.shape), dtype=np.uint8) for n, t in tensors.items()})
+        if not self.graphs or self.device.type != "cuda":
+            return self.execute(sizes, dict(tensors))
+        key = tuple(sorted(sizes.items()))
+        cg = self._graphs.get(key)
+        if cg is None:
+            if key not in self._warmed:  # first call eager: compiles, tunes and packs outside the capture
+                self._warmed.add(key)
+                return self.execute(sizes, dict(tensors))
+            if key in self.graph_errors:
+                return self.execute(sizes, dict(tensors))
+            static_in = {n: t.clone() for n, t in tensors.items()}
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph):
+                    static_out = self.execute(sizes, dict(static_in))
+            except Exception as e:  # an op that cannot be captured: run this size eagerly from now on
+                self.graph_errors[key] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                torch.cuda.synchronize()
+                return self.execute(sizes, dict(tensors))
+            cg = self._graphs[key] = (graph, static_in, static_out)
+        graph, static_in, static_out = cg
+        for n, t in tensors.items():
+            static_in[n].copy_(t)
+        graph.replay()
+        return static_out
+
+    def execute(self, sizes: dict[str, int], env: dict) -> list[torch.Tensor]:
         b = self.bind(sizes)
         g = b.compiled.graph
         esize = torch.tensor([], dtype=self.dtype).element_size()
@@ -135,8 +174,6 @@ class GraphRunner:
             need = b.compiled.plan.total_bytes * esize // 4  # planned in float32 bytes
             if self._arena is None or self._arena.numel() < need:
                 self._arena = torch.empty(need, dtype=torch.uint8, device=self.device)
-        env: dict[str, torch.Tensor] = {n: torch.as_tensor(np.ascontiguousarray(arrays[n])).to(self.device, self.dtype)
-                                        for n in g.inputs}
         for t in g.weights():
             env[t.name] = self.weights[t.source or t.name]
         with torch.inference_mode():
@@ -156,7 +193,7 @@ class GraphRunner:
                 env[name] = value
                 for n in free:
                     env.pop(n, None)
-        return [env[o].float().cpu().numpy() for o in g.outputs]
+        return [env[o] for o in g.outputs]
 
 
 def _offsets(plan) -> dict[str, int]:
