@@ -186,6 +186,18 @@ def _global_avgpool_kernel(x_ptr, y_ptr, NC, HW, BLOCK_C: tl.constexpr, BLOCK: t
 
 # -- host side ---------------------------------------------------------------------------------------
 
+# On the GPU the implicit GEMM's tile is chosen per shape by timing (Triton's autotuner, once per
+# (rows, channels, reduction) at the first, eager call): late ResNet/MobileNet stages at batch 1
+# have 49 rows and hundreds of channels, early ones thousands of rows and few channels.
+_IGEMM_CONFIGS = [
+    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
+    for bm, bn, bk, w, st in [(64, 64, 32, 4, 3), (128, 64, 32, 4, 3), (64, 128, 32, 4, 3), (128, 128, 32, 8, 3),
+                              (32, 64, 64, 4, 3), (16, 64, 64, 4, 2), (16, 32, 128, 4, 2), (32, 32, 64, 2, 3),
+                              (128, 32, 32, 4, 3), (256, 64, 32, 8, 3)]
+]
+_conv_igemm_tuned = None if INTERPRET else triton.autotune(
+    configs=_IGEMM_CONFIGS, key=["N", "OH", "OW", "Og", "K", "SH", "KH", "HAS_RES"])(_conv_igemm_kernel)
+
 def _plane_tile(planes: int, pixels: int) -> tuple[int, int]:
     """(planes, pixels) per program for the per-plane kernels: about 1-2K elements a program, as
     many pixels as the plane has (small late-stage planes share a program across channels)."""
@@ -237,12 +249,17 @@ def conv2d(x: torch.Tensor, w_packed: torch.Tensor, bias: torch.Tensor | None, r
         return y
     cg, og = c // groups, out_channels // groups
     k = cg * kh * kw
-    bm, bn, bk = block or ((32, 32, 32) if INTERPRET else (64, 64 if og > 32 else 32, 32))
+    args = (x, w_packed, b, r, y, n, c, h, wd, out_channels, oh, ow, cg, og, k,
+            strides[0], strides[1], pads[0], pads[1], dilations[0], dilations[1], kh, kw,
+            bias is not None, act_c, a0, a1, residual is not None, ract_c, r0, r1, x.dtype == torch.float32)
+    if _conv_igemm_tuned is not None and block is None:
+        def grid(meta):
+            return (triton.cdiv(n * oh * ow, meta["BLOCK_M"]), triton.cdiv(og, meta["BLOCK_N"]), groups)
+        _conv_igemm_tuned[grid](*args)
+        return y
+    bm, bn, bk = block or (32, 32, 32)
     grid = (triton.cdiv(n * oh * ow, bm), triton.cdiv(og, bn), groups)
-    _conv_igemm_kernel[grid](x, w_packed, b, r, y, n, c, h, wd, out_channels, oh, ow, cg, og, k,
-                             strides[0], strides[1], pads[0], pads[1], dilations[0], dilations[1], kh, kw,
-                             bias is not None, act_c, a0, a1, residual is not None, ract_c, r0, r1,
-                             x.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    _conv_igemm_kernel[grid](*args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
     return y
 
 
