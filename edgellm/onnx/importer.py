@@ -239,6 +239,7 @@ class _Importer:
             self.consumers[o.name] = self.consumers.get(o.name, 0) + 1
         for node in gp.node:
             self.convert(node)
+        self.recompose_gelu()
         outputs = {}
         for o in gp.output:
             t = self.name(o.name)
@@ -251,6 +252,48 @@ class _Importer:
             outputs[o.name] = t
         self.g.validate()
         return ImportedModel(self.g, self.weights, inputs, outputs, self.symbols, self.path, self.opset)
+
+    def _scalar(self, t: str, value: float) -> bool:
+        a = self.weights.get(t)
+        return a is not None and a.size == 1 and abs(float(a.reshape(-1)[0]) - value) < 1e-6 * max(1.0, abs(value))
+
+    def recompose_gelu(self) -> None:
+        """Exporters write GELU as x * (1 + erf(x / sqrt 2)) * 0.5 (five ops); it is one op here (one
+        kernel on the device). Needs the constants' values, so it happens at import, not in a pass."""
+        g = self.g
+        cons: dict[str, list[int]] = {}
+        for i, op in enumerate(g.ops):
+            for t in op.inputs:
+                cons.setdefault(t, []).append(i)
+
+        def only(t, kind):
+            c = cons.get(t, [])
+            return c[0] if len(c) == 1 and g.ops[c[0]].kind == kind and t not in g.outputs else None
+
+        drop: set[int] = set()
+        for i, d in enumerate(g.ops):
+            if d.kind != "div" or len(d.inputs) != 2 or not self._scalar(d.inputs[1], 2 ** 0.5):
+                continue
+            x = d.inputs[0]
+            e = only(d.outputs[0], "erf")
+            a = only(g.ops[e].outputs[0], "add") if e is not None else None
+            if a is None or not any(self._scalar(t, 1.0) for t in g.ops[a].inputs):
+                continue
+            m1 = only(g.ops[a].outputs[0], "mul")
+            if m1 is None or x not in g.ops[m1].inputs:
+                continue
+            m2 = only(g.ops[m1].outputs[0], "mul")
+            if m2 is None or not any(self._scalar(t, 0.5) for t in g.ops[m2].inputs):
+                continue
+            last = g.ops[m2]
+            g.ops[m2] = type(last)(last.name + "+gelu", "gelu", (x,), last.outputs, {"approximate": "none"})
+            drop.update((i, e, a, m1))
+        if drop:
+            g.ops = [op for k, op in enumerate(g.ops) if k not in drop]
+            used = {t for op in g.ops for t in op.inputs} | {t for op in g.ops for t in op.outputs}
+            for name in [n for n, t in g.tensors.items() if n not in used and t.kind in ("activation", "weight")]:
+                del g.tensors[name]
+                self.weights.pop(name, None)
 
     def convert(self, node) -> None:
         ins = list(node.input)
