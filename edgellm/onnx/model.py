@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -47,9 +48,7 @@ class OnnxModel:
         else:
             raise BackendUnavailableError(f"backend '{backend}' cannot run ONNX models (cpu, cuda)")
         self.device, self.dtype = device, tdtype
-        weights = {n: torch.from_numpy(np.array(a, dtype=np.float32, copy=False) if a.flags.writeable
-                                       else np.array(a, dtype=np.float32)).to(device, tdtype)
-                   for n, a in imported.weights.items()}
+        weights = {n: _weight(a, device, tdtype) for n, a in imported.weights.items()}
         # cuda: CUDA graphs per input sizes (EDGELLM_CUDA_GRAPHS=0 turns them off, as for language models)
         graphs = device.type == "cuda" and os.environ.get("EDGELLM_CUDA_GRAPHS", "1") != "0"
         self.runner = GraphRunner(self.graph, weights, kernels, supported, backend, device, tdtype, fuse=fuse,
@@ -102,6 +101,16 @@ class OnnxModel:
 
     def describe(self) -> str:
         return f"{self.backend_name} ({self.device}, {str(self.dtype).replace('torch.', '')})"
+
+
+def _weight(a: np.ndarray, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """float32 weights on the cpu are used in place (a memory-mapped initializer stays mapped: no
+    kernel writes into a weight); elsewhere they are converted once at load."""
+    if device.type == "cpu" and dtype == torch.float32 and a.dtype == np.float32 and a.flags.c_contiguous:
+        with warnings.catch_warnings():  # read-only views (mmap, protobuf bytes) are never written
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(a)
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(device, dtype)
 
 
 def load_onnx(path: str | os.PathLike, backend: str = "cpu", *, fuse: bool = True, dtype: str | None = None) -> OnnxModel:
