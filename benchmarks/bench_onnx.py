@@ -130,7 +130,7 @@ def main() -> int:
 
                 def run_e():  # device tensors in and out, as the torch engines are timed
                     return em.run_device(xe)
-                engines.append(("edgellm cuda fp16", run_e,
+                engines.append((f"edgellm cuda {'fp16' if em.dtype == torch.float16 else 'fp32'}", run_e,
                                 lambda: list(run_e().values())[0].float().cpu().numpy()))
 
             def run_eager():

@@ -16,15 +16,22 @@ import types
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 
 def torchvision_models():
-    for base in (Path(sys.prefix) / "torchvision-models", Path(__file__).resolve().parents[1] / ".venv" / "torchvision-models"):
+    """torchvision.models from the unpacked wheel (EDGELLM_TORCHVISION_MODELS names its folder
+    elsewhere, e.g. on a GPU machine without a matching torchvision)."""
+    import os
+
+    bases = [Path(os.environ["EDGELLM_TORCHVISION_MODELS"])] if os.environ.get("EDGELLM_TORCHVISION_MODELS") else []
+    bases += [Path(sys.prefix) / "torchvision-models", Path(__file__).resolve().parents[1] / ".venv" / "torchvision-models"]
+    for base in bases:
         pkg_dir = base / "torchvision"
         if pkg_dir.is_dir():
             break
     else:
+        import pytest  # (benchmarks/bench_onnx.py uses these helpers without pytest installed)
+
         pytest.skip("torchvision model definitions not installed (scripts/install.sh --test puts them in "
                     ".venv/torchvision-models)")
     if "torchvision" not in sys.modules:
@@ -67,6 +74,8 @@ def rel_err(a: np.ndarray, ref: np.ndarray) -> float:
 
 
 def onnxruntime_run(path: Path, feeds: dict) -> list[np.ndarray]:
+    import pytest
+
     ort = pytest.importorskip("onnxruntime")
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 1
