@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from . import arguments as A
+
 
 def _fmt(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -57,6 +59,6 @@ def add_cache_parser(sub) -> None:
                        description="Load a model and run every program shape once (each prefill size, each "
                                    "decode context bucket), so that later runs find all kernels in the cache.")
     w.add_argument("-m", "--model", default=None, help="a .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    w.add_argument("--backend", default="auto", help="backend (default: auto)")
-    w.add_argument("-c", "--ctx", type=int, default=None, help="context size (default: min(model, 4096))")
+    w.add_argument("--backend", type=A.backend_name, default="auto", help="backend (default: auto)")
+    w.add_argument("-c", "--ctx", type=A.positive(int), default=None, help="context size (default: min(model, 4096))")
     w.set_defaults(func=_cmd_warmup)

@@ -27,6 +27,11 @@ def _add_model_arg(p: argparse.ArgumentParser, positional: bool = False) -> None
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from .model import load
+    from .onnx.cli import is_onnx, run_onnx
+
+    onnx_path = next((p for p in (args.model, args.prompt) if is_onnx(p)), None)
+    if onnx_path is not None:  # a network file: `edgellm run model.onnx --input image.jpg`
+        return run_onnx(args, onnx_path)
 
     prompt = args.prompt
     if prompt is None:
@@ -127,7 +132,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     from .compiler.report import plan_model, render_plan
     from .default_model import default_model_path
+    from .onnx.cli import is_onnx, plan_onnx
 
+    if is_onnx(args.model):
+        return plan_onnx(args, args.model)
     path = args.model or str(default_model_path())
     p = plan_model(path, backend=args.backend, ctx=args.ctx, prefill=args.prefill, fuse=not args.no_fuse)
     print(json.dumps(p, indent=2) if args.json else render_plan(p), end="" if not args.json else "\n")
@@ -166,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--allow-empty", action="store_true", help="run an empty prompt instead of refusing it")
     r.add_argument("--raw", action="store_true", help="do not apply the chat template")
     r.add_argument("-q", "--quiet", action="store_true", help="do not print timings to stderr")
+    from .onnx.cli import add_onnx_run_args
+
+    add_onnx_run_args(r)
     r.set_defaults(func=_cmd_run)
 
     i = sub.add_parser("info", help="describe a model file", description="Print architecture, hyperparameters, "
@@ -184,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--prefill", type=A.positive(int), default=512, help="prefill chunk in tokens (default 512)")
     pl.add_argument("--no-fuse", action="store_true", help="plan without the fusion passes")
     pl.add_argument("--json", action="store_true", help="machine-readable output")
+    pl.add_argument("--size", default=None, help="ONNX models: sizes of the dynamic dimensions, e.g. "
+                    "batch=1,height=224,width=224 (default: batch 1, others 224)")
     pl.set_defaults(func=_cmd_plan)
 
     from .quantize_model import add_quantize_parser

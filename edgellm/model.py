@@ -312,6 +312,10 @@ def load(path: str | os.PathLike | None = None, backend: str = "cpu", ctx: int |
     tokenizer); default on unless EDGELLM_CACHE=0.
     warmup: do the backend's first-run work (kernel loads, graph captures) for a short prompt now,
     counted in load time, rather than in the first request (Model.warmup)."""
+    if path is not None and str(path).lower().endswith(".onnx"):  # a network, not a language model
+        from .onnx import load_onnx
+
+        return load_onnx(path, backend=backend, fuse=fuse)
     from . import cache as cache_mod
 
     t0 = time.perf_counter()

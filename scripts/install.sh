@@ -17,6 +17,10 @@ $PIP install -q --upgrade pip >/dev/null
 $PIP install -q "${TORCH_SPEC:-torch==2.13.0}"
 if [ "${1:-}" = "--test" ]; then
   $PIP install -q -e ".[test,cuda]"
+  # torchvision's model definitions for the ONNX tests: PyPI's wheel is built for CUDA torch and
+  # fails to import beside the CPU torch, so it is unpacked outside site-packages and only its
+  # pure-Python models package is used (tests/onnx_models.py)
+  $PIP install -q --no-deps --upgrade --target .venv/torchvision-models "torchvision==0.28.0"
 else
   $PIP install -q -e .
 fi

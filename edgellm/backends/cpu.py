@@ -18,6 +18,7 @@ import torch
 from ..errors import GraphError
 from ..gguf_file import GGUFFile
 from ..compiler.memory import MemoryPlan
+from .cpu_nd import ND_KERNELS
 from .info import CpuInfo
 from ..graph.ir import Graph, Op
 from ..graph.shapes import shape_function
@@ -139,6 +140,7 @@ CPU_KERNELS: dict[str, Callable] = {
     "rope_store": lambda op, i: _kv_store(
         op, [i[2], _rope(i[0], int(i[1]), i[3] if len(i) > 3 else None, op.attrs), i[1]]),
 }
+CPU_KERNELS.update({k: v for k, v in ND_KERNELS.items() if k not in CPU_KERNELS})  # N-D kinds (imported networks)
 
 
 class CpuProgram:

@@ -115,6 +115,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .report import terminal_summary
     from .runner import run_bench
 
+    models = list(args.models or [])
+    if models and all(m.lower().endswith(".onnx") for m in models):  # networks: latency at batch 1 and 8
+        from ..onnx.cli import bench_onnx
+
+        return bench_onnx(args, models)
     plan = validate(plan_from_args(args))  # every error before anything runs
     argv = getattr(args, "_argv", None)
     if argv is None and "bench" in sys.argv:  # called through the main `edgellm` command

@@ -91,17 +91,18 @@ def partition(graph: Graph, supported: set[str], backend: str) -> list[Segment]:
 
 def compile_graph(graph: Graph, *, supported_ops: set[str] | None = None, backend: str = "cpu",
                   seq: int = 512, ctx: int = 4096, fuse: bool = True, alignment: int = 256,
-                  planner: str = "all") -> CompiledGraph:
+                  planner: str = "all", sizes: dict[str, int] | None = None) -> CompiledGraph:
     """planner: "all" runs every memory planner and keeps the smallest plan (what `edgellm plan`
     reports); a strategy name (memory.STRATEGIES) runs only that one, as a model's load does:
-    the min-cost-flow planner alone took 1.5 s of a 135M model's load and its plan is not used."""
+    the min-cost-flow planner alone took 1.5 s of a 135M model's load and its plan is not used.
+    sizes: values of further symbols (an imported network's batch, height, ...) for the plan."""
     check_graph(graph)
     original = len(graph.ops)
     g, reports = run_passes(graph, fuse=fuse)
     check_graph(g)
     supported = ALL_OPS if supported_ops is None else set(supported_ops)
     segments = partition(g, supported, backend)
-    sizes = {"seq": seq, "ctx": ctx}
+    sizes = {"seq": seq, "ctx": ctx, **(sizes or {})}
     records = usage_records(g, sizes)
     if not records:
         plans = {}

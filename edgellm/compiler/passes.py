@@ -290,6 +290,71 @@ def fuse_qkv(g: Graph) -> Graph:
     return g
 
 
+# activations an N-D op's epilogue can apply (conv2d's act / res_act attrs; see graph.nd_ops)
+EPILOGUE_ACTS = ("relu", "clip", "hardswish", "hardsigmoid", "sigmoid", "silu", "gelu", "tanh")
+
+
+def _act_attrs(op: Op) -> dict:
+    return {k: v for k, v in op.attrs.items() if k in ("min", "max", "alpha", "beta", "approximate")}
+
+
+def fuse_silu(g: Graph) -> Graph:
+    """s = sigmoid(x); y = mul(x, s)  ->  y = silu(x) (how exporters spell SiLU / Swish)."""
+    g = _clone(g)
+    cons = _consumers(g)
+    drop: set[int] = set()
+    for i, op in enumerate(g.ops):
+        if op.kind != "sigmoid" or op.outputs[0] in g.outputs:
+            continue
+        j = _single_consumer(cons, op.outputs[0])
+        if j is None or g.ops[j].kind != "mul" or set(g.ops[j].inputs) != {op.inputs[0], op.outputs[0]}:
+            continue
+        g.ops[j] = Op(g.ops[j].name + "+sigmoid", "silu", (op.inputs[0],), g.ops[j].outputs, {})
+        drop.add(i)
+    g.ops = [op for k, op in enumerate(g.ops) if k not in drop]
+    _drop_unused_tensors(g)
+    return g
+
+
+def fuse_conv_epilogue(g: Graph) -> Graph:
+    """Fold what follows a conv2d into its epilogue: an activation (act), then a residual add of a
+    tensor of the output's shape that exists before the conv runs (has_residual), then an
+    activation after the residual (res_act, as ResNet's relu(conv + identity))."""
+    g = _clone(g)
+    changed = True
+    while changed:
+        changed = False
+        cons = _consumers(g)
+        prod = g.producers()
+        for i, op in enumerate(g.ops):
+            if op.kind != "conv2d" or op.outputs[0] in g.outputs:
+                continue
+            j = _single_consumer(cons, op.outputs[0])
+            if j is None:
+                continue
+            nxt = g.ops[j]
+            a = op.attrs
+            if nxt.kind in EPILOGUE_ACTS and not a.get("has_residual") and not a.get("act"):
+                a["act"], a["act_args"] = nxt.kind, _act_attrs(nxt)
+            elif nxt.kind in EPILOGUE_ACTS and a.get("has_residual") and not a.get("res_act"):
+                a["res_act"], a["res_act_args"] = nxt.kind, _act_attrs(nxt)
+            elif nxt.kind == "add" and not a.get("has_residual") and len(nxt.inputs) == 2 \
+                    and nxt.inputs.count(op.outputs[0]) == 1:
+                other = next(t for t in nxt.inputs if t != op.outputs[0])
+                if g.tensors[other].shape != g.tensors[op.outputs[0]].shape or prod.get(other, -1) > i:
+                    continue
+                op.inputs = (*op.inputs, other)
+                a["has_residual"] = True
+            else:
+                continue
+            _rename_uses(g, nxt.outputs[0], op.outputs[0])
+            del g.ops[j]
+            changed = True
+            break
+    _drop_unused_tensors(g)
+    return g
+
+
 @dataclass
 class PassReport:
     name: str
@@ -308,6 +373,8 @@ FUSION: list[tuple[str, Callable[[Graph], Graph]]] = [
     ("fuse_swiglu", fuse_swiglu),
     ("fuse_add_rms_norm", fuse_add_rms_norm),
     ("fuse_linear_epilogue", fuse_linear_epilogue),
+    ("fuse_silu", fuse_silu),
+    ("fuse_conv_epilogue", fuse_conv_epilogue),
 ]
 
 

@@ -27,18 +27,32 @@ if TYPE_CHECKING:
 
 Shape = tuple  # of sympy expressions, ints, or SymDims (graphs read back from the program cache)
 
+# Every size symbol by name (positive integers). Language models use seq and ctx; imported networks
+# (ONNX) add their own dynamic dimensions (batch, height, width, ...) through symbol(). Made on first
+# use, with sympy: a program read back from the cache runs without importing sympy at all.
+_SYMBOLS: dict = {}
 
-def __getattr__(name: str):
-    """SEQ and CTX, the graph's symbols, made on first use: a program read back from the cache
-    runs without importing sympy (see edgellm.compiler.serialize)."""
-    if name in ("SEQ", "CTX"):
+
+def symbol(name: str) -> "sympy.Symbol":
+    """The size symbol called `name` (a positive integer), registered on first use."""
+    s = _SYMBOLS.get(name)
+    if s is None:
         import sympy
 
+        s = _SYMBOLS[name] = sympy.Symbol(name, integer=True, positive=True)
+    return s
+
+
+def __getattr__(name: str):
+    """SEQ, CTX and SYMBOLS (the registry, with seq and ctx in it), made on first use."""
+    if name in ("SEQ", "CTX", "SYMBOLS"):
         g = globals()
-        g.setdefault("SEQ", sympy.Symbol("seq", integer=True, positive=True))
-        g.setdefault("CTX", sympy.Symbol("ctx", integer=True, positive=True))
+        g.setdefault("SEQ", symbol("seq"))
+        g.setdefault("CTX", symbol("ctx"))
+        g.setdefault("SYMBOLS", _SYMBOLS)
         return g[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "i32": 4, "i64": 8}
 

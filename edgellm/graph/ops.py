@@ -25,12 +25,13 @@ import sympy
 
 from ..errors import GraphError
 from .ir import SEQ, Shape, Tensor
+from .nd_ops import ND_RULES, broadcast_shapes, dims_equal, nd_flops
 
 KV_LEN = sympy.Symbol("kv_len", integer=True, positive=True)  # keys attended to (start_pos + seq)
 
 
 def _same(a, b) -> bool:
-    return sympy.simplify(sympy.sympify(a) - sympy.sympify(b)) == 0
+    return dims_equal(a, b)
 
 
 def _fail(op: str, msg: str) -> GraphError:
@@ -59,11 +60,12 @@ def _rms_norm(op, ins, attrs):
 
 def _linear(op, ins, attrs):
     x, w = ins
-    _rank(op, x, 2)
+    if len(x.shape) < 2:  # language models: [S, K]; imported networks: [..., K]
+        _rank(op, x, 2)
     _rank(op, w, 2)
-    if not _same(x.shape[1], w.shape[1]):
-        raise _fail(op, f"'{x.name}' has {x.shape[1]} features but weight '{w.name}' expects {w.shape[1]}")
-    return (x.shape[0], w.shape[0]), "f32", None
+    if not _same(x.shape[-1], w.shape[1]):
+        raise _fail(op, f"'{x.name}' has {x.shape[-1]} features but weight '{w.name}' expects {w.shape[1]}")
+    return (*x.shape[:-1], w.shape[0]), "f32", None
 
 
 def _elementwise(op, ins, attrs):
@@ -71,8 +73,8 @@ def _elementwise(op, ins, attrs):
     for b in ins[1:]:
         ok = len(b.shape) == len(a.shape) and all(_same(p, q) for p, q in zip(a.shape, b.shape))
         ok = ok or (len(b.shape) == 1 and _same(b.shape[0], a.shape[-1]))
-        if not ok:
-            raise _fail(op, f"cannot combine '{a.name}' {a.shape} with '{b.name}' {b.shape}")
+        if not ok:  # N-D operands (imported networks): numpy broadcasting
+            return broadcast_shapes(op, *[t.shape for t in ins]), a.dtype, None
     return a.shape, a.dtype, None
 
 
@@ -134,6 +136,7 @@ RULES: dict[str, Rule] = {
     "attention": _attention,
     "last_row": _last_row,
 }
+RULES.update({k: v for k, v in ND_RULES.items() if k not in RULES})  # N-D kinds of imported networks
 
 
 def infer(kind: str, inputs: list[Tensor], attrs: dict[str, Any], op_name: str):
@@ -147,6 +150,9 @@ def infer(kind: str, inputs: list[Tensor], attrs: dict[str, Any], op_name: str):
 def flops(kind: str, inputs: list[Tensor], output: Tensor, attrs: dict[str, Any]) -> sympy.Expr:
     """Arithmetic operations (multiply and add counted separately) as an expression in seq/kv_len."""
     n_out = sympy.Mul(*output.shape)
+    nd = nd_flops(kind, inputs, output, attrs)
+    if nd is not None:
+        return nd
     if kind == "linear":
         return 2 * n_out * inputs[1].shape[1]
     if kind == "attention":

@@ -34,9 +34,9 @@ class SymDim:
         if self._expr is None:
             import sympy
 
-            from .ir import CTX, SEQ
+            from .ir import symbol
 
-            self._expr = sympy.sympify(self.text, locals={"seq": SEQ, "ctx": CTX})
+            self._expr = sympy.sympify(self.text, locals={n: symbol(n) for n in self.names})
         return self._expr
 
     @property
