@@ -12,7 +12,6 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..graph.nd_ops import same_pads, slice_bounds
 from ..graph.ir import Op
 
 
@@ -41,6 +40,8 @@ def spatial_pads(a: dict, size: tuple[int, int], kernel: tuple[int, int]) -> tup
     """(top, left, bottom, right) for concrete spatial sizes, auto_pad resolved."""
     auto = a.get("auto_pad", "NOTSET")
     if auto in ("SAME_UPPER", "SAME_LOWER"):
+        from ..graph.nd_ops import same_pads  # with sympy: not imported on a language model's path
+
         (t, b), (l, r) = (same_pads(size[k], kernel[k], a["strides"][k], a["dilations"][k], auto == "SAME_UPPER")
                           for k in range(2))
         return t, l, b, r
@@ -86,6 +87,8 @@ def _pool(op: Op, i: list) -> torch.Tensor:
 
 
 def _slice(op: Op, i: list) -> torch.Tensor:
+    from ..graph.nd_ops import slice_bounds  # with sympy: not imported on a language model's path
+
     x = i[0]
     a = op.attrs
     for st, en, ax, sp in zip(a["starts"], a["ends"], a["axes"], a["steps"]):
