@@ -192,7 +192,7 @@ def main() -> int:
             cache = tempfile.mkdtemp(prefix="edgellm-cache-")
             env = {**base_env, "EDGELLM_CACHE_DIR": cache}
             env.pop("TRITON_CACHE_DIR", None)
-            cli_path = None if path == str(default_model_path()) else path
+            cli_path = None if not args.model and not args.synthetic else path  # None: as a user types it
             runs = [_cli(cli_path, args.backend, env) for _ in range(1 + args.repeat)]
             for s in runs:
                 print(f"{Path(path).name} edgellm run: {s}", file=sys.stderr, flush=True)
