@@ -65,6 +65,11 @@ def _symbols(sizes: dict[str, int]) -> dict[sympy.Symbol, int]:
     return {table[k]: v for k, v in sizes.items() if k in table}
 
 
+def row_slice(source: str, start: int, stop: int) -> str:
+    """The source name of rows start..stop-1 of a stored tensor (GGUFFile.tensor reads it)."""
+    return f"{source}[{start}:{stop}]"
+
+
 @dataclass
 class Op:
     name: str

@@ -88,7 +88,7 @@ class CudaWeights:
         return w
 
     def _pack_one(self, name: str):
-        t = self.file.tensors[name]
+        t = self.file.tensor(name)
         if self.K.can_repack(t.type_name):
             w = self.K.repack(np.ascontiguousarray(t.data), t.type_name, t.shape, device=self.device)
         else:
@@ -104,8 +104,8 @@ class CudaWeights:
         if v is None:
             from ...quant import dequantize
 
-            parts = [np.asarray(dequantize(self.file.tensors[n].data, self.file.tensors[n].type_name,
-                                           self.file.tensors[n].shape), dtype=np.float32).reshape(-1) for n in names]
+            ts = [self.file.tensor(n) for n in names]
+            parts = [np.asarray(dequantize(t.data, t.type_name, t.shape), dtype=np.float32).reshape(-1) for t in ts]
             v = torch.from_numpy(np.concatenate(parts)).to(self.device)
             self._vectors[names] = v
         return v
