@@ -5,8 +5,8 @@ Each pass takes a Graph and returns a new Graph (the input is not modified). Fus
 their semantics (the cpu backend implements each as the composition it replaces):
 
   add_rms_norm(a, b, w; eps)          -> (s, n):  s = a + b, n = rms_norm(s, w)     residual + norm
-  swiglu(gate, up)                    -> silu(gate) * up
-  linear_swiglu(x, wg, wu)            -> silu(x @ wg.T) * (x @ wu.T)                  gate/up + SiLU·mul
+  swiglu(gate, up; act)               -> act(gate) * up  (act: 'silu' SwiGLU, default; 'gelu_tanh' GeGLU)
+  linear_swiglu(x, wg, wu; act)       -> act(x @ wg.T) * (x @ wu.T)                   gate/up + activation·mul
   linear(x, w, bias?, residual?; has_bias, has_residual)
                                       -> x @ w.T (+ bias) (+ residual)                element-wise into producer
   rope_store(x, start, cache, freqs?) -> cache with rows start.. = rope(x)           RoPE + layout + KV write
@@ -156,8 +156,10 @@ def fuse_add_rms_norm(g: Graph) -> Graph:
         if i in skip:
             continue
         if op.kind == "add" and len(op.inputs) == 2 and all(len(g.tensors[t].shape) == 2 for t in op.inputs):
+            width = g.tensors[op.outputs[0]].shape[-1]
             norm = next((j for j in cons.get(op.outputs[0], []) if g.ops[j].kind == "rms_norm"
-                         and g.ops[j].inputs[0] == op.outputs[0]), None)
+                         and g.ops[j].inputs[0] == op.outputs[0]
+                         and g.tensors[g.ops[j].inputs[1]].shape[-1] == width), None)  # not a per-group norm
             if norm is not None:
                 n = g.ops[norm]
                 # the norm moves up to the add: its weight is a weight, so nothing it reads comes later
@@ -170,16 +172,21 @@ def fuse_add_rms_norm(g: Graph) -> Graph:
     return g
 
 
+GATE_ACTS = {"silu": "silu", "gelu": "gelu_tanh"}  # activation op kind -> the gated ops' act attribute
+
+
 def fuse_swiglu(g: Graph) -> Graph:
     """a = silu(gate); y = mul(a, up)  ->  y = swiglu(gate, up); then, when gate and up are linears of
-    the same input read by nothing else, y = linear_swiglu(x, wg, wu)."""
+    the same input read by nothing else, y = linear_swiglu(x, wg, wu). The same for gelu (GeGLU),
+    with act='gelu_tanh'."""
     g = _clone(g)
     cons = _consumers(g)
     prod = g.producers()
     drop: set[int] = set()
     for i, op in enumerate(g.ops):
-        if op.kind != "silu":
+        if op.kind not in GATE_ACTS:
             continue
+        attrs = {} if op.kind == "silu" else {"act": GATE_ACTS[op.kind]}
         j = _single_consumer(cons, op.outputs[0])
         if j is None or g.ops[j].kind != "mul":
             continue
@@ -194,10 +201,10 @@ def fuse_swiglu(g: Graph) -> Graph:
         if (lin_g and lin_u and lin_g.kind == lin_u.kind == "linear" and len(lin_g.inputs) == len(lin_u.inputs) == 2
                 and lin_g.inputs[0] == lin_u.inputs[0] and len(cons[gate]) == 1 and len(cons[up]) == 1):
             g.ops[j] = Op(mul.name + "+gate_up", "linear_swiglu", (lin_g.inputs[0], lin_g.inputs[1], lin_u.inputs[1]),
-                          mul.outputs, {})
+                          mul.outputs, dict(attrs))
             drop.update((i, gi, ui))
         else:
-            g.ops[j] = Op(mul.name + "+silu", "swiglu", (gate, up), mul.outputs, {})
+            g.ops[j] = Op(mul.name + "+" + op.kind, "swiglu", (gate, up), mul.outputs, dict(attrs))
             drop.add(i)
     g.ops = [op for k, op in enumerate(g.ops) if k not in drop]
     _drop_unused_tensors(g)

@@ -45,7 +45,6 @@ class ModelConfig:
     fused_gate_up: bool = False  # gate|up rows in one tensor ffn_up (phi3)
     rope_factors: str | None = None  # per-frequency RoPE factor tensor other than rope_freqs (long-RoPE)
     rope_mscale: float = 1.0  # long-RoPE attention factor on cos/sin
-    chat_format: str | None = None  # built-in chat format for files without tokenizer.chat_template
 
     @property
     def q_dim(self) -> int:

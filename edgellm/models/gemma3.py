@@ -6,7 +6,8 @@
 - a GELU(tanh)-gated MLP;
 - sliding-window (local) layers with their own RoPE base, every `pattern`-th layer global;
 - the softmax scale as llama.cpp computes it (the file carries no query_pre_attn_scalar);
-- final logit softcapping when the file has it; the built-in Gemma chat format.
+- final logit softcapping when the file has it.
+Files without tokenizer.chat_template get Gemma's turn format (edgellm.chat.BUILTIN_TEMPLATES).
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ def configure(f: GGUFFile, c: dict) -> dict:
         rope_theta_local=f.arch_get("rope.freq_base_swa", LOCAL_ROPE_BASE, kind=float),
         logit_softcap=f.arch_get("final_logit_softcapping", 0.0, kind=float),
         norm_eps=f.arch_get("attention.layer_norm_rms_epsilon", 1e-6, kind=float),
-        chat_format="gemma",
     )
 
 
