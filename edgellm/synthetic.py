@@ -39,6 +39,7 @@ class SyntheticSpec:
     output_type: str | None = None  # None: weight_type (only for untied models)
     type_overrides: dict[str, str] = field(default_factory=dict)  # tensor name -> type
     sliding_window: int = 0  # attention.sliding_window (gemma3: the local layers'; others: every layer)
+    swa_pattern: int = 0  # gemma3: attention.sliding_window_pattern (every n-th layer global; 0: not written, 6)
     logit_softcap: float = 0.0  # gemma3: final_logit_softcapping
     rope_factors: bool = False  # phi3: long-RoPE rope_factors_short/long tensors and attn_factor
     std: float = 0.02
@@ -208,6 +209,8 @@ def write_synthetic_gguf(path: str | Path, spec: SyntheticSpec,
         w.add_rope_scaling_factor(spec.rope_linear_factor)
     if spec.sliding_window:
         w.add_sliding_window(spec.sliding_window)
+    if spec.swa_pattern:
+        w.add_sliding_window_pattern(spec.swa_pattern)
     if spec.logit_softcap:
         w.add_final_logit_softcapping(spec.logit_softcap)
     if spec.rope_factors:  # as llama.cpp's converter writes a Phi-3 long-RoPE model

@@ -23,8 +23,11 @@ LOCAL_ROPE_BASE = 10000.0  # Gemma 3's rope_local_base_freq (llama.cpp's default
 
 def configure(f: GGUFFile, c: dict) -> dict:
     window = f.arch_get("attention.sliding_window", 0, kind=int)
-    pattern = f.arch_get("attention.sliding_window_pattern", SWA_PATTERN, kind=int)
+    pattern = f.arch_get("attention.sliding_window_pattern", SWA_PATTERN, kind=(int, list))
     n = c["n_layers"]
+    # an int: every pattern-th layer is global; a list: per layer, true where the layer slides
+    slides = [bool(pattern[i]) for i in range(n)] if isinstance(pattern, list) else [(i + 1) % pattern != 0
+                                                                                      for i in range(n)]
     # llama.cpp: 1/sqrt(key_length), except the 27B model (62 layers), scaled by 1/sqrt(d_model / n_heads)
     scale = c["attn_scale"]
     if scale is None:
@@ -35,7 +38,7 @@ def configure(f: GGUFFile, c: dict) -> dict:
         embed_scale=math.sqrt(c["d_model"]),
         mlp_act="gelu_tanh",
         attn_scale=scale,
-        layer_window=tuple(window if window > 0 and (i + 1) % pattern else 0 for i in range(n)),
+        layer_window=tuple(window if window > 0 and slides[i] else 0 for i in range(n)),
         rope_theta_local=f.arch_get("rope.freq_base_swa", LOCAL_ROPE_BASE, kind=float),
         logit_softcap=f.arch_get("final_logit_softcapping", 0.0, kind=float),
         norm_eps=f.arch_get("attention.layer_norm_rms_epsilon", 1e-6, kind=float),
