@@ -119,6 +119,9 @@ def test_family_graphs_state_only_their_differences(family_dir):
     assert counts["rms_norm"] == 6 * 6 + 1  # attn, q, k, post-attn, ffn, post-ffw per layer + output
     fused = compile_graph(g, seq=8, ctx=64).graph.op_counts()
     assert fused.get("linear_swiglu") == 6 and "gelu" not in fused
+    # the q/k norms move into the fused RoPE + cache write: one q|k|v projection per layer
+    # (rms_norm left: the first attn_norm and the two post-norms per layer; the others fuse with their adds)
+    assert fused["linear_qkv"] == 6 and fused["rope_qkv_store"] == 6 and fused["rms_norm"] == 1 + 2 * 6
 
     spec = FAMILY_SPECS["phi3-f16-gqa2-hd24"]
     f = open_gguf(write_synthetic_gguf(family_dir / "p.gguf", spec))

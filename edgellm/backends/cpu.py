@@ -112,13 +112,23 @@ def _add_rms_norm(op: Op, i: list) -> tuple[torch.Tensor, torch.Tensor]:
     s = i[0] + i[1]
     return s, _rms_norm(s, i[2], op.attrs["eps"])
 
+def rope_qkv_extras(op: Op, ins: list) -> tuple:
+    """(freqs or None, (q norm weight, k norm weight) or None) of a rope_qkv_store's inputs."""
+    norms = tuple(ins[-2:]) if "qk_norm_eps" in op.attrs else None
+    rest = ins[4:len(ins) - (2 if norms else 0)]
+    return (rest[0] if rest else None), norms
+
+
 def _rope_qkv_store(op: Op, i: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     qkv, start, kc, vc = i[0], int(i[1]), i[2], i[3]
-    freqs = i[4] if len(i) > 4 else None
+    freqs, norms = rope_qkv_extras(op, i)
     a = op.attrs
     nq, nkv = a["n_heads"] * a["head_dim"], a["n_kv_heads"] * a["head_dim"]
-    q = _rope(qkv[:, :nq].contiguous(), start, freqs, a)
-    k = _rope(qkv[:, nq:nq + nkv].contiguous(), start, freqs, {**a, "n_heads": a["n_kv_heads"]})
+    q_in, k_in = qkv[:, :nq].contiguous(), qkv[:, nq:nq + nkv].contiguous()
+    if norms:
+        q_in, k_in = _rms_norm(q_in, norms[0], a["qk_norm_eps"]), _rms_norm(k_in, norms[1], a["qk_norm_eps"])
+    q = _rope(q_in, start, freqs, a)
+    k = _rope(k_in, start, freqs, {**a, "n_heads": a["n_kv_heads"]})
     return (q, _kv_store(op, [kc, k, start]), _kv_store(op, [vc, qkv[:, nq + nkv:], start]))
 
 def _kv_store(op: Op, i: list) -> torch.Tensor:

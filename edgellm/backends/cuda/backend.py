@@ -221,6 +221,7 @@ class CudaProgram:
                 rd = readers.get(op.outputs[0], [])
                 if (len(rd) == 1 and rd[0].kind == "rope_qkv_store" and rd[0].attrs.get("style") == "norm"
                         and rd[0].attrs.get("pos_scale", 1.0) == 1.0 and rd[0].attrs.get("mscale", 1.0) == 1.0
+                        and "qk_norm_eps" not in rd[0].attrs
                         and rd[0].inputs[0] == op.outputs[0]):
                     self._rope_into_gemv[op.name] = rd[0]
                     self._absorbed.add(rd[0].name)
@@ -355,10 +356,8 @@ class CudaProgram:
             xq = self._xq_for.get(normed)
             if kind == "rms_norm":
                 w = W.vector(wname(ins[1]))
-                group = int(self.graph.tensors[ins[1]].shape[-1])
-                if group != int(self.graph.tensors[ins[0]].shape[-1]):  # per head: rows of `group` features
-                    return lambda env, s, c: K.rms_norm(env[ins[0]].reshape(-1, group), w, a["eps"],
-                                                        out=env[outs[0]].view(-1, group))
+                if int(self.graph.tensors[ins[1]].shape[-1]) != int(self.graph.tensors[ins[0]].shape[-1]):
+                    return lambda env, s, c: K.head_rms_norm(env[ins[0]], w, a["eps"], out=env[outs[0]])
                 return lambda env, s, c: K.rms_norm(env[ins[0]], w, a["eps"], out=env[outs[0]],
                                                     xq=None if xq is None else self._xq_rows(xq, s))
             w = W.vector(wname(ins[2]))
@@ -376,7 +375,22 @@ class CudaProgram:
             if a.get("pos_scale", 1.0) != 1.0 or a.get("mscale", 1.0) != 1.0:
                 raise GraphError(f"cuda: op '{op.name}' uses linear rope scaling or a long-RoPE attention factor, "
                                  "which the rope kernel lacks")
-            freqs = W.vector(wname(ins[4])) if len(ins) > 4 else None
+            from ..cpu import rope_qkv_extras
+
+            f_name, n_names = rope_qkv_extras(op, list(ins))
+            freqs = W.vector(wname(f_name)) if f_name else None
+            if n_names:  # per-head q/k RMSNorm, in place in the q|k|v tensor (read by nothing else)
+                qn, kn = (W.vector(wname(n)) for n in n_names)
+                nq, nkv = a["n_heads"] * a["head_dim"], a["n_kv_heads"] * a["head_dim"]
+
+                def run_norm_rope(env, s, c):
+                    qkv = env[ins[0]]
+                    K.head_rms_norm(qkv[:, :nq], qn, a["qk_norm_eps"], out=qkv[:, :nq])
+                    K.head_rms_norm(qkv[:, nq:nq + nkv], kn, a["qk_norm_eps"], out=qkv[:, nq:nq + nkv])
+                    K.rope_qkv_cache(qkv, None, None, env[ins[2]], env[ins[3]], self.start, a["n_heads"],
+                                     a["n_kv_heads"], a["head_dim"], theta=a["theta"], style=a["style"],
+                                     freq_factors=freqs, n_rot=a.get("rope_dim", a["head_dim"]), q_out=env[outs[0]])
+                return run_norm_rope
             return lambda env, s, c: K.rope_qkv_cache(
                 env[ins[0]], None, None, env[ins[2]], env[ins[3]], self.start, a["n_heads"], a["n_kv_heads"],
                 a["head_dim"], theta=a["theta"], style=a["style"], freq_factors=freqs,
