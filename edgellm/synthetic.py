@@ -213,8 +213,10 @@ def write_synthetic_gguf(path: str | Path, spec: SyntheticSpec,
         w.add_sliding_window_pattern(spec.swa_pattern)
     if spec.logit_softcap:
         w.add_final_logit_softcapping(spec.logit_softcap)
-    if spec.rope_factors:  # as llama.cpp's converter writes a Phi-3 long-RoPE model
-        w.add_rope_scaling_attn_factors(1.19)
+    if spec.rope_factors:  # as llama.cpp's converter writes a Phi-3 long-RoPE model (trained context / 4)
+        import math
+
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(4) / math.log(spec.context_length // 4)))
         w.add_rope_scaling_orig_ctx_len(spec.context_length // 4)
     if header_only:
         total = 0

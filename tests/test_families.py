@@ -36,13 +36,16 @@ FAMILY_SPECS = {
                                         weight_type="F16", std=0.1, seed=36),
     "phi3-q8_0-mqa": SyntheticSpec(arch="phi3", n_layers=2, d_model=64, n_heads=2, n_kv_heads=1, ffn_dim=64,
                                    weight_type="Q8_0", std=0.1, seed=37),
+    # Phi-3 long-RoPE (rope_factors_short/long, attention factor): the short factors within the training context
+    "phi3-longrope-gqa2": SyntheticSpec(arch="phi3", n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, tied=False,
+                                        rope_factors=True, std=0.1, seed=39),
     # Mistral-style: a llama file with attention.sliding_window (see hf_logits)
     "mistral-sliding-window": SyntheticSpec(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, sliding_window=6,
                                             std=0.1, seed=38),
 }
 
 
-def hf_overrides(spec: SyntheticSpec) -> dict:
+def hf_overrides(spec: SyntheticSpec, path=None) -> dict:
     """Config values transformers' GGUF loader does not read from these files (each is in the file,
     or is llama.cpp's fixed reading of it)."""
     hd = spec.head_dim or spec.d_model // spec.n_heads
@@ -52,13 +55,24 @@ def hf_overrides(spec: SyntheticSpec) -> dict:
     if spec.arch == "qwen3":
         return {"head_dim": hd}  # attention.key_length is not mapped for qwen3
     if spec.arch == "phi3":
-        return {"pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0}  # its defaults lie outside a tiny vocab
+        out = {"pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0}  # its defaults lie outside a tiny vocab
+        if spec.rope_factors:  # transformers' GGUF loader ignores the factor tensors: give them as its config
+            from edgellm.gguf_file import open_gguf
+
+            f = open_gguf(path)
+            short, long = (np.asarray(f.tensors[f"rope_factors_{k}.weight"].data, dtype=np.float64).tolist()
+                           for k in ("short", "long"))
+            orig = spec.context_length // 4
+            out.update(max_position_embeddings=spec.context_length, original_max_position_embeddings=orig,
+                       rope_parameters={"rope_type": "longrope", "short_factor": short, "long_factor": long,
+                                        "rope_theta": spec.rope_theta, "original_max_position_embeddings": orig})
+        return out
     return {}
 
 
 def hf_logits(directory, name, spec, ids) -> np.ndarray:
     model = transformers.AutoModelForCausalLM.from_pretrained(str(directory), gguf_file=name, dtype=torch.float32,
-                                                              **hf_overrides(spec))
+                                                              **hf_overrides(spec, directory / name))
     if spec.arch == "llama" and spec.sliding_window:
         # transformers' GGUF loader has no mistral path here: its Mistral model (sliding-window
         # attention) takes the weights of the llama model it read, whose parameter names it shares

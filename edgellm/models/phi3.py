@@ -4,8 +4,9 @@ the stored tensor (Builder.rows), so the graph and its fusions are the llama one
 
 Long-RoPE files (Phi-3-*-128k) carry rope_factors_short / rope_factors_long per-frequency
 factors and an attention factor that scales cos and sin. llama.cpp uses the long factors only
-when the context exceeds the training context; edgellm uses the short ones, so contexts beyond
-rope.scaling.original_context_length are refused.
+when the context exceeds the original training context; edgellm uses the short ones and reports
+rope.scaling.original_context_length as the model's context length (the default --ctx stays
+within it; the long factors are not implemented).
 """
 
 from __future__ import annotations
