@@ -142,16 +142,17 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[cfg.rope_factor_tensor] = (cfg.rope_dim // 2,)
     for i in range(cfg.n_layers):
         b = f"blk.{i}."
-        shapes.update({b + "attn_norm.weight": (d,), b + "attn_output.weight": (d, q), b + "ffn_norm.weight": (d,),
-                       b + "ffn_down.weight": (d, ffn)})
+        shapes[b + "attn_norm.weight"] = (d,)
         if cfg.fused_qkv:
             shapes[b + "attn_qkv.weight"] = (q + 2 * kv, d)
         else:
             shapes.update({b + "attn_q.weight": (q, d), b + "attn_k.weight": (kv, d), b + "attn_v.weight": (kv, d)})
+        shapes.update({b + "attn_output.weight": (d, q), b + "ffn_norm.weight": (d,)})
         if cfg.fused_gate_up:
             shapes[b + "ffn_up.weight"] = (2 * ffn, d)
         else:
             shapes.update({b + "ffn_gate.weight": (ffn, d), b + "ffn_up.weight": (ffn, d)})
+        shapes[b + "ffn_down.weight"] = (d, ffn)
         if cfg.attn_bias:
             shapes.update({b + "attn_q.bias": (q,), b + "attn_k.bias": (kv,), b + "attn_v.bias": (kv,)})
         if cfg.qk_norm:
