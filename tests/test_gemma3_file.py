@@ -101,5 +101,5 @@ def test_perplexity_agrees_with_llama_cpp(gemma_path, gemma):
     spec.loader.exec_module(check)
     perplexities = check.perplexities
 
-    res = perplexities(str(gemma_path), n_ctx=128, chunks=2, model=gemma)
+    res = perplexities(str(gemma_path), n_ctx=128, chunks=4, model=gemma)  # measured -0.03% (2 chunks: -1.1%)
     assert abs(res["relative_difference"]) < 0.01, res
