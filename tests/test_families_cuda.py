@@ -21,14 +21,15 @@ if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
 
 MODELS = {
     # layer 0 slides over 4 keys (8 tokens), layer 1 is global; GeGLU, q/k norms, post norms, softcap
-    "gemma3-q8_0-gqa2-hd48-softcap": SyntheticSpec(arch="gemma3", n_layers=2, d_model=64, n_heads=2, n_kv_heads=1,
-                                                   head_dim=48, ffn_dim=64, sliding_window=4, swa_pattern=2,
-                                                   logit_softcap=4.0, weight_type="Q8_0", std=0.1, seed=41),
-    "qwen3-f16-gqa2-untied": SyntheticSpec(arch="qwen3", n_layers=1, d_model=64, n_heads=4, n_kv_heads=2, head_dim=24,
-                                            ffn_dim=64, tied=False, weight_type="F16", embed_type="Q8_0", std=0.1,
-                                            seed=42),
-    "phi3-f16-mqa": SyntheticSpec(arch="phi3", n_layers=1, d_model=64, n_heads=4, n_kv_heads=1, ffn_dim=64,
-                                  weight_type="F16", std=0.1, seed=43),
+    "gemma3-f16-mqa-hd16-softcap": SyntheticSpec(arch="gemma3", n_layers=2, d_model=32, n_heads=2, n_kv_heads=1,
+                                                 head_dim=16, ffn_dim=32, vocab_size=128, sliding_window=4,
+                                                 swa_pattern=2, logit_softcap=4.0, weight_type="F16", std=0.2,
+                                                 seed=41),
+    "qwen3-f16-q8_0-embed-untied": SyntheticSpec(arch="qwen3", n_layers=1, d_model=32, n_heads=2, n_kv_heads=1,
+                                                 head_dim=24, ffn_dim=32, vocab_size=128, tied=False,
+                                                 weight_type="F16", embed_type="Q8_0", std=0.2, seed=42),
+    "phi3-f16-mqa": SyntheticSpec(arch="phi3", n_layers=1, d_model=32, n_heads=2, n_kv_heads=1, ffn_dim=32,
+                                  vocab_size=128, weight_type="F16", std=0.2, seed=43),
 }
 
 
