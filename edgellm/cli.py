@@ -72,6 +72,29 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
+def _family_lines(cfg) -> list[str]:
+    """What the model's family changes about the llama block (edgellm.models), one line each."""
+    lines = []
+    slid = [w for w in cfg.layer_window if w]
+    if slid:
+        local = f", RoPE base {cfg.rope_theta_local:g} there" if cfg.rope_theta_local else ""
+        lines.append(f"attention     sliding window {max(slid)} on {len(slid)} of {cfg.n_layers} layers{local}")
+    if cfg.attn_scale is not None:
+        lines.append(f"attn scale    {cfg.attn_scale:.6g}")
+    parts = [name for flag, name in ((cfg.qk_norm, "per-head q/k RMSNorm"), (cfg.post_norms, "post-norms"),
+                                     (cfg.fused_qkv, "fused q|k|v tensor"), (cfg.fused_gate_up, "fused gate|up tensor"))
+             if flag]
+    if parts:
+        lines.append(f"block         {', '.join(parts)}")
+    if cfg.mlp_act != "silu" or cfg.embed_scale != 1.0:
+        lines.append(f"mlp           {cfg.mlp_act}-gated; embedding scale {cfg.embed_scale:g}")
+    if cfg.logit_softcap:
+        lines.append(f"logits        softcap {cfg.logit_softcap:g}")
+    if cfg.rope_factors:
+        lines.append(f"rope factors  {cfg.rope_factors}, attention factor {cfg.rope_mscale:g}")
+    return lines
+
+
 def _cmd_info(args: argparse.Namespace) -> int:
     from .default_model import default_model_path
     from .gguf_file import open_gguf
@@ -94,6 +117,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
           + (f", linear scale {cfg.rope_pos_scale:g}" if cfg.rope_pos_scale != 1 else "")
           + (", per-frequency factors" if cfg.has_rope_freqs else ""))
     print(f"norm eps      {cfg.norm_eps:g}")
+    for line in _family_lines(cfg):
+        print(line)
     print(f"output        {'tied to token_embd' if cfg.tied_output else 'output.weight'}")
     by_type: dict[str, list[int]] = {}
     for t in f.tensors.values():
@@ -119,7 +144,10 @@ def _cmd_info(args: argparse.Namespace) -> int:
         print(f"  vocab {tok.vocab_size}, bos {tok.bos_id} {bos!r}, eos {tok.eos_id} {eos!r}, add_bos {tok.add_bos}")
         print(f"  stop tokens {sorted(tok.stop_ids)}")
     tmpl = f.get("tokenizer.chat_template", None)
-    print(f"chat template {'yes (' + str(len(tmpl)) + ' chars)' if tmpl else 'none'}")
+    from .chat import BUILTIN_TEMPLATES
+
+    builtin = f"built-in {f.architecture} format (the file has none)" if f.architecture in BUILTIN_TEMPLATES else "none"
+    print(f"chat template {'yes (' + str(len(tmpl)) + ' chars)' if tmpl else builtin}")
     if args.tensors:
         print("tensors")
         for t in f.tensors.values():

@@ -265,6 +265,21 @@ class GGUFFile:
         """`{architecture}.{suffix}`, e.g. arch_get('block_count', kind=int)."""
         return self.get(f"{self.architecture}.{suffix}", default, kind=kind)
 
+    def tensor(self, source: str) -> TensorData:
+        """A stored tensor by name, or a block of its rows: 'name[a:b]' (a graph weight that is part
+        of a fused tensor, e.g. phi3's q/k/v rows of attn_qkv; see edgellm.graph.ir.row_slice).
+        Rows are whole blocks of the stored format, so the slice is a view in the same format."""
+        if not source.endswith("]") or "[" not in source:
+            return self.tensors[source]
+        name, rng = source[:-1].rsplit("[", 1)
+        a, b = (int(v) for v in rng.split(":"))
+        t = self.tensors[name]
+        if not (len(t.shape) >= 1 and 0 <= a < b <= t.shape[0]):
+            raise ModelFileError(f"{self.path.name}: rows {a}:{b} are outside tensor '{name}' of shape {t.shape}")
+        if len(t.shape) == 1:
+            return TensorData(source, t.ggml_type, (b - a,), t.data[a:b], t.offset, t.format)
+        return TensorData(source, t.ggml_type, (b - a,) + tuple(t.shape[1:]), t.data[a:b], t.offset, t.format)
+
     @property
     def total_tensor_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())

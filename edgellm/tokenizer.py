@@ -215,6 +215,7 @@ class Tokenizer:
         self.add_bos, self.add_eos = add_bos, add_eos
         self.stop_ids = stop_ids
         self.chat_template = chat_template
+        self.builtin_template = False  # chat_template is the family's built-in one (the file has none)
 
     def __repr__(self) -> str:
         pre = f", pre={self.pre!r}" if self.pre else ""
@@ -278,10 +279,18 @@ class Tokenizer:
         stop |= {i for i, (t, ty) in enumerate(zip(tokens, types))
                  if t in _EOG_TEXTS and ty in (CONTROL, USER_DEFINED)}
         template = m.get("tokenizer.chat_template", str)
-        return cls(backend=backend, tokens=tokens, token_types=types, token_bytes=token_bytes,
+        builtin = False
+        if not template:  # the family's known format, as llama.cpp's built-in templates (--raw turns it off)
+            from .chat import BUILTIN_TEMPLATES
+
+            template = BUILTIN_TEMPLATES.get(str(meta.get("general.architecture", "")))
+            builtin = template is not None
+        tok = cls(backend=backend, tokens=tokens, token_types=types, token_bytes=token_bytes,
                    special_ids=frozenset(special), model=model, pre=pre, bos_id=bos, eos_id=eos, unk_id=unk,
                    pad_id=pad, add_bos=add_bos, add_eos=add_eos, stop_ids=frozenset(stop),
                    chat_template=template or None, strip_leading_space=strip, source=source)
+        tok.builtin_template = builtin
+        return tok
 
     def backend_json(self) -> str:
         """The built BPE model (vocabulary, merges, added tokens) as tokenizers' JSON: what

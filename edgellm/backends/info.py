@@ -45,6 +45,7 @@ class CudaInfo:
     SUPPORTED_OPS = frozenset({
         "embedding", "rms_norm", "add_rms_norm", "linear", "linear_qkv", "linear_swiglu", "swiglu",
         "rope_qkv_store", "attention", "last_row", "add", "mul", "silu", "rope", "rope_store", "kv_store",
+        "gelu", "scale", "softcap",
     })
 
     @staticmethod

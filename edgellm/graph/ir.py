@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..errors import GraphError
 from .shapes import shape_function
@@ -85,6 +83,11 @@ class Tensor:
             return shape_function(self.shape)(sizes)
         except GraphError as e:
             raise GraphError(f"tensor '{self.name}': {e}") from None
+
+
+def row_slice(source: str, start: int, stop: int) -> str:
+    """The source name of rows start..stop-1 of a stored tensor (GGUFFile.tensor reads it)."""
+    return f"{source}[{start}:{stop}]"
 
 
 @dataclass

@@ -98,7 +98,7 @@ class CudaWeights:
         return w
 
     def _pack_one(self, name: str):
-        t = self.file.tensors[name]
+        t = self.file.tensor(name)
         if self.K.can_repack(t.type_name):
             return self.K.repack(np.ascontiguousarray(t.data), t.type_name, t.shape, device=self.device)
         # no layout of its own (Q5_1, Q5_K, Q6_K): the raw blocks go to the device and are decoded
@@ -122,8 +122,8 @@ class CudaWeights:
         if v is None:
             from ...quant import dequantize
 
-            parts = [np.asarray(dequantize(self.file.tensors[n].data, self.file.tensors[n].type_name,
-                                           self.file.tensors[n].shape), dtype=np.float32).reshape(-1) for n in names]
+            ts = [self.file.tensor(n) for n in names]
+            parts = [np.asarray(dequantize(t.data, t.type_name, t.shape), dtype=np.float32).reshape(-1) for t in ts]
             v = torch.from_numpy(np.concatenate(parts)).to(self.device)
             self._vectors[names] = v
         return v
@@ -241,7 +241,9 @@ class CudaProgram:
             if op.kind == "linear_qkv":
                 rd = readers.get(op.outputs[0], [])
                 if (len(rd) == 1 and rd[0].kind == "rope_qkv_store" and rd[0].attrs.get("style") == "norm"
-                        and rd[0].attrs.get("pos_scale", 1.0) == 1.0 and rd[0].inputs[0] == op.outputs[0]):
+                        and rd[0].attrs.get("pos_scale", 1.0) == 1.0 and rd[0].attrs.get("mscale", 1.0) == 1.0
+                        and "qk_norm_eps" not in rd[0].attrs
+                        and rd[0].inputs[0] == op.outputs[0]):
                     self._rope_into_gemv[op.name] = rd[0]
                     self._absorbed.add(rd[0].name)
                     # the rotated q is now written while the GEMV still reads its input, earlier than
@@ -375,6 +377,8 @@ class CudaProgram:
             xq = self._xq_for.get(normed)
             if kind == "rms_norm":
                 w = W.vector(wname(ins[1]))
+                if int(self.graph.tensors[ins[1]].shape[-1]) != int(self.graph.tensors[ins[0]].shape[-1]):
+                    return lambda env, s, c: K.head_rms_norm(env[ins[0]], w, a["eps"], out=env[outs[0]])
                 return lambda env, s, c: K.rms_norm(env[ins[0]], w, a["eps"], out=env[outs[0]],
                                                     xq=None if xq is None else self._xq_rows(xq, s))
             w = W.vector(wname(ins[2]))
@@ -384,11 +388,30 @@ class CudaProgram:
         if kind in ("linear", "linear_qkv", "linear_swiglu"):
             return self._lower_linear(op)
         if kind == "swiglu":
-            return lambda env, s, c: K.silu_mul(env[ins[0]], env[ins[1]], out=env[outs[0]])
+            return lambda env, s, c: K.silu_mul(env[ins[0]], env[ins[1]], out=env[outs[0]], act=a.get("act", "silu"))
+        if kind in ("gelu", "scale", "softcap"):
+            param = a.get("factor", a.get("cap", 0.0))
+            return lambda env, s, c: K.unary(env[ins[0]], kind, param, out=env[outs[0]])
         if kind == "rope_qkv_store":
-            if a.get("pos_scale", 1.0) != 1.0:
-                raise GraphError(f"cuda: op '{op.name}' uses linear rope scaling, which the rope kernel lacks")
-            freqs = W.vector(wname(ins[4])) if len(ins) > 4 else None
+            if a.get("pos_scale", 1.0) != 1.0 or a.get("mscale", 1.0) != 1.0:
+                raise GraphError(f"cuda: op '{op.name}' uses linear rope scaling or a long-RoPE attention factor, "
+                                 "which the rope kernel lacks")
+            from ..cpu import rope_qkv_extras
+
+            f_name, n_names = rope_qkv_extras(op, list(ins))
+            freqs = W.vector(wname(f_name)) if f_name else None
+            if n_names:  # per-head q/k RMSNorm, in place in the q|k|v tensor (read by nothing else)
+                qn, kn = (W.vector(wname(n)) for n in n_names)
+                nq, nkv = a["n_heads"] * a["head_dim"], a["n_kv_heads"] * a["head_dim"]
+
+                def run_norm_rope(env, s, c):
+                    qkv = env[ins[0]]
+                    K.head_rms_norm(qkv[:, :nq], qn, a["qk_norm_eps"], out=qkv[:, :nq])
+                    K.head_rms_norm(qkv[:, nq:nq + nkv], kn, a["qk_norm_eps"], out=qkv[:, nq:nq + nkv])
+                    K.rope_qkv_cache(qkv, None, None, env[ins[2]], env[ins[3]], self.start, a["n_heads"],
+                                     a["n_kv_heads"], a["head_dim"], theta=a["theta"], style=a["style"],
+                                     freq_factors=freqs, n_rot=a.get("rope_dim", a["head_dim"]), q_out=env[outs[0]])
+                return run_norm_rope
             return lambda env, s, c: K.rope_qkv_cache(
                 env[ins[0]], None, None, env[ins[2]], env[ins[3]], self.start, a["n_heads"], a["n_kv_heads"],
                 a["head_dim"], theta=a["theta"], style=a["style"], freq_factors=freqs,
@@ -396,6 +419,7 @@ class CudaProgram:
         if kind == "attention":
             ws, caps = {}, {}
             G = a["n_heads"] // a["n_kv_heads"]
+            window = int(a.get("window", 0))  # sliding window: the kernels read only the last `window` keys
 
             def run_attention(env, s, c):
                 q, kc, vc, out = env[ins[0]], env[ins[1]], env[ins[2]], env[outs[0]]
@@ -407,17 +431,18 @@ class CudaProgram:
                     if n == 1:  # the whole context in one program per KV head: no combine kernel
                         bm = min(64, max(16, 1 << (s * G - 1).bit_length()))
                         K.attention_prefill(q, kc, vc, self.start, a["n_heads"], a["n_kv_heads"], a["scale"],
-                                            out=out, head_dim=a["head_dim"],
+                                            out=out, head_dim=a["head_dim"], window=window,
                                             config=dict(BLOCK_M=bm, BLOCK_N=K.configs.attn_decode_single_block_n(
                                                 a["n_kv_heads"])))
                         return
                     if (s, n) not in ws:
                         ws[s, n] = K.decode_workspace(s, a["n_heads"], a["head_dim"], n, self.dev)
                     K.attention_decode(q, kc, vc, self.seq_len, a["n_heads"], a["n_kv_heads"], a["scale"], out=out,
-                                       head_dim=a["head_dim"], workspace=ws[s, n], config=dict(n_splits=n))
+                                       head_dim=a["head_dim"], window=window, workspace=ws[s, n],
+                                       config=dict(n_splits=n))
                 else:
                     K.attention_prefill(q, kc, vc, self.start, a["n_heads"], a["n_kv_heads"], a["scale"], out=out,
-                                        head_dim=a["head_dim"])
+                                        head_dim=a["head_dim"], window=window)
             return run_attention
         if kind == "last_row":  # the last real token's row (prefill may run padded, see run)
             return lambda env, s, c: torch.index_select(env[ins[0]], 0, self.last_index, out=env[outs[0]])
@@ -455,8 +480,9 @@ class CudaProgram:
         xq = self._xq_for.get(ins[0]) if i8 else None
         cfg = self._tuned_gemv(op, w, i8) if self.decode_stage else None
         if kind == "linear_swiglu":
+            act = a.get("act", "silu")
             return lambda env, s, c: K.linear_silu_mul(env[ins[0]], w, out=env[outs[0]], act_int8=i8, config=cfg,
-                                                       xq=None if xq is None else self._xq_rows(xq, s))
+                                                       xq=None if xq is None else self._xq_rows(xq, s), act=act)
         if kind == "linear_qkv":
             bias = W.vector(*(wname(t) for t in ins[4:7])) if a.get("has_bias") else None
             rope_op = self._rope_into_gemv.get(op.name)
