@@ -1,0 +1,472 @@
+"""WGSL kernel templates. Each function renders one kernel's source for given shapes and storage
+descriptors (codegen.py) and returns a `Kernel`: its source, its bindings in order, its workgroup
+size. Shapes, epsilons and scales are baked in as constants (a kernel is specialised per shape;
+every layer of a model shares the same sources, so pipelines are made once per model).
+
+Per-step values (tokens in this step, start position, context length, attention splits) come
+from the `Step` uniform bound first in every kernel, so that a program's bind groups and
+pipelines are made once and only the uniform changes per step.
+
+Row counts: a template takes `rows`, a WGSL expression ("step.seq" for [seq, n] tensors, "1u"
+for a tensor of one row), and the host dispatches as many rows as the step has.
+Where a reduction across threads is needed, `subgroup=True` uses subgroupShuffleXor (adapters
+with the `subgroup` feature; the lanes reduced together must lie in one subgroup), else
+workgroup memory and barriers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from string import Template
+
+from .codegen import HELPERS, ActDesc, Binding, WeightDesc
+
+STEP_STRUCT = ("struct Step { seq: u32, start: u32, kv_len: u32, split_len: u32, n_splits: u32, "
+               "p0: u32, p1: u32, p2: u32 }")
+STEP_BYTES = 32
+STEP = Binding("step", "Step", "uniform")
+NEG = "-1.0e30"  # a finite -inf: exp(NEG - m) is 0 and NEG - NEG is 0, never NaN
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    source: str
+    bindings: tuple[Binding, ...]
+    workgroup: int
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(b.kind for b in self.bindings)
+
+
+def _render(name: str, parts: list, body: str, wg: int, **consts) -> Kernel:
+    """Assemble a kernel: Step + the parts' bindings, helpers, accessors, then the body template
+    with ${...} constants substituted."""
+    bindings: list[Binding] = [STEP]
+    acc = []
+    f16 = False
+    for p, x in parts:  # (descriptor, accessor argument) pairs
+        bindings += p.bindings()
+        acc.append(p.accessors(x) if isinstance(p, WeightDesc) else p.accessors())
+        f16 |= getattr(p, "dtype", "f32") == "f16"
+    decls = "\n".join(b.decl(i) for i, b in enumerate(bindings))
+    src = "\n".join([("enable f16;" if f16 else ""), STEP_STRUCT, decls, HELPERS, *acc,
+                     Template(body).substitute(WG=wg, **consts)])
+    return Kernel(name, src, tuple(bindings), wg)
+
+
+def _tree(var: str, lane: str, width: str, op: str = "+") -> str:
+    """A reduction of red[] over `width` consecutive lanes in workgroup memory (all threads call it)."""
+    comb = f"red[lid] = red[lid] + red[lid + s];" if op == "+" else "red[lid] = max(red[lid], red[lid + s]);"
+    return (f"red[lid] = {var}; workgroupBarrier();\n"
+            f"    for (var s = {width} / 2u; s > 0u; s = s >> 1u) {{ if ({lane} < s) {{ {comb} }} workgroupBarrier(); }}\n")
+
+
+# -- matrix products ------------------------------------------------------------------------------
+def gemv(w: WeightDesc, n_out: int, rows: str, *, bias: bool = False, residual: bool = False, glu: bool = False,
+         rows_per_wg: int = 4, wg: int = 128, subgroup: bool = False, x_vec: int = 4) -> Kernel:
+    """y[t, c] = sum_k x[t, k] W[c, k] (+ bias[c]) (+ res[t, c]); glu: silu(W[c] x) * (W[c + n_out] x).
+    Decode-stage (few rows): ROWS output features per workgroup, WG / ROWS threads per feature
+    striding over its blocks (16-byte loads), then a reduction; grid (features / ROWS, 1, rows)."""
+    tpr = wg // rows_per_wg
+    assert tpr * rows_per_wg == wg and tpr & (tpr - 1) == 0, (wg, rows_per_wg)
+    parts = [(w, "X"), (ActDesc("X", vec=x_vec), None), (ActDesc("Y"), None)]
+    if bias:
+        parts.append((ActDesc("B"), None))
+    if residual:
+        parts.append((ActDesc("R"), None))
+    if subgroup:
+        red = ("for (var s = TPR / 2u; s > 0u; s = s >> 1u) { a0 += subgroupShuffleXor(a0, s);"
+               + (" a1 += subgroupShuffleXor(a1, s);" if glu else "") + " }")
+        decl = ""
+    else:
+        red = ("red[lid] = a0;" + (" red[WG + lid] = a1;" if glu else "") + " workgroupBarrier();\n"
+               "    for (var s = TPR / 2u; s > 0u; s = s >> 1u) {\n"
+               "        if (lane < s) { red[lid] += red[lid + s];" + (" red[WG + lid] += red[WG + lid + s];" if glu else "")
+               + " }\n        workgroupBarrier();\n    }\n    a0 = red[lid];" + (" a1 = red[WG + lid];" if glu else ""))
+        decl = f"var<workgroup> red: array<f32, {wg * (2 if glu else 1)}>;"
+    epi = ""
+    if glu:
+        epi += "y = a0 / (1.0 + exp(-a0)) * a1;\n"
+    if bias:
+        epi += "        y += B_ld(col);\n"
+    if residual:
+        epi += "        y += R_ld(t * N + col);\n"
+    body = """
+const N: u32 = ${N}u; const K: u32 = ${K}u; const NB: u32 = ${NB}u; const BLK: u32 = ${BLK}u;
+const ROWS: u32 = ${ROWS}u; const TPR: u32 = ${TPR}u; const WG: u32 = ${WG}u;
+${DECL}
+@compute @workgroup_size(${WG})
+fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>,
+        @builtin(num_workgroups) nwg: vec3<u32>) {
+    let t = wid.z;
+    let lane = lid % TPR;
+    let col = (wid.x + wid.y * nwg.x) * ROWS + lid / TPR;
+    var a0 = 0.0; var a1 = 0.0;
+    if (col < N && t < ${ROWS_EXPR}) {
+        for (var b = lane; b < NB; b += TPR) {
+            a0 += W_dot(col, b, t * K + b * BLK);
+            ${GLU_DOT}
+        }
+    }
+    ${RED}
+    if (lane == 0u && col < N && t < ${ROWS_EXPR}) {
+        var y = a0;
+        ${EPI}
+        Y_st(t * N + col, y);
+    }
+}
+"""
+    return _render("gemv", parts, body, wg, N=n_out, K=w.cols, NB=w.nblocks, BLK=w.block, ROWS=rows_per_wg,
+                   TPR=tpr, DECL=decl, RED=red, EPI=epi, ROWS_EXPR=rows,
+                   GLU_DOT="a1 += W_dot(col + N, b, t * K + b * BLK);" if glu else "")
+
+
+def gemm(w: WeightDesc, n_out: int, rows: str, *, bias: bool = False, residual: bool = False, glu: bool = False,
+         tm: int = 32, tn: int = 64, tk: int = 32) -> Kernel:
+    """The prefill matrix product: a TM x TN tile of y per workgroup of 256 threads (16 x 16, each
+    TM/16 x TN/16 outputs), x and dequantized W tiles staged in workgroup memory TK at a time.
+    W is read element-wise through W_get, so every format is this one template."""
+    parts = [(w, "X"), (ActDesc("X"), None), (ActDesc("Y"), None)]
+    if bias:
+        parts.append((ActDesc("B"), None))
+    if residual:
+        parts.append((ActDesc("R"), None))
+    nw = 2 if glu else 1
+    epi = ""
+    if glu:
+        epi += "y = y / (1.0 + exp(-y)) * acc1[i * PN + j];\n"
+    if bias:
+        epi += "                y += B_ld(n);\n"
+    if residual:
+        epi += "                y += R_ld(m * N + n);\n"
+    body = """
+const N: u32 = ${N}u; const K: u32 = ${K}u; const TM: u32 = ${TM}u; const TN: u32 = ${TN}u; const TK: u32 = ${TK}u;
+const PM: u32 = TM / 16u; const PN: u32 = TN / 16u; const NW: u32 = ${NW}u;
+var<workgroup> xs: array<f32, ${XS}>;
+var<workgroup> ws: array<f32, ${WS}>;
+@compute @workgroup_size(256)
+fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {
+    let rows = ${ROWS_EXPR};
+    let m0 = wid.y * TM; let n0 = wid.x * TN;
+    let ty = lid / 16u; let tx = lid % 16u;
+    var acc0: array<f32, ${PMN}>; var acc1: array<f32, ${PMN}>;
+    for (var k0 = 0u; k0 < K; k0 += TK) {
+        for (var i = lid; i < TM * TK; i += 256u) {
+            let m = m0 + i / TK; let k = k0 + i % TK;
+            var v = 0.0;
+            if (m < rows && k < K) { v = X_ld(m * K + k); }
+            xs[i] = v;
+        }
+        for (var i = lid; i < NW * TN * TK; i += 256u) {
+            let half = i / (TN * TK); let r = i % (TN * TK);
+            let n = n0 + r / TK; let k = k0 + r % TK;
+            var v = 0.0;
+            if (n < N && k < K) { v = W_get(n + half * N, k); }
+            ws[i] = v;
+        }
+        workgroupBarrier();
+        for (var k = 0u; k < TK; k++) {
+            for (var i = 0u; i < PM; i++) {
+                let xv = xs[(ty + 16u * i) * TK + k];
+                for (var j = 0u; j < PN; j++) {
+                    acc0[i * PN + j] += xv * ws[(tx + 16u * j) * TK + k];
+                    ${GLU_FMA}
+                }
+            }
+        }
+        workgroupBarrier();
+    }
+    for (var i = 0u; i < PM; i++) {
+        for (var j = 0u; j < PN; j++) {
+            let m = m0 + ty + 16u * i; let n = n0 + tx + 16u * j;
+            if (m < rows && n < N) {
+                var y = acc0[i * PN + j];
+                ${EPI}
+                Y_st(m * N + n, y);
+            }
+        }
+    }
+}
+"""
+    return _render("gemm", parts, body, 256, N=n_out, K=w.cols, TM=tm, TN=tn, TK=tk, NW=nw, XS=tm * tk,
+                   WS=nw * tn * tk, PMN=(tm // 16) * (tn // 16), EPI=epi, ROWS_EXPR=rows,
+                   GLU_FMA="acc1[i * PN + j] += xv * ws[TN * TK + (tx + 16u * j) * TK + k];" if glu else "")
+
+
+# -- row-wise kernels -----------------------------------------------------------------------------
+def embedding(w: WeightDesc, rows: str) -> Kernel:
+    """out[t, k] = W[tokens[t], k]; grid (ceil(cols / 256), rows)."""
+    body = """
+@group(0) @binding(${TOKB}) var<storage, read_write> TOK: array<u32>;
+@compute @workgroup_size(256)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let k = gid.x; let t = gid.y;
+    if (k < ${K}u && t < ${ROWS_EXPR}) { Y_st(t * ${K}u + k, W_get(TOK[t], k)); }
+}
+"""
+    parts = [(w, "Y"), (ActDesc("Y"), None)]
+    n_bind = 1 + len(w.bindings()) + 1
+    k = _render("embedding", parts, body, 256, K=w.cols, ROWS_EXPR=rows, TOKB=n_bind)
+    return Kernel(k.name, k.source, k.bindings + (Binding("TOK", "array<u32>"),), 256)
+
+
+def rms_norm(cols: int, eps: float, rows: str, *, add: bool = False, wg: int = 256) -> Kernel:
+    """O = x * rsqrt(mean(x^2) + eps) * G per row; add: x = A + B is also written to S (the
+    residual stream). One workgroup per row."""
+    parts = [(ActDesc("A"), None), (ActDesc("G"), None), (ActDesc("O"), None)]
+    if add:
+        parts += [(ActDesc("B"), None), (ActDesc("S"), None)]
+    load = "var v = A_ld(t * C + k) + B_ld(t * C + k); S_st(t * C + k, v);" if add else "let v = A_ld(t * C + k);"
+    again = "S_ld(t * C + k)" if add else "A_ld(t * C + k)"
+    body = """
+const C: u32 = ${C}u;
+var<workgroup> red: array<f32, ${WG}>;
+@compute @workgroup_size(${WG})
+fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {
+    let t = wid.x;
+    var ss = 0.0;
+    if (t < ${ROWS_EXPR}) {
+        for (var k = lid; k < C; k += ${WG}u) { ${LOAD} ss += v * v; }
+    }
+    ${TREE}
+    let inv = inverseSqrt(red[0] / f32(C) + ${EPS});
+    if (t < ${ROWS_EXPR}) {
+        for (var k = lid; k < C; k += ${WG}u) { O_st(t * C + k, ${AGAIN} * inv * G_ld(k)); }
+    }
+}
+"""
+    return _render("add_rms_norm" if add else "rms_norm", parts, body, wg, C=cols, EPS=_f(eps), LOAD=load,
+                   AGAIN=again, ROWS_EXPR=rows, TREE=_tree("ss", "lid", f"{wg}u"))
+
+
+def elementwise(kind: str, cols: int, rows: str, *, b_rows: bool = True) -> Kernel:
+    """add, mul (b broadcast over rows when b_rows is False), silu, swiglu = silu(a) * b."""
+    expr = {"add": "a + b", "mul": "a * b", "silu": "a / (1.0 + exp(-a))", "swiglu": "a / (1.0 + exp(-a)) * b"}[kind]
+    parts = [(ActDesc("A"), None), (ActDesc("Y"), None)]
+    unary = kind == "silu"
+    if not unary:
+        parts.insert(1, (ActDesc("B"), None))
+    body = """
+@compute @workgroup_size(256)
+fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>,
+        @builtin(num_workgroups) nwg: vec3<u32>) {
+    let i = (wid.x + wid.y * nwg.x) * 256u + lid;
+    if (i < ${C}u * ${ROWS_EXPR}) {
+        let a = A_ld(i);
+        ${LOADB}
+        Y_st(i, ${EXPR});
+    }
+}
+"""
+    loadb = "" if unary else f"let b = B_ld({'i' if b_rows else f'i % {cols}u'});"
+    return _render(kind, parts, body, 256, C=cols, ROWS_EXPR=rows, EXPR=expr, LOADB=loadb)
+
+
+def last_row(cols: int) -> Kernel:
+    """out[0, :] = x[seq - 1, :]."""
+    body = """
+@compute @workgroup_size(256)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    if (gid.x < ${C}u) { Y_st(gid.x, X_ld((step.seq - 1u) * ${C}u + gid.x)); }
+}
+"""
+    return _render("last_row", [(ActDesc("X"), None), (ActDesc("Y"), None)], body, 256, C=cols)
+
+
+def argmax(n: int, wg: int = 256) -> Kernel:
+    """TOK[0] = the first index of the largest of x[0..n) (numpy's argmax), one workgroup."""
+    body = """
+@group(0) @binding(${TOKB}) var<storage, read_write> TOK: array<u32>;
+var<workgroup> best: array<f32, ${WG}>;
+var<workgroup> bidx: array<u32, ${WG}>;
+@compute @workgroup_size(${WG})
+fn main(@builtin(local_invocation_index) lid: u32) {
+    var m = ${NEG}; var mi = 0xffffffffu;
+    for (var i = lid; i < ${N}u; i += ${WG}u) { let v = X_ld(i); if (v > m) { m = v; mi = i; } }
+    best[lid] = m; bidx[lid] = mi;
+    workgroupBarrier();
+    for (var s = ${WG}u / 2u; s > 0u; s = s >> 1u) {
+        if (lid < s) {
+            let v = best[lid + s]; let j = bidx[lid + s];
+            if (v > best[lid] || (v == best[lid] && j < bidx[lid])) { best[lid] = v; bidx[lid] = j; }
+        }
+        workgroupBarrier();
+    }
+    if (lid == 0u) { TOK[0] = bidx[0]; }
+}
+"""
+    k = _render("argmax", [(ActDesc("X"), None)], body, wg, N=n, NEG=NEG, TOKB=2)
+    return Kernel(k.name, k.source, k.bindings + (Binding("TOK", "array<u32>"),), wg)
+
+
+# -- RoPE and the KV cache ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class RopeSegment:
+    """heads [h0, h0 + n) of the grid read n heads from X at column c0 and write them to `dst`
+    (Q: the output rows; KC/VC: the cache rows at the token's position), rotated or copied."""
+
+    n: int
+    c0: int
+    dst: str  # "Q", "KC" or "VC"
+    rotate: bool
+
+
+def rope(segments: list[RopeSegment], x_cols: int, head_dim: int, n_rot: int, neox: bool, rows: str,
+         cache_dtype: str = "f32") -> Kernel:
+    """RoPE on some heads and the KV-cache write, in one kernel: grid (heads, rows). cos/sin come
+    from tables COS/SIN[pos, i] computed on the host in float64 (as the cpu reference does)."""
+    dsts = sorted({s.dst for s in segments})
+    parts = [(ActDesc("X"), None), (ActDesc("COS"), None), (ActDesc("SIN"), None)]
+    parts += [(ActDesc(d, dtype=cache_dtype if d != "Q" else "f32"), None) for d in dsts]
+    width = {d: sum(s.n for s in segments if s.dst == d) * head_dim for d in dsts}
+    branches, h0 = [], 0
+    for k, s in enumerate(segments):
+        row = "t" if s.dst == "Q" else "pos"
+        prior = sum(x.n for x in segments[:k] if x.dst == s.dst)  # earlier heads written to the same tensor
+        rot = "true" if s.rotate else "false"
+        branches.append(f"if (h >= {h0}u && h < {h0 + s.n}u) {{ head(t * XW + {s.c0}u + (h - {h0}u) * D, "
+                        f"{row} * {width[s.dst]}u + (h - {h0}u + {prior}u) * D, pos, {rot}, {dsts.index(s.dst)}u); }}")
+        h0 += s.n
+    stores = "\n".join(f"        case {i}u: {{ {d}_st(o, v); }}" for i, d in enumerate(dsts))
+    body = """
+const D: u32 = ${D}u; const R: u32 = ${R}u; const HALF: u32 = ${R}u / 2u; const XW: u32 = ${XW}u;
+fn put(which: u32, o: u32, v: f32) {
+    switch which {
+${STORES}
+        default: {}
+    }
+}
+fn head(src: u32, dst: u32, pos: u32, rotate: bool, which: u32) {
+    // one head of D values; threads of the workgroup share it (called by all, one head each)
+}
+@compute @workgroup_size(64)
+fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {
+    let h = wid.x; let t = wid.y;
+    if (t >= ${ROWS_EXPR}) { return; }
+    let pos = step.start + t;
+    ${BRANCHES}
+}
+"""
+    # `head` needs lid: pass through a private variable set in main
+    body = body.replace("""fn head(src: u32, dst: u32, pos: u32, rotate: bool, which: u32) {
+    // one head of D values; threads of the workgroup share it (called by all, one head each)
+}""", """var<private> lane: u32;
+fn head(src: u32, dst: u32, pos: u32, rotate: bool, which: u32) {
+    if (rotate) {
+        for (var i = lane; i < HALF; i += 64u) {
+            let c = COS_ld(pos * HALF + i); let s = SIN_ld(pos * HALF + i);
+            let i1 = ${I1}; let i2 = ${I2};
+            let x1 = X_ld(src + i1); let x2 = X_ld(src + i2);
+            put(which, dst + i1, x1 * c - x2 * s);
+            put(which, dst + i2, x1 * s + x2 * c);
+        }
+        for (var d = R + lane; d < D; d += 64u) { put(which, dst + d, X_ld(src + d)); }
+    } else {
+        for (var d = lane; d < D; d += 64u) { put(which, dst + d, X_ld(src + d)); }
+    }
+}""").replace("let h = wid.x; let t = wid.y;", "let h = wid.x; let t = wid.y; lane = lid;")
+    return _render("rope", parts, body, 64, D=head_dim, R=n_rot, XW=x_cols, ROWS_EXPR=rows,
+                   BRANCHES="\n    ".join(branches), STORES=stores,
+                   I1="i" if neox else "2u * i", I2="i + HALF" if neox else "2u * i + 1u")
+
+
+# -- attention -------------------------------------------------------------------------------------
+def attention(n_heads: int, n_kv: int, head_dim: int, scale: float, rows: str, *, partial: bool,
+              cache_dtype: str = "f32", wg: int = 64) -> Kernel:
+    """Causal attention of query rows t (position start + t) over the cache rows 0..position, one
+    workgroup per (head, row, split): keys [split * split_len, ...) in chunks of WG with an online
+    softmax. GQA: head h reads KV head h / (n_heads / n_kv). partial: write (acc, max, sum) per
+    split to WS for attention_combine (decode split over the context), else the output."""
+    dpt = -(-head_dim // wg)
+    parts = [(ActDesc("Q"), None), (ActDesc("KC", dtype=cache_dtype), None), (ActDesc("VC", dtype=cache_dtype), None),
+             (ActDesc("WS" if partial else "O"), None)]
+    if partial:
+        out = """for (var i = 0u; i < DPT; i++) { let d = lid + i * WG; if (d < D) { WS_st(base + d, acc[i]); } }
+    if (lid == 0u) { WS_st(base + D, m); WS_st(base + D + 1u, l); }"""
+    else:
+        out = "for (var i = 0u; i < DPT; i++) { let d = lid + i * WG; if (d < D) { O_st(t * H * D + h * D + d, acc[i] / l); } }"
+    body = """
+const H: u32 = ${H}u; const G: u32 = ${G}u; const D: u32 = ${D}u; const REP: u32 = ${H}u / ${G}u;
+const WG: u32 = ${WG}u; const DPT: u32 = ${DPT}u;
+var<workgroup> qs: array<f32, ${D}>;
+var<workgroup> p: array<f32, ${WG}>;
+var<workgroup> red: array<f32, ${WG}>;
+@compute @workgroup_size(${WG})
+fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {
+    let h = wid.x; let t = wid.y; let sp = wid.z;
+    let kvh = h / REP;
+    let last = step.start + t;  // the last key this row sees
+    let k_begin = sp * step.split_len;
+    let k_end = min(last + 1u, k_begin + step.split_len);
+    let base = ((t * H + h) * step.n_splits + sp) * (D + 2u);
+    for (var d = lid; d < D; d += WG) { qs[d] = Q_ld(t * H * D + h * D + d); }
+    workgroupBarrier();
+    var m = ${NEG}; var l = 0.0;
+    var acc: array<f32, ${DPT}>;
+    for (var j0 = k_begin; j0 < k_end; j0 += WG) {
+        let j = j0 + lid;
+        var s = ${NEG};
+        if (j < k_end) {
+            var dot = 0.0;
+            let kb = j * G * D + kvh * D;
+            for (var d = 0u; d < D; d++) { dot += qs[d] * KC_ld(kb + d); }
+            s = dot * ${SCALE};
+        }
+        ${TREE_MAX}
+        let mn = max(m, red[0]);
+        workgroupBarrier();
+        let e = select(0.0, exp(s - mn), j < k_end);
+        p[lid] = e;
+        ${TREE_SUM}
+        let alpha = exp(m - mn);
+        l = l * alpha + red[0];
+        let n = min(WG, k_end - j0);
+        for (var i = 0u; i < DPT; i++) {
+            let d = lid + i * WG;
+            var a = acc[i] * alpha;
+            if (d < D) {
+                for (var jj = 0u; jj < n; jj++) { a += p[jj] * VC_ld((j0 + jj) * G * D + kvh * D + d); }
+            }
+            acc[i] = a;
+        }
+        m = mn;
+        workgroupBarrier();
+    }
+    ${OUT}
+}
+"""
+    return _render("attention_partial" if partial else "attention", parts, body, wg, H=n_heads, G=n_kv, D=head_dim,
+                   DPT=dpt, SCALE=_f(scale), NEG=NEG, OUT=out,
+                   TREE_MAX=_tree("s", "lid", "WG", "max"), TREE_SUM=_tree("e", "lid", "WG"))
+
+
+def attention_combine(n_heads: int, head_dim: int, rows: str, wg: int = 64) -> Kernel:
+    """Merge the splits of attention(partial=True): grid (heads, rows)."""
+    body = """
+const H: u32 = ${H}u; const D: u32 = ${D}u;
+@compute @workgroup_size(${WG})
+fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {
+    let h = wid.x; let t = wid.y;
+    let S = step.n_splits;
+    let base = (t * H + h) * S * (D + 2u);
+    var mx = ${NEG};
+    for (var s = 0u; s < S; s++) { mx = max(mx, WS_ld(base + s * (D + 2u) + D)); }
+    var l = 0.0;
+    for (var s = 0u; s < S; s++) { let b = base + s * (D + 2u); l += exp(WS_ld(b + D) - mx) * WS_ld(b + D + 1u); }
+    for (var d = lid; d < D; d += ${WG}u) {
+        var o = 0.0;
+        for (var s = 0u; s < S; s++) { let b = base + s * (D + 2u); o += exp(WS_ld(b + D) - mx) * WS_ld(b + d); }
+        O_st(t * H * D + h * D + d, o / l);
+    }
+}
+"""
+    return _render("attention_combine", [(ActDesc("WS"), None), (ActDesc("O"), None)], body, wg, H=n_heads,
+                   D=head_dim, NEG=NEG)
+
+
+def _f(v: float) -> str:
+    """A WGSL f32 literal."""
+    r = repr(float(v))
+    return r if ("e" in r or "." in r) else r + ".0"
