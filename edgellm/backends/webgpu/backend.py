@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import math
+import os
 from typing import Callable, Iterator
 
 import numpy as np
@@ -312,7 +313,8 @@ class WebgpuProgram:
         x_vec = 4 if w.cols % 4 == 0 else 1
         gv = _Dispatch(self, kernels.gemv(w.desc(), n_out, rows_expr, x_vec=x_vec, **cfg, **opts), res,
                        lambda s, n: (*_grid2(-(-n_out // cfg["rows_per_wg"]), self.dev.max_groups), rows(s)))
-        if self.max_seq <= GEMV_MAX_ROWS or self.graph.tensors[outs[0]].shape[0] != SEQ:
+        if (self.max_seq <= GEMV_MAX_ROWS or self.graph.tensors[outs[0]].shape[0] != SEQ
+                or not self.backend.prefill_gemm):
             return gv
         gm = _Dispatch(self, kernels.gemm(w.desc(), n_out, rows_expr, **opts), res,
                        lambda s, n: (-(-n_out // 64), -(-rows(s) // 32), 1))
@@ -505,6 +507,11 @@ class WebgpuBackend(WebgpuInfo):
         self._tables: dict[tuple, tuple] = {}
         self._workspace = None
         self._cpu_weights = None
+        # tiled GEMM for prefill on GPUs; a software adapter runs prefill as GEMVs, which need no
+        # workgroup barriers (lavapipe, SmolLM2 prompt of 37 tokens: 80 s with the GEMM). Override
+        # with EDGELLM_WEBGPU_GEMM=0/1.
+        want = os.environ.get("EDGELLM_WEBGPU_GEMM")
+        self.prefill_gemm = (want == "1") if want in ("0", "1") else not self.dev.info.software
 
     @staticmethod
     def available() -> bool:

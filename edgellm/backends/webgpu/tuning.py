@@ -11,8 +11,13 @@ from .device import Device
 
 def default_gemv_config(dev: Device) -> dict:
     """Threads per output feature (TPR) as one subgroup's share where the adapter has subgroups
-    (the reduction is then register shuffles), else 32 threads reducing in workgroup memory."""
+    (the reduction is then register shuffles), else 32 threads reducing in workgroup memory.
+    On a software adapter, 2 threads per feature: lavapipe runs a workgroup barrier as a switch
+    between all its SIMD batches, and fewer threads per feature mean fewer reduction steps
+    (1536x576 Q8_0 GEMV, 2 cores: 32 threads per feature with barriers 14.8 ms, 2 per feature 0.9 ms)."""
     wg = 128
+    if dev.info.software:
+        return {"wg": 64, "rows_per_wg": 32, "subgroup": dev.has_subgroups}
     if dev.has_subgroups:
         tpr = min(32, dev.info.subgroup_min)
         return {"wg": wg, "rows_per_wg": wg // tpr, "subgroup": True}
