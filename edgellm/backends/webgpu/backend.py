@@ -62,9 +62,9 @@ class WebgpuTensor:
 class DeviceWeight:
     """A weight on the device: its descriptor's parts, each a dict of array name -> buffer."""
 
-    def __init__(self, p: codegen.PackedArrays, dev: Device):
+    def __init__(self, p: codegen.PackedArrays, dev: Device, max_binding: int | None = None):
         self.fmt, self.rows, self.cols, self.source_fmt = p.fmt, p.rows, p.cols, p.source_fmt
-        self.part_rows = codegen.split_rows(p, dev.max_binding)
+        self.part_rows = codegen.split_rows(p, max_binding or dev.max_binding)
         self.buffers = [{k: dev.upload(a) for k, a in part.items()} for part in codegen.part_arrays(p, self.part_rows)]
         self.nbytes = p.nbytes
 

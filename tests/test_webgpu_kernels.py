@@ -1,0 +1,299 @@
+"""The webgpu backend's WGSL kernels against the cpu backend's reference kernels (torch, float32).
+
+Weights are quantized by gguf-py and dequantized by gguf-py for the reference, so the storage
+descriptors' repacking and accessors are checked against the format's own reader. Shapes are off
+the kernels' tile sizes; outputs are poisoned with NaN first so that an element never written
+fails; inputs are fresh random values. Runs on any WebGPU adapter (in CI: Mesa's lavapipe);
+skips with the reason where there is none.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+wgpu = pytest.importorskip("wgpu", reason="the webgpu backend needs the wgpu package (pip install 'edgellm[webgpu]')")
+
+from gguf import GGMLQuantizationType  # noqa: E402
+from gguf.quants import dequantize as gg_dequantize  # noqa: E402
+from gguf.quants import quantize as gg_quantize  # noqa: E402
+
+from edgellm.backends.cpu import CPU_KERNELS  # noqa: E402
+from edgellm.errors import BackendUnavailableError  # noqa: E402
+from edgellm.graph.ir import Op  # noqa: E402
+from edgellm.backends.webgpu import codegen, kernels  # noqa: E402
+from edgellm.backends.webgpu.backend import DeviceWeight  # noqa: E402
+from edgellm.backends.webgpu.launch import Launch, read_f32, upload_f32  # noqa: E402
+
+FORMATS = ["F16", "Q8_0", "Q4_0", "Q4_1"]
+
+
+@pytest.fixture(scope="module")
+def dev():
+    from edgellm.backends.webgpu.device import get_device
+
+    try:
+        return get_device()
+    except BackendUnavailableError as e:
+        pytest.skip(f"no WebGPU adapter: {e}")
+
+
+@pytest.fixture
+def rng(request):
+    import zlib
+
+    return np.random.default_rng(zlib.crc32(request.node.name.encode()))
+
+
+def quantized(rng, rows: int, cols: int, fmt: str):
+    """(raw GGUF data, the float32 matrix gguf-py reads back from it)."""
+    w = (rng.standard_normal((rows, cols)) * 0.1).astype(np.float32)
+    if fmt == "F16":
+        raw = w.astype(np.float16)
+        return raw, raw.astype(np.float32)
+    t = GGMLQuantizationType[fmt]
+    raw = gg_quantize(w, t)
+    return raw, gg_dequantize(raw, t).reshape(rows, cols).astype(np.float32)
+
+
+def nan_buffer(dev, n: int):
+    return upload_f32(dev, np.full(n, np.nan, np.float32))
+
+
+def ref(kind: str, inputs: list, **attrs):
+    out = CPU_KERNELS[kind](Op("ref", kind, (), (), attrs), inputs)
+    return out
+
+
+def check(got: np.ndarray, want, tol: float = 2e-4):
+    want = np.asarray(want.detach().numpy() if isinstance(want, torch.Tensor) else want, dtype=np.float32)
+    got = got.reshape(want.shape)
+    assert np.isfinite(got).all(), f"{np.isnan(got).sum()} of {got.size} elements not written"
+    scale = max(1.0, float(np.abs(want).max()))
+    err = float(np.abs(got - want).max())
+    assert err <= tol * scale, f"max error {err} (scale {scale})"
+
+
+# -- matrix products ---------------------------------------------------------------------------
+def _linear_case(dev, rng, fmt, rows, n_out, k, *, glu=False, bias=False, residual=False, parts=None):
+    raw, dense = quantized(rng, 2 * n_out if glu else n_out, k, fmt)
+    p = codegen.repack(raw, fmt, dense.shape)
+    w = DeviceWeight(p, dev, max_binding=parts)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    bufs = {kk: b for kk, (b, _, _) in w.resources().items()}
+    bufs.update(X=upload_f32(dev, x), Y=nan_buffer(dev, rows * n_out))
+    extra = []
+    b = r = None
+    if bias:
+        b = rng.standard_normal(n_out).astype(np.float32)
+        bufs["B"] = upload_f32(dev, b)
+    if residual:
+        r = rng.standard_normal((rows, n_out)).astype(np.float32)
+        bufs["R"] = upload_f32(dev, r)
+    X, D = torch.from_numpy(x), torch.from_numpy(dense)
+    if glu:
+        want = ref("linear_swiglu", [X, D[:n_out], D[n_out:]])
+    else:
+        ins = [X, D] + ([torch.from_numpy(b)] if bias else []) + ([torch.from_numpy(r)] if residual else [])
+        want = ref("linear", ins, has_bias=bias, has_residual=residual)
+    return w, bufs, want, extra
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("subgroup", [False, True])
+def test_gemv(dev, rng, fmt, subgroup):
+    if subgroup and not dev.has_subgroups:
+        pytest.skip("the adapter has no subgroups")
+    rows, n_out, k = 3, 77, 96 if fmt == "F16" else 160  # 77 features: not a multiple of rows per workgroup
+    w, bufs, want, _ = _linear_case(dev, rng, fmt, rows, n_out, k, bias=True, residual=True)
+    tpr = 4 if subgroup else 8
+    kern = kernels.gemv(w.desc(), n_out, "step.seq", bias=True, residual=True, rows_per_wg=64 // tpr, wg=64,
+                        subgroup=subgroup)
+    L = Launch(dev, kern, bufs)
+    L.set_step(seq=rows)
+    L.run((-(-n_out // (64 // tpr)), 1, rows))
+    check(read_f32(dev, bufs["Y"], rows * n_out), want)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gemv_swiglu_split_weight(dev, rng, fmt):
+    """gate|up stacked, the weight split by rows across bindings (a small binding limit)."""
+    rows, n_out, k = 2, 45, 64
+    w, bufs, want, _ = _linear_case(dev, rng, fmt, rows, n_out, k, glu=True, parts=1024)
+    assert len(w.part_rows) > 2
+    kern = kernels.gemv(w.desc(), n_out, "step.seq", glu=True, rows_per_wg=8, wg=64)
+    L = Launch(dev, kern, bufs)
+    L.set_step(seq=rows)
+    L.run((-(-n_out // 8), 1, rows))
+    check(read_f32(dev, bufs["Y"], rows * n_out), want)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("glu", [False, True])
+def test_gemm(dev, rng, fmt, glu):
+    rows, n_out, k = 37, 70, 96  # rows and features off the 32 x 64 tile, k three 32-steps
+    w, bufs, want, _ = _linear_case(dev, rng, fmt, rows, n_out, k, glu=glu, bias=not glu, residual=not glu)
+    kern = kernels.gemm(w.desc(), n_out, "step.seq", glu=glu, bias=not glu, residual=not glu)
+    L = Launch(dev, kern, bufs)
+    L.set_step(seq=rows)
+    L.run((-(-n_out // 64), -(-rows // 32), 1))
+    check(read_f32(dev, bufs["Y"], rows * n_out), want)
+
+
+# -- row-wise kernels -----------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_1", "F16"])
+def test_embedding(dev, rng, fmt):
+    vocab, d, rows = 53, 96, 5
+    raw, dense = quantized(rng, vocab, d, fmt)
+    w = DeviceWeight(codegen.repack(raw, fmt, dense.shape), dev)
+    ids = rng.integers(0, vocab, rows)
+    bufs = {kk: b for kk, (b, _, _) in w.resources().items()}
+    bufs.update(Y=nan_buffer(dev, rows * d), TOK=dev.upload(ids.astype(np.uint32)))
+    L = Launch(dev, kernels.embedding(w.desc(), "step.seq"), bufs)
+    L.set_step(seq=rows)
+    L.run((1, rows, 1))
+    check(read_f32(dev, bufs["Y"], rows * d), ref("embedding", [torch.from_numpy(dense), torch.from_numpy(ids)]))
+
+
+@pytest.mark.parametrize("add", [False, True])
+def test_rms_norm(dev, rng, add):
+    rows, c = 3, 333
+    a, b = rng.standard_normal((2, rows, c)).astype(np.float32)
+    g = (1 + 0.1 * rng.standard_normal(c)).astype(np.float32)
+    bufs = dict(A=upload_f32(dev, a), G=upload_f32(dev, g), O=nan_buffer(dev, rows * c))
+    if add:
+        bufs.update(B=upload_f32(dev, b), S=nan_buffer(dev, rows * c))
+    L = Launch(dev, kernels.rms_norm(c, 1e-5, "step.seq", add=add), bufs)
+    L.set_step(seq=rows)
+    L.run((rows, 1, 1))
+    A, B, G = (torch.from_numpy(v) for v in (a, b, g))
+    if add:
+        s, n = ref("add_rms_norm", [A, B, G], eps=1e-5)
+        check(read_f32(dev, bufs["S"], rows * c), s)
+    else:
+        n = ref("rms_norm", [A, G], eps=1e-5)
+    check(read_f32(dev, bufs["O"], rows * c), n)
+
+
+@pytest.mark.parametrize("kind", ["add", "mul", "silu", "swiglu", "add_bias"])
+def test_elementwise(dev, rng, kind):
+    rows, c = 3, 301
+    a, b = rng.standard_normal((2, rows, c)).astype(np.float32)
+    if kind == "add_bias":
+        b = b[0]
+    bufs = dict(A=upload_f32(dev, a), B=upload_f32(dev, b), Y=nan_buffer(dev, rows * c))
+    op = "add" if kind == "add_bias" else kind
+    L = Launch(dev, kernels.elementwise(op, c, "step.seq", b_rows=kind != "add_bias"), bufs)
+    L.set_step(seq=rows)
+    L.run((-(-rows * c // 256), 1, 1))
+    ins = [torch.from_numpy(a)] + ([] if kind == "silu" else [torch.from_numpy(b)])
+    check(read_f32(dev, bufs["Y"], rows * c), ref(op, ins))
+
+
+def test_last_row_and_argmax(dev, rng):
+    rows, c = 4, 1000
+    x = rng.standard_normal((rows, c)).astype(np.float32)
+    x[-1, 17] = x[-1, 801] = 9.0  # a tie: the first index wins, as numpy's argmax
+    bufs = dict(X=upload_f32(dev, x), Y=nan_buffer(dev, c))
+    L = Launch(dev, kernels.last_row(c), bufs)
+    L.set_step(seq=rows)
+    L.run((-(-c // 256), 1, 1))
+    last = read_f32(dev, bufs["Y"], c)
+    check(last, ref("last_row", [torch.from_numpy(x)]))
+    tok = dev.upload(np.array([12345], np.uint32))
+    A = Launch(dev, kernels.argmax(c), dict(X=bufs["Y"], TOK=tok))
+    A.run((1, 1, 1))
+    assert int(np.frombuffer(dev.read(tok, 0, 4), np.uint32)[0]) == int(np.argmax(x[-1])) == 17
+
+
+# -- RoPE, KV cache, attention --------------------------------------------------------------------
+@pytest.mark.parametrize("style,rope_dim,freqs", [("norm", 16, False), ("neox", 12, True)])
+def test_rope_qkv_store(dev, rng, style, rope_dim, freqs):
+    from edgellm.backends.webgpu.backend import WebgpuBackend
+
+    h, g, d, rows, start, ctx = 5, 1, 16, 3, 6, 20
+    qkv = rng.standard_normal((rows, (h + 2 * g) * d)).astype(np.float32)
+    kc0, vc0 = rng.standard_normal((2, ctx, g * d)).astype(np.float32)  # rows outside start.. must survive
+    ff = (1 + rng.random(rope_dim // 2)).astype(np.float32) if freqs else None
+    attrs = dict(n_heads=h, n_kv_heads=g, head_dim=d, rope_dim=rope_dim, theta=10000.0, style=style)
+    # the tables as the backend makes them (float64 angles), from a stand-in for the weight file
+    be = WebgpuBackend.__new__(WebgpuBackend)
+    be.dev, be._tables = dev, {}
+    be.weights = type("W", (), {"vector_host": staticmethod(lambda n: ff.astype(np.float64))})()
+    cos, sin = be.rope_tables(attrs, rope_dim, "ff" if freqs else None, ctx)
+    S = kernels.RopeSegment
+    segs = [S(h, 0, "Q", True), S(g, h * d, "KC", True), S(g, (h + g) * d, "VC", False)]
+    bufs = dict(X=upload_f32(dev, qkv), COS=cos, SIN=sin, Q=nan_buffer(dev, rows * h * d),
+                KC=upload_f32(dev, kc0), VC=upload_f32(dev, vc0))
+    L = Launch(dev, kernels.rope(segs, qkv.shape[1], d, rope_dim, style == "neox", "step.seq"), bufs)
+    L.set_step(seq=rows, start=start)
+    L.run((h + 2 * g, rows, 1))
+    kc_ref, vc_ref = torch.from_numpy(kc0.copy()), torch.from_numpy(vc0.copy())
+    ins = [torch.from_numpy(qkv), start, kc_ref, vc_ref] + ([torch.from_numpy(ff)] if freqs else [])
+    q, _, _ = ref("rope_qkv_store", ins, **attrs)
+    check(read_f32(dev, bufs["Q"], rows * h * d), q, 1e-5)
+    check(read_f32(dev, bufs["KC"], ctx * g * d), kc_ref, 1e-5)
+    check(read_f32(dev, bufs["VC"], ctx * g * d), vc_ref, 0)
+
+
+@pytest.mark.parametrize("rows,start,splits", [(7, 0, 1), (5, 9, 1), (1, 70, 1), (1, 300, 3)])
+def test_attention(dev, rng, rows, start, splits):
+    """Causal prefill (from an empty and a filled cache) and decode, whole and split over the context;
+    GQA with 3 query heads per KV head; head_dim 80 (not a multiple of the 64 threads)."""
+    h, g, d, ctx = 6, 2, 80, 320
+    q = rng.standard_normal((rows, h * d)).astype(np.float32)
+    kc, vc = rng.standard_normal((2, ctx, g * d)).astype(np.float32)
+    scale = 1 / math.sqrt(d)
+    n = start + rows
+    bufs = dict(Q=upload_f32(dev, q), KC=upload_f32(dev, kc), VC=upload_f32(dev, vc), O=nan_buffer(dev, rows * h * d))
+    if splits == 1:
+        L = Launch(dev, kernels.attention(h, g, d, scale, "step.seq", partial=False), bufs)
+        L.set_step(seq=rows, start=start)
+        L.run((h, rows, 1))
+    else:
+        bufs["WS"] = nan_buffer(dev, rows * h * splits * (d + 2))
+        split_len = -(-n // splits)
+        P = Launch(dev, kernels.attention(h, g, d, scale, "step.seq", partial=True), bufs)
+        P.set_step(seq=rows, start=start, split_len=split_len, n_splits=splits)
+        P.run((h, rows, splits))
+        C = Launch(dev, kernels.attention_combine(h, d, "step.seq"), bufs)
+        C.set_step(seq=rows, start=start, split_len=split_len, n_splits=splits)
+        C.run((h, rows, 1))
+    want = ref("attention", [torch.from_numpy(q), torch.from_numpy(kc), torch.from_numpy(vc), start],
+               n_heads=h, n_kv_heads=g, head_dim=d, scale=scale)
+    check(read_f32(dev, bufs["O"], rows * h * d), want, 1e-5)
+
+
+# -- storage descriptors ---------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["F32", "BF16", "Q5_0", "Q5_1", "Q4_K", "Q6_K"])
+def test_repack_other_formats(rng, fmt):
+    """Formats without a layout of their own become F16 (F32, BF16) or Q8_0: Q5_0 exactly, the
+    rest within Q8_0's rounding of gguf-py's values."""
+    rows, cols = 4, 256
+    w = (rng.standard_normal((rows, cols)) * 0.1).astype(np.float32)
+    t = GGMLQuantizationType[fmt]
+    if fmt == "F32":
+        raw = w
+    elif fmt in ("Q4_K", "Q6_K"):  # gguf-py reads K-quants but does not write them: edgellm's quantizer
+        from edgellm.quant import quantize
+
+        raw = quantize(w, fmt)
+    else:
+        raw = gg_quantize(w, t)
+    want = gg_dequantize(raw, t).reshape(rows, cols) if fmt != "F32" else w
+    p = codegen.repack(raw, fmt, (rows, cols))
+    got = codegen.dequantize_packed(p)
+    assert p.fmt == ("F16" if fmt in ("F32", "BF16") else "Q8_0")
+    tol = 0 if fmt == "Q5_0" else (1e-3 if p.fmt == "F16" else 1e-2) * float(np.abs(want).max())
+    assert float(np.abs(got - want).max()) <= tol
+
+
+def test_descriptor_accessors_pick_the_part(dev):
+    """A weight split in three parts: the generated W_qs chooses the part by row."""
+    d = codegen.WeightDesc("W", "Q4_0", 10, 64, (4, 4, 2))
+    src = d.accessors("X")
+    assert "W_qs0" in src and "W_qs2" in src and "if (row < 4u)" in src and "if (row < 8u)" in src
+    assert len(d.bindings()) == 6  # qs and d per part
