@@ -191,6 +191,7 @@ class WebgpuProgram:
             shape = self.shape(name, self.max_seq)
             self._outputs[name] = self.dev.buffer(4 * math.prod(shape))
         self.delegated: list[str] = []
+        self.matrix_bytes = 0  # bytes of the weight matrices one step reads (a decode token's traffic)
         self._steps: list = []
         for op in graph.ops:
             self._steps.extend(self._lower(op))
@@ -307,6 +308,7 @@ class WebgpuProgram:
         else:
             w = W.matrix(self._wname(ins[1]))
             bias = (ins[2],) if a.get("has_bias") else ()
+        self.matrix_bytes += w.nbytes
         res_in = ins[-1] if op.kind == "linear" and a.get("has_residual") else None
         n_out = w.rows // 2 if glu else w.rows
         rows_expr, rows = self._rows_expr(outs[0]), self._rows(outs[0])
