@@ -144,3 +144,21 @@ def test_cli_lists_adapters():
                        timeout=120, env=env)
     assert r.returncode == 0, r.stderr
     assert "webgpu adapter 0:" in r.stdout and "features used:" in r.stdout
+
+
+def test_tuning_cached_per_adapter(models, monkeypatch, tmp_path):
+    """EDGELLM_TUNE=1: GEMV candidates timed at load, the picks cached per adapter and reused."""
+    from edgellm.backends.webgpu import tuning
+
+    monkeypatch.setenv("EDGELLM_TUNE", "1")
+    monkeypatch.setenv("EDGELLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tuning, "_TUNERS", {})
+    monkeypatch.setattr(tuning, "gemv_candidates", lambda dev: [{"wg": 64, "rows_per_wg": 16, "subgroup": False}])
+    _compare(models["Q8_0"], steps=1)
+    files = list((tmp_path / "tune").glob("webgpu_*.json"))
+    assert len(files) == 1 and "webgpu_gemv_v1|Q8_0" in files[0].read_text()
+    timed = []
+    monkeypatch.setattr(tuning, "_TUNERS", {})
+    monkeypatch.setattr(tuning, "_time_gemv", lambda *a: timed.append(a) or 1.0)
+    edgellm.load(models["Q8_0"], backend="webgpu", ctx=64)
+    assert not timed  # every pick came from the cache

@@ -319,7 +319,7 @@ class WebgpuProgram:
         if res_in is not None:
             res["R"] = R(res_in)
         opts = dict(bias=bool(bias), residual=res_in is not None, glu=glu)
-        cfg = self.backend.gemv_config(w, n_out)
+        cfg = self.backend.gemv_config(w, n_out, glu)
         x_vec = 4 if w.cols % 4 == 0 else 1
         gv = _Dispatch(self, kernels.gemv(w.desc(), n_out, rows_expr, x_vec=x_vec, **cfg, **opts), res,
                        lambda s, n: (*_grid2(-(-n_out // cfg["rows_per_wg"]), self.dev.max_groups), rows(s)))
@@ -568,12 +568,12 @@ class WebgpuBackend(WebgpuInfo):
             self._tables[key] = t
         return t
 
-    def gemv_config(self, w: DeviceWeight, n_out: int) -> dict:
-        """Rows per workgroup and workgroup size of the decode GEMV (see tuning in the README:
-        defaults here, measured candidates where a tuning cache has them)."""
+    def gemv_config(self, w: DeviceWeight, n_out: int, glu: bool) -> dict:
+        """Workgroup size, rows per workgroup, subgroup reduction of the decode GEMV: the adapter's
+        default, or with EDGELLM_TUNE=1 the fastest candidate timed here and cached (tuning.py)."""
         from .tuning import gemv_config
 
-        return gemv_config(self.dev, w.fmt, n_out, w.cols)
+        return gemv_config(self.dev, w, n_out, glu)
 
     def cpu_weights(self):
         if self._cpu_weights is None:

@@ -35,22 +35,43 @@ def gemv_candidates(dev: Device) -> list[dict]:
     return out
 
 
-_TUNED: dict[tuple, dict] = {}
+_TUNERS: dict[str, object] = {}
 
 
-def gemv_config(dev: Device, fmt: str, n_out: int, n_in: int) -> dict:
-    """The configuration for one weight shape: the default, or with EDGELLM_TUNE=1 a cached or
-    newly timed pick (see benchmarks/bench_webgpu.py, which times candidates with timestamp
-    queries where the adapter has them)."""
+def gemv_config(dev: Device, w, n_out: int, glu: bool = False) -> dict:
+    """The launch configuration for one weight: the default, or with EDGELLM_TUNE=1 the fastest
+    of the default and gemv_candidates, timed on this adapter at first load (timestamp queries
+    where the adapter has them, see launch.py) and cached per adapter and driver in
+    <cache dir>/tune/webgpu_<adapter>.json by the cuda backend's Tuner."""
+    default = default_gemv_config(dev)
     if os.environ.get("EDGELLM_TUNE", "0") != "1":
-        return default_gemv_config(dev)
-    key = (fmt, n_out, n_in)
-    if key not in _TUNED:
-        _TUNED[key] = _tuner(dev).cached("webgpu_gemv", key) or default_gemv_config(dev)
-    return _TUNED[key]
+        return default
+    key = (w.fmt, n_out, w.cols, "glu" if glu else "plain")
+    tuner = _tuner(dev)
+    return tuner.pick("webgpu_gemv_v1", key, gemv_candidates(dev), default, lambda cfg: _time_gemv(dev, w, n_out, glu, cfg))
+
+
+def _time_gemv(dev: Device, w, n_out: int, glu: bool, cfg: dict) -> float:
+    """Microseconds per launch of the GEMV with this configuration on this weight."""
+    import numpy as np
+
+    from . import kernels
+    from .backend import _grid2
+    from .launch import Launch, upload_f32
+
+    bufs = {k: b for k, (b, _, _) in w.resources().items()}
+    bufs["X"] = upload_f32(dev, np.random.default_rng(0).standard_normal(w.cols).astype(np.float32))
+    bufs["Y"] = dev.buffer(4 * n_out)
+    k = kernels.gemv(w.desc(), n_out, "1u", glu=glu, **cfg)
+    L = Launch(dev, k, bufs)
+    L.set_step(seq=1)
+    return 1e6 * L.time((*_grid2(-(-n_out // cfg["rows_per_wg"]), dev.max_groups), 1), repeat=10)
 
 
 def _tuner(dev: Device):
-    from ..cuda.tuning import Tuner
+    t = _TUNERS.get(dev.info.key())
+    if t is None:
+        from ..cuda.tuning import Tuner
 
-    return Tuner("webgpu|" + dev.info.key(), enabled=True)
+        t = _TUNERS[dev.info.key()] = Tuner("webgpu|" + dev.info.key(), enabled=True, timer=lambda fn: fn())
+    return t
