@@ -134,12 +134,12 @@ def test_gemv_swiglu_split_weight(dev, rng, fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("glu", [False, True])
 def test_gemm(dev, rng, fmt, glu):
-    rows, n_out, k = 37, 70, 96  # rows and features off the 32 x 64 tile, k three 32-steps
+    rows, n_out, k = 71, 70, 96  # rows and features off the 64 x 64 tile, k three 32-steps
     w, bufs, want, _ = _linear_case(dev, rng, fmt, rows, n_out, k, glu=glu, bias=not glu, residual=not glu)
     kern = kernels.gemm(w.desc(), n_out, "step.seq", glu=glu, bias=not glu, residual=not glu)
     L = Launch(dev, kern, bufs)
     L.set_step(seq=rows)
-    L.run((-(-n_out // 64), -(-rows // 32), 1))
+    L.run((-(-n_out // 64), -(-rows // 64), 1))
     check(read_f32(dev, bufs["Y"], rows * n_out), want)
 
 

@@ -327,7 +327,7 @@ class WebgpuProgram:
                 or not self.backend.prefill_gemm):
             return gv
         gm = _Dispatch(self, kernels.gemm(w.desc(), n_out, rows_expr, **opts), res,
-                       lambda s, n: (-(-n_out // 64), -(-rows(s) // 32), 1))
+                       lambda s, n: (-(-n_out // 64), -(-rows(s) // 64), 1))
         return _Choice(lambda s: gv if s <= GEMV_MAX_ROWS else gm, gv, gm)
 
     def _lower_rope(self, op: Op):

@@ -142,7 +142,8 @@ class WeightDesc:
         return "\n".join(lines) + "\n"
 
     def accessors(self, x: str) -> str:
-        """W_qs(row, v), W_d/W_m(row, b), W_get(row, k) and W_dot(row, b, xi) (the dot product of
+        """W_qs(row, v), W_d/W_m(row, b), W_get(row, k), W_get4(row, k) (elements k..k+3, k a
+        multiple of 4) and W_dot(row, b, xi) (the dot product of
         block b of a row with the activations at x's element index xi, read through x's `_ld4`)."""
         n, f = self.name, self.fmt
         src = self._select(f"{n}_qs%P[@r * {self.row_vec4}u + v]", "vec4<u32>", "row: u32, v: u32", f"{n}_qs")
@@ -176,7 +177,17 @@ class WeightDesc:
                    f"    let sum_x = sx.x + sx.y + sx.z + sx.w;\n")
             dot += (f"    return (s - 8.0 * sum_x) * {n}_d(row, b);" if f == "Q4_0"
                     else f"    return s * {n}_d(row, b) + sum_x * {n}_m(row, b);")
+        if f == "F16":
+            get4 = f"let w = {n}_word(row, k >> 1u); let v = {n}_word(row, (k >> 1u) + 1u); return vec4<f32>(h2(w), h2(v));"
+        elif f == "Q8_0":
+            get4 = f"return i8x4({n}_word(row, k >> 2u)) * {n}_d(row, k >> 5u);"
+        else:
+            get4 = (f"let b = k >> 5u; let e = k & 31u; let w = {n}_word(row, b * 4u + ((e & 15u) >> 2u));\n"
+                    f"    let q = select(lo4(w), hi4(w), e >= 16u);\n")
+            get4 += (f"    return (q - vec4<f32>(8.0)) * {n}_d(row, b);" if f == "Q4_0"
+                     else f"    return q * {n}_d(row, b) + vec4<f32>({n}_m(row, b));")
         src += f"fn {n}_get(row: u32, k: u32) -> f32 {{\n    {get}\n}}\n"
+        src += f"fn {n}_get4(row: u32, k: u32) -> vec4<f32> {{\n    {get4}\n}}\n"
         src += f"fn {n}_dot(row: u32, b: u32, xi: u32) -> f32 {{\n    {dot}\n}}\n"
         return src
 

@@ -124,11 +124,12 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
 
 
 def gemm(w: WeightDesc, n_out: int, rows: str, *, bias: bool = False, residual: bool = False, glu: bool = False,
-         tm: int = 32, tn: int = 64, tk: int = 32) -> Kernel:
+         tm: int = 64, tn: int = 64, tk: int = 32) -> Kernel:
     """The prefill matrix product: a TM x TN tile of y per workgroup of 256 threads (16 x 16, each
-    TM/16 x TN/16 outputs), x and dequantized W tiles staged in workgroup memory TK at a time.
-    W is read element-wise through W_get, so every format is this one template."""
-    parts = [(w, "X"), (ActDesc("X"), None), (ActDesc("Y"), None)]
+    TM/16 x TN/16 outputs, strided so that neighbouring threads read neighbouring workgroup
+    memory), x and dequantized W tiles staged in workgroup memory TK at a time, k-major.
+    W is read four elements at a time through W_get4, so every format is this one template."""
+    parts = [(w, "X"), (ActDesc("X", vec=4), None), (ActDesc("Y"), None)]
     if bias:
         parts.append((ActDesc("B"), None))
     if residual:
@@ -144,8 +145,8 @@ def gemm(w: WeightDesc, n_out: int, rows: str, *, bias: bool = False, residual: 
     body = """
 const N: u32 = ${N}u; const K: u32 = ${K}u; const TM: u32 = ${TM}u; const TN: u32 = ${TN}u; const TK: u32 = ${TK}u;
 const PM: u32 = TM / 16u; const PN: u32 = TN / 16u; const NW: u32 = ${NW}u;
-var<workgroup> xs: array<f32, ${XS}>;
-var<workgroup> ws: array<f32, ${WS}>;
+var<workgroup> xs: array<f32, ${XS}>;  // [TK][TM]
+var<workgroup> ws: array<f32, ${WS}>;  // [NW][TK][TN]
 @compute @workgroup_size(256)
 fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {
     let rows = ${ROWS_EXPR};
@@ -153,25 +154,29 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     let ty = lid / 16u; let tx = lid % 16u;
     var acc0: array<f32, ${PMN}>; var acc1: array<f32, ${PMN}>;
     for (var k0 = 0u; k0 < K; k0 += TK) {
-        for (var i = lid; i < TM * TK; i += 256u) {
-            let m = m0 + i / TK; let k = k0 + i % TK;
-            var v = 0.0;
-            if (m < rows && k < K) { v = X_ld(m * K + k); }
-            xs[i] = v;
+        for (var i = lid; i < TM * TK / 4u; i += 256u) {
+            let m = i / (TK / 4u); let k = (i % (TK / 4u)) * 4u;
+            var v = vec4<f32>(0.0);
+            if (m0 + m < rows && k0 + k < K) { v = X_ld4(((m0 + m) * K + k0 + k) >> 2u); }
+            xs[k * TM + m] = v.x; xs[(k + 1u) * TM + m] = v.y; xs[(k + 2u) * TM + m] = v.z; xs[(k + 3u) * TM + m] = v.w;
         }
-        for (var i = lid; i < NW * TN * TK; i += 256u) {
-            let half = i / (TN * TK); let r = i % (TN * TK);
-            let n = n0 + r / TK; let k = k0 + r % TK;
-            var v = 0.0;
-            if (n < N && k < K) { v = W_get(n + half * N, k); }
-            ws[i] = v;
+        for (var i = lid; i < NW * TN * TK / 4u; i += 256u) {
+            let half = i / (TN * TK / 4u); let r = i % (TN * TK / 4u);
+            let n = r / (TK / 4u); let k = (r % (TK / 4u)) * 4u;
+            var v = vec4<f32>(0.0);
+            if (n0 + n < N && k0 + k < K) { v = W_get4(n0 + n + half * N, k0 + k); }
+            let o = half * TK * TN + n;
+            ws[o + k * TN] = v.x; ws[o + (k + 1u) * TN] = v.y; ws[o + (k + 2u) * TN] = v.z; ws[o + (k + 3u) * TN] = v.w;
         }
         workgroupBarrier();
         for (var k = 0u; k < TK; k++) {
-            for (var i = 0u; i < PM; i++) {
-                let xv = xs[(ty + 16u * i) * TK + k];
-                for (var j = 0u; j < PN; j++) {
-                    acc0[i * PN + j] += xv * ws[(tx + 16u * j) * TK + k];
+            var xv: array<f32, ${PM}>;
+            for (var i = 0u; i < PM; i++) { xv[i] = xs[k * TM + ty + 16u * i]; }
+            for (var j = 0u; j < PN; j++) {
+                let wv = ws[k * TN + tx + 16u * j];
+                ${GLU_W}
+                for (var i = 0u; i < PM; i++) {
+                    acc0[i * PN + j] += xv[i] * wv;
                     ${GLU_FMA}
                 }
             }
@@ -191,8 +196,9 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
 }
 """
     return _render("gemm", parts, body, 256, N=n_out, K=w.cols, TM=tm, TN=tn, TK=tk, NW=nw, XS=tm * tk,
-                   WS=nw * tn * tk, PMN=(tm // 16) * (tn // 16), EPI=epi, ROWS_EXPR=rows,
-                   GLU_FMA="acc1[i * PN + j] += xv * ws[TN * TK + (tx + 16u * j) * TK + k];" if glu else "")
+                   WS=nw * tn * tk, PM=tm // 16, PMN=(tm // 16) * (tn // 16), EPI=epi, ROWS_EXPR=rows,
+                   GLU_W="let wu = ws[TK * TN + k * TN + tx + 16u * j];" if glu else "",
+                   GLU_FMA="acc1[i * PN + j] += xv[i] * wu;" if glu else "")
 
 
 # -- row-wise kernels -----------------------------------------------------------------------------
