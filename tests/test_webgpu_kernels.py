@@ -103,18 +103,21 @@ def _linear_case(dev, rng, fmt, rows, n_out, k, *, glu=False, bias=False, residu
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("subgroup", [False, True])
-def test_gemv(dev, rng, fmt, subgroup):
+@pytest.mark.parametrize("subgroup,nr", [(False, 1), (True, 1), (False, 3)])
+def test_gemv(dev, rng, fmt, subgroup, nr):
+    """nr: features per thread (x read once for them); 77 features are not a multiple of any
+    workgroup's rows, so the last workgroup computes features past the end and must not store them."""
     if subgroup and not dev.has_subgroups:
         pytest.skip("the adapter has no subgroups")
-    rows, n_out, k = 3, 77, 96 if fmt == "F16" else 160  # 77 features: not a multiple of rows per workgroup
+    rows, n_out, k = 3, 77, 96 if fmt == "F16" else 160
     w, bufs, want, _ = _linear_case(dev, rng, fmt, rows, n_out, k, bias=True, residual=True)
     tpr = 4 if subgroup else 8
-    kern = kernels.gemv(w.desc(), n_out, "step.seq", bias=True, residual=True, rows_per_wg=64 // tpr, wg=64,
-                        subgroup=subgroup)
+    per_wg = 64 * nr // tpr
+    kern = kernels.gemv(w.desc(), n_out, "step.seq", bias=True, residual=True, rows_per_wg=per_wg, wg=64,
+                        subgroup=subgroup, rows_per_thread=nr)
     L = Launch(dev, kern, bufs)
     L.set_step(seq=rows)
-    L.run((-(-n_out // (64 // tpr)), 1, rows))
+    L.run((-(-n_out // per_wg), 1, rows))
     check(read_f32(dev, bufs["Y"], rows * n_out), want)
 
 
@@ -124,10 +127,10 @@ def test_gemv_swiglu_split_weight(dev, rng, fmt):
     rows, n_out, k = 2, 45, 64
     w, bufs, want, _ = _linear_case(dev, rng, fmt, rows, n_out, k, glu=True, parts=1024)
     assert len(w.part_rows) > 2
-    kern = kernels.gemv(w.desc(), n_out, "step.seq", glu=True, rows_per_wg=8, wg=64)
+    kern = kernels.gemv(w.desc(), n_out, "step.seq", glu=True, rows_per_wg=16, wg=64, rows_per_thread=2)
     L = Launch(dev, kern, bufs)
     L.set_step(seq=rows)
-    L.run((-(-n_out // 8), 1, rows))
+    L.run((-(-n_out // 16), 1, rows))
     check(read_f32(dev, bufs["Y"], rows * n_out), want)
 
 

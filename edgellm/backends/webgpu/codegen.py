@@ -143,8 +143,9 @@ class WeightDesc:
 
     def accessors(self, x: str) -> str:
         """W_qs(row, v), W_d/W_m(row, b), W_get(row, k), W_get4(row, k) (elements k..k+3, k a
-        multiple of 4) and W_dot(row, b, xi) (the dot product of
-        block b of a row with the activations at x's element index xi, read through x's `_ld4`)."""
+        multiple of 4), W_xblock(xi) (the activations one block multiplies, read through x's `_ld4`),
+        W_dotv(row, b, xv) (block b of a row dotted with them) and W_dot(row, b, xi) (the two in one).
+        The embedding template passes its output's name as x: it never calls the dot functions."""
         n, f = self.name, self.fmt
         src = self._select(f"{n}_qs%P[@r * {self.row_vec4}u + v]", "vec4<u32>", "row: u32, v: u32", f"{n}_qs")
         for a in self.arrays[1:]:
@@ -153,25 +154,25 @@ class WeightDesc:
         src += f"fn {n}_word(row: u32, w: u32) -> u32 {{ return {n}_qs(row, w >> 2u)[w & 3u]; }}\n"
         if f == "F16":
             get = f"let w = {n}_word(row, k >> 1u); return h2(w)[k & 1u];"
-            dot = (f"let q = {n}_qs(row, b); let x0 = {x}_ld4(xi >> 2u); let x1 = {x}_ld4((xi >> 2u) + 1u);\n"
-                   f"    return dot(vec4<f32>(h2(q.x), h2(q.y)), x0) + dot(vec4<f32>(h2(q.z), h2(q.w)), x1);")
+            dot = (f"let q = {n}_qs(row, b);\n"
+                   f"    return dot(vec4<f32>(h2(q.x), h2(q.y)), xv[0]) + dot(vec4<f32>(h2(q.z), h2(q.w)), xv[1]);")
         elif f == "Q8_0":
             get = (f"let w = {n}_word(row, k >> 2u); let s = (k & 3u) * 8u;\n"
                    f"    return f32(bitcast<i32>(w << (24u - s)) >> 24u) * {n}_d(row, k >> 5u);")
-            dot = (f"let q0 = {n}_qs(row, 2u * b); let q1 = {n}_qs(row, 2u * b + 1u); let x4 = xi >> 2u;\n"
-                   f"    var s = dot(i8x4(q0.x), {x}_ld4(x4)) + dot(i8x4(q0.y), {x}_ld4(x4 + 1u));\n"
-                   f"    s += dot(i8x4(q0.z), {x}_ld4(x4 + 2u)) + dot(i8x4(q0.w), {x}_ld4(x4 + 3u));\n"
-                   f"    s += dot(i8x4(q1.x), {x}_ld4(x4 + 4u)) + dot(i8x4(q1.y), {x}_ld4(x4 + 5u));\n"
-                   f"    s += dot(i8x4(q1.z), {x}_ld4(x4 + 6u)) + dot(i8x4(q1.w), {x}_ld4(x4 + 7u));\n"
+            dot = (f"let q0 = {n}_qs(row, 2u * b); let q1 = {n}_qs(row, 2u * b + 1u);\n"
+                   f"    var s = dot(i8x4(q0.x), xv[0]) + dot(i8x4(q0.y), xv[1]);\n"
+                   f"    s += dot(i8x4(q0.z), xv[2]) + dot(i8x4(q0.w), xv[3]);\n"
+                   f"    s += dot(i8x4(q1.x), xv[4]) + dot(i8x4(q1.y), xv[5]);\n"
+                   f"    s += dot(i8x4(q1.z), xv[6]) + dot(i8x4(q1.w), xv[7]);\n"
                    f"    return s * {n}_d(row, b);")
         else:  # Q4_0 / Q4_1
             e = "let b = k >> 5u; let e = k & 31u; let j = e & 15u;\n"
             e += f"    let q = f32(({n}_word(row, b * 4u + (j >> 2u)) >> ((j & 3u) * 8u + (e >> 4u) * 4u)) & 15u);\n"
             get = e + (f"    return (q - 8.0) * {n}_d(row, b);" if f == "Q4_0"
                        else f"    return q * {n}_d(row, b) + {n}_m(row, b);")
-            dot = (f"let q = {n}_qs(row, b); let x4 = xi >> 2u; var s = 0.0; var sx = vec4<f32>(0.0);\n"
+            dot = (f"let q = {n}_qs(row, b); var s = 0.0; var sx = vec4<f32>(0.0);\n"
                    f"    for (var k = 0u; k < 4u; k++) {{\n"
-                   f"        let xl = {x}_ld4(x4 + k); let xh = {x}_ld4(x4 + 4u + k);\n"
+                   f"        let xl = xv[k]; let xh = xv[4u + k];\n"
                    f"        s += dot(lo4(q[k]), xl) + dot(hi4(q[k]), xh); sx += xl + xh;\n"
                    f"    }}\n"
                    f"    let sum_x = sx.x + sx.y + sx.z + sx.w;\n")
@@ -188,7 +189,13 @@ class WeightDesc:
                      else f"    return q * {n}_d(row, b) + vec4<f32>({n}_m(row, b));")
         src += f"fn {n}_get(row: u32, k: u32) -> f32 {{\n    {get}\n}}\n"
         src += f"fn {n}_get4(row: u32, k: u32) -> vec4<f32> {{\n    {get4}\n}}\n"
-        src += f"fn {n}_dot(row: u32, b: u32, xi: u32) -> f32 {{\n    {dot}\n}}\n"
+        xv = self.block // 4
+        src += f"fn {n}_dotv(row: u32, b: u32, xv: array<vec4<f32>, {xv}>) -> f32 {{\n    {dot}\n}}\n"
+        src += (f"fn {n}_xblock(xi: u32) -> array<vec4<f32>, {xv}> {{\n"
+                f"    var xv: array<vec4<f32>, {xv}>;\n"
+                f"    for (var i = 0u; i < {xv}u; i++) {{ xv[i] = {x}_ld4((xi >> 2u) + i); }}\n"
+                f"    return xv;\n}}\n")
+        src += f"fn {n}_dot(row: u32, b: u32, xi: u32) -> f32 {{ return {n}_dotv(row, b, {n}_xblock(xi)); }}\n"
         return src
 
 

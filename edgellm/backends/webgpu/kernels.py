@@ -65,62 +65,75 @@ def _tree(var: str, lane: str, width: str, op: str = "+") -> str:
 
 # -- matrix products ------------------------------------------------------------------------------
 def gemv(w: WeightDesc, n_out: int, rows: str, *, bias: bool = False, residual: bool = False, glu: bool = False,
-         rows_per_wg: int = 4, wg: int = 128, subgroup: bool = False, x_vec: int = 4) -> Kernel:
+         rows_per_wg: int = 4, wg: int = 128, subgroup: bool = False, x_vec: int = 4, rows_per_thread: int = 1) -> Kernel:
     """y[t, c] = sum_k x[t, k] W[c, k] (+ bias[c]) (+ res[t, c]); glu: silu(W[c] x) * (W[c + n_out] x).
-    Decode-stage (few rows): ROWS output features per workgroup, WG / ROWS threads per feature
-    striding over its blocks (16-byte loads), then a reduction; grid (features / ROWS, 1, rows)."""
-    tpr = wg // rows_per_wg
-    assert tpr * rows_per_wg == wg and tpr & (tpr - 1) == 0, (wg, rows_per_wg)
+    Decode-stage (few rows): rows_per_wg output features per workgroup; TPR = wg * rows_per_thread /
+    rows_per_wg threads per feature group stride over its blocks (16-byte loads); each thread reads
+    a block of x once for rows_per_thread features; then a reduction over the TPR threads.
+    Grid (features / rows_per_wg, 1, rows)."""
+    nr = rows_per_thread
+    tpr = wg * nr // rows_per_wg
+    assert tpr * rows_per_wg == wg * nr and tpr & (tpr - 1) == 0 and tpr <= wg, (wg, rows_per_wg, nr)
     parts = [(w, "X"), (ActDesc("X", vec=x_vec), None), (ActDesc("Y"), None)]
     if bias:
         parts.append((ActDesc("B"), None))
     if residual:
         parts.append((ActDesc("R"), None))
+    na = nr * (2 if glu else 1)  # accumulators per thread
     if subgroup:
-        red = ("for (var s = TPR / 2u; s > 0u; s = s >> 1u) { a0 += subgroupShuffleXor(a0, s);"
-               + (" a1 += subgroupShuffleXor(a1, s);" if glu else "") + " }")
+        red = f"for (var s = TPR / 2u; s > 0u; s = s >> 1u) {{ for (var a = 0u; a < {na}u; a++) {{ acc[a] += subgroupShuffleXor(acc[a], s); }} }}"
         decl = ""
     else:
-        red = ("red[lid] = a0;" + (" red[WG + lid] = a1;" if glu else "") + " workgroupBarrier();\n"
+        red = (f"for (var a = 0u; a < {na}u; a++) {{ red[a * WG + lid] = acc[a]; }}\n    workgroupBarrier();\n"
                "    for (var s = TPR / 2u; s > 0u; s = s >> 1u) {\n"
-               "        if (lane < s) { red[lid] += red[lid + s];" + (" red[WG + lid] += red[WG + lid + s];" if glu else "")
-               + " }\n        workgroupBarrier();\n    }\n    a0 = red[lid];" + (" a1 = red[WG + lid];" if glu else ""))
-        decl = f"var<workgroup> red: array<f32, {wg * (2 if glu else 1)}>;"
+               f"        if (lane < s) {{ for (var a = 0u; a < {na}u; a++) {{ red[a * WG + lid] += red[a * WG + lid + s]; }} }}\n"
+               "        workgroupBarrier();\n    }\n"
+               f"    for (var a = 0u; a < {na}u; a++) {{ acc[a] = red[a * WG + lid]; }}")
+        decl = f"var<workgroup> red: array<f32, {wg * na}>;"
     epi = ""
     if glu:
-        epi += "y = a0 / (1.0 + exp(-a0)) * a1;\n"
+        epi += "y = y / (1.0 + exp(-y)) * acc[NR + r];\n"
     if bias:
-        epi += "        y += B_ld(col);\n"
+        epi += "            y += B_ld(col);\n"
     if residual:
-        epi += "        y += R_ld(t * N + col);\n"
+        epi += "            y += R_ld(t * N + col);\n"
     body = """
 const N: u32 = ${N}u; const K: u32 = ${K}u; const NB: u32 = ${NB}u; const BLK: u32 = ${BLK}u;
-const ROWS: u32 = ${ROWS}u; const TPR: u32 = ${TPR}u; const WG: u32 = ${WG}u;
+const ROWS: u32 = ${ROWS}u; const TPR: u32 = ${TPR}u; const WG: u32 = ${WG}u; const NR: u32 = ${NR}u;
 ${DECL}
 @compute @workgroup_size(${WG})
 fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>,
         @builtin(num_workgroups) nwg: vec3<u32>) {
     let t = wid.z;
     let lane = lid % TPR;
-    let col = (wid.x + wid.y * nwg.x) * ROWS + lid / TPR;
-    var a0 = 0.0; var a1 = 0.0;
-    if (col < N && t < ${ROWS_EXPR}) {
+    let c0 = (wid.x + wid.y * nwg.x) * ROWS + (lid / TPR) * NR;
+    var acc: array<f32, ${NA}>;
+    if (c0 < N && t < ${ROWS_EXPR}) {
         for (var b = lane; b < NB; b += TPR) {
-            a0 += W_dot(col, b, t * K + b * BLK);
-            ${GLU_DOT}
+            let xv = W_xblock(t * K + b * BLK);
+            for (var r = 0u; r < NR; r++) {
+                let col = min(c0 + r, N - 1u);  // a thread's last features may lie past N: computed, not stored
+                acc[r] += W_dotv(col, b, xv);
+                ${GLU_DOT}
+            }
         }
     }
     ${RED}
-    if (lane == 0u && col < N && t < ${ROWS_EXPR}) {
-        var y = a0;
-        ${EPI}
-        Y_st(t * N + col, y);
+    if (lane == 0u && t < ${ROWS_EXPR}) {
+        for (var r = 0u; r < NR; r++) {
+            let col = c0 + r;
+            if (col < N) {
+                var y = acc[r];
+                ${EPI}
+                Y_st(t * N + col, y);
+            }
+        }
     }
 }
 """
     return _render("gemv", parts, body, wg, N=n_out, K=w.cols, NB=w.nblocks, BLK=w.block, ROWS=rows_per_wg,
-                   TPR=tpr, DECL=decl, RED=red, EPI=epi, ROWS_EXPR=rows,
-                   GLU_DOT="a1 += W_dot(col + N, b, t * K + b * BLK);" if glu else "")
+                   TPR=tpr, NR=nr, NA=na, DECL=decl, RED=red, EPI=epi, ROWS_EXPR=rows,
+                   GLU_DOT="acc[NR + r] += W_dotv(col + N, b, xv);" if glu else "")
 
 
 def gemm(w: WeightDesc, n_out: int, rows: str, *, bias: bool = False, residual: bool = False, glu: bool = False,

@@ -25,13 +25,16 @@ def default_gemv_config(dev: Device) -> dict:
 
 
 def gemv_candidates(dev: Device) -> list[dict]:
+    """Workgroup size x threads per feature group (TPR) x features per thread (each thread reads a
+    block of x once for that many features): 30 configurations."""
     out = []
     for wg in (64, 128, 256):
         for tpr in (4, 8, 16, 32, 64):
-            if tpr > wg:
-                continue
-            sub = dev.has_subgroups and tpr <= dev.info.subgroup_min
-            out.append({"wg": wg, "rows_per_wg": wg // tpr, "subgroup": sub})
+            for nr in (1, 2, 4):
+                if tpr > wg or (nr > 1 and tpr < 16) or (wg == 64 and nr == 4):
+                    continue
+                sub = dev.has_subgroups and tpr <= dev.info.subgroup_min
+                out.append({"wg": wg, "rows_per_wg": wg * nr // tpr, "subgroup": sub, "rows_per_thread": nr})
     return out
 
 
