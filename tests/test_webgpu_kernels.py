@@ -206,10 +206,12 @@ def test_last_row_and_argmax(dev, rng):
     L.run((-(-c // 256), 1, 1))
     last = read_f32(dev, bufs["Y"], c)
     check(last, ref("last_row", [torch.from_numpy(x)]))
-    tok = dev.upload(np.array([12345], np.uint32))
-    A = Launch(dev, kernels.argmax(c), dict(X=bufs["Y"], TOK=tok))
+    tok, hist = dev.upload(np.array([12345], np.uint32)), dev.upload(np.full(8, 12345, np.uint32))
+    A = Launch(dev, kernels.argmax(c), dict(X=bufs["Y"], TOK=tok, HIST=hist))
+    A.dev.write(A.step_buf, np.array([1, 0, 1, 1, 1, 5, 0, 0], np.uint32))  # p0 = 5: the history slot
     A.run((1, 1, 1))
     assert int(np.frombuffer(dev.read(tok, 0, 4), np.uint32)[0]) == int(np.argmax(x[-1])) == 17
+    assert np.frombuffer(dev.read(hist, 0, 32), np.uint32).tolist() == [12345] * 5 + [17] + [12345] * 2
 
 
 # -- RoPE, KV cache, attention --------------------------------------------------------------------

@@ -158,9 +158,38 @@ class _Dispatch:
         x, y, z = self.grid(seq, splits)
         if x * y * z == 0:
             return
+        if _RAW is not None:
+            sp, sb, dw, null = _RAW
+            c = cpass._internal
+            sp(c, self.pipeline._internal)
+            sb(c, 0, self.bind_group._internal, 0, null)
+            dw(c, x, y, z)
+            return
         cpass.set_pipeline(self.pipeline)
         cpass.set_bind_group(0, self.bind_group)
         cpass.dispatch_workgroups(x, y, z)
+
+
+def _raw_encoder():
+    """wgpu-native's own compute-pass functions, called without wgpu-py's per-call wrapper: a
+    decode token records a few hundred dispatches from Python, and the wrapper cost 4-17 us per
+    dispatch against about 3 us here (lavapipe machine, 300 dispatches). wgpu-py's private API, so
+    anything unexpected falls back to the public calls (EDGELLM_WEBGPU_RAW=0 forces that)."""
+    if os.environ.get("EDGELLM_WEBGPU_RAW", "1") == "0":
+        return None
+    try:
+        from .device import import_wgpu
+
+        import_wgpu()
+        from wgpu.backends.wgpu_native._api import ffi, libf
+
+        return (libf.wgpuComputePassEncoderSetPipeline, libf.wgpuComputePassEncoderSetBindGroup,
+                libf.wgpuComputePassEncoderDispatchWorkgroups, ffi.NULL)
+    except Exception:  # noqa: BLE001 - another wgpu-py layout: the public API works the same
+        return None
+
+
+_RAW = _raw_encoder()
 
 
 def _grid2(n: int, limit: int) -> tuple[int, int]:
@@ -198,8 +227,10 @@ class WebgpuProgram:
         self._argmax = None
         if self.max_seq == 1 and "logits" in graph.outputs:
             n = self.shape("logits", 1)[-1]
+            self.hist_buf = self.dev.buffer(4 * self.ctx)
             self._argmax = _Dispatch(self, kernels.argmax(n), {"X": self._res("logits"),
-                                                               "TOK": lambda: (self.tok_buf, 0, self.tok_buf.size)},
+                                                               "TOK": lambda: (self.tok_buf, 0, self.tok_buf.size),
+                                                               "HIST": lambda: (self.hist_buf, 0, self.hist_buf.size)},
                                      lambda s, k: (1, 1, 1))
 
     # -- tensors ------------------------------------------------------------------------------
@@ -391,13 +422,13 @@ class WebgpuProgram:
         return _HostOp(self, op, CPU_KERNELS[op.kind])
 
     # -- execution ----------------------------------------------------------------------------
-    def _write_step(self, seq: int, start: int) -> int:
+    def _write_step(self, seq: int, start: int, hist: int = 0) -> int:
         kv_len = start + seq
         splits = 1
         if self.max_seq == 1:
             splits = max(1, min(MAX_SPLITS, -(-kv_len // SPLIT_KEYS)))
         split_len = -(-kv_len // splits) if splits > 1 else self.ctx
-        self.dev.write(self.step_buf, np.array([seq, start, kv_len, split_len, splits, 0, 0, 0], np.uint32))
+        self.dev.write(self.step_buf, np.array([seq, start, kv_len, split_len, splits, hist, 0, 0], np.uint32))
         return splits
 
     def _record(self, seq: int, splits: int, with_argmax: bool = False) -> None:
@@ -437,17 +468,29 @@ class WebgpuProgram:
 
     def greedy_tokens(self, first_token: int, start: int, n: int) -> Iterator[int]:
         """Decode greedily on the device: each step's argmax kernel writes the next token into the
-        token buffer the next step's embedding reads, so a token costs one submit and a 4-byte read.
-        Yields n tokens after first_token at position start."""
+        token buffer the next step's embedding reads, so no step waits for the host. Steps are
+        submitted in growing batches (1, 2, 4, ... 32 tokens: the first token comes at once; the
+        host encodes the next step while the GPU runs this one) and each batch's tokens are read
+        back together, 4 bytes each. A batch may run a few steps past an end-of-generation token
+        the caller stops at; their cache rows lie beyond the tokens kept. Yields n tokens after
+        first_token at position start."""
         if self._argmax is None:
             raise GraphError("greedy_tokens runs on the single-token decode program")
         if start + n > self.ctx:
             raise GraphError(f"{start + n} tokens exceed the context of {self.ctx}")
         self.dev.write(self.tok_buf, np.array([first_token], np.uint32))
-        for i in range(n):
-            self._host_start = start + i
-            self._record(1, self._write_step(1, start + i), with_argmax=True)
-            yield int(np.frombuffer(self.dev.read(self.tok_buf, 0, 4), np.uint32)[0])
+        i, batch = 0, 1
+        while i < n:
+            k = min(batch, n - i)
+            for j in range(i, i + k):
+                self._host_start = start + j
+                # the step's values are written in queue order: after the previous step's commands
+                self._record(1, self._write_step(1, start + j, hist=j), with_argmax=True)
+            ids = np.frombuffer(self.dev.read(self.hist_buf, 4 * i, 4 * k), np.uint32)
+            for t in ids:
+                yield int(t)
+            i += k
+            batch = min(2 * batch, 32)
 
 
 class _Choice:

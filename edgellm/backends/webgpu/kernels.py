@@ -295,9 +295,11 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 
 
 def argmax(n: int, wg: int = 256) -> Kernel:
-    """TOK[0] = the first index of the largest of x[0..n) (numpy's argmax), one workgroup."""
+    """TOK[0] = the first index of the largest of x[0..n) (numpy's argmax), one workgroup; the
+    same index also goes to HIST[step.p0] (the tokens of a greedy run, read back in batches)."""
     body = """
 @group(0) @binding(${TOKB}) var<storage, read_write> TOK: array<u32>;
+@group(0) @binding(${HISTB}) var<storage, read_write> HIST: array<u32>;
 var<workgroup> best: array<f32, ${WG}>;
 var<workgroup> bidx: array<u32, ${WG}>;
 @compute @workgroup_size(${WG})
@@ -313,11 +315,11 @@ fn main(@builtin(local_invocation_index) lid: u32) {
         }
         workgroupBarrier();
     }
-    if (lid == 0u) { TOK[0] = bidx[0]; }
+    if (lid == 0u) { TOK[0] = bidx[0]; HIST[step.p0] = bidx[0]; }
 }
 """
-    k = _render("argmax", [(ActDesc("X"), None)], body, wg, N=n, NEG=NEG, TOKB=2)
-    return Kernel(k.name, k.source, k.bindings + (Binding("TOK", "array<u32>"),), wg)
+    k = _render("argmax", [(ActDesc("X"), None)], body, wg, N=n, NEG=NEG, TOKB=2, HISTB=3)
+    return Kernel(k.name, k.source, k.bindings + (Binding("TOK", "array<u32>"), Binding("HIST", "array<u32>")), wg)
 
 
 # -- RoPE and the KV cache ----------------------------------------------------------------------
