@@ -215,13 +215,29 @@ def test_last_row_and_argmax(dev, rng):
 
 
 # -- RoPE, KV cache, attention --------------------------------------------------------------------
-@pytest.mark.parametrize("style,rope_dim,freqs", [("norm", 16, False), ("neox", 12, True)])
-def test_rope_qkv_store(dev, rng, style, rope_dim, freqs):
+def _cache(dev, a: np.ndarray, kv: str):
+    return dev.upload(a.astype(np.float16)) if kv == "f16" else upload_f32(dev, a)
+
+
+def _read_cache(dev, buf, n: int, kv: str) -> np.ndarray:
+    if kv == "f16":
+        return np.frombuffer(dev.read(buf, 0, -(-2 * n // 4) * 4), np.float16)[:n].astype(np.float32)
+    return read_f32(dev, buf, n)
+
+
+@pytest.mark.parametrize("style,rope_dim,freqs,kv", [("norm", 16, False, "f32"), ("neox", 12, True, "f32"),
+                                                     ("norm", 16, True, "f16")])
+def test_rope_qkv_store(dev, rng, style, rope_dim, freqs, kv):
+    """RoPE on q and k, k and v written to the cache rows of their positions (float32 or fp16 cache)."""
     from edgellm.backends.webgpu.backend import WebgpuBackend
 
+    if kv == "f16" and not dev.has_f16:
+        pytest.skip("the adapter has no shader-f16")
     h, g, d, rows, start, ctx = 5, 1, 16, 3, 6, 20
     qkv = rng.standard_normal((rows, (h + 2 * g) * d)).astype(np.float32)
     kc0, vc0 = rng.standard_normal((2, ctx, g * d)).astype(np.float32)  # rows outside start.. must survive
+    if kv == "f16":
+        kc0, vc0 = kc0.astype(np.float16).astype(np.float32), vc0.astype(np.float16).astype(np.float32)
     ff = (1 + rng.random(rope_dim // 2)).astype(np.float32) if freqs else None
     attrs = dict(n_heads=h, n_kv_heads=g, head_dim=d, rope_dim=rope_dim, theta=10000.0, style=style)
     # the tables as the backend makes them (float64 angles), from a stand-in for the weight file
@@ -232,36 +248,44 @@ def test_rope_qkv_store(dev, rng, style, rope_dim, freqs):
     S = kernels.RopeSegment
     segs = [S(h, 0, "Q", True), S(g, h * d, "KC", True), S(g, (h + g) * d, "VC", False)]
     bufs = dict(X=upload_f32(dev, qkv), COS=cos, SIN=sin, Q=nan_buffer(dev, rows * h * d),
-                KC=upload_f32(dev, kc0), VC=upload_f32(dev, vc0))
-    L = Launch(dev, kernels.rope(segs, qkv.shape[1], d, rope_dim, style == "neox", "step.seq"), bufs)
+                KC=_cache(dev, kc0, kv), VC=_cache(dev, vc0, kv))
+    L = Launch(dev, kernels.rope(segs, qkv.shape[1], d, rope_dim, style == "neox", "step.seq", kv), bufs)
     L.set_step(seq=rows, start=start)
     L.run((h + 2 * g, rows, 1))
     kc_ref, vc_ref = torch.from_numpy(kc0.copy()), torch.from_numpy(vc0.copy())
     ins = [torch.from_numpy(qkv), start, kc_ref, vc_ref] + ([torch.from_numpy(ff)] if freqs else [])
     q, _, _ = ref("rope_qkv_store", ins, **attrs)
     check(read_f32(dev, bufs["Q"], rows * h * d), q, 1e-5)
-    check(read_f32(dev, bufs["KC"], ctx * g * d), kc_ref, 1e-5)
-    check(read_f32(dev, bufs["VC"], ctx * g * d), vc_ref, 0)
+    if kv == "f16":  # the reference's values rounded as the cache stores them
+        kc_ref, vc_ref = kc_ref.half().float(), vc_ref.half().float()
+    check(_read_cache(dev, bufs["KC"], ctx * g * d, kv), kc_ref, 1e-5 if kv == "f32" else 1e-3)
+    check(_read_cache(dev, bufs["VC"], ctx * g * d, kv), vc_ref, 0)
 
 
-@pytest.mark.parametrize("rows,start,splits", [(7, 0, 1), (5, 9, 1), (1, 70, 1), (1, 300, 3)])
-def test_attention(dev, rng, rows, start, splits):
+@pytest.mark.parametrize("rows,start,splits,kv", [(7, 0, 1, "f32"), (5, 9, 1, "f32"), (1, 70, 1, "f32"),
+                                                  (1, 300, 3, "f32"), (6, 40, 1, "f16"), (1, 300, 4, "f16")])
+def test_attention(dev, rng, rows, start, splits, kv):
     """Causal prefill (from an empty and a filled cache) and decode, whole and split over the context;
-    GQA with 3 query heads per KV head; head_dim 80 (not a multiple of the 64 threads)."""
+    GQA with 3 query heads per KV head; head_dim 80 (not a multiple of the 64 threads); float32 or
+    fp16 cache (the reference reads the same fp16-rounded values)."""
+    if kv == "f16" and not dev.has_f16:
+        pytest.skip("the adapter has no shader-f16")
     h, g, d, ctx = 6, 2, 80, 320
     q = rng.standard_normal((rows, h * d)).astype(np.float32)
     kc, vc = rng.standard_normal((2, ctx, g * d)).astype(np.float32)
+    if kv == "f16":
+        kc, vc = kc.astype(np.float16).astype(np.float32), vc.astype(np.float16).astype(np.float32)
     scale = 1 / math.sqrt(d)
     n = start + rows
-    bufs = dict(Q=upload_f32(dev, q), KC=upload_f32(dev, kc), VC=upload_f32(dev, vc), O=nan_buffer(dev, rows * h * d))
+    bufs = dict(Q=upload_f32(dev, q), KC=_cache(dev, kc, kv), VC=_cache(dev, vc, kv), O=nan_buffer(dev, rows * h * d))
     if splits == 1:
-        L = Launch(dev, kernels.attention(h, g, d, scale, "step.seq", partial=False), bufs)
+        L = Launch(dev, kernels.attention(h, g, d, scale, "step.seq", partial=False, cache_dtype=kv), bufs)
         L.set_step(seq=rows, start=start)
         L.run((h, rows, 1))
     else:
         bufs["WS"] = nan_buffer(dev, rows * h * splits * (d + 2))
         split_len = -(-n // splits)
-        P = Launch(dev, kernels.attention(h, g, d, scale, "step.seq", partial=True), bufs)
+        P = Launch(dev, kernels.attention(h, g, d, scale, "step.seq", partial=True, cache_dtype=kv), bufs)
         P.set_step(seq=rows, start=start, split_len=split_len, n_splits=splits)
         P.run((h, rows, splits))
         C = Launch(dev, kernels.attention_combine(h, d, "step.seq"), bufs)

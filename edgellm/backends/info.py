@@ -92,7 +92,7 @@ class WebgpuInfo:
 
     @staticmethod
     def kv_cache_bytes(cfg, ctx: int) -> int:
-        return 2 * cfg.n_layers * ctx * cfg.kv_dim * 4  # float32
+        return 2 * cfg.n_layers * ctx * cfg.kv_dim * 2  # fp16 (float32 on adapters without shader-f16)
 
     @staticmethod
     def output_bytes(cfg, prefill: int) -> int:

@@ -41,22 +41,26 @@ class DeviceMemoryError(EdgeLLMError):
 
 
 class WebgpuTensor:
-    """A tensor on the device: a range of a buffer, float32 row-major."""
+    """A tensor on the device: a range of a buffer, row-major float32 (or float16: the KV cache
+    where the adapter has shader-f16)."""
 
-    def __init__(self, dev: Device, buf, offset: int, shape: tuple[int, ...]):
+    def __init__(self, dev: Device, buf, offset: int, shape: tuple[int, ...], dtype: str = "f32"):
         self.dev, self.buffer, self.offset, self.shape = dev, buf, int(offset), tuple(int(s) for s in shape)
+        self.dtype = dtype
+        self._np = np.float16 if dtype == "f16" else np.float32
 
     @property
     def nbytes(self) -> int:
-        return 4 * math.prod(self.shape)
+        return (2 if self.dtype == "f16" else 4) * math.prod(self.shape)
 
     def numpy(self) -> np.ndarray:
         if self.nbytes == 0:
             return np.zeros(self.shape, np.float32)
-        return np.frombuffer(self.dev.read(self.buffer, self.offset, self.nbytes), np.float32).reshape(self.shape).copy()
+        raw = np.frombuffer(self.dev.read(self.buffer, self.offset, -(-self.nbytes // 4) * 4), self._np)
+        return raw[:math.prod(self.shape)].astype(np.float32).reshape(self.shape)
 
     def write(self, a: np.ndarray) -> None:
-        self.dev.write(self.buffer, np.ascontiguousarray(a, dtype=np.float32).reshape(-1), self.offset)
+        self.dev.write(self.buffer, np.ascontiguousarray(a, dtype=self._np).reshape(-1), self.offset)
 
 
 class DeviceWeight:
@@ -218,6 +222,9 @@ class WebgpuProgram:
         self._outputs = {}
         for name in graph.outputs:
             shape = self.shape(name, self.max_seq)
+            if 4 * math.prod(shape) > self.dev.max_binding:
+                raise DeviceMemoryError(f"webgpu: output '{name}' of {math.prod(shape)} floats exceeds the adapter's "
+                                        f"{self.dev.max_binding}-byte storage binding; use a smaller prefill chunk")
             self._outputs[name] = self.dev.buffer(4 * math.prod(shape))
         self.delegated: list[str] = []
         self.matrix_bytes = 0  # bytes of the weight matrices one step reads (a decode token's traffic)
@@ -391,7 +398,7 @@ class WebgpuProgram:
         res["COS"] = lambda: (cos, 0, cos.size)
         res["SIN"] = lambda: (sin, 0, sin.size)
         x_cols = self.shape(x, 1)[-1]
-        k = kernels.rope(segs, x_cols, d, r, a.get("style") == "neox", self._rows_expr(x))
+        k = kernels.rope(segs, x_cols, d, r, a.get("style") == "neox", self._rows_expr(x), self.backend.kv_dtype)
         n_heads = sum(s.n for s in segs)
         return _Dispatch(self, k, res, lambda s, n: (n_heads, rows(s), 1))
 
@@ -400,13 +407,15 @@ class WebgpuProgram:
         h, g, d = a["n_heads"], a["n_kv_heads"], a["head_dim"]
         rows_expr, rows = self._rows_expr(ins[0]), self._rows(ins[0])
         res = {"Q": R(ins[0]), "KC": R(ins[1]), "VC": R(ins[2]), "O": R(outs[0])}
-        direct = _Dispatch(self, kernels.attention(h, g, d, a["scale"], rows_expr, partial=False), res,
+        direct = _Dispatch(self, kernels.attention(h, g, d, a["scale"], rows_expr, partial=False,
+                                                       cache_dtype=self.backend.kv_dtype), res,
                            lambda s, n: (h, rows(s), 1))
         if self.max_seq != 1:
             return [direct]
         ws = self.backend.workspace(h * MAX_SPLITS * (d + 2) * 4)
         wres = {**res, "WS": lambda: (ws, 0, ws.size)}
-        part = _Dispatch(self, kernels.attention(h, g, d, a["scale"], rows_expr, partial=True), wres,
+        part = _Dispatch(self, kernels.attention(h, g, d, a["scale"], rows_expr, partial=True,
+                                                     cache_dtype=self.backend.kv_dtype), wres,
                          lambda s, n: (h, rows(s), n))
         comb = _Dispatch(self, kernels.attention_combine(h, d, rows_expr), wres, lambda s, n: (h, rows(s), 1))
         return [_Choice(lambda s: None, direct, part, comb, splits=True)]
@@ -565,6 +574,9 @@ class WebgpuBackend(WebgpuInfo):
         # with EDGELLM_WEBGPU_GEMM=0/1.
         want = os.environ.get("EDGELLM_WEBGPU_GEMM")
         self.prefill_gemm = (want == "1") if want in ("0", "1") else not self.dev.info.software
+        # the KV cache in fp16 where the adapter has shader-f16 (half the memory and the attention's
+        # reads; the cuda backend's choice too); EDGELLM_WEBGPU_KV=f32 keeps it in float32
+        self.kv_dtype = "f16" if self.dev.has_f16 and os.environ.get("EDGELLM_WEBGPU_KV", "f16") != "f32" else "f32"
 
     @staticmethod
     def available() -> bool:
@@ -630,11 +642,11 @@ class WebgpuBackend(WebgpuInfo):
         out = {}
         for t in graph.states():
             shape = t.concrete_shape(ctx=ctx)
-            nbytes = 4 * math.prod(shape)
+            nbytes = (2 if self.kv_dtype == "f16" else 4) * math.prod(shape)
             if nbytes > self.dev.max_binding:
                 raise DeviceMemoryError(f"webgpu: KV cache '{t.name}' needs {nbytes} bytes at context {ctx}, more than "
                                         f"the adapter's {self.dev.max_binding}-byte binding; lower --ctx")
-            out[t.name] = WebgpuTensor(self.dev, self.dev.buffer(nbytes), 0, shape)
+            out[t.name] = WebgpuTensor(self.dev, self.dev.buffer(nbytes), 0, shape, self.kv_dtype)
         return out
 
     def compile(self, graph: Graph, states: dict, plan=None, max_seq: int | None = None) -> WebgpuProgram:
@@ -645,4 +657,4 @@ class WebgpuBackend(WebgpuInfo):
         return t.numpy() if isinstance(t, WebgpuTensor) else np.asarray(t, dtype=np.float32)
 
     def describe(self) -> str:
-        return f"webgpu ({self.dev.describe()}; WGSL kernels, f32 activations)"
+        return f"webgpu ({self.dev.describe()}; WGSL kernels, f32 activations, {self.kv_dtype} KV cache)"
