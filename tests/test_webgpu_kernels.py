@@ -134,15 +134,18 @@ def test_gemv_swiglu_split_weight(dev, rng, fmt):
     check(read_f32(dev, bufs["Y"], rows * n_out), want)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt,tiles", [(f, (64, 64, 32)) for f in FORMATS] + [("Q4_1", (128, 64, 16)),
+                                                                              ("Q8_0", (64, 128, 8))])
 @pytest.mark.parametrize("glu", [False, True])
-def test_gemm(dev, rng, fmt, glu):
-    rows, n_out, k = 71, 70, 96  # rows and features off the 64 x 64 tile, k three 32-steps
+def test_gemm(dev, rng, fmt, tiles, glu):
+    """Rows and features off the tiles, k = 96 (several k-steps; with tk 32, three)."""
+    tm, tn, tk = tiles
+    rows, n_out, k = 71, 70, 96
     w, bufs, want, _ = _linear_case(dev, rng, fmt, rows, n_out, k, glu=glu, bias=not glu, residual=not glu)
-    kern = kernels.gemm(w.desc(), n_out, "step.seq", glu=glu, bias=not glu, residual=not glu)
+    kern = kernels.gemm(w.desc(), n_out, "step.seq", glu=glu, bias=not glu, residual=not glu, tm=tm, tn=tn, tk=tk)
     L = Launch(dev, kern, bufs)
     L.set_step(seq=rows)
-    L.run((-(-n_out // 64), -(-rows // 64), 1))
+    L.run((-(-n_out // tn), -(-rows // tm), 1))
     check(read_f32(dev, bufs["Y"], rows * n_out), want)
 
 

@@ -364,8 +364,9 @@ class WebgpuProgram:
         if (self.max_seq <= GEMV_MAX_ROWS or self.graph.tensors[outs[0]].shape[0] != SEQ
                 or not self.backend.prefill_gemm):
             return gv
-        gm = _Dispatch(self, kernels.gemm(w.desc(), n_out, rows_expr, **opts), res,
-                       lambda s, n: (-(-n_out // 64), -(-rows(s) // 64), 1))
+        gcfg = self.backend.gemm_config(w, n_out, glu, self.max_seq)
+        gm = _Dispatch(self, kernels.gemm(w.desc(), n_out, rows_expr, **gcfg, **opts), res,
+                       lambda s, n: (-(-n_out // gcfg["tn"]), -(-rows(s) // gcfg["tm"]), 1))
         return _Choice(lambda s: gv if s <= GEMV_MAX_ROWS else gm, gv, gm)
 
     def _lower_rope(self, op: Op):
@@ -629,6 +630,13 @@ class WebgpuBackend(WebgpuInfo):
         from .tuning import gemv_config
 
         return gemv_config(self.dev, w, n_out, glu)
+
+    def gemm_config(self, w: DeviceWeight, n_out: int, glu: bool, rows: int) -> dict:
+        """Tile sizes of the prefill GEMM: the default, or with EDGELLM_TUNE=1 the fastest candidate
+        at this program's token count, timed here and cached (tuning.py)."""
+        from .tuning import gemm_config
+
+        return gemm_config(self.dev, w, n_out, glu, rows)
 
     def cpu_weights(self):
         if self._cpu_weights is None:

@@ -78,3 +78,33 @@ def _tuner(dev: Device):
 
         t = _TUNERS[dev.info.key()] = Tuner("webgpu|" + dev.info.key(), enabled=True, timer=lambda fn: fn())
     return t
+
+
+DEFAULT_GEMM = {"tm": 64, "tn": 64, "tk": 32}
+# (tokens x features x k) tiles of 256 threads; workgroup memory (tm + 2 tn) * tk * 4 <= 24 KiB
+GEMM_CANDIDATES = [{"tm": 64, "tn": 64, "tk": 16}, {"tm": 128, "tn": 64, "tk": 16}, {"tm": 64, "tn": 128, "tk": 16},
+                   {"tm": 128, "tn": 128, "tk": 16}, {"tm": 128, "tn": 128, "tk": 8}, {"tm": 32, "tn": 64, "tk": 32}]
+
+
+def gemm_config(dev: Device, w, n_out: int, glu: bool, rows: int) -> dict:
+    """The prefill GEMM's tiles for one weight at `rows` tokens: DEFAULT_GEMM, or with EDGELLM_TUNE=1
+    the fastest of it and GEMM_CANDIDATES on this adapter, cached like the GEMV's."""
+    if os.environ.get("EDGELLM_TUNE", "0") != "1" or dev.info.software:
+        return dict(DEFAULT_GEMM)
+    key = (w.fmt, n_out, w.cols, rows, "glu" if glu else "plain")
+    return _tuner(dev).pick("webgpu_gemm_v1", key, GEMM_CANDIDATES, DEFAULT_GEMM,
+                            lambda cfg: _time_gemm(dev, w, n_out, glu, rows, cfg))
+
+
+def _time_gemm(dev: Device, w, n_out: int, glu: bool, rows: int, cfg: dict) -> float:
+    import numpy as np
+
+    from . import kernels
+    from .launch import Launch, upload_f32
+
+    bufs = {k: b for k, (b, _, _) in w.resources().items()}
+    bufs["X"] = upload_f32(dev, np.random.default_rng(0).standard_normal(rows * w.cols).astype(np.float32))
+    bufs["Y"] = dev.buffer(4 * n_out * rows)
+    L = Launch(dev, kernels.gemm(w.desc(), n_out, "step.seq", glu=glu, **cfg), bufs)
+    L.set_step(seq=rows)
+    return 1e6 * L.time((-(-n_out // cfg["tn"]), -(-rows // cfg["tm"]), 1), repeat=3)
