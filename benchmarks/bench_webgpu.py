@@ -37,6 +37,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 QUICK_MODELS = "smollm2-135m,llama-3.2-1b"
+QUICK_FORMATS = "Q4_0,Q8_0"
+ALL_FORMATS = "Q4_0,Q8_0,F16"
 ALL_MODELS = "smollm2-135m,llama-3.2-1b,llama-3.1-8b"
 GEMV_SHAPES = {  # (out, in): Llama-3.2-1B and Llama-3.1-8B projections and output heads
     "quick": [(4096, 4096), (14336, 4096), (4096, 14336), (128256, 4096)],
@@ -135,7 +137,7 @@ def gemv_section(formats: list[str], shapes: list[tuple[int, int]], bw: float, t
             row = {"fmt": fmt, "shape": f"{n_out}x{n_in}"}
             try:
                 p = _random_packed(fmt, n_out, n_in, rng)
-                copies = max(1, min(8, -(-256_000_000 // p.nbytes)))  # > 200 MB together: past the L2
+                copies = max(1, min(32, -(-256_000_000 // p.nbytes)))  # >= 256 MB together: 5x the H100's L2
                 ws = [DeviceWeight(p, dev) for _ in range(copies)]
                 x = upload_f32(dev, rng.standard_normal(n_in, dtype=np.float32))
                 y = dev.buffer(4 * n_out)
@@ -251,10 +253,11 @@ def models_section(args, bw: float) -> list[dict]:
                 continue
             for be in backends:
                 row = {"model": name, "fmt": fmt, "backend": be}
+                env = {**os.environ, "EDGELLM_TUNE": "1" if args.tune else os.environ.get("EDGELLM_TUNE", "0")}
                 cmd = [sys.executable, os.path.abspath(__file__), "--one", path, be, "-p", str(args.p), "-n", str(args.n),
                        "-r", str(args.r), "--bandwidth", str(bw)]
                 try:
-                    r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+                    r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
                     last = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
                     if r.returncode == 0 and last.startswith("{"):
                         row.update(json.loads(last))
@@ -293,9 +296,12 @@ def print_tables(res: dict, p: int, n: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help=f"models {QUICK_MODELS}, -n 64, -r 2, 4 GEMV shapes")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"models {QUICK_MODELS}, formats {QUICK_FORMATS}, -n 64, -r 2, 4 GEMV shapes")
     ap.add_argument("--models", default=None, help=f"synthetic presets (default {ALL_MODELS})")
-    ap.add_argument("--formats", default="Q4_0,Q8_0,F16")
+    ap.add_argument("--formats", default=None, help=f"weight formats (default {ALL_FORMATS})")
+    ap.add_argument("--tune", action="store_true", help="models: EDGELLM_TUNE=1 (GEMV and GEMM configurations "
+                    "timed at load and cached per adapter)")
     ap.add_argument("--model-dir", default="/tmp/edgellm-bench-models")
     ap.add_argument("-p", type=int, default=512)
     ap.add_argument("-n", type=int, default=None)
@@ -320,6 +326,7 @@ def main() -> None:
             sys.exit(1)
         return
     args.models = args.models or (QUICK_MODELS if args.quick else ALL_MODELS)
+    args.formats = args.formats or (QUICK_FORMATS if args.quick else ALL_FORMATS)
     skip = set(args.skip.split(","))
     t0 = time.perf_counter()
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "args": vars(args)}
