@@ -80,11 +80,14 @@ def test_unfused_graph(models):
     assert {"rope", "kv_store", "silu", "mul", "add"} <= kinds
 
 
-def test_tiled_gemm_prefill(models, monkeypatch):
-    """The GEMM prefill path GPUs take (a software adapter runs prefill as GEMVs by default)."""
-    monkeypatch.setenv("EDGELLM_WEBGPU_GEMM", "1")
+def test_tiled_prefill(models, monkeypatch):
+    """The prefill path GPUs take, tiled GEMM and tiled causal attention (a software adapter runs
+    prefill as GEMVs and per-row attention by default)."""
+    monkeypatch.setenv("EDGELLM_WEBGPU_TILED", "1")
     g = _compare(models["Q4_1"], chunk=40, steps=1)
-    assert g.backend.prefill_gemm
+    assert g.backend.prefill_tiled
+    assert {"gemm", "attention_tiled"} <= {v.kernel.name for st in g.programs["all"]._steps
+                                           for v in getattr(st, "variants", ())}
 
 
 def test_delegation_to_cpu(models, monkeypatch):

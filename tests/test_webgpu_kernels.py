@@ -329,3 +329,23 @@ def test_descriptor_accessors_pick_the_part(dev):
     src = d.accessors("X")
     assert "W_qs0" in src and "W_qs2" in src and "if (row < 4u)" in src and "if (row < 8u)" in src
     assert len(d.bindings()) == 6  # qs and d per part
+
+
+@pytest.mark.parametrize("rows,start,d,kv", [(37, 0, 80, "f32"), (21, 13, 64, "f32"), (19, 3, 128, "f16")])
+def test_attention_tiled(dev, rng, rows, start, d, kv):
+    """Causal prefill attention in tiles: query rows off the tile, keys off the key tile, GQA."""
+    if kv == "f16" and not dev.has_f16:
+        pytest.skip("the adapter has no shader-f16")
+    h, g, ctx = 6, 2, 64
+    q = rng.standard_normal((rows, h * d)).astype(np.float32)
+    kc, vc = rng.standard_normal((2, ctx, g * d)).astype(np.float32)
+    if kv == "f16":
+        kc, vc = kc.astype(np.float16).astype(np.float32), vc.astype(np.float16).astype(np.float32)
+    scale = 1 / math.sqrt(d)
+    bufs = dict(Q=upload_f32(dev, q), KC=_cache(dev, kc, kv), VC=_cache(dev, vc, kv), O=nan_buffer(dev, rows * h * d))
+    L = Launch(dev, kernels.attention_tiled(h, g, d, scale, "step.seq", cache_dtype=kv), bufs)
+    L.set_step(seq=rows, start=start)
+    L.run((h, -(-rows // kernels.attention_tile_rows(d)), 1))
+    want = ref("attention", [torch.from_numpy(q), torch.from_numpy(kc), torch.from_numpy(vc), start],
+               n_heads=h, n_kv_heads=g, head_dim=d, scale=scale)
+    check(read_f32(dev, bufs["O"], rows * h * d), want, 1e-5)

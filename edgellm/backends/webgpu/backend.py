@@ -362,7 +362,7 @@ class WebgpuProgram:
         gv = _Dispatch(self, kernels.gemv(w.desc(), n_out, rows_expr, x_vec=x_vec, **cfg, **opts), res,
                        lambda s, n: (*_grid2(-(-n_out // cfg["rows_per_wg"]), self.dev.max_groups), rows(s)))
         if (self.max_seq <= GEMV_MAX_ROWS or self.graph.tensors[outs[0]].shape[0] != SEQ
-                or not self.backend.prefill_gemm):
+                or not self.backend.prefill_tiled):
             return gv
         gcfg = self.backend.gemm_config(w, n_out, glu, self.max_seq)
         gm = _Dispatch(self, kernels.gemm(w.desc(), n_out, rows_expr, **gcfg, **opts), res,
@@ -412,7 +412,13 @@ class WebgpuProgram:
                                                        cache_dtype=self.backend.kv_dtype), res,
                            lambda s, n: (h, rows(s), 1))
         if self.max_seq != 1:
-            return [direct]
+            if not self.backend.prefill_tiled or self.max_seq <= GEMV_MAX_ROWS:
+                return [direct]
+            bm = kernels.attention_tile_rows(d, self.dev.max_workgroup_memory - 4096)
+            tiled = _Dispatch(self, kernels.attention_tiled(h, g, d, a["scale"], rows_expr, cache_dtype=self.backend.kv_dtype,
+                                                            workgroup_bytes=self.dev.max_workgroup_memory - 4096),
+                              res, lambda s, n: (h, -(-rows(s) // bm), 1))
+            return [_Choice(lambda s: direct if s <= GEMV_MAX_ROWS else tiled, direct, tiled)]
         ws = self.backend.workspace(h * MAX_SPLITS * (d + 2) * 4)
         wres = {**res, "WS": lambda: (ws, 0, ws.size)}
         part = _Dispatch(self, kernels.attention(h, g, d, a["scale"], rows_expr, partial=True,
@@ -572,9 +578,9 @@ class WebgpuBackend(WebgpuInfo):
         self._cpu_weights = None
         # tiled GEMM for prefill on GPUs; a software adapter runs prefill as GEMVs, which need no
         # workgroup barriers (lavapipe, SmolLM2 prompt of 37 tokens: 80 s with the GEMM). Override
-        # with EDGELLM_WEBGPU_GEMM=0/1.
-        want = os.environ.get("EDGELLM_WEBGPU_GEMM")
-        self.prefill_gemm = (want == "1") if want in ("0", "1") else not self.dev.info.software
+        # with EDGELLM_WEBGPU_TILED=0/1 (the tiled GEMM and the tiled causal attention together).
+        want = os.environ.get("EDGELLM_WEBGPU_TILED")
+        self.prefill_tiled = (want == "1") if want in ("0", "1") else not self.dev.info.software
         # the KV cache in fp16 where the adapter has shader-f16 (half the memory and the attention's
         # reads; the cuda backend's choice too); EDGELLM_WEBGPU_KV=f32 keeps it in float32
         self.kv_dtype = "f16" if self.dev.has_f16 and os.environ.get("EDGELLM_WEBGPU_KV", "f16") != "f32" else "f32"

@@ -463,6 +463,111 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
                    TREE_MAX=_tree("s", "lid", "WG", "max"), TREE_SUM=_tree("e", "lid", "WG"))
 
 
+def attention_tiled(n_heads: int, n_kv: int, head_dim: int, scale: float, rows: str, *, cache_dtype: str = "f32",
+                    workgroup_bytes: int = 28 * 1024) -> Kernel:
+    """Causal prefill attention in tiles (flash attention without matrix units): a workgroup takes
+    BM query rows of one head and walks the keys BN at a time; each K/V tile is staged once in
+    workgroup memory for all BM rows (the per-row kernel reads it BM times). Thread (i, j) of the
+    BM x BN workgroup scores query i against key j; row i's online-softmax state lives in workgroup
+    memory; each thread then accumulates D / BN output dimensions of one row. Grid (heads,
+    ceil(rows / BM))."""
+    d = head_dim
+    bm = bn = 16
+    while (bm * d + 2 * bn * d + bm * bn + 3 * bm) * 4 > workgroup_bytes and bn > 4:
+        bm, bn = bm // 2, bn // 2
+    wg = bm * bn
+    dpt = -(-d // bn)
+    parts = [(ActDesc("Q"), None), (ActDesc("KC", dtype=cache_dtype), None), (ActDesc("VC", dtype=cache_dtype), None),
+             (ActDesc("O"), None)]
+    body = """
+const H: u32 = ${H}u; const G: u32 = ${G}u; const D: u32 = ${D}u; const REP: u32 = ${H}u / ${G}u;
+const BM: u32 = ${BM}u; const BN: u32 = ${BN}u; const DPT: u32 = ${DPT}u;
+var<workgroup> qs: array<f32, ${QS}>;
+var<workgroup> ks: array<f32, ${KS}>;
+var<workgroup> vs: array<f32, ${KS}>;
+var<workgroup> p: array<f32, ${BMBN}>;
+var<workgroup> row_m: array<f32, ${BM}>;
+var<workgroup> row_l: array<f32, ${BM}>;
+var<workgroup> row_a: array<f32, ${BM}>;
+@compute @workgroup_size(${WG})
+fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {
+    let h = wid.x; let m0 = wid.y * BM;
+    let kvh = h / REP;
+    let n_rows = ${ROWS_EXPR};
+    let qi = lid / BN; let kj = lid % BN;
+    for (var e = lid; e < BM * D; e += ${WG}u) {
+        let r = e / D; let dd = e % D;
+        var v = 0.0;
+        if (m0 + r < n_rows) { v = Q_ld((m0 + r) * H * D + h * D + dd); }
+        qs[e] = v;
+    }
+    if (lid < BM) { row_m[lid] = ${NEG}; row_l[lid] = 0.0; }
+    var acc: array<f32, ${DPT}>;
+    let last_row = min(m0 + BM, n_rows) - 1u;
+    let k_end = step.start + last_row + 1u;  // keys the tile's last row sees
+    for (var j0 = 0u; j0 < k_end; j0 += BN) {
+        workgroupBarrier();
+        for (var e = lid; e < BN * D; e += ${WG}u) {
+            let j = j0 + e / D; let dd = e % D;
+            var kv = 0.0; var vv = 0.0;
+            if (j < k_end) { kv = KC_ld(j * G * D + kvh * D + dd); vv = VC_ld(j * G * D + kvh * D + dd); }
+            ks[e] = kv; vs[e] = vv;
+        }
+        workgroupBarrier();
+        var sc = ${NEG};
+        let qpos = step.start + m0 + qi;
+        if (j0 + kj <= qpos && m0 + qi < n_rows) {
+            var dot = 0.0;
+            for (var dd = 0u; dd < D; dd++) { dot += qs[qi * D + dd] * ks[kj * D + dd]; }
+            sc = dot * ${SCALE};
+        }
+        p[lid] = sc;
+        workgroupBarrier();
+        if (lid < BM) {
+            var mx = row_m[lid];
+            for (var j = 0u; j < BN; j++) { mx = max(mx, p[lid * BN + j]); }
+            var sum = 0.0;
+            for (var j = 0u; j < BN; j++) {
+                let sv = p[lid * BN + j];
+                let e = select(0.0, exp(sv - mx), sv > ${NEG});
+                p[lid * BN + j] = e; sum += e;
+            }
+            let alpha = exp(row_m[lid] - mx);
+            row_a[lid] = alpha; row_l[lid] = row_l[lid] * alpha + sum; row_m[lid] = mx;
+        }
+        workgroupBarrier();
+        let alpha = row_a[qi];
+        for (var c = 0u; c < DPT; c++) {
+            let dd = kj + c * BN;
+            if (dd < D) {
+                var a = acc[c] * alpha;
+                for (var j = 0u; j < BN; j++) { a += p[qi * BN + j] * vs[j * D + dd]; }
+                acc[c] = a;
+            }
+        }
+    }
+    workgroupBarrier();
+    if (m0 + qi < n_rows) {
+        let l = row_l[qi];
+        for (var c = 0u; c < DPT; c++) {
+            let dd = kj + c * BN;
+            if (dd < D) { O_st((m0 + qi) * H * D + h * D + dd, acc[c] / l); }
+        }
+    }
+}
+"""
+    return _render("attention_tiled", parts, body, wg, H=n_heads, G=n_kv, D=d, BM=bm, BN=bn, DPT=dpt, QS=bm * d,
+                   KS=bn * d, BMBN=bm * bn, SCALE=_f(scale), NEG=NEG, ROWS_EXPR=rows)
+
+
+def attention_tile_rows(head_dim: int, workgroup_bytes: int = 28 * 1024) -> int:
+    """BM of attention_tiled for this head size (the grid's second dimension is rows / BM)."""
+    bm = bn = 16
+    while (bm * head_dim + 2 * bn * head_dim + bm * bn + 3 * bm) * 4 > workgroup_bytes and bn > 4:
+        bm, bn = bm // 2, bn // 2
+    return bm
+
+
 def attention_combine(n_heads: int, head_dim: int, rows: str, wg: int = 64) -> Kernel:
     """Merge the splits of attention(partial=True): grid (heads, rows)."""
     body = """
