@@ -38,12 +38,23 @@ _WORDS_PER_BLOCK = {"F16": 4, "Q8_0": 8, "Q4_0": 4, "Q4_1": 4}  # u32 words of q
 BYTES_PER_ELEMENT = {"F16": 2.0, "Q8_0": 34 / 32, "Q4_0": 18 / 32, "Q4_1": 20 / 32}
 
 # helpers every weight accessor may call (emitted once per kernel)
+# Integers become floats without conversion instructions (a quarter of the FMA rate on NVIDIA
+# GPUs, which would bound a 4-bit GEMV near 70% of the H100's bandwidth): a value k < 2^23 OR-ed
+# into the mantissa of 2^23 (0x4B000000) is the float 2^23 + k, and one exact subtraction leaves k
+# (llama.cpp's trick). Signed bytes are biased by 128 first (XOR 0x80).
 HELPERS = """
 fn i8x4(w: u32) -> vec4<f32> {
-    return vec4<f32>(bitcast<vec4<i32>>(vec4<u32>(w << 24u, w << 16u, w << 8u, w)) >> vec4<u32>(24u));
+    let u = ((vec4<u32>(w, w >> 8u, w >> 16u, w >> 24u) & vec4<u32>(255u)) ^ vec4<u32>(128u)) | vec4<u32>(0x4B000000u);
+    return bitcast<vec4<f32>>(u) - vec4<f32>(8388736.0);
 }
-fn lo4(w: u32) -> vec4<f32> { return vec4<f32>(vec4<u32>(w, w >> 8u, w >> 16u, w >> 24u) & vec4<u32>(15u)); }
-fn hi4(w: u32) -> vec4<f32> { return vec4<f32>(vec4<u32>(w >> 4u, w >> 12u, w >> 20u, w >> 28u) & vec4<u32>(15u)); }
+fn lo4(w: u32) -> vec4<f32> {
+    let u = (vec4<u32>(w, w >> 8u, w >> 16u, w >> 24u) & vec4<u32>(15u)) | vec4<u32>(0x4B000000u);
+    return bitcast<vec4<f32>>(u) - vec4<f32>(8388608.0);
+}
+fn hi4(w: u32) -> vec4<f32> {
+    let u = (vec4<u32>(w >> 4u, w >> 12u, w >> 20u, w >> 28u) & vec4<u32>(15u)) | vec4<u32>(0x4B000000u);
+    return bitcast<vec4<f32>>(u) - vec4<f32>(8388608.0);
+}
 fn h2(w: u32) -> vec2<f32> { return unpack2x16float(w); }
 """
 
