@@ -47,13 +47,13 @@ fn i8x4(w: u32) -> vec4<f32> {
     let u = ((vec4<u32>(w, w >> 8u, w >> 16u, w >> 24u) & vec4<u32>(255u)) ^ vec4<u32>(128u)) | vec4<u32>(0x4B000000u);
     return bitcast<vec4<f32>>(u) - vec4<f32>(8388736.0);
 }
-fn lo4(w: u32) -> vec4<f32> {
+fn lo4(w: u32, off: f32) -> vec4<f32> {  // low nibbles minus (off - 2^23): off 8388608 gives q, 8388616 q - 8
     let u = (vec4<u32>(w, w >> 8u, w >> 16u, w >> 24u) & vec4<u32>(15u)) | vec4<u32>(0x4B000000u);
-    return bitcast<vec4<f32>>(u) - vec4<f32>(8388608.0);
+    return bitcast<vec4<f32>>(u) - vec4<f32>(off);
 }
-fn hi4(w: u32) -> vec4<f32> {
+fn hi4(w: u32, off: f32) -> vec4<f32> {
     let u = (vec4<u32>(w >> 4u, w >> 12u, w >> 20u, w >> 28u) & vec4<u32>(15u)) | vec4<u32>(0x4B000000u);
-    return bitcast<vec4<f32>>(u) - vec4<f32>(8388608.0);
+    return bitcast<vec4<f32>>(u) - vec4<f32>(off);
 }
 fn h2(w: u32) -> vec2<f32> { return unpack2x16float(w); }
 """
@@ -181,21 +181,26 @@ class WeightDesc:
             e += f"    let q = f32(({n}_word(row, b * 4u + (j >> 2u)) >> ((j & 3u) * 8u + (e >> 4u) * 4u)) & 15u);\n"
             get = e + (f"    return (q - 8.0) * {n}_d(row, b);" if f == "Q4_0"
                        else f"    return q * {n}_d(row, b) + {n}_m(row, b);")
-            dot = (f"let q = {n}_qs(row, b); var s = 0.0; var sx = vec4<f32>(0.0);\n"
-                   f"    for (var k = 0u; k < 4u; k++) {{\n"
-                   f"        let xl = xv[k]; let xh = xv[4u + k];\n"
-                   f"        s += dot(lo4(q[k]), xl) + dot(hi4(q[k]), xh); sx += xl + xh;\n"
-                   f"    }}\n"
-                   f"    let sum_x = sx.x + sx.y + sx.z + sx.w;\n")
-            dot += (f"    return (s - 8.0 * sum_x) * {n}_d(row, b);" if f == "Q4_0"
-                    else f"    return s * {n}_d(row, b) + sum_x * {n}_m(row, b);")
+            if f == "Q4_0":  # (q - 8) straight from the mantissa trick: no sum of x needed
+                dot = (f"let q = {n}_qs(row, b); var s = 0.0;\n"
+                       f"    for (var k = 0u; k < 4u; k++) {{\n"
+                       f"        s += dot(lo4(q[k], 8388616.0), xv[k]) + dot(hi4(q[k], 8388616.0), xv[4u + k]);\n"
+                       f"    }}\n"
+                       f"    return s * {n}_d(row, b);")
+            else:
+                dot = (f"let q = {n}_qs(row, b); var s = 0.0; var sx = vec4<f32>(0.0);\n"
+                       f"    for (var k = 0u; k < 4u; k++) {{\n"
+                       f"        let xl = xv[k]; let xh = xv[4u + k];\n"
+                       f"        s += dot(lo4(q[k], 8388608.0), xl) + dot(hi4(q[k], 8388608.0), xh); sx += xl + xh;\n"
+                       f"    }}\n"
+                       f"    return s * {n}_d(row, b) + (sx.x + sx.y + sx.z + sx.w) * {n}_m(row, b);")
         if f == "F16":
             get4 = f"let w = {n}_word(row, k >> 1u); let v = {n}_word(row, (k >> 1u) + 1u); return vec4<f32>(h2(w), h2(v));"
         elif f == "Q8_0":
             get4 = f"return i8x4({n}_word(row, k >> 2u)) * {n}_d(row, k >> 5u);"
         else:
             get4 = (f"let b = k >> 5u; let e = k & 31u; let w = {n}_word(row, b * 4u + ((e & 15u) >> 2u));\n"
-                    f"    let q = select(lo4(w), hi4(w), e >= 16u);\n")
+                    f"    let q = select(lo4(w, 8388608.0), hi4(w, 8388608.0), e >= 16u);\n")
             get4 += (f"    return (q - vec4<f32>(8.0)) * {n}_d(row, b);" if f == "Q4_0"
                      else f"    return q * {n}_d(row, b) + vec4<f32>({n}_m(row, b));")
         src += f"fn {n}_get(row: u32, k: u32) -> f32 {{\n    {get}\n}}\n"
