@@ -11,7 +11,8 @@
 3. gemv: the decode matrix-vector kernel alone per format and shape (Llama 1B/8B projections),
    weights cycled through copies larger than the L2 cache, timed with timestamp queries: GB/s
    of weight bytes and the fraction of --bandwidth (the H100's copy bandwidth, 3.0 TB/s); the
-   default launch configuration and the best of the tuning candidates.
+   default launch configuration and the best of the tuning candidates. gemm: the prefill matrix
+   product alone at -p tokens, TFLOP/s of the default tiles and the best candidate.
 4. models: edgellm.synthetic files of the SmolLM2-135M / Llama-3.2-1B / Llama-3.1-8B shapes in
    each format (written once into --model-dir, reused): prefill pp{p} from an empty cache and
    decode tg{n} (greedy on the device) in tokens/s, median of -r runs, and decode bandwidth =
@@ -170,6 +171,46 @@ def gemv_section(formats: list[str], shapes: list[tuple[int, int]], bw: float, t
     return rows_out
 
 
+def gemm_section(formats: list[str], shapes: list[tuple[int, int]], rows: int, tune: bool) -> list[dict]:
+    """The prefill matrix product alone at `rows` tokens: TFLOP/s of the default tiles and the best
+    candidate (weights stay in the L2 between repeats here: prefill is compute-bound)."""
+    from edgellm.backends.webgpu import kernels, tuning
+    from edgellm.backends.webgpu.backend import DeviceWeight
+    from edgellm.backends.webgpu.device import get_device
+    from edgellm.backends.webgpu.launch import Launch, upload_f32
+
+    dev = get_device()
+    rng = np.random.default_rng(1)
+    out = []
+    for fmt in formats:
+        for n_out, n_in in shapes:
+            row = {"fmt": fmt, "shape": f"{n_out}x{n_in}", "rows": rows}
+            try:
+                w = DeviceWeight(_random_packed(fmt, n_out, n_in, rng), dev)
+                bufs = {**{k: b for k, (b, _, _) in w.resources().items()},
+                        "X": upload_f32(dev, rng.standard_normal(rows * n_in, dtype=np.float32)),
+                        "Y": dev.buffer(4 * rows * n_out)}
+                flop = 2.0 * rows * n_out * n_in
+                results = []
+                for cfg in [tuning.DEFAULT_GEMM] + (tuning.GEMM_CANDIDATES if tune else []):
+                    try:
+                        L = Launch(dev, kernels.gemm(w.desc(), n_out, "step.seq", **cfg), bufs)
+                        L.set_step(seq=rows)
+                        t = L.time((-(-n_out // cfg["tn"]), -(-rows // cfg["tm"]), 1), repeat=3)
+                        results.append((t, cfg))
+                    except Exception:  # noqa: BLE001 - a tiling the adapter rejects
+                        continue
+                t0 = results[0][0] if results and results[0][1] == tuning.DEFAULT_GEMM else float("nan")
+                best = min(results, key=lambda r: r[0])
+                row.update(ms=t0 * 1e3, TFLOPs=flop / t0 / 1e12, best=best[1], best_ms=best[0] * 1e3,
+                           best_TFLOPs=flop / best[0] / 1e12)
+            except Exception as e:  # noqa: BLE001
+                row["error"] = _err(e)
+            print(f"gemm {json.dumps(row)}", flush=True)
+            out.append(row)
+    return out
+
+
 def _grid2(n: int, limit: int):
     from edgellm.backends.webgpu.backend import _grid2 as g
 
@@ -282,6 +323,15 @@ def print_tables(res: dict, p: int, n: int) -> None:
         print(f"| {r['fmt']} | {r['shape']} | {r['bytes'] / 1e6:.1f} | {r['us']:.1f} | {r['GBps']:.0f} | {r['pct']:.0f}% | "
               f"{r.get('best_us', float('nan')):.1f} | {r.get('best_GBps', float('nan')):.0f} | "
               f"{r.get('best_pct', float('nan')):.0f}% | {r.get('best', '')} |")
+    print(f"\n## GEMM alone (prefill, {p} tokens)")
+    print("| format | out x in | default ms | TFLOP/s | best ms | best TFLOP/s | best tiles |")
+    print("|---|---|---|---|---|---|---|")
+    for r in res.get("gemm", []):
+        if "error" in r:
+            print(f"| {r['fmt']} | {r['shape']} | error: {r['error']} ||||")
+            continue
+        print(f"| {r['fmt']} | {r['shape']} | {r['ms']:.2f} | {r['TFLOPs']:.2f} | {r['best_ms']:.2f} | "
+              f"{r['best_TFLOPs']:.2f} | {r['best']} |")
     print(f"\n## Models (synthetic files; prefill pp{p}, decode tg{n} greedy on the device)")
     print(f"| model | format | backend | pp{p} tok/s | tg{n} tok/s | MB/token | decode GB/s | % of copy bw | load s |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -309,7 +359,7 @@ def main() -> None:
     ap.add_argument("--bandwidth", type=float, default=3.0e12, help="copy bandwidth in bytes/s (H100: 3.0e12)")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per (file, backend) process")
     ap.add_argument("--cuda", action="store_true", help="also the cuda backend (torch with CUDA and triton)")
-    ap.add_argument("--skip", default="", help="sections to skip: check,gemv,models")
+    ap.add_argument("--skip", default="", help="sections to skip: check,gemv,gemm,models")
     ap.add_argument("--gemv-shapes", default=None, help="OUTxIN,... instead of the Llama shapes")
     ap.add_argument("--no-tune", action="store_true", help="GEMV: time the default configuration only")
     ap.add_argument("--json", default=None, help="write every result here")
@@ -342,6 +392,11 @@ def main() -> None:
         if args.gemv_shapes:
             shapes = [tuple(int(v) for v in s.split("x")) for s in args.gemv_shapes.split(",")]
         res["gemv"] = gemv_section([f for f in args.formats.split(",") if f], shapes, args.bandwidth, not args.no_tune)
+    if "gemm" not in skip:
+        shapes = GEMV_SHAPES["quick"][:3] if args.quick else GEMV_SHAPES["full"]
+        if args.gemv_shapes:
+            shapes = [tuple(int(v) for v in s.split("x")) for s in args.gemv_shapes.split(",")]
+        res["gemm"] = gemm_section([f for f in args.formats.split(",") if f], shapes, args.p, not args.no_tune)
     if "models" not in skip:
         res["models"] = models_section(args, args.bandwidth)
     res["seconds"] = time.perf_counter() - t0
