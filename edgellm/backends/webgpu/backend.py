@@ -141,6 +141,7 @@ class _Dispatch:
         self.pipeline = None
         self.bind_group = None
         self.arena_gen = -1
+        self._grids: dict[tuple[int, int], tuple[int, int, int]] = {}
 
     def prepare(self) -> None:
         dev, be = self.prog.dev, self.prog.backend
@@ -159,7 +160,10 @@ class _Dispatch:
             self.arena_gen = be.arena_gen
 
     def encode(self, cpass, seq: int, splits: int) -> None:
-        x, y, z = self.grid(seq, splits)
+        g = self._grids.get((seq, splits))
+        if g is None:  # the grid functions evaluate symbolic shapes: once per step shape, not per token
+            g = self._grids[seq, splits] = tuple(int(v) for v in self.grid(seq, splits))
+        x, y, z = g
         if x * y * z == 0:
             return
         if _RAW is not None:
