@@ -353,27 +353,15 @@ def rope(segments: list[RopeSegment], x_cols: int, head_dim: int, n_rot: int, ne
     stores = "\n".join(f"        case {i}u: {{ {d}_st(o, v); }}" for i, d in enumerate(dsts))
     body = """
 const D: u32 = ${D}u; const R: u32 = ${R}u; const HALF: u32 = ${R}u / 2u; const XW: u32 = ${XW}u;
+var<private> lane: u32;
 fn put(which: u32, o: u32, v: f32) {
     switch which {
 ${STORES}
         default: {}
     }
 }
-fn head(src: u32, dst: u32, pos: u32, rotate: bool, which: u32) {
-    // one head of D values; threads of the workgroup share it (called by all, one head each)
-}
-@compute @workgroup_size(64)
-fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {
-    let h = wid.x; let t = wid.y;
-    if (t >= ${ROWS_EXPR}) { return; }
-    let pos = step.start + t;
-    ${BRANCHES}
-}
-"""
-    # `head` needs lid: pass through a private variable set in main
-    body = body.replace("""fn head(src: u32, dst: u32, pos: u32, rotate: bool, which: u32) {
-    // one head of D values; threads of the workgroup share it (called by all, one head each)
-}""", """var<private> lane: u32;
+// one head of D values from X at src to tensor `which` at dst, rotated or copied; the 64 threads
+// of the workgroup share it
 fn head(src: u32, dst: u32, pos: u32, rotate: bool, which: u32) {
     if (rotate) {
         for (var i = lane; i < HALF; i += 64u) {
@@ -387,7 +375,16 @@ fn head(src: u32, dst: u32, pos: u32, rotate: bool, which: u32) {
     } else {
         for (var d = lane; d < D; d += 64u) { put(which, dst + d, X_ld(src + d)); }
     }
-}""").replace("let h = wid.x; let t = wid.y;", "let h = wid.x; let t = wid.y; lane = lid;")
+}
+@compute @workgroup_size(64)
+fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {
+    let h = wid.x; let t = wid.y;
+    lane = lid;
+    if (t >= ${ROWS_EXPR}) { return; }
+    let pos = step.start + t;
+    ${BRANCHES}
+}
+"""
     return _render("rope", parts, body, 64, D=head_dim, R=n_rot, XW=x_cols, ROWS_EXPR=rows,
                    BRANCHES="\n    ".join(branches), STORES=stores,
                    I1="i" if neox else "2u * i", I2="i + HALF" if neox else "2u * i + 1u")
