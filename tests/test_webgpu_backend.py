@@ -175,3 +175,21 @@ def test_float32_kv_cache(models, monkeypatch):
     monkeypatch.setenv("EDGELLM_WEBGPU_KV", "f32")
     g = _compare(models["Q4_0"], tol=2e-4)
     assert g.backend.kv_dtype == "f32" and "f32 KV cache" in g.backend.describe()
+
+
+def test_device_errors_are_one_line(models, monkeypatch):
+    """A failure inside wgpu (here a refused bind group) is an edgellm error naming the program and
+    step, on one line, not wgpu's multi-line report."""
+    import wgpu
+
+    from edgellm.backends.webgpu.backend import WebgpuError
+    from edgellm.backends.webgpu.device import get_device
+
+    m = edgellm.load(models["Q8_0"], backend="webgpu", ctx=64)
+
+    def refuse(*a, **k):
+        raise wgpu.GPUValidationError("Validation Error\n\nCaused by:\n  In wgpuDeviceCreateBindGroup\n  too big")
+    monkeypatch.setattr(get_device().device, "create_bind_group", refuse)
+    with pytest.raises(WebgpuError, match="running 'llama-last' on 1 tokens failed: Validation Error .* too big") as e:
+        m.forward([1], 0, all_logits=False)
+    assert "\n" not in str(e.value)

@@ -40,6 +40,32 @@ class DeviceMemoryError(EdgeLLMError):
     """A tensor does not fit in the adapter's buffers or bindings."""
 
 
+class WebgpuError(EdgeLLMError):
+    """The WebGPU implementation refused or failed an operation (a driver or limit problem)."""
+
+
+def _device_errors(what: str):
+    """Turn wgpu's errors into one-line edgellm errors naming what was being done."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def guard():
+        import wgpu
+
+        try:
+            yield
+        except wgpu.GPUOutOfMemoryError as e:
+            raise DeviceMemoryError(f"webgpu: out of GPU memory {what}: {_first_line(e)}") from None
+        except wgpu.GPUError as e:
+            raise WebgpuError(f"webgpu: {what} failed: {_first_line(e)}") from None
+    return guard()
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [x.strip() for x in str(e).splitlines() if x.strip() and x.strip() != "Caused by:"]
+    return " | ".join(lines[:3])[:300] or type(e).__name__
+
+
 class WebgpuTensor:
     """A tensor on the device: a range of a buffer, row-major float32 (or float16: the KV cache
     where the adapter has shader-f16)."""
@@ -482,8 +508,9 @@ class WebgpuProgram:
         if start + seq > self.ctx:
             raise GraphError(f"tokens {start}..{start + seq} exceed the KV cache of {self.ctx}")
         self._host_start = start
-        self.dev.write(self.tok_buf, ids.astype(np.uint32))
-        self._record(seq, self._write_step(seq, start))
+        with _device_errors(f"running '{self.graph.name}' on {seq} tokens"):
+            self.dev.write(self.tok_buf, ids.astype(np.uint32))
+            self._record(seq, self._write_step(seq, start))
         return {name: self.tensor(name, seq) for name in self.graph.outputs}
 
     def greedy_tokens(self, first_token: int, start: int, n: int) -> Iterator[int]:
@@ -668,7 +695,8 @@ class WebgpuBackend(WebgpuInfo):
         return out
 
     def compile(self, graph: Graph, states: dict, plan=None, max_seq: int | None = None) -> WebgpuProgram:
-        return WebgpuProgram(self, graph, states, plan, max_seq or 512)
+        with _device_errors(f"uploading {self.file.path.name}'s weights and compiling '{graph.name}'"):
+            return WebgpuProgram(self, graph, states, plan, max_seq or 512)
 
     @staticmethod
     def to_numpy(t) -> np.ndarray:
