@@ -529,11 +529,12 @@ class WebgpuProgram:
         i, batch = 0, 1
         while i < n:
             k = min(batch, n - i)
-            for j in range(i, i + k):
-                self._host_start = start + j
-                # the step's values are written in queue order: after the previous step's commands
-                self._record(1, self._write_step(1, start + j, hist=j), with_argmax=True)
-            ids = np.frombuffer(self.dev.read(self.hist_buf, 4 * i, 4 * k), np.uint32)
+            with _device_errors(f"greedy decoding at position {start + i}"):
+                for j in range(i, i + k):
+                    self._host_start = start + j
+                    # the step's values are written in queue order: after the previous step's commands
+                    self._record(1, self._write_step(1, start + j, hist=j), with_argmax=True)
+                ids = np.frombuffer(self.dev.read(self.hist_buf, 4 * i, 4 * k), np.uint32)
             for t in ids:
                 yield int(t)
             i += k
