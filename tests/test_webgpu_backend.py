@@ -193,3 +193,16 @@ def test_device_errors_are_one_line(models, monkeypatch):
     with pytest.raises(WebgpuError, match="running 'llama-last' on 1 tokens failed: Validation Error .* too big") as e:
         m.forward([1], 0, all_logits=False)
     assert "\n" not in str(e.value)
+
+
+def test_fp16_activations(models, adapter, monkeypatch):
+    """EDGELLM_WEBGPU_ACT=f16: every arena tensor stored as fp16 through its storage descriptor
+    (the kernels unchanged); logits within fp16 rounding of the cpu's."""
+    if not adapter.has_f16:
+        pytest.skip("the adapter has no shader-f16")
+    monkeypatch.setenv("EDGELLM_WEBGPU_ACT", "f16")
+    g = _compare(models["Q8_0"], tol=2e-2)
+    assert "f16 activations" in g.backend.describe()
+    sources = [v.kernel.source for st in g.programs["decode"]._steps for v in getattr(st, "variants", (st,))]
+    gemvs = [src for src in sources if "fn W_dotv" in src and "TOK" not in src]
+    assert gemvs and all("var<storage, read_write> X: array<f16>" in src for src in gemvs)

@@ -285,30 +285,35 @@ class WebgpuProgram:
 
     def _res(self, name: str) -> Callable:
         """A function giving (buffer, byte offset, byte size) of a tensor's storage (called when the
-        bind groups are made, after every program of the model has reserved its arena)."""
+        bind groups are made, after every program of the model has reserved its arena); its
+        `dtype` attribute is the tensor's element type there."""
         t = self.graph.tensors[name]
         dev = self.dev
         if t.kind == "weight":
             src = t.source or name
-            return lambda: (lambda b: (b, 0, b.size))(self.backend.weights.vector(src))
-        if t.kind == "state" or t.alias_of is not None:
+            fn, dtype = (lambda: (lambda b: (b, 0, b.size))(self.backend.weights.vector(src))), "f32"
+        elif t.kind == "state" or t.alias_of is not None:
             st = self.states[t.alias_of or name]
-            return lambda: (st.buffer, st.offset, -(-st.nbytes // 16) * 16)
-        if name in self._outputs:
+            fn, dtype = (lambda: (st.buffer, st.offset, -(-st.nbytes // 16) * 16)), st.dtype
+        elif name in self._outputs:
             b = self._outputs[name]
-            return lambda: (b, 0, b.size)
-        if name in self.offsets:
+            fn, dtype = (lambda: (b, 0, b.size)), "f32"
+        elif name in self.offsets:
             off = self.offsets[name]
-            size = -(-4 * math.prod(self.shape(name, self.max_seq)) // 16) * 16
+            size = -(-4 * math.prod(self.shape(name, self.max_seq)) // 16) * 16  # the plan's float32 slot
             if size > dev.max_binding:
                 raise DeviceMemoryError(f"webgpu: tensor '{name}' needs {size} bytes, more than the adapter's "
                                         f"{dev.max_binding}-byte storage binding; use a smaller prefill chunk")
-            return lambda: (self.backend.arena_buffer, off, max(size, 16))
-        raise GraphError(f"webgpu: no storage planned for tensor '{name}'")
+            fn, dtype = (lambda: (self.backend.arena_buffer, off, max(size, 16))), self.backend.act_dtype
+        else:
+            raise GraphError(f"webgpu: no storage planned for tensor '{name}'")
+        fn.dtype = dtype
+        return fn
 
     def tensor(self, name: str, seq: int) -> WebgpuTensor:
-        buf, off, _ = self._res(name)()
-        return WebgpuTensor(self.dev, buf, off, self.shape(name, seq))
+        fn = self._res(name)
+        buf, off, _ = fn()
+        return WebgpuTensor(self.dev, buf, off, self.shape(name, seq), fn.dtype)
 
     def _rows(self, name: str) -> Callable[[int], int]:
         return lambda seq: self.shape(name, seq)[0]
@@ -328,18 +333,18 @@ class WebgpuProgram:
         if kind == "embedding":
             w = W.matrix(self._wname(ins[0]))
             rows = self._rows(outs[0])
-            k = kernels.embedding(w.desc(), self._rows_expr(outs[0]))
             res = {**_const(w.resources()), "Y": R(outs[0]), "TOK": lambda: (self.tok_buf, 0, self.tok_buf.size)}
+            k = kernels.embedding(w.desc(), self._rows_expr(outs[0]), dtypes=_dtypes(res))
             return [_Dispatch(self, k, res, lambda s, n: (-(-w.cols // 256), rows(s), 1))]
         if kind in ("rms_norm", "add_rms_norm"):
             add = kind == "add_rms_norm"
             normed = outs[1] if add else outs[0]
             cols = self.shape(normed, 1)[-1]
             rows = self._rows(normed)
-            k = kernels.rms_norm(cols, a["eps"], self._rows_expr(normed), add=add)
             res = {"A": R(ins[0]), "G": R(ins[2] if add else ins[1]), "O": R(normed)}
             if add:
                 res.update(B=R(ins[1]), S=R(outs[0]))
+            k = kernels.rms_norm(cols, a["eps"], self._rows_expr(normed), add=add, dtypes=_dtypes(res))
             return [_Dispatch(self, k, res, lambda s, n: (*_grid2(rows(s), limit), 1))]
         if kind in ("linear", "linear_qkv", "linear_swiglu"):
             return [self._lower_linear(op)]
@@ -352,12 +357,12 @@ class WebgpuProgram:
                 tb = self.graph.tensors[ins[1]]
                 b_rows = len(tb.shape) == 2 and tb.shape[0] == self.graph.tensors[outs[0]].shape[0]
                 res["B"] = R(ins[1])
-            k = kernels.elementwise(kind, cols, self._rows_expr(outs[0]), b_rows=b_rows)
+            k = kernels.elementwise(kind, cols, self._rows_expr(outs[0]), b_rows=b_rows, dtypes=_dtypes(res))
             return [_Dispatch(self, k, res, lambda s, n: (*_grid2(-(-rows(s) * cols // 256), limit), 1))]
         if kind == "last_row":
             cols = self.shape(outs[0], 1)[-1]
-            return [_Dispatch(self, kernels.last_row(cols), {"X": R(ins[0]), "Y": R(outs[0])},
-                              lambda s, n: (-(-cols // 256), 1, 1))]
+            res = {"X": R(ins[0]), "Y": R(outs[0])}
+            return [_Dispatch(self, kernels.last_row(cols, dtypes=_dtypes(res)), res, lambda s, n: (-(-cols // 256), 1, 1))]
         if kind in ("rope_qkv_store", "rope", "rope_store", "kv_store"):
             return [self._lower_rope(op)]
         if kind == "attention":
@@ -389,13 +394,13 @@ class WebgpuProgram:
         opts = dict(bias=bool(bias), residual=res_in is not None, glu=glu)
         cfg = self.backend.gemv_config(w, n_out, glu)
         x_vec = 4 if w.cols % 4 == 0 else 1
-        gv = _Dispatch(self, kernels.gemv(w.desc(), n_out, rows_expr, x_vec=x_vec, **cfg, **opts), res,
+        gv = _Dispatch(self, kernels.gemv(w.desc(), n_out, rows_expr, x_vec=x_vec, **cfg, **opts, dtypes=_dtypes(res)), res,
                        lambda s, n: (*_grid2(-(-n_out // cfg["rows_per_wg"]), self.dev.max_groups), rows(s)))
         if (self.max_seq <= GEMV_MAX_ROWS or self.graph.tensors[outs[0]].shape[0] != SEQ
                 or not self.backend.prefill_tiled):
             return gv
         gcfg = self.backend.gemm_config(w, n_out, glu, self.max_seq)
-        gm = _Dispatch(self, kernels.gemm(w.desc(), n_out, rows_expr, **gcfg, **opts), res,
+        gm = _Dispatch(self, kernels.gemm(w.desc(), n_out, rows_expr, **gcfg, **opts, dtypes=_dtypes(res)), res,
                        lambda s, n: (-(-n_out // gcfg["tn"]), -(-rows(s) // gcfg["tm"]), 1))
         return _Choice(lambda s: gv if s <= GEMV_MAX_ROWS else gm, gv, gm)
 
@@ -429,7 +434,7 @@ class WebgpuProgram:
         res["COS"] = lambda: (cos, 0, cos.size)
         res["SIN"] = lambda: (sin, 0, sin.size)
         x_cols = self.shape(x, 1)[-1]
-        k = kernels.rope(segs, x_cols, d, r, a.get("style") == "neox", self._rows_expr(x), self.backend.kv_dtype)
+        k = kernels.rope(segs, x_cols, d, r, a.get("style") == "neox", self._rows_expr(x), dtypes=_dtypes(res))
         n_heads = sum(s.n for s in segs)
         return _Dispatch(self, k, res, lambda s, n: (n_heads, rows(s), 1))
 
@@ -439,22 +444,22 @@ class WebgpuProgram:
         rows_expr, rows = self._rows_expr(ins[0]), self._rows(ins[0])
         res = {"Q": R(ins[0]), "KC": R(ins[1]), "VC": R(ins[2]), "O": R(outs[0])}
         direct = _Dispatch(self, kernels.attention(h, g, d, a["scale"], rows_expr, partial=False,
-                                                       cache_dtype=self.backend.kv_dtype), res,
+                                                       dtypes=_dtypes(res)), res,
                            lambda s, n: (h, rows(s), 1))
         if self.max_seq != 1:
             if not self.backend.prefill_tiled or self.max_seq <= GEMV_MAX_ROWS:
                 return [direct]
             bm = kernels.attention_tile_rows(d, self.dev.max_workgroup_memory - 4096)
-            tiled = _Dispatch(self, kernels.attention_tiled(h, g, d, a["scale"], rows_expr, cache_dtype=self.backend.kv_dtype,
+            tiled = _Dispatch(self, kernels.attention_tiled(h, g, d, a["scale"], rows_expr, dtypes=_dtypes(res),
                                                             workgroup_bytes=self.dev.max_workgroup_memory - 4096),
                               res, lambda s, n: (h, -(-rows(s) // bm), 1))
             return [_Choice(lambda s: direct if s <= GEMV_MAX_ROWS else tiled, direct, tiled)]
         ws = self.backend.workspace(h * MAX_SPLITS * (d + 2) * 4)
         wres = {**res, "WS": lambda: (ws, 0, ws.size)}
         part = _Dispatch(self, kernels.attention(h, g, d, a["scale"], rows_expr, partial=True,
-                                                     cache_dtype=self.backend.kv_dtype), wres,
+                                                     dtypes=_dtypes(wres)), wres,
                          lambda s, n: (h, rows(s), n))
-        comb = _Dispatch(self, kernels.attention_combine(h, d, rows_expr), wres, lambda s, n: (h, rows(s), 1))
+        comb = _Dispatch(self, kernels.attention_combine(h, d, rows_expr, dtypes=_dtypes(wres)), wres, lambda s, n: (h, rows(s), 1))
         return [_Choice(lambda s: None, direct, part, comb, splits=True)]
 
     def _delegate(self, op: Op):
@@ -593,6 +598,11 @@ class _HostOp:
             prog.tensor(name, seq).write(value.float().numpy())
 
 
+def _dtypes(res: dict) -> dict:
+    """Binding name -> element type of the tensor each resource holds (kernels.py's `dtypes`)."""
+    return {k: getattr(v, "dtype", "f32") for k, v in res.items()}
+
+
 def _const(res: dict) -> dict:
     return {k: (lambda v=v: v) for k, v in res.items()}
 
@@ -616,6 +626,10 @@ class WebgpuBackend(WebgpuInfo):
         # the KV cache in fp16 where the adapter has shader-f16 (half the memory and the attention's
         # reads; the cuda backend's choice too); EDGELLM_WEBGPU_KV=f32 keeps it in float32
         self.kv_dtype = "f16" if self.dev.has_f16 and os.environ.get("EDGELLM_WEBGPU_KV", "f16") != "f32" else "f32"
+        # activations in the arena: float32 (the cpu reference's type) unless EDGELLM_WEBGPU_ACT=f16 on
+        # an adapter with shader-f16 (half the activation traffic; the storage descriptors change,
+        # the kernels' float32 maths does not)
+        self.act_dtype = "f16" if self.dev.has_f16 and os.environ.get("EDGELLM_WEBGPU_ACT", "f32") == "f16" else "f32"
 
     @staticmethod
     def available() -> bool:
@@ -704,4 +718,4 @@ class WebgpuBackend(WebgpuInfo):
         return t.numpy() if isinstance(t, WebgpuTensor) else np.asarray(t, dtype=np.float32)
 
     def describe(self) -> str:
-        return f"webgpu ({self.dev.describe()}; WGSL kernels, f32 activations, {self.kv_dtype} KV cache)"
+        return f"webgpu ({self.dev.describe()}; WGSL kernels, {self.act_dtype} activations, {self.kv_dtype} KV cache)"

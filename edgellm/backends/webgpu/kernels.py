@@ -16,7 +16,7 @@ workgroup memory and barriers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from string import Template
 
 from .codegen import HELPERS, ActDesc, Binding, WeightDesc
@@ -40,13 +40,17 @@ class Kernel:
         return tuple(b.kind for b in self.bindings)
 
 
-def _render(name: str, parts: list, body: str, wg: int, **consts) -> Kernel:
+def _render(name: str, parts: list, body: str, wg: int, dtypes: dict | None = None, **consts) -> Kernel:
     """Assemble a kernel: Step + the parts' bindings, helpers, accessors, then the body template
-    with ${...} constants substituted."""
+    with ${...} constants substituted. dtypes: binding name -> element type of the tensor bound
+    there ("f32", "f16"), overriding the template's default: the caller's storage decides, the
+    template's maths stays the same."""
     bindings: list[Binding] = [STEP]
     acc = []
     f16 = False
     for p, x in parts:  # (descriptor, accessor argument) pairs
+        if isinstance(p, ActDesc) and dtypes and p.name in dtypes:
+            p = replace(p, dtype=dtypes[p.name])
         bindings += p.bindings()
         acc.append(p.accessors(x) if isinstance(p, WeightDesc) else p.accessors())
         f16 |= getattr(p, "dtype", "f32") == "f16"
@@ -65,7 +69,7 @@ def _tree(var: str, lane: str, width: str, op: str = "+") -> str:
 
 # -- matrix products ------------------------------------------------------------------------------
 def gemv(w: WeightDesc, n_out: int, rows: str, *, bias: bool = False, residual: bool = False, glu: bool = False,
-         rows_per_wg: int = 4, wg: int = 128, subgroup: bool = False, x_vec: int = 4, rows_per_thread: int = 1) -> Kernel:
+         rows_per_wg: int = 4, wg: int = 128, subgroup: bool = False, x_vec: int = 4, rows_per_thread: int = 1, dtypes: dict | None = None) -> Kernel:
     """y[t, c] = sum_k x[t, k] W[c, k] (+ bias[c]) (+ res[t, c]); glu: silu(W[c] x) * (W[c + n_out] x).
     Decode-stage (few rows): rows_per_wg output features per workgroup; TPR = wg * rows_per_thread /
     rows_per_wg threads per feature group stride over its blocks (16-byte loads); each thread reads
@@ -133,11 +137,11 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
 """
     return _render("gemv", parts, body, wg, N=n_out, K=w.cols, NB=w.nblocks, BLK=w.block, ROWS=rows_per_wg,
                    TPR=tpr, NR=nr, NA=na, DECL=decl, RED=red, EPI=epi, ROWS_EXPR=rows,
-                   GLU_DOT="acc[NR + r] += W_dotv(col + N, b, xv);" if glu else "")
+                   GLU_DOT="acc[NR + r] += W_dotv(col + N, b, xv);" if glu else "", dtypes=dtypes)
 
 
 def gemm(w: WeightDesc, n_out: int, rows: str, *, bias: bool = False, residual: bool = False, glu: bool = False,
-         tm: int = 64, tn: int = 64, tk: int = 32) -> Kernel:
+         tm: int = 64, tn: int = 64, tk: int = 32, dtypes: dict | None = None) -> Kernel:
     """The prefill matrix product: a TM x TN tile of y per workgroup of 256 threads (16 x 16, each
     TM/16 x TN/16 outputs, strided so that neighbouring threads read neighbouring workgroup
     memory), x and dequantized W tiles staged in workgroup memory TK at a time, k-major.
@@ -211,11 +215,11 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     return _render("gemm", parts, body, 256, N=n_out, K=w.cols, TM=tm, TN=tn, TK=tk, NW=nw, XS=tm * tk,
                    WS=nw * tn * tk, PM=tm // 16, PMN=(tm // 16) * (tn // 16), EPI=epi, ROWS_EXPR=rows,
                    GLU_W="let wu = ws[TK * TN + k * TN + tx + 16u * j];" if glu else "",
-                   GLU_FMA="acc1[i * PN + j] += xv[i] * wu;" if glu else "")
+                   GLU_FMA="acc1[i * PN + j] += xv[i] * wu;" if glu else "", dtypes=dtypes)
 
 
 # -- row-wise kernels -----------------------------------------------------------------------------
-def embedding(w: WeightDesc, rows: str) -> Kernel:
+def embedding(w: WeightDesc, rows: str, *, dtypes: dict | None = None) -> Kernel:
     """out[t, k] = W[tokens[t], k]; grid (ceil(cols / 256), rows)."""
     body = """
 @group(0) @binding(${TOKB}) var<storage, read_write> TOK: array<u32>;
@@ -227,11 +231,11 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 """
     parts = [(w, "Y"), (ActDesc("Y"), None)]
     n_bind = 1 + len(w.bindings()) + 1
-    k = _render("embedding", parts, body, 256, K=w.cols, ROWS_EXPR=rows, TOKB=n_bind)
+    k = _render("embedding", parts, body, 256, K=w.cols, ROWS_EXPR=rows, TOKB=n_bind, dtypes=dtypes)
     return Kernel(k.name, k.source, k.bindings + (Binding("TOK", "array<u32>"),), 256)
 
 
-def rms_norm(cols: int, eps: float, rows: str, *, add: bool = False, wg: int = 256) -> Kernel:
+def rms_norm(cols: int, eps: float, rows: str, *, add: bool = False, wg: int = 256, dtypes: dict | None = None) -> Kernel:
     """O = x * rsqrt(mean(x^2) + eps) * G per row; add: x = A + B is also written to S (the
     residual stream). One workgroup per row."""
     parts = [(ActDesc("A"), None), (ActDesc("G"), None), (ActDesc("O"), None)]
@@ -257,10 +261,10 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
 }
 """
     return _render("add_rms_norm" if add else "rms_norm", parts, body, wg, C=cols, EPS=_f(eps), LOAD=load,
-                   AGAIN=again, ROWS_EXPR=rows, TREE=_tree("ss", "lid", f"{wg}u"))
+                   AGAIN=again, ROWS_EXPR=rows, TREE=_tree("ss", "lid", f"{wg}u"), dtypes=dtypes)
 
 
-def elementwise(kind: str, cols: int, rows: str, *, b_rows: bool = True) -> Kernel:
+def elementwise(kind: str, cols: int, rows: str, *, b_rows: bool = True, dtypes: dict | None = None) -> Kernel:
     """add, mul (b broadcast over rows when b_rows is False), silu, swiglu = silu(a) * b."""
     expr = {"add": "a + b", "mul": "a * b", "silu": "a / (1.0 + exp(-a))", "swiglu": "a / (1.0 + exp(-a)) * b"}[kind]
     parts = [(ActDesc("A"), None), (ActDesc("Y"), None)]
@@ -280,10 +284,10 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
 }
 """
     loadb = "" if unary else f"let b = B_ld({'i' if b_rows else f'i % {cols}u'});"
-    return _render(kind, parts, body, 256, C=cols, ROWS_EXPR=rows, EXPR=expr, LOADB=loadb)
+    return _render(kind, parts, body, 256, C=cols, ROWS_EXPR=rows, EXPR=expr, LOADB=loadb, dtypes=dtypes)
 
 
-def last_row(cols: int) -> Kernel:
+def last_row(cols: int, *, dtypes: dict | None = None) -> Kernel:
     """out[0, :] = x[seq - 1, :]."""
     body = """
 @compute @workgroup_size(256)
@@ -291,10 +295,10 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     if (gid.x < ${C}u) { Y_st(gid.x, X_ld((step.seq - 1u) * ${C}u + gid.x)); }
 }
 """
-    return _render("last_row", [(ActDesc("X"), None), (ActDesc("Y"), None)], body, 256, C=cols)
+    return _render("last_row", [(ActDesc("X"), None), (ActDesc("Y"), None)], body, 256, C=cols, dtypes=dtypes)
 
 
-def argmax(n: int, wg: int = 256) -> Kernel:
+def argmax(n: int, wg: int = 256, *, dtypes: dict | None = None) -> Kernel:
     """TOK[0] = the first index of the largest of x[0..n) (numpy's argmax), one workgroup; the
     same index also goes to HIST[step.p0] (the tokens of a greedy run, read back in batches)."""
     body = """
@@ -318,7 +322,7 @@ fn main(@builtin(local_invocation_index) lid: u32) {
     if (lid == 0u) { TOK[0] = bidx[0]; HIST[step.p0] = bidx[0]; }
 }
 """
-    k = _render("argmax", [(ActDesc("X"), None)], body, wg, N=n, NEG=NEG, TOKB=2, HISTB=3)
+    k = _render("argmax", [(ActDesc("X"), None)], body, wg, N=n, NEG=NEG, TOKB=2, HISTB=3, dtypes=dtypes)
     return Kernel(k.name, k.source, k.bindings + (Binding("TOK", "array<u32>"), Binding("HIST", "array<u32>")), wg)
 
 
@@ -335,7 +339,7 @@ class RopeSegment:
 
 
 def rope(segments: list[RopeSegment], x_cols: int, head_dim: int, n_rot: int, neox: bool, rows: str,
-         cache_dtype: str = "f32") -> Kernel:
+         cache_dtype: str = "f32", *, dtypes: dict | None = None) -> Kernel:
     """RoPE on some heads and the KV-cache write, in one kernel: grid (heads, rows). cos/sin come
     from tables COS/SIN[pos, i] computed on the host in float64 (as the cpu reference does)."""
     dsts = sorted({s.dst for s in segments})
@@ -387,12 +391,12 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
 """
     return _render("rope", parts, body, 64, D=head_dim, R=n_rot, XW=x_cols, ROWS_EXPR=rows,
                    BRANCHES="\n    ".join(branches), STORES=stores,
-                   I1="i" if neox else "2u * i", I2="i + HALF" if neox else "2u * i + 1u")
+                   I1="i" if neox else "2u * i", I2="i + HALF" if neox else "2u * i + 1u", dtypes=dtypes)
 
 
 # -- attention -------------------------------------------------------------------------------------
 def attention(n_heads: int, n_kv: int, head_dim: int, scale: float, rows: str, *, partial: bool,
-              cache_dtype: str = "f32", wg: int = 64) -> Kernel:
+              cache_dtype: str = "f32", wg: int = 64, dtypes: dict | None = None) -> Kernel:
     """Causal attention of query rows t (position start + t) over the cache rows 0..position, one
     workgroup per (head, row, split): keys [split * split_len, ...) in chunks of WG with an online
     softmax. GQA: head h reads KV head h / (n_heads / n_kv). partial: write (acc, max, sum) per
@@ -457,11 +461,11 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
 """
     return _render("attention_partial" if partial else "attention", parts, body, wg, H=n_heads, G=n_kv, D=head_dim,
                    DPT=dpt, SCALE=_f(scale), NEG=NEG, OUT=out,
-                   TREE_MAX=_tree("s", "lid", "WG", "max"), TREE_SUM=_tree("e", "lid", "WG"))
+                   TREE_MAX=_tree("s", "lid", "WG", "max"), TREE_SUM=_tree("e", "lid", "WG"), dtypes=dtypes)
 
 
 def attention_tiled(n_heads: int, n_kv: int, head_dim: int, scale: float, rows: str, *, cache_dtype: str = "f32",
-                    workgroup_bytes: int = 28 * 1024) -> Kernel:
+                    workgroup_bytes: int = 28 * 1024, dtypes: dict | None = None) -> Kernel:
     """Causal prefill attention in tiles (flash attention without matrix units): a workgroup takes
     BM query rows of one head and walks the keys BN at a time; each K/V tile is staged once in
     workgroup memory for all BM rows (the per-row kernel reads it BM times). Thread (i, j) of the
@@ -554,7 +558,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
 }
 """
     return _render("attention_tiled", parts, body, wg, H=n_heads, G=n_kv, D=d, BM=bm, BN=bn, DPT=dpt, QS=bm * d,
-                   KS=bn * d, BMBN=bm * bn, SCALE=_f(scale), NEG=NEG, ROWS_EXPR=rows)
+                   KS=bn * d, BMBN=bm * bn, SCALE=_f(scale), NEG=NEG, ROWS_EXPR=rows, dtypes=dtypes)
 
 
 def attention_tile_rows(head_dim: int, workgroup_bytes: int = 28 * 1024) -> int:
@@ -565,7 +569,7 @@ def attention_tile_rows(head_dim: int, workgroup_bytes: int = 28 * 1024) -> int:
     return bm
 
 
-def attention_combine(n_heads: int, head_dim: int, rows: str, wg: int = 64) -> Kernel:
+def attention_combine(n_heads: int, head_dim: int, rows: str, wg: int = 64, *, dtypes: dict | None = None) -> Kernel:
     """Merge the splits of attention(partial=True): grid (heads, rows)."""
     body = """
 const H: u32 = ${H}u; const D: u32 = ${D}u;
@@ -586,7 +590,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
 }
 """
     return _render("attention_combine", [(ActDesc("WS"), None), (ActDesc("O"), None)], body, wg, H=n_heads,
-                   D=head_dim, NEG=NEG)
+                   D=head_dim, NEG=NEG, dtypes=dtypes)
 
 
 def _f(v: float) -> str:
