@@ -295,6 +295,7 @@ def models_section(args, bw: float) -> list[dict]:
             for be in backends:
                 row = {"model": name, "fmt": fmt, "backend": be}
                 env = {**os.environ, "EDGELLM_TUNE": "1" if args.tune else os.environ.get("EDGELLM_TUNE", "0")}
+                env.update(kv.split("=", 1) for kv in args.set or ())
                 cmd = [sys.executable, os.path.abspath(__file__), "--one", path, be, "-p", str(args.p), "-n", str(args.n),
                        "-r", str(args.r), "--bandwidth", str(bw)]
                 try:
@@ -358,6 +359,8 @@ def main() -> None:
     ap.add_argument("-r", type=int, default=None)
     ap.add_argument("--bandwidth", type=float, default=3.0e12, help="copy bandwidth in bytes/s (H100: 3.0e12)")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per (file, backend) process")
+    ap.add_argument("--set", action="append", metavar="VAR=VALUE",
+                    help="environment of the model runs, e.g. EDGELLM_WEBGPU_ACT=f16 (repeatable)")
     ap.add_argument("--cuda", action="store_true", help="also the cuda backend (torch with CUDA and triton)")
     ap.add_argument("--skip", default="", help="sections to skip: check,gemv,gemm,models")
     ap.add_argument("--gemv-shapes", default=None, help="OUTxIN,... instead of the Llama shapes")
