@@ -85,7 +85,6 @@ def _linear_case(dev, rng, fmt, rows, n_out, k, *, glu=False, bias=False, residu
     x = rng.standard_normal((rows, k)).astype(np.float32)
     bufs = {kk: b for kk, (b, _, _) in w.resources().items()}
     bufs.update(X=upload_f32(dev, x), Y=nan_buffer(dev, rows * n_out))
-    extra = []
     b = r = None
     if bias:
         b = rng.standard_normal(n_out).astype(np.float32)
@@ -99,7 +98,7 @@ def _linear_case(dev, rng, fmt, rows, n_out, k, *, glu=False, bias=False, residu
     else:
         ins = [X, D] + ([torch.from_numpy(b)] if bias else []) + ([torch.from_numpy(r)] if residual else [])
         want = ref("linear", ins, has_bias=bias, has_residual=residual)
-    return w, bufs, want, extra
+    return w, bufs, want
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -110,7 +109,7 @@ def test_gemv(dev, rng, fmt, subgroup, nr):
     if subgroup and not dev.has_subgroups:
         pytest.skip("the adapter has no subgroups")
     rows, n_out, k = 3, 77, 96 if fmt == "F16" else 160
-    w, bufs, want, _ = _linear_case(dev, rng, fmt, rows, n_out, k, bias=True, residual=True)
+    w, bufs, want = _linear_case(dev, rng, fmt, rows, n_out, k, bias=True, residual=True)
     tpr = 4 if subgroup else 8
     per_wg = 64 * nr // tpr
     kern = kernels.gemv(w.desc(), n_out, "step.seq", bias=True, residual=True, rows_per_wg=per_wg, wg=64,
@@ -125,7 +124,7 @@ def test_gemv(dev, rng, fmt, subgroup, nr):
 def test_gemv_swiglu_split_weight(dev, rng, fmt):
     """gate|up stacked, the weight split by rows across bindings (a small binding limit)."""
     rows, n_out, k = 2, 45, 64
-    w, bufs, want, _ = _linear_case(dev, rng, fmt, rows, n_out, k, glu=True, parts=1024)
+    w, bufs, want = _linear_case(dev, rng, fmt, rows, n_out, k, glu=True, parts=1024)
     assert len(w.part_rows) > 2
     kern = kernels.gemv(w.desc(), n_out, "step.seq", glu=True, rows_per_wg=16, wg=64, rows_per_thread=2)
     L = Launch(dev, kern, bufs)
@@ -141,7 +140,7 @@ def test_gemm(dev, rng, fmt, tiles, glu):
     """Rows and features off the tiles, k = 96 (several k-steps; with tk 32, three)."""
     tm, tn, tk = tiles
     rows, n_out, k = 71, 70, 96
-    w, bufs, want, _ = _linear_case(dev, rng, fmt, rows, n_out, k, glu=glu, bias=not glu, residual=not glu)
+    w, bufs, want = _linear_case(dev, rng, fmt, rows, n_out, k, glu=glu, bias=not glu, residual=not glu)
     kern = kernels.gemm(w.desc(), n_out, "step.seq", glu=glu, bias=not glu, residual=not glu, tm=tm, tn=tn, tk=tk)
     L = Launch(dev, kern, bufs)
     L.set_step(seq=rows)
