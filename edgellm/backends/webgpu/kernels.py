@@ -247,8 +247,9 @@ def rms_norm(cols: int, eps: float, rows: str, *, add: bool = False, wg: int = 2
 const C: u32 = ${C}u;
 var<workgroup> red: array<f32, ${WG}>;
 @compute @workgroup_size(${WG})
-fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {
-    let t = wid.x;
+fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>,
+        @builtin(num_workgroups) nwg: vec3<u32>) {
+    let t = wid.x + wid.y * nwg.x;  // rows past the per-dimension limit continue in y
     var ss = 0.0;
     if (t < ${ROWS_EXPR}) {
         for (var k = lid; k < C; k += ${WG}u) { ${LOAD} ss += v * v; }
