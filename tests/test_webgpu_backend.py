@@ -39,8 +39,8 @@ def models(tmp_path_factory):
         "Q8_0": SyntheticSpec(weight_type="Q8_0", seed=3),
         "Q4_0": SyntheticSpec(weight_type="Q4_0", seed=4, rope_freqs=True),
         "Q4_1": SyntheticSpec(weight_type="Q4_1", seed=5, tied=False, output_type="Q8_0"),
-        # q|k|v in different formats: stacked as F16 at load
-        "mixed": SyntheticSpec(weight_type="Q4_0", seed=6, d_model=256, n_heads=4, n_kv_heads=2, ffn_dim=256,
+        # Q4_K (as Q4_1) with q|k|v in different formats (Q4_K, Q5_0, Q6_K): stacked as F16 at load
+        "mixed": SyntheticSpec(weight_type="Q4_K", seed=6, d_model=256, n_heads=4, n_kv_heads=2, ffn_dim=256,
                                type_overrides={"blk.0.attn_v.weight": "Q6_K", "blk.1.attn_k.weight": "Q5_0"}),
         "qwen2": SyntheticSpec(arch="qwen2", weight_type="Q8_0", seed=7),
     }

@@ -73,8 +73,9 @@ class CudaInfo:
 
 
 # bytes per element of the layouts the webgpu kernels read (webgpu/codegen.py); F32/BF16 become
-# F16, Q5_0 and formats without a layout of their own Q8_0
-_WEBGPU_LAYOUT_BYTES = {"F16": 2, "BF16": 2, "F32": 2, "Q4_0": 18 / 32, "Q4_1": 20 / 32, "Q8_0": 34 / 32}
+# F16, Q4_K Q4_1, Q5_0 and formats without a layout of their own Q8_0
+_WEBGPU_LAYOUT_BYTES = {"F16": 2, "BF16": 2, "F32": 2, "Q4_0": 18 / 32, "Q4_1": 20 / 32, "Q4_K": 20 / 32,
+                        "Q8_0": 34 / 32}
 
 
 class WebgpuInfo:

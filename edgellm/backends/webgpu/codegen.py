@@ -16,8 +16,9 @@ scales are fp16 pairs in u32 words:
   Q4_0  qs  32 nibbles per vec4, d                  value = (q - 8) * d
   Q4_1  qs  32 nibbles per vec4, d, m               value = q * d + m
 In a 4-bit block, byte j holds element j (low nibble) and element j + 16 (high nibble), as GGML.
-Other GGML types are converted at load (repack): Q5_0 exactly into Q8_0, F32/BF16 into F16, and
-the rest (Q5_1, K-quants, ...) dequantized and requantized to Q8_0.
+Other GGML types are converted at load (repack): Q5_0 exactly into Q8_0, F32/BF16 into F16, Q4_K
+into Q4_1 (fp16 sub-block scales and minimums), and the rest (Q5_1, Q5_K, Q6_K, ...) dequantized
+and requantized to Q8_0.
 
 A weight whose arrays exceed the adapter's maximum storage binding is split by rows into parts,
 each part its own bindings; the accessors choose the part (the kernel never knows).
@@ -295,11 +296,40 @@ def repack(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> PackedArrays:
         q = np.concatenate([lo & 15, lo >> 4], axis=2) | (bits.astype(np.int32) << 4)
         return PackedArrays("Q8_0", rows, cols, {"qs": (q - 16).astype(np.int8).view(np.uint8).reshape(rows, cols),
                                                   "d": b[:, :, 0:2].copy().view(np.float16).reshape(rows, -1)}, fmt)
+    if fmt == "Q4_K":
+        return _q4_k_as_q4_1(raw, rows, cols)
     # no layout of its own: dequantize, store as Q8_0 (half of F16's bytes, error well under a
     # 5- or 6-bit format's own)
     p = pack_float(np.asarray(dequantize(raw, fmt, shape), dtype=np.float32).reshape(rows, cols), "Q8_0")
     p.source_fmt = fmt
     return p
+
+
+def _q4_k_as_q4_1(raw: np.ndarray, rows: int, cols: int) -> PackedArrays:
+    """Q4_K super-blocks (d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles) as Q4_1,
+    one (d * scale, -dmin * min) pair per 32-element sub-block rounded to fp16 (relative error
+    <= 2^-11 per value; 5 bits per weight instead of 4.5; the cuda backend's conversion too)."""
+    from ...quant.ggml_kquants import _unpack_scales
+
+    if cols % 256 or raw.size != rows * cols // 256 * 144:
+        raise TensorShapeError(f"Q4_K weight ({rows}, {cols}): {raw.size} bytes are not rows of 144-byte super-blocks")
+    nsb = cols // 256
+    b = np.ascontiguousarray(raw).view(np.uint8).reshape(rows * nsb, 144)
+    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)  # [N, 1]
+    dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, mn = _unpack_scales(b[:, 4:16])  # [N, 8] each
+    sub_d, sub_m = d * sc.astype(np.float32), -(dmin * mn.astype(np.float32))
+    for what, v in (("scale", sub_d), ("minimum", sub_m)):
+        big = float(np.abs(v).max()) if v.size else 0.0
+        if not np.isfinite(big) or big > 65504.0:
+            raise TensorShapeError(f"Q4_K weight ({rows}, {cols}): a sub-block {what} of {big} does not fit in fp16")
+    # 64-element chunks: 32 bytes whose low nibbles are sub-block 2j and high nibbles sub-block 2j + 1
+    qs = b[:, 16:].reshape(rows * nsb, 4, 32)
+    vals = np.stack([qs & 15, qs >> 4], axis=2).reshape(rows * nsb * 8, 32)  # element order
+    packed = (vals[:, :16] | (vals[:, 16:] << 4)).astype(np.uint8)  # byte i: element i (low), i + 16 (high)
+    nb = cols // 32
+    return PackedArrays("Q4_1", rows, cols, {"qs": packed.reshape(rows, nb * 16), "d": sub_d.reshape(rows, nb).astype(np.float16),
+                                              "m": sub_m.reshape(rows, nb).astype(np.float16)}, "Q4_K")
 
 
 def dequantize_packed(p: PackedArrays) -> np.ndarray:
