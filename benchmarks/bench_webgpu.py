@@ -285,31 +285,33 @@ def synthetic_file(name: str, fmt: str, folder: str) -> str:
 def models_section(args, bw: float) -> list[dict]:
     rows = []
     backends = ["webgpu"] + (["cuda"] if args.cuda else [])
-    for name in [x for x in args.models.split(",") if x]:
-        for fmt in [x for x in args.formats.split(",") if x]:
+    jobs = [(name, fmt, None) for name in args.models.split(",") if name for fmt in args.formats.split(",") if fmt]
+    jobs += [(os.path.basename(f), "file", f) for f in args.file or ()]
+    for name, fmt, path in jobs:
+        if path is None:
             try:
                 path = synthetic_file(name, fmt, args.model_dir)
             except Exception as e:  # noqa: BLE001
                 rows.append({"model": name, "fmt": fmt, "error": "writing the file: " + _err(e)})
                 continue
-            for be in backends:
-                row = {"model": name, "fmt": fmt, "backend": be}
-                env = {**os.environ, "EDGELLM_TUNE": "1" if args.tune else os.environ.get("EDGELLM_TUNE", "0")}
-                env.update(kv.split("=", 1) for kv in args.set or ())
-                cmd = [sys.executable, os.path.abspath(__file__), "--one", path, be, "-p", str(args.p), "-n", str(args.n),
-                       "-r", str(args.r), "--bandwidth", str(bw)]
-                try:
-                    r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
-                    last = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
-                    if r.returncode == 0 and last.startswith("{"):
-                        row.update(json.loads(last))
-                    else:
-                        tail = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
-                        row["error"] = tail[:300]
-                except subprocess.TimeoutExpired:
-                    row["error"] = f"timed out after {args.timeout} s"
-                print(f"model {json.dumps(row)}", flush=True)
-                rows.append(row)
+        for be in backends:
+            row = {"model": name, "fmt": fmt, "backend": be}
+            env = {**os.environ, "EDGELLM_TUNE": "1" if args.tune else os.environ.get("EDGELLM_TUNE", "0")}
+            env.update(kv.split("=", 1) for kv in args.set or ())
+            cmd = [sys.executable, os.path.abspath(__file__), "--one", path, be, "-p", str(args.p), "-n", str(args.n),
+                   "-r", str(args.r), "--bandwidth", str(bw)]
+            try:
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+                last = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
+                if r.returncode == 0 and last.startswith("{"):
+                    row.update(json.loads(last))
+                else:
+                    tail = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
+                    row["error"] = tail[:300]
+            except subprocess.TimeoutExpired:
+                row["error"] = f"timed out after {args.timeout} s"
+            print(f"model {json.dumps(row)}", flush=True)
+            rows.append(row)
     return rows
 
 
@@ -351,6 +353,8 @@ def main() -> None:
                     help=f"models {QUICK_MODELS}, formats {QUICK_FORMATS}, -n 64, -r 2, 4 GEMV shapes")
     ap.add_argument("--models", default=None, help=f"synthetic presets (default {ALL_MODELS})")
     ap.add_argument("--formats", default=None, help=f"weight formats (default {ALL_FORMATS})")
+    ap.add_argument("--file", action="append", metavar="GGUF",
+                    help="also this model file (e.g. a Q4_K_M made by llama-quantize; repeatable)")
     ap.add_argument("--tune", action="store_true", help="models: EDGELLM_TUNE=1 (GEMV and GEMM configurations "
                     "timed at load and cached per adapter)")
     ap.add_argument("--model-dir", default="/tmp/edgellm-bench-models")
@@ -378,7 +382,8 @@ def main() -> None:
             print(_err(e), file=sys.stderr)
             sys.exit(1)
         return
-    args.models = args.models or (QUICK_MODELS if args.quick else ALL_MODELS)
+    if args.models is None:  # "" (with --file): no synthetic files
+        args.models = QUICK_MODELS if args.quick else ALL_MODELS
     args.formats = args.formats or (QUICK_FORMATS if args.quick else ALL_FORMATS)
     skip = set(args.skip.split(","))
     t0 = time.perf_counter()
