@@ -100,6 +100,11 @@ def _cmd_info(args: argparse.Namespace) -> int:
     from .gguf_file import open_gguf
     from .models import config_from_gguf
 
+    if args.adapters:  # the GPUs the webgpu backend can use, with their features; no model read
+        from .backends.webgpu.device import describe_adapters
+
+        print("\n".join(describe_adapters(verbose=True)))
+        return 0
     path = args.model or str(default_model_path())
     f = open_gguf(path)
     cfg = config_from_gguf(f)
@@ -152,6 +157,9 @@ def _cmd_info(args: argparse.Namespace) -> int:
         print("tensors")
         for t in f.tensors.values():
             print(f"  {t.name:<32} {t.type_name:<6} {str(t.shape):<16} {_fmt_bytes(t.nbytes):>10}")
+    from .backends.webgpu.device import describe_adapters
+
+    print("\n".join(describe_adapters()))
     return 0
 
 
@@ -183,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("prompt", nargs="?", default=None, help="the prompt (default: read stdin, or a demo prompt)")
     _add_model_arg(r)
     r.add_argument("--backend", default="auto", type=A.backend_name,
-                   help="cpu, or auto (default: the fastest available)")
+                   help="cpu, cuda, webgpu, or auto (default: the fastest available: cuda, then webgpu on a "
+                        "GPU adapter, then cpu)")
     r.add_argument("-n", "--max-tokens", type=A.at_least(0), default=DEFAULT_MAX_TOKENS,
                    help="tokens to generate at most")
     r.add_argument("-c", "--ctx", type=A.positive(int), default=None,
@@ -211,6 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "tensor types and sizes, tokenizer and template facts of a GGUF file.")
     _add_model_arg(i, positional=True)
     i.add_argument("--tensors", action="store_true", help="list every tensor")
+    i.add_argument("--adapters", action="store_true", help="list the webgpu backend's adapters and their features")
     i.set_defaults(func=_cmd_info)
 
     pl = sub.add_parser("plan", help="show the compiled program and the memory a run needs (reads no weights)",

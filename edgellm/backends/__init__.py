@@ -4,14 +4,19 @@ from __future__ import annotations
 
 from ..errors import BackendUnavailableError
 
-BACKENDS = ("cpu", "cuda")
+BACKENDS = ("cpu", "cuda", "webgpu")
 
 
 def _auto() -> str:
-    """cuda when a GPU and triton are there, else cpu."""
+    """cuda when a GPU and triton are there, else webgpu on a hardware adapter, else cpu. A
+    software WebGPU adapter (lavapipe) is never picked: it is slower than the cpu backend."""
     from .cuda.backend import CudaBackend
 
-    return "cuda" if CudaBackend.available() else "cpu"
+    if CudaBackend.available():
+        return "cuda"
+    from .webgpu.device import hardware_adapter_available
+
+    return "webgpu" if hardware_adapter_available() else "cpu"
 
 
 def get_backend_info(name: str):
@@ -24,6 +29,8 @@ def get_backend_info(name: str):
         return info.CpuInfo
     if name == "cuda":
         return info.CudaInfo
+    if name == "webgpu":
+        return info.WebgpuInfo
     raise BackendUnavailableError(f"unknown backend '{name}' (available: {', '.join(BACKENDS)}, auto)")
 
 
@@ -38,4 +45,8 @@ def get_backend(name: str):
         from .cuda.backend import CudaBackend
 
         return CudaBackend
+    if name == "webgpu":
+        from .webgpu.backend import WebgpuBackend
+
+        return WebgpuBackend
     raise BackendUnavailableError(f"unknown backend '{name}' (available: {', '.join(BACKENDS)}, auto)")
