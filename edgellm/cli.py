@@ -134,7 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "models with a chat template get it applied unless --raw.")
     r.add_argument("prompt", nargs="?", default=None, help="the prompt (default: read stdin, or a demo prompt)")
     _add_model_arg(r)
-    r.add_argument("--backend", default="auto", help="cpu, or auto (default: the fastest available)")
+    r.add_argument("--backend", default="auto",
+                   help="cpu-fast (weights packed, bf16 products), cpu (float32 reference), cuda, or auto "
+                        "(default: cuda when a GPU is usable, else cpu-fast)")
     r.add_argument("-n", "--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="tokens to generate at most")
     r.add_argument("-c", "--ctx", type=int, default=None, help="context size in tokens (default: min(model, 4096))")
     r.add_argument("--temperature", "--temp", type=float, default=0.8, help="0 = greedy (default 0.8)")
@@ -160,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "pass, kernels per stage, delegated subgraphs, intermediate memory per planner, "
                                     "weight bytes per format, KV-cache bytes and the estimated peak memory.")
     _add_model_arg(pl, positional=True)
-    pl.add_argument("--backend", default="cpu", help="backend to plan for (default cpu)")
+    pl.add_argument("--backend", default="auto", help="backend to plan for (default auto: what `run` uses)")
     pl.add_argument("-c", "--ctx", type=int, default=None, help="context size (default: min(model, 4096))")
     pl.add_argument("--prefill", type=int, default=512, help="prefill chunk in tokens (default 512)")
     pl.add_argument("--no-fuse", action="store_true", help="plan without the fusion passes")

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from ..errors import BackendUnavailableError
 
-BACKENDS = ("cpu", "cuda")
+BACKENDS = ("cpu", "cpu-fast", "cuda")
 
 
 def _auto() -> str:
-    """cuda when a GPU and triton are there, else cpu."""
+    """cuda when a GPU and triton are there, else cpu-fast (the float32 `cpu` is the reference)."""
     from .cuda.backend import CudaBackend
 
-    return "cuda" if CudaBackend.available() else "cpu"
+    return "cuda" if CudaBackend.available() else "cpu-fast"
 
 
 def get_backend_info(name: str):
@@ -22,6 +22,8 @@ def get_backend_info(name: str):
         name = _auto()
     if name == "cpu":
         return info.CpuInfo
+    if name == "cpu-fast":
+        return info.CpuFastInfo
     if name == "cuda":
         return info.CudaInfo
     raise BackendUnavailableError(f"unknown backend '{name}' (available: {', '.join(BACKENDS)}, auto)")
@@ -34,6 +36,10 @@ def get_backend(name: str):
         from .cpu import CpuBackend
 
         return CpuBackend
+    if name == "cpu-fast":
+        from .cpu_fast import CpuFastBackend
+
+        return CpuFastBackend
     if name == "cuda":
         from .cuda.backend import CudaBackend
 

@@ -3,6 +3,8 @@ it needs for a model (used by `edgellm plan`, which must not load torch or any w
 
 from __future__ import annotations
 
+import re
+
 from ..gguf_file import GGUFFile
 
 
@@ -33,6 +35,55 @@ class CpuInfo:
         vocab_entries = len(f.metadata.get("tokenizer.ggml.tokens", ())) + len(f.metadata.get("tokenizer.ggml.merges", ()))
         return f.total_tensor_bytes + 400 * vocab_entries + (16 << 20)
 
+
+
+INT4_GROUPS = (32, 64, 128, 256)  # group sizes torch's _weight_int4pack_mm_for_cpu takes
+_Q4_GROUP = re.compile(r"^Q4_G(\d+)(_SYM)?$")
+
+
+def int4_group(type_name: str) -> tuple[int, bool] | None:
+    """(group size, symmetric) of the 4-bit group formats the cpu-fast backend holds as int4 packs."""
+    if type_name == "Q4_0":
+        return 32, True
+    if type_name == "Q4_1":
+        return 32, False
+    m = _Q4_GROUP.match(type_name)
+    if m and int(m.group(1)) in INT4_GROUPS:
+        return int(m.group(1)), m.group(2) is not None
+    return None
+
+
+class CpuFastInfo(CpuInfo):
+    """The cpu-fast backend (backends/cpu_fast.py): 4-bit group formats as int4 packs, Q8_PC as
+    int8, other matrices as bf16, vectors as float32; the embedding table is read from the file."""
+
+    name = "cpu-fast"
+
+    @staticmethod
+    def resident_weight_bytes(f: GGUFFile) -> int:
+        total = 0
+        tied = "output.weight" not in f.tensors
+        for name, t in f.tensors.items():
+            if len(t.shape) < 2:
+                total += 4 * t.n_elements
+                continue
+            if name == "token_embd.weight" and not tied:
+                continue  # looked up row by row in the memory-mapped file
+            g = int4_group(t.type_name)
+            if g is not None and t.shape[-1] % g[0] == 0:
+                total += t.n_elements // 2 + t.n_elements // g[0] * 4  # codes + bf16 scale and offset per group
+            elif t.type_name == "Q8_PC":
+                total += t.n_elements + 2 * t.shape[0]
+            else:
+                total += 2 * t.n_elements
+        return total
+
+    @staticmethod
+    def runtime_overhead_bytes(f: GGUFFile, cfg) -> int:
+        """The file's pages are dropped after packing (only embedding rows are read later); the
+        tokenizer and programs as for the cpu backend."""
+        vocab_entries = len(f.metadata.get("tokenizer.ggml.tokens", ())) + len(f.metadata.get("tokenizer.ggml.merges", ()))
+        return 400 * vocab_entries + (16 << 20)
 
 
 # bytes per element of the layouts the cuda kernels read (kernels/packing.py); formats without a
