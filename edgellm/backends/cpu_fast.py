@@ -75,12 +75,19 @@ class PackedLinear:
         q = np.concatenate([codes & 0x0F, codes >> 4], axis=-1).reshape(n, k)  # byte i: codes i, i + g/2
         # the kernel computes (q - 8) * scale + zero: Q4_0-like x = d (q - 8); Q4_1-like x = d q + m
         zero = np.zeros_like(d) if sym else blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) + 8 * d
+        # the packing takes a multiple of 16 rows: padded rows have scale 0 and are cut from the output
+        pad = -n % 16
+        if pad:
+            q = np.concatenate([q, np.full((pad, k), 8, np.uint8)])
+            d = np.concatenate([d, np.zeros((pad, k // g), np.float32)])
+            zero = np.concatenate([zero, np.zeros((pad, k // g), np.float32)])
+        self.n_out = n + pad
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(q.astype(np.int32)), 1)
         self.scales_zeros = torch.from_numpy(np.stack([d.T, zero.T], axis=-1)).to(torch.bfloat16).contiguous()
         # bf16 keeps 8 bits of the offset m + 8d, whose rounding error is one constant per group
         # (correlated over the group's g products): it is added back exactly by a small float32
         # product of the input's group sums with the per-group residue
-        if not sym and os.environ.get("EDGELLM_NOZC") is None:
+        if not sym:
             resid = torch.from_numpy(zero) - self.scales_zeros[..., 1].float().T  # [n, k/g]
             self.zero_resid = resid.contiguous()
         else:
@@ -93,7 +100,9 @@ class PackedLinear:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, self.group, self.scales_zeros)
             if self.zero_resid is not None:
                 sums = xb.float().view(x.shape[0], -1, self.group).sum(-1)
-                return torch.addmm(y.float(), sums, self.zero_resid.T)
+                y = torch.addmm(y.float(), sums, self.zero_resid.T)
+            y = y.float()
+            return y[:, :self.n] if self.n_out != self.n else y
         elif self.kind == "int8":
             y = torch.ops.aten._weight_int8pack_mm(xb, self.q, self.scales)
         else:
