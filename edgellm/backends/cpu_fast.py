@@ -64,7 +64,12 @@ class PackedLinear:
             self.q = torch.from_numpy(rows[:, 4:].copy().view(np.int8))
         else:
             self.kind = "bf16"
-            self.w = torch.from_numpy(dequantize(raw, type_name, shape)).to(torch.bfloat16)
+            # dequantized a slice of rows at a time: no float32 copy of a large matrix is ever held
+            self.w = torch.empty((n, k), dtype=torch.bfloat16)
+            step = max(1, (16 << 20) // (4 * k))
+            for a in range(0, n, step):
+                b = min(n, a + step)
+                self.w[a:b] = torch.from_numpy(dequantize(raw[a:b], type_name, (b - a, k)))
 
     def _pack_int4(self, raw: np.ndarray, g: int, sym: bool) -> None:
         n, k = self.n, self.k
@@ -169,6 +174,7 @@ class CpuFastWeights:
             if rows is not None:
                 raw, n = raw[rows[0]:rows[1]], rows[1] - rows[0]
             p = self._packs[key] = PackedLinear(raw, type_name, (n, next(iter(ks))))
+            self.file.release_pages()  # the pages just read are not needed again: keep the peak low
         return p
 
     def bias(self, names: tuple[str, ...]) -> torch.Tensor:
@@ -308,9 +314,7 @@ class CpuFastBackend(CpuFastInfo, CpuBackend):
         ctx = next(iter(states.values())).shape[0] if states else 1
         if self._rope is None or self._rope.ctx < ctx:
             self._rope = RopeTables(ctx)
-        prog = CpuFastProgram(graph, self.weights, states, plan, arena, self._rope)
-        self.weights.file.release_pages()  # everything is packed: the file's pages are not needed
-        return prog
+        return CpuFastProgram(graph, self.weights, states, plan, arena, self._rope)
 
     def allocate_states(self, graph, ctx: int) -> dict[str, torch.Tensor]:
         # torch.empty: pages of a large fresh allocation become resident only when a position is
