@@ -62,8 +62,10 @@ class Model:
     prefill_chunk: int = 512
 
     def __post_init__(self):
-        backend_cls = get_backend(self.backend_name)
+        # a backend name, or a factory f(file) -> backend (edgellm.hetero.executor's split backend)
+        backend_cls = self.backend_name if callable(self.backend_name) else get_backend(self.backend_name)
         self.backend = backend_cls(self.file)
+        self.backend_name = getattr(self.backend, "name", str(self.backend_name))
         self.graphs = {stage: build_graph(self.config, self.file, stage) for stage in ("all", "last")}
         self.states = self.backend.allocate_states(self.graphs["last"], self.ctx)
         chunk = min(self.prefill_chunk, self.ctx)
