@@ -117,6 +117,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.prefill <= 0:
         raise EdgeLLMError(f"--prefill must be a positive number of tokens, got {args.prefill}")
     path = args.model or str(default_model_path())
+    from .hetero.plan import run_plan_args
+
+    placed = run_plan_args(args, path)
+    if placed is not None:
+        print(placed, end="")
+        return 0
     p = plan_model(path, backend=args.backend, ctx=args.ctx, prefill=args.prefill, fuse=not args.no_fuse)
     print(json.dumps(p, indent=2) if args.json else render_plan(p), end="" if not args.json else "\n")
     return 0
@@ -167,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--prefill", type=int, default=512, help="prefill chunk in tokens (default 512)")
     pl.add_argument("--no-fuse", action="store_true", help="plan without the fusion passes")
     pl.add_argument("--json", action="store_true", help="machine-readable output")
+    from .hetero.plan import add_plan_args
+
+    add_plan_args(pl)
     pl.set_defaults(func=_cmd_plan)
 
     from .quantize_model import add_quantize_parser

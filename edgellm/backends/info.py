@@ -60,23 +60,23 @@ class CpuFastInfo(CpuInfo):
     name = "cpu-fast"
 
     @staticmethod
-    def resident_weight_bytes(f: GGUFFile) -> int:
-        total = 0
-        tied = "output.weight" not in f.tensors
-        for name, t in f.tensors.items():
-            if len(t.shape) < 2:
-                total += 4 * t.n_elements
-                continue
-            if name == "token_embd.weight" and not tied:
-                continue  # looked up row by row in the memory-mapped file
-            g = int4_group(t.type_name)
-            if g is not None and t.shape[-1] % g[0] == 0:
-                total += t.n_elements // 2 + t.n_elements // g[0] * 4  # codes + bf16 scale and offset per group
-            elif t.type_name == "Q8_PC":
-                total += t.n_elements + 2 * t.shape[0]
-            else:
-                total += 2 * t.n_elements
-        return total
+    def tensor_bytes(f: GGUFFile, name: str) -> int:
+        """Bytes one tensor of the file takes in this backend's layout."""
+        t = f.tensors[name]
+        if len(t.shape) < 2:
+            return 4 * t.n_elements
+        if name == "token_embd.weight" and "output.weight" in f.tensors:
+            return 0  # looked up row by row in the memory-mapped file
+        g = int4_group(t.type_name)
+        if g is not None and t.shape[-1] % g[0] == 0:
+            return t.n_elements // 2 + t.n_elements // g[0] * 4  # codes + bf16 scale and offset per group
+        if t.type_name == "Q8_PC":
+            return t.n_elements + 2 * t.shape[0]
+        return 2 * t.n_elements
+
+    @classmethod
+    def resident_weight_bytes(cls, f: GGUFFile) -> int:
+        return sum(cls.tensor_bytes(f, n) for n in f.tensors)
 
     @staticmethod
     def runtime_overhead_bytes(f: GGUFFile, cfg) -> int:
@@ -99,15 +99,14 @@ class CudaInfo:
     })
 
     @staticmethod
-    def resident_weight_bytes(f: GGUFFile) -> int:
+    def tensor_bytes(f: GGUFFile, name: str) -> int:
+        t = f.tensors[name]
+        return 4 * t.n_elements if len(t.shape) < 2 else int(t.n_elements * _CUDA_LAYOUT_BYTES.get(t.type_name, 34 / 32))
+
+    @classmethod
+    def resident_weight_bytes(cls, f: GGUFFile) -> int:
         """2-D weights in their kernel layouts; vectors as float32."""
-        total = 0
-        for t in f.tensors.values():
-            if len(t.shape) < 2:
-                total += 4 * t.n_elements
-            else:
-                total += int(t.n_elements * _CUDA_LAYOUT_BYTES.get(t.type_name, 34 / 32))
-        return total
+        return sum(cls.tensor_bytes(f, n) for n in f.tensors)
 
     @staticmethod
     def kv_cache_bytes(cfg, ctx: int) -> int:
