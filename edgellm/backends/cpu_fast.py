@@ -206,7 +206,15 @@ class CpuFastProgram(CpuProgram):
         self._kernels = {**CPU_KERNELS, **self._fast_kernels(weights)}
         for op in graph.ops:  # pack every product's weights now, not at the first token
             if op.kind in _WEIGHT_SLOTS:
-                weights.pack(self._weight_names(op))
+                self.prepare_product(self._weight_names(op))
+
+    # the matrix products, overridable (a tensor-parallel rank multiplies its share of the rows)
+    def prepare_product(self, names: tuple[str, ...]) -> None:
+        self.weights.pack(names)
+
+    def product(self, names: tuple[str, ...], x: torch.Tensor) -> torch.Tensor:
+        """x [m, k] times the named weights stacked by rows, transposed: [m, rows]."""
+        return self.weights.pack(names)(x)
 
     def _weight_names(self, op: Op) -> tuple[str, ...]:
         return tuple(self.graph.tensors[t].source or t for t in (op.inputs[i] for i in _WEIGHT_SLOTS[op.kind]))
@@ -218,17 +226,17 @@ class CpuFastProgram(CpuProgram):
             return tuple(graph.tensors[op.inputs[s]].source or op.inputs[s] for s in slots)
 
         def linear(op, i):
-            y = w.pack((i[1].name,))(i[0])
+            y = self.product((i[1].name,), i[0])
             if op.attrs.get("has_bias"):
                 y = y + i[2]
             return y + i[-1] if op.attrs.get("has_residual") else y
 
         def linear_qkv(op, i):
-            y = w.pack((i[1].name, i[2].name, i[3].name))(i[0])
+            y = self.product((i[1].name, i[2].name, i[3].name), i[0])
             return y + w.bias(sources(op, (4, 5, 6))) if op.attrs.get("has_bias") else y
 
         def linear_swiglu(op, i):
-            gu = w.pack((i[1].name, i[2].name))(i[0])
+            gu = self.product((i[1].name, i[2].name), i[0])
             h = gu.shape[1] // 2
             return torch.nn.functional.silu(gu[:, :h]) * gu[:, h:]
 
@@ -298,6 +306,7 @@ _WEIGHT_SLOTS = {"linear": (1,), "linear_qkv": (1, 2, 3), "linear_swiglu": (1, 2
 
 
 class CpuFastBackend(CpuFastInfo, CpuBackend):
+    program_cls = CpuFastProgram
 
     def __init__(self, f: GGUFFile, threads: int | None = None):
         torch.set_num_threads(threads or physical_cores())
@@ -314,7 +323,7 @@ class CpuFastBackend(CpuFastInfo, CpuBackend):
         ctx = next(iter(states.values())).shape[0] if states else 1
         if self._rope is None or self._rope.ctx < ctx:
             self._rope = RopeTables(ctx)
-        return CpuFastProgram(graph, self.weights, states, plan, arena, self._rope)
+        return self.program_cls(graph, self.weights, states, plan, arena, self._rope)
 
     def allocate_states(self, graph, ctx: int) -> dict[str, torch.Tensor]:
         # torch.empty: pages of a large fresh allocation become resident only when a position is

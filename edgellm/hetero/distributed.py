@@ -138,14 +138,65 @@ class DistBackend:
         return f"rank {self.rank} of a pipeline ({self.local.describe()}): {len(mine)} units"
 
 
+# -- tensor parallel: every rank runs the whole graph, multiplying only its share of each matrix's rows
+def row_share(n: int, rank: int, world: int) -> tuple[int, int]:
+    size = -(-n // world)
+    if size * (world - 1) >= n:
+        raise EdgeLLMError(f"tensor parallel: a matrix of {n} rows cannot give each of {world} ranks a share")
+    return rank * size, min(n, (rank + 1) * size)
+
+
+def _tp_program_cls():
+    from ..backends.cpu_fast import CpuFastProgram
+
+    class TensorParallelProgram(CpuFastProgram):
+        """Each product: this rank's rows of the (stacked) weights, then an all-gather of the
+        shares, so activations, norms, attention and the KV cache are whole on every rank and
+        each rank holds 1/world of every matrix."""
+
+        def _rows(self, names):
+            n = sum(self.weights.file.tensors[t].shape[0] for t in names)
+            return n, row_share(n, self.tp_rank, self.tp_world)
+
+        def prepare_product(self, names):
+            self.weights.pack(names, rows=self._rows(names)[1])
+
+        def product(self, names, x):
+            n, rows = self._rows(names)
+            y = self.weights.pack(names, rows=rows)(x)
+            size = -(-n // self.tp_world)
+            if y.shape[1] < size:
+                y = torch.nn.functional.pad(y, (0, size - y.shape[1]))
+            parts = [torch.empty_like(y) for _ in range(self.tp_world)]
+            dist.all_gather(parts, y.contiguous())
+            return torch.cat(parts, dim=1)[:, :n]
+
+    return TensorParallelProgram
+
+
+def tensor_parallel_backend(rank: int, world: int):
+    """A factory f(file) -> a cpu-fast backend whose programs are this rank's tensor-parallel share."""
+    from ..backends.cpu_fast import CpuFastBackend
+
+    base = _tp_program_cls()
+    prog_cls = type("TensorParallelProgramR", (base,), {"tp_rank": rank, "tp_world": world})
+    backend_cls = type("TensorParallelBackend", (CpuFastBackend,), {"program_cls": prog_cls, "name": "cpu-fast-tp"})
+    return lambda f: backend_cls(f, threads=max(torch.get_num_threads(), 1))
+
+
 def load_rank(path, rank: int, world: int, devices: list[str], placement: dict[str, str] | None = None,
-              ctx: int | None = None, **kw):
-    """This rank's Model in an initialised process group (placement: unit -> 'rank:N')."""
+              ctx: int | None = None, mode: str = "pipeline", **kw):
+    """This rank's Model in an initialised process group: mode 'pipeline' (placement: unit ->
+    'rank:N', default even) or 'tensor' (every matrix's rows shared out; CPU processes)."""
     from ..compiler.compile import compile_graph
     from ..gguf_file import open_gguf
     from ..model import load
     from ..models import build_graph, config_from_gguf
 
+    if mode == "tensor":
+        if devices[rank].startswith("cuda"):
+            raise EdgeLLMError("tensor parallel runs on CPU processes (gloo); for GPUs use the pipeline mode")
+        return load(path, backend=tensor_parallel_backend(rank, world), ctx=ctx, **kw)
     if placement is None:
         f = open_gguf(path)
         g = compile_graph(build_graph(config_from_gguf(f), f, "last"), seq=1, ctx=16).graph
@@ -158,7 +209,7 @@ def _worker(rank: int, world: int, args) -> None:
     backend = args.backend or ("nccl" if devices[0].startswith("cuda") else "gloo")
     dist.init_process_group(backend, init_method=f"file://{args.rendezvous}", rank=rank, world_size=world)
     try:
-        m = load_rank(args.model, rank, world, devices, ctx=args.ctx)
+        m = load_rank(args.model, rank, world, devices, ctx=args.ctx, mode=args.mode)
         out = m.generate(args.prompt, max_tokens=args.max_tokens, temperature=0)
         text = "".join(out)
         if rank == 0:
@@ -179,6 +230,8 @@ def main(argv=None) -> int:
     ap.add_argument("-m", "--model", default=None)
     ap.add_argument("--devices", default="cuda:0,cuda:1", help="one processor per rank, e.g. cuda:0,cuda:1 or cpu,cpu")
     ap.add_argument("--backend", default=None, help="torch.distributed backend (default: nccl for cuda, gloo for cpu)")
+    ap.add_argument("--mode", choices=("pipeline", "tensor"), default="pipeline",
+                    help="pipeline: layers over ranks; tensor: each matrix's rows over ranks (CPU processes)")
     ap.add_argument("-n", "--max-tokens", type=int, default=64)
     ap.add_argument("-c", "--ctx", type=int, default=None)
     args = ap.parse_args(argv)
