@@ -27,7 +27,6 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
 QUESTION = "What is the capital of France?"
-CONFIGS = [("edgellm", "cpu"), ("edgellm", "cpu-fast"), ("llama.cpp", "cpu")]
 
 
 def _speed_child(engine: str, backend: str, model: str, p: int, n: int, threads: int) -> dict:
@@ -97,6 +96,7 @@ def main() -> None:
     ap.add_argument("-r", type=int, default=5, help="rounds")
     ap.add_argument("--threads", type=int, default=None, help="threads (default: physical cores)")
     ap.add_argument("--ctx", type=int, default=512, help="context of the memory runs")
+    ap.add_argument("--backends", default="cpu,cpu-fast", help="edgellm backends to measure (default cpu,cpu-fast)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
 
@@ -114,8 +114,9 @@ def main() -> None:
 
     import importlib.util
 
-    configs = [c for c in CONFIGS if c[0] != "llama.cpp" or importlib.util.find_spec("llama_cpp")]
-    if len(configs) < len(CONFIGS):
+    configs = [("edgellm", b) for b in a.backends.split(",") if b] + [("llama.cpp", "cpu")]
+    if not importlib.util.find_spec("llama_cpp"):
+        configs = configs[:-1]
         print("llama-cpp-python is not installed: llama.cpp is left out", file=sys.stderr)
     me = os.path.abspath(__file__)
     base = [me, "--model", model, "-p", str(a.p), "-n", str(a.n), "--threads", str(threads), "--ctx", str(a.ctx)]

@@ -13,7 +13,7 @@ the CPU are offered with `splits=True` (predicted only: the executor runs whole-
 from __future__ import annotations
 
 from ..errors import EdgeLLMError
-from .profile import Profile, model_key, op_cost_inputs, op_signature
+from .profile import Profile, op_cost_inputs, op_signature
 from .solver import Option, Problem, Solution, parse_bytes, solve
 from .units import graph_units
 
@@ -31,14 +31,13 @@ def unit_tables(f, graph, proc: str, profile: Profile, seq: int, kv_len: int) ->
     model = profile.processors.get(proc) or profile.processors.get(proc.split(":")[0])
     if model is None:
         raise EdgeLLMError(f"no profile for processor '{proc}': run `edgellm plan --profile` on the machine that has it")
-    key = model_key(f)
     info = _info(proc)
     out = {}
     for u in graph_units(graph):
         t = 0.0
         for i in u.ops:
             sig = op_signature(graph, i, seq, kv_len)
-            m = profile.measured.get(f"{proc}|{key}|{sig}") or profile.measured.get(f"{proc.split(':')[0]}|{key}|{sig}")
+            m = profile.measured.get(f"{proc}|{sig}") or profile.measured.get(f"{proc.split(':')[0]}|{sig}")
             if m is None:
                 nbytes, nfl = op_cost_inputs(graph, i, f, info, seq, kv_len)
                 m = model.predict(nbytes, nfl, 1)

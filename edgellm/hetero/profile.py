@@ -14,12 +14,12 @@ GPU exists; two 'cpu' processors share memory (cost 0).
 
 Stored as JSON in <cache dir>/hetero/<device>.json (the cache folder of the kernel tuner:
 $EDGELLM_CACHE_DIR, else ~/.cache/edgellm), keyed by processor and, for measured entries, by the
-model file's content key (size and the first tensor bytes' hash) and op signature.
+op signature (kind, weight formats and shapes, tokens, keys attended): ops of the same signature
+cost the same in any model, so a small model of a large one's layer shape profiles its layers.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -55,7 +55,7 @@ class Link:
 class Profile:
     processors: dict = field(default_factory=dict)  # name -> ProcessorModel
     links: dict = field(default_factory=dict)  # "src>dst" -> Link
-    measured: dict = field(default_factory=dict)  # "proc|model|stage|signature" -> seconds
+    measured: dict = field(default_factory=dict)  # "proc|signature" -> seconds
 
     def link(self, src: str, dst: str) -> Link:
         if src.split(":")[0] == dst.split(":")[0] == "cpu":
@@ -98,13 +98,6 @@ def save_profile(p: Profile, path: Path | None = None) -> None:
         os.replace(tmp, path)
     except OSError:
         pass  # a read-only cache folder: the profile stays in memory
-
-
-def model_key(f) -> str:
-    h = hashlib.sha1(f"{f.path.stat().st_size}".encode())
-    first = next(iter(f.tensors.values()))
-    h.update(np.asarray(first.data).reshape(-1)[:4096].tobytes())
-    return h.hexdigest()[:16]
 
 
 # -- what an op moves and computes ----------------------------------------------------------------
@@ -188,7 +181,6 @@ def profile_cpu(model, profile: Profile, kv_len: int = 256, prefill: int = 64, n
     CPU's cost model to them."""
     from ..backends.info import CpuFastInfo
 
-    key = model_key(model.file)
     samples = []
     for stage, seq, start in (("decode", 1, kv_len - 1), ("last", prefill, 0)):
         if stage == "last" and prefill > model.compiled["last"].sizes["seq"]:
@@ -197,7 +189,7 @@ def profile_cpu(model, profile: Profile, kv_len: int = 256, prefill: int = 64, n
         times = measure_cpu_ops(model, stage, seq, start)
         for i, t in times.items():
             sig = op_signature(g, i, seq, start + seq)
-            profile.measured[f"{name}|{key}|{sig}"] = t
+            profile.measured[f"{name}|{sig}"] = t
             nbytes, nfl = op_cost_inputs(g, i, model.file, CpuFastInfo, seq, start + seq)
             samples.append((nbytes, nfl, t))
     profile.processors[name] = fit_processor(name, samples)
