@@ -107,7 +107,7 @@ class SplitProgram:
     def run(self, inputs: dict) -> dict:
         env = dict(inputs)
         for seg, proc, prog in self.parts:
-            feed = {}
+            feed = {k: env[k] for k in ("tokens", "start_pos") if k in env}  # the cuda backend steps by them
             for t in seg.inputs:
                 v = env[t]
                 if isinstance(v, torch.Tensor):
