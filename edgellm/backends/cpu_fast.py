@@ -315,6 +315,10 @@ class CpuFastBackend(CpuFastInfo, CpuBackend):
         self._rope = None
 
     def compile(self, graph, states, plan=None, max_seq=None) -> CpuFastProgram:
+        if max_seq == 1:
+            # a decode step's intermediates are a few KiB: copying each op's result into its arena
+            # slot would cost more than the memory it shares
+            plan = None
         arena = None
         if plan is not None and plan.total_bytes:
             if self._arena is None or self._arena.numel() < plan.total_bytes:
