@@ -35,16 +35,21 @@ from .cpu import CPU_KERNELS, CpuBackend, CpuProgram, _kv_store
 from .info import CpuFastInfo, int4_group
 
 def physical_cores() -> int:
-    """Physical cores of this machine (hyper-threads share a core's vector units)."""
+    """Physical cores this process may run on (hyper-threads share a core's vector units): the
+    distinct (package, core) pairs of the allowed CPUs in Linux's topology, else the CPU count."""
     try:
-        import psutil
-
-        n = psutil.cpu_count(logical=False)
-        if n:
-            return int(n)
-    except ImportError:
-        pass
-    return os.cpu_count() or 1
+        allowed = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+    cores = set()
+    for c in allowed:
+        base = f"/sys/devices/system/cpu/cpu{c}/topology/"
+        try:
+            with open(base + "physical_package_id") as f1, open(base + "core_id") as f2:
+                cores.add((f1.read().strip(), f2.read().strip()))
+        except OSError:
+            return len(allowed)
+    return max(len(cores), 1)
 
 
 class PackedLinear:
