@@ -75,3 +75,20 @@ def test_cuda_and_cpu_split_matches_reference(tmp_path, monkeypatch):
     assert np.abs(got - ref).max() <= 0.02 * np.abs(ref).max()
     steps = [m.forward(ids[:3], 0, all_logits=False)[-1]] + [m.forward([ids[i]], i, all_logits=False)[-1] for i in (3, 4)]
     assert np.abs(np.stack(steps) - ref[2:]).max() <= 0.02 * np.abs(ref).max()
+
+
+def test_row_split_unit_matches_unsplit(model_path):
+    """blk.1's products: 40% of the rows on one processor, the rest on the other at the same time."""
+    ids = np.random.default_rng(4).integers(0, SPEC.vocab_size, 7).tolist()
+    ref = edgellm.load(model_path, backend="cpu-fast", ctx=32)
+    placement = _placement(("cpu", "cpu", "rows cpu 0.40 | cpu:1", "cpu", "cpu", "cpu"))
+    m = load_split(model_path, placement, ctx=32)
+    here = m.backend.processor("cpu").weights._packs
+    there = m.backend.processor("cpu:1").weights._packs
+    split_keys = [k for k in here if k[0][0].startswith("blk.1.")]
+    assert split_keys and all(k[1] is not None and k[1][0] == 0 for k in split_keys)  # only the first share
+    assert all(k[0][0].startswith("blk.1.") and k[1][0] > 0 for k in there)  # the other holds only the rest
+    a, b = m.logits(ids), ref.logits(ids)
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max())
+    steps = [m.forward(ids[:4], 0, all_logits=False)[-1]] + [m.forward([ids[i]], i, all_logits=False)[-1] for i in (4, 5, 6)]
+    np.testing.assert_allclose(np.stack(steps), b[3:], rtol=0, atol=1e-5 * np.abs(b).max())

@@ -26,6 +26,20 @@ from ..graph.ir import Graph, Tensor
 from .units import unit_of_op, unit_of_state
 
 
+def parse_choice(choice: str) -> tuple[str, float, str | None]:
+    """A placement value: 'cpu' -> ('cpu', 1.0, None); the solver's row split 'rows cpu 0.50 | cpu:1'
+    -> ('cpu', 0.5, 'cpu:1'): the unit runs on the first processor, which multiplies that share of
+    each matrix's rows while the second multiplies the rest, at the same time."""
+    if not choice.startswith("rows "):
+        return choice, 1.0, None
+    try:
+        left, other = choice[5:].split("|")
+        main, share = left.split()
+        return main.strip(), float(share), other.strip()
+    except ValueError:
+        raise EdgeLLMError(f"placement: cannot read '{choice}' (expected 'rows PROC SHARE | PROC')") from None
+
+
 @dataclass
 class Segment:
     processor: str
@@ -41,7 +55,7 @@ def op_processors(graph: Graph, placement: dict[str, str]) -> list[str]:
         seen_layer |= u.startswith("blk.")
         if u not in placement:
             raise EdgeLLMError(f"placement: no processor for unit '{u}' (op '{op.name}')")
-        procs.append(placement[u])
+        procs.append(parse_choice(placement[u])[0])
     return procs
 
 
@@ -101,7 +115,11 @@ class SplitProgram:
                 ctx = next(iter(states.values())).shape[0]
                 sub_plan = compile_graph(sub, supported_ops=proc.SUPPORTED_OPS, backend="cuda", seq=sizes,
                                          ctx=ctx, fuse=False).plan
-            self.parts.append((s, proc, proc.compile(sub, st, sub_plan, max_seq=max_seq)))
+            prog = proc.compile(sub, st, sub_plan, max_seq=max_seq)
+            splits = {u: parse_choice(c) for u, c in backend.placement.items() if parse_choice(c)[2]}
+            if splits:
+                _split_products(prog, backend, splits)
+            self.parts.append((s, proc, prog))
         self.graph = graph
 
     def run(self, inputs: dict) -> dict:
@@ -115,6 +133,42 @@ class SplitProgram:
                 feed[t] = v
             env.update(prog.run(feed))
         return {t: env[t] for t in self.graph.outputs}
+
+
+def _split_products(prog, backend: "SplitBackend", splits: dict) -> None:
+    """Row splits: the products of a split unit multiply the first share of the rows here and the
+    rest on the other processor (a worker thread: torch's kernels release the interpreter lock),
+    then the two parts are joined. Between cpu-fast processors (the hook their programs have)."""
+    if not hasattr(prog, "product"):
+        raise EdgeLLMError("placement: row splits run on cpu-fast processors (cpu, cpu:N) for now")
+    own = prog.product
+    pool = backend.pool()
+
+    def product(names, x):
+        unit = "blk." + names[0].split(".")[1] if names[0].startswith("blk.") else None
+        if unit not in splits:
+            return own(names, x)
+        main, share, other = splits[unit]
+        n = sum(prog.weights.file.tensors[t].shape[0] for t in names)
+        cut = max(1, min(n - 1, int(round(n * share))))
+        there = backend.processor(other).weights
+        fut = pool.submit(lambda: there.pack(names, rows=(cut, n))(x))
+        here = prog.weights.pack(names, rows=(0, cut))(x)
+        return torch.cat([here, fut.result()], dim=1)
+
+    prog.product = product
+    for op in prog.graph.ops:  # pack both shares now
+        if op.kind in ("linear", "linear_qkv", "linear_swiglu"):
+            names = prog._weight_names(op)
+            if names[0].startswith("blk."):
+                u = "blk." + names[0].split(".")[1]
+                if u in splits:
+                    main, share, other = splits[u]
+                    n = sum(prog.weights.file.tensors[t].shape[0] for t in names)
+                    cut = max(1, min(n - 1, int(round(n * share))))
+                    prog.weights.pack(names, rows=(0, cut))
+                    backend.processor(other).weights.pack(names, rows=(cut, n))
+                    prog.weights._packs.pop((names, None), None)  # the whole matrix is not held here
 
 
 def _move(t: torch.Tensor, proc) -> torch.Tensor:
@@ -136,6 +190,14 @@ class SplitBackend:
         self.file = f
         self.placement = dict(placement)
         self._procs: dict[str, object] = {}
+        self._pool = None
+
+    def pool(self):
+        from concurrent.futures import ThreadPoolExecutor
+
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgellm-split")
+        return self._pool
 
     def processor(self, name: str):
         proc = self._procs.get(name)
@@ -166,7 +228,7 @@ class SplitBackend:
                 raise GraphError(f"placement: no processor for the cache '{t.name}' (unit {u})")
             one = Graph("state", graph.meta)
             one.tensors[t.name] = t
-            states.update(self.processor(self.placement[u]).allocate_states(one, ctx))
+            states.update(self.processor(parse_choice(self.placement[u])[0]).allocate_states(one, ctx))
         return states
 
     def compile(self, graph: Graph, states: dict, plan=None, max_seq: int | None = None) -> SplitProgram:
@@ -179,6 +241,7 @@ class SplitBackend:
     def describe(self) -> str:
         counts: dict[str, int] = {}
         for u, p in self.placement.items():
+            p = parse_choice(p)[0] if not p.startswith("rows ") else p
             if u.startswith("blk."):
                 counts[p] = counts.get(p, 0) + 1
         return "split: " + ", ".join(f"{n} layers on {p}" for p, n in counts.items()) + \

@@ -7,7 +7,8 @@ Per unit and processor: decode time per token (the decode graph, attention at ha
 and prefill time per prompt (the prefill graph at `prefill` tokens), each the measured time of the
 op where the profile has it, else the processor's fitted cost model; memory = the unit's weights in
 that processor's layout + its KV cache at the full context. Row splits of a layer between a GPU and
-the CPU are offered with `splits=True` (predicted only: the executor runs whole-unit placements).
+the CPU are offered with `splits=True`; the executor runs row splits between cpu-fast processors
+(a split with the cuda backend as one side is predicted, not yet executed).
 """
 
 from __future__ import annotations
