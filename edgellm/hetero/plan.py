@@ -14,7 +14,7 @@ the CPU are offered with `splits=True`; the executor runs row splits between cpu
 from __future__ import annotations
 
 from ..errors import EdgeLLMError
-from .profile import Profile, op_cost_inputs, op_signature
+from .profile import Profile, cache_path, op_cost_inputs, op_signature
 from .solver import Option, Problem, Solution, parse_bytes, solve
 from .units import graph_units
 
@@ -31,7 +31,7 @@ def unit_tables(f, graph, proc: str, profile: Profile, seq: int, kv_len: int) ->
     """Seconds per unit of one run of `graph` (seq tokens, attending to kv_len keys) on proc."""
     model = profile.processors.get(proc) or profile.processors.get(proc.split(":")[0])
     if model is None:
-        raise EdgeLLMError(f"no profile for processor '{proc}': run `edgellm plan --profile` on the machine that has it")
+        raise EdgeLLMError(f"no profile for processor '{proc}': run `edgellm plan --profile` on the machine that has it")  # noqa: E501
     info = _info(proc)
     out = {}
     for u in graph_units(graph):
@@ -106,8 +106,35 @@ def summarize(problem: Problem, sol: Solution) -> dict:
             "memory_bytes": sol.memory, "budgets": problem.budgets}
 
 
+def measure_processors(path: str, procs: list[str], profile: Profile, *, ctx: int, prefill: int,
+                       force: bool = False) -> Profile:
+    """Profile what the stored profile lacks (or everything with force) and store it: the CPU by
+    timing this model's ops on cpu-fast, a GPU by microbenchmarks on it."""
+    import torch
+
+    from .profile import profile_cpu, profile_cuda, save_profile
+
+    for p in sorted(procs, key=lambda q: not q.startswith("cuda")):  # a missing GPU fails before CPU work
+        if not force and (p in profile.processors or p.split(":")[0] in profile.processors):
+            continue
+        if p.startswith("cpu"):
+            from ..model import load
+
+            profile_cpu(load(path, backend="cpu-fast", ctx=ctx, prefill_chunk=prefill), profile,
+                        kv_len=max(ctx // 2, 1), prefill=prefill, name=p.split(":")[0])
+        elif p.startswith("cuda"):
+            if not torch.cuda.is_available():
+                raise EdgeLLMError(f"no GPU is visible and the stored profile has no '{p}' "
+                                   f"({cache_path()}): plan on the machine that has the GPU")
+            profile_cuda(profile, p if ":" in p else "cuda:0")
+        else:
+            raise EdgeLLMError(f"--devices: unknown processor '{p}' (cpu, cuda:N)")
+    save_profile(profile)
+    return profile
+
+
 def plan_split(path: str, *, gpu_memory: str | None, devices: str | None, ctx: int | None, prefill: int,
-               splits: bool = False, profile: Profile | None = None) -> dict:
+               splits: bool = False, profile: Profile | None = None, measure: bool = False) -> dict:
     from ..compiler.compile import compile_graph
     from ..gguf_file import open_gguf
     from ..models import build_graph, config_from_gguf
@@ -118,6 +145,8 @@ def plan_split(path: str, *, gpu_memory: str | None, devices: str | None, ctx: i
     ctx = ctx or min(cfg.context_length, 4096)
     procs = [p.strip() for p in (devices or "cuda:0,cpu").split(",") if p.strip()]
     profile = profile or load_profile()
+    if measure or any(p not in profile.processors and p.split(":")[0] not in profile.processors for p in procs):
+        profile = measure_processors(path, procs, profile, ctx=min(ctx, 1024), prefill=min(prefill, 512), force=measure)
     budgets = {}
     for p in procs:
         if p.startswith("cuda"):
@@ -152,14 +181,18 @@ def add_plan_args(pl) -> None:
                          "times (default with --devices: what is free)")
     pl.add_argument("--devices", default=None, help="processors to place over (default cuda:0,cpu)")
     pl.add_argument("--splits", action="store_true", help="also consider row splits of a layer between GPU and CPU")
+    pl.add_argument("--profile", action="store_true",
+                    help="measure this machine's processors again (stored in ~/.cache/edgellm/hetero/)")
 
 
 def run_plan_args(args, path: str) -> str | None:
     """The placement text (or JSON dict) when --gpu-memory/--devices was given, else None."""
-    if not (getattr(args, "gpu_memory", None) or getattr(args, "devices", None)):
+    if not (getattr(args, "gpu_memory", None) or getattr(args, "devices", None) or getattr(args, "profile", False)):
         return None
+    if args.gpu_memory:
+        parse_bytes(args.gpu_memory)  # a bad size fails before any work
     p = plan_split(path, gpu_memory=args.gpu_memory, devices=args.devices, ctx=args.ctx, prefill=args.prefill,
-                   splits=args.splits)
+                   splits=args.splits, measure=args.profile)
     if args.json:
         import json
 
