@@ -125,6 +125,8 @@ def main() -> None:
         for c in configs:
             out = _run_child([*base, "--child", f"speed:{c[0]}:{c[1]}"])
             speed[c].append(json.loads(out.strip().splitlines()[-1]))
+            print(f"round {rnd + 1} {c[0]} {c[1]}: pp {speed[c][-1]['pp']:.1f} tg {speed[c][-1]['tg']:.1f} tok/s",
+                  file=sys.stderr, flush=True)
         print(f"round {rnd + 1}/{a.r} done", file=sys.stderr)
 
     memory: dict[tuple, tuple[int, str]] = {}
