@@ -314,7 +314,12 @@ class CpuFastBackend(CpuFastInfo, CpuBackend):
     program_cls = CpuFastProgram
 
     def __init__(self, f: GGUFFile, threads: int | None = None):
-        torch.set_num_threads(threads or physical_cores())
+        # an explicit count wins; otherwise the physical cores, unless the caller already chose
+        # fewer (torch's own default is the physical cores)
+        if threads:
+            torch.set_num_threads(threads)
+        elif torch.get_num_threads() > physical_cores():
+            torch.set_num_threads(physical_cores())
         self.weights = CpuFastWeights(f)
         self._arena = None
         self._rope = None
