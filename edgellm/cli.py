@@ -173,6 +173,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if is_onnx(args.model):
         return plan_onnx(args, args.model)
     path = args.model or str(default_model_path())
+    from .hetero.plan import run_plan_args
+
+    placed = run_plan_args(args, path)
+    if placed is not None:
+        print(placed, end="")
+        return 0
     p = plan_model(path, backend=args.backend, ctx=args.ctx, prefill=args.prefill, fuse=not args.no_fuse)
     print(json.dumps(p, indent=2) if args.json else render_plan(p), end="" if not args.json else "\n")
     return 0
@@ -191,8 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("prompt", nargs="?", default=None, help="the prompt (default: read stdin, or a demo prompt)")
     _add_model_arg(r)
     r.add_argument("--backend", default="auto", type=A.backend_name,
-                   help="cpu, cuda, webgpu, or auto (default: the fastest available: cuda, then webgpu on a "
-                        "GPU adapter, then cpu)")
+                   help="cpu-fast (weights packed, bf16 products), cpu (float32 reference), cuda, webgpu, or "
+                        "auto (default: cuda when a GPU is usable, else webgpu on a GPU adapter, else cpu-fast)")
     r.add_argument("-n", "--max-tokens", type=A.at_least(0), default=DEFAULT_MAX_TOKENS,
                    help="tokens to generate at most")
     r.add_argument("-c", "--ctx", type=A.positive(int), default=None,
@@ -228,13 +234,17 @@ def build_parser() -> argparse.ArgumentParser:
                                     "pass, kernels per stage, delegated subgraphs, intermediate memory per planner, "
                                     "weight bytes per format, KV-cache bytes and the estimated peak memory.")
     _add_model_arg(pl, positional=True)
-    pl.add_argument("--backend", default="cpu", type=A.backend_name, help="backend to plan for (default cpu)")
+    pl.add_argument("--backend", default="auto", type=A.backend_name,
+                    help="backend to plan for (default auto: what `run` uses)")
     pl.add_argument("-c", "--ctx", type=A.positive(int), default=None, help="context size (default: min(model, 4096))")
     pl.add_argument("--prefill", type=A.positive(int), default=512, help="prefill chunk in tokens (default 512)")
     pl.add_argument("--no-fuse", action="store_true", help="plan without the fusion passes")
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     pl.add_argument("--size", default=None, help="ONNX models: sizes of the dynamic dimensions, e.g. "
                     "batch=1,height=224,width=224 (default: batch 1, others 224)")
+    from .hetero.plan import add_plan_args
+
+    add_plan_args(pl)
     pl.set_defaults(func=_cmd_plan)
 
     from .quantize_model import add_quantize_parser

@@ -284,6 +284,14 @@ class GGUFFile:
     def total_tensor_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
 
+    def release_pages(self) -> None:
+        """Tell the kernel this process no longer needs the tensor pages it has read (a backend
+        that copied the weights into its own layout): they leave the process's resident set and
+        stay in the page cache; a later read maps them in again."""
+        mm = getattr(self._map, "_mmap", None)
+        if mm is not None and hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            mm.madvise(mmap.MADV_DONTNEED)
+
 
 def open_gguf(path: str | os.PathLike) -> GGUFFile:
     return GGUFFile(path)

@@ -70,8 +70,10 @@ class Model:
 
     def __post_init__(self):
         t0 = time.perf_counter()
-        backend_cls = get_backend(self.backend_name)
+        # a backend name, or a factory f(file) -> backend (edgellm.hetero.executor's split backend)
+        backend_cls = self.backend_name if callable(self.backend_name) else get_backend(self.backend_name)
         self.backend = backend_cls(self.file)
+        self.backend_name = getattr(self.backend, "name", str(self.backend_name))
         t1 = time.perf_counter()
         chunk = min(self.prefill_chunk, self.ctx)
         # stage-aware programs: prefill chunks (all / last logits) and single-token decode

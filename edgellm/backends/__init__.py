@@ -4,19 +4,20 @@ from __future__ import annotations
 
 from ..errors import BackendUnavailableError
 
-BACKENDS = ("cpu", "cuda", "webgpu")
+BACKENDS = ("cpu", "cpu-fast", "cuda", "webgpu")
 
 
 def _auto() -> str:
-    """cuda when a GPU and triton are there, else webgpu on a hardware adapter, else cpu. A
-    software WebGPU adapter (lavapipe) is never picked: it is slower than the cpu backend."""
+    """cuda when a GPU and triton are there, else webgpu on a hardware adapter, else cpu-fast (the
+    float32 `cpu` is the reference). A software WebGPU adapter (lavapipe) is never picked: it is
+    slower than the cpu backends."""
     from .cuda.backend import CudaBackend
 
     if CudaBackend.available():
         return "cuda"
     from .webgpu.device import hardware_adapter_available
 
-    return "webgpu" if hardware_adapter_available() else "cpu"
+    return "webgpu" if hardware_adapter_available() else "cpu-fast"
 
 
 def get_backend_info(name: str):
@@ -27,6 +28,8 @@ def get_backend_info(name: str):
         name = _auto()
     if name == "cpu":
         return info.CpuInfo
+    if name == "cpu-fast":
+        return info.CpuFastInfo
     if name == "cuda":
         return info.CudaInfo
     if name == "webgpu":
@@ -41,6 +44,10 @@ def get_backend(name: str):
         from .cpu import CpuBackend
 
         return CpuBackend
+    if name == "cpu-fast":
+        from .cpu_fast import CpuFastBackend
+
+        return CpuFastBackend
     if name == "cuda":
         from .cuda.backend import CudaBackend
 

@@ -163,6 +163,11 @@ class CudaProgram:
                           if graph.tensors[n].kind == "activation"}
         # static device inputs: tokens, start position, tokens in the cache after this step
         self.tokens = torch.zeros(max_seq, dtype=torch.int32, device=self.dev)
+        # float inputs: activations a split model's earlier segment made on another processor
+        # (edgellm/hetero/executor.py), copied into static buffers before each step
+        self._float_inputs = {n: torch.zeros((max_seq, int(graph.tensors[n].concrete_shape(seq=1, ctx=1)[-1])),
+                                             dtype=torch.float16, device=self.dev)
+                              for n in graph.inputs if graph.tensors[n].dtype == "f32"}
         self.start = torch.zeros(1, dtype=torch.int32, device=self.dev)
         self.seq_len = torch.zeros(1, dtype=torch.int32, device=self.dev)
         self._host_positions = False
@@ -578,6 +583,8 @@ class CudaProgram:
     # -- execution ----------------------------------------------------------------------------
     def _env(self, seq: int, ctx: int) -> dict:
         env: dict[str, torch.Tensor] = dict(self.states)
+        for n, buf in self._float_inputs.items():
+            env[n] = buf[:seq]
         for op in self.graph.ops:
             for o in op.outputs:
                 t = self.graph.tensors[o]
@@ -666,6 +673,10 @@ class CudaProgram:
         self.tokens[:seq].copy_(torch.from_numpy(ids), non_blocking=True)
         if padded > seq:
             self.tokens[seq:padded].zero_()
+        for n, buf in self._float_inputs.items():
+            buf[:seq].copy_(inputs[n].to(self.dev, non_blocking=True))
+            if padded > seq:
+                buf[seq:padded].zero_()
         self.last_index.fill_(seq - 1)
         self.start.fill_(start)
         self.seq_len.fill_(start + padded)
