@@ -34,13 +34,15 @@ ROOT = Path(__file__).resolve().parents[1]
 QUESTION = "What is the capital of France?"
 
 CHILD = r"""
-import json, sys, time
+import sys, time
 t0 = time.perf_counter()
+if sys.argv[1] == "llama.cpp":
+    import llama_cpp  # noqa: F401  before numpy and torch: its CUDA build crashed otherwise (LlamaCppEngine.preload)
+import json
 engine, backend, path, ids, ctx = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), int(sys.argv[5])
 out = {}
 if engine == "llama.cpp":
     from edgellm.bench.engines import LlamaCppEngine as E
-    import llama_cpp  # noqa: F401  (imported first: see LlamaCppEngine.preload)
 else:
     from edgellm.bench.engines import EdgeLLMEngine as E
     import edgellm  # noqa: F401
