@@ -174,6 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+
+    from .serve.cli import add_serve_parser
+
+    add_serve_parser(sub)
     return p
 
 
