@@ -178,6 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .serve.cli import add_serve_parser
 
     add_serve_parser(sub)
+
+    from .chat_cli import add_chat_parser
+
+    add_chat_parser(sub)
     return p
 
 
