@@ -180,7 +180,7 @@ def create_app(model, scheduler: sch.Scheduler, cfg: ServeConfig) -> FastAPI:
         except EdgeLLMError as e:
             raise APIError(400, str(e)) from None
         return sch.Request(prompt=prompt, max_tokens=max_tokens, params=params, stops=tuple(stops),
-                           logprobs=logprobs)
+                           logprobs=logprobs, ignore_eos=body.ignore_eos)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):

@@ -71,6 +71,7 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     stops: tuple[str, ...] = ()
     logprobs: int | None = None  # None: off; k >= 0: the chosen token's and the k most likely
+    ignore_eos: bool = False  # end-of-turn tokens do not end the answer (load tests)
     on_event: Callable[[object], None] = lambda ev: None
     id: int = field(default_factory=itertools.count().__next__)
     cancelled: bool = False
@@ -223,7 +224,7 @@ class Scheduler:
         req = run.req
         token = run.sampler(logits, run.history)
         run.generated += 1
-        if token in self._stop_ids:
+        if token in self._stop_ids and not req.ignore_eos:
             self._emit(run, run.text.flush(), [], None)
             self._finish(run, "stop")
             return

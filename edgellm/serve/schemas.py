@@ -49,6 +49,7 @@ class _Sampling(_Body):
     top_k: int = Field(default=0, ge=0)
     min_p: float = Field(default=0.0, ge=0.0, lt=1.0)
     repeat_penalty: float = Field(default=1.0, gt=0.0)
+    ignore_eos: bool = False  # generate max_tokens tokens whatever comes (load tests)
     seed: int | None = None
     n: int = Field(default=1, ge=1)
     stop: Union[str, list[str], None] = None
