@@ -92,10 +92,12 @@ class Model:
     def new_slot(self, index: int = 0) -> KVSlot:
         """A further KV cache of ctx tokens with the stage programs bound to it (one per
         sequence served at once; the compiled graphs and memory plans are shared)."""
-        states = self.backend.allocate_states(self.graphs["last"], self.ctx)
-        programs = {name: self.backend.compile(c.graph, states, c.plan, max_seq=c.sizes["seq"])
-                    for name, c in self.compiled.items()}
-        return KVSlot(states, programs, index=index)
+        return KVSlot(*self.bind_programs(self.backend.allocate_states(self.graphs["last"], self.ctx)), index=index)
+
+    def bind_programs(self, states: dict) -> tuple[dict, dict]:
+        """(states, the stage programs bound to them): the compiled graphs run on another KV cache."""
+        return states, {name: self.backend.compile(c.graph, states, c.plan, max_seq=c.sizes["seq"])
+                        for name, c in self.compiled.items()}
 
     def forward(self, token_ids, start_pos: int, *, all_logits: bool, slot: KVSlot | None = None) -> np.ndarray:
         """Run tokens at positions start_pos.. against a KV cache (default: the model's own slot);

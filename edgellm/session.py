@@ -104,3 +104,63 @@ class TextStream:
                      if any(s.startswith(pending[-k:]) for s in self._stops)), 0)
         self._pending = pending[len(pending) - keep:]
         return pending[: len(pending) - keep]
+
+
+ROW_OPS = frozenset({"rope_rows", "kv_store_rows", "attention_rows"})
+
+
+class SlotPool:
+    """`n` KV slots in one cache tensor per layer with the slots along its rows (slot s owns rows
+    s*ctx .. (s+1)*ctx-1). Each slot is a view bound to the model's single-sequence programs (for
+    prefill, and decode of one sequence); where the backend runs the row-wise ops, `decode` runs
+    one token of each of several slots in one step: the model's 'rows' graph, whose linear layers
+    are one matrix product over the rows (the weights read once per step, not once per sequence)
+    and whose attention reads each row's own slot up to its own position."""
+
+    def __init__(self, model, n: int):
+        from .compiler.compile import compile_graph
+        from .models import build_graph
+
+        if n < 1:
+            raise EdgeLLMError(f"a slot pool needs at least one slot, got {n}")
+        self.model, self.n, self.ctx = model, n, model.ctx
+        backend = model.backend
+        graph = build_graph(model.config, model.file, "rows")
+        self.states = backend.allocate_states(graph, n * self.ctx)
+        self.slots = []
+        for s in range(n):
+            view = {k: t[s * self.ctx:(s + 1) * self.ctx] for k, t in self.states.items()}
+            self.slots.append(KVSlot(*model.bind_programs(view), index=s))
+        supported = getattr(backend, "SUPPORTED_OPS", None)
+        self.batch = None
+        if supported is None or ROW_OPS <= set(supported):
+            c = compile_graph(graph, supported_ops=supported, backend=backend.name, seq=n, ctx=n * self.ctx,
+                              fuse=model.fuse)
+            self.batch = backend.compile(c.graph, self.states, c.plan, max_seq=n)
+
+    def decode(self, steps: list[tuple[KVSlot, int, int]]):
+        """One decode step of several sequences: (slot, token, position) each, distinct slots.
+        Returns float32 logits [len(steps), vocab], row i for steps[i]."""
+        import numpy as np
+
+        if self.batch is None:
+            raise EdgeLLMError(f"the {self.model.backend.name} backend has no row-wise decode ops")
+        if len({id(s) for s, _, _ in steps}) != len(steps):
+            raise EdgeLLMError("a decode step takes each slot at most once")
+        vocab = self.model.config.vocab_size
+        for slot, token, pos in steps:
+            if not 0 <= pos < self.ctx:
+                raise EdgeLLMError(f"position {pos} is outside slot {slot.index}'s context of {self.ctx}")
+            if not 0 <= token < vocab:
+                raise EdgeLLMError(f"token id {token} is outside the vocabulary [0, {vocab})")
+        known = []
+        for slot, _, pos in steps:  # as Model.forward: rows from pos on are about to change
+            del slot.tokens[pos:]
+            known.append(len(slot.tokens) == pos)
+        out = self.batch.run({"tokens": np.array([t for _, t, _ in steps], dtype=np.int32),
+                              "pos": np.array([p for _, _, p in steps], dtype=np.int32),
+                              "base": np.array([s.index * self.ctx for s, _, _ in steps], dtype=np.int32)})
+        for (slot, token, _), ok in zip(steps, known):
+            if ok:
+                slot.tokens.append(int(token))
+        return self.model.backend.to_numpy(out["logits"])

@@ -89,3 +89,35 @@ def test_text_stream_cuts_at_stop_strings_across_tokens(default_model):
     # no stop string found: every piece comes out, the same as decode
     ts = TextStream(tok, stops=["zzz"])
     assert "".join(ts.push(t) for t in ids) + ts.flush() == whole
+
+
+def test_batched_decode_step_equals_each_sequence_alone(default_model):
+    """SlotPool.decode: one step over several slots (one matrix product per linear layer, each row
+    attending to its own slot up to its own position) gives every sequence the logits a fresh run
+    of that sequence alone gives."""
+    from edgellm.session import SlotPool
+
+    m = default_model
+    pool = SlotPool(m, 3)
+    assert pool.batch is not None
+    seqs = [m.tokenizer.encode(t) for t in ("The capital of France is", "Once upon a time, in a land far away",
+                                            "1, 2, 3,")]
+    last = []
+    # slot 2 holds the first sequence, slot 0 the second, slot 1 the third: rows are not slot order
+    order = [pool.slots[2], pool.slots[0], pool.slots[1]]
+    for slot, ids in zip(order, seqs):
+        last.append(m.forward(ids, 0, all_logits=False, slot=slot)[-1])
+    for step in range(2):
+        nxt = [int(np.argmax(lg)) for lg in last]
+        for ids, t in zip(seqs, nxt):
+            ids.append(t)
+        out = pool.decode([(slot, ids[-1], len(ids) - 1) for slot, ids in zip(order, seqs)])
+        assert out.shape == (3, m.config.vocab_size)
+        last = list(out)
+    for slot, ids, lg in zip(order, seqs, last):
+        assert slot.tokens == ids
+        np.testing.assert_allclose(lg, m.logits(ids)[-1], rtol=0, atol=2e-4)
+    with pytest.raises(EdgeLLMError, match="at most once"):
+        pool.decode([(order[0], 1, 5), (order[0], 1, 6)])
+    with pytest.raises(EdgeLLMError, match="outside slot"):
+        pool.decode([(order[0], 1, m.ctx)])

@@ -15,6 +15,11 @@ Semantics (every backend implements these exactly; the cpu backend is the refere
                                            -> [S,H*d]; query i (position start_pos+i) attends to cache rows
                                               0..start_pos+i; query head h reads kv head h // (H/G)
   last_row(x[S,D])                         -> [1,D]   the last row
+Row-wise forms, for one decode step of several sequences (row i: its own KV slot and position):
+  rope_rows(x[S,H*d], pos[S], (freqs); as rope) -> row i rotated at position pos[i]
+  kv_store_rows(cache[C,F], x[S,F], base[S], pos[S]) -> cache, row base[i]+pos[i] := x[i] (alias)
+  attention_rows(q[S,H*d], k[C,G*d], v[C,G*d], base[S], pos[S]; as attention)
+                                           -> [S,H*d]; query i attends to cache rows base[i] .. base[i]+pos[i]
 """
 
 from __future__ import annotations
@@ -114,6 +119,29 @@ def _attention(op, ins, attrs):
     return q.shape, "f32", None
 
 
+def _rows(op, rows, *index):
+    """Row-wise ops: each index tensor holds one entry per row of `rows`."""
+    for t in index:
+        _rank(op, t, 1)
+        if not _same(t.shape[0], rows.shape[0]):
+            raise _fail(op, f"index '{t.name}' has {t.shape[0]} entries, expected one per row of '{rows.name}'")
+
+
+def _rope_rows(op, ins, attrs):
+    _rows(op, ins[0], ins[1])
+    return _rope(op, ins, attrs)
+
+
+def _kv_store_rows(op, ins, attrs):
+    _rows(op, ins[1], ins[2], ins[3])
+    return _kv_store(op, ins, attrs)
+
+
+def _attention_rows(op, ins, attrs):
+    _rows(op, ins[0], ins[3], ins[4])
+    return _attention(op, ins, attrs)
+
+
 def _last_row(op, ins, attrs):
     (x,) = ins
     _rank(op, x, 2)
@@ -133,6 +161,9 @@ RULES: dict[str, Rule] = {
     "kv_store": _kv_store,
     "attention": _attention,
     "last_row": _last_row,
+    "rope_rows": _rope_rows,
+    "kv_store_rows": _kv_store_rows,
+    "attention_rows": _attention_rows,
 }
 
 
@@ -149,13 +180,13 @@ def flops(kind: str, inputs: list[Tensor], output: Tensor, attrs: dict[str, Any]
     n_out = sympy.Mul(*output.shape)
     if kind == "linear":
         return 2 * n_out * inputs[1].shape[1]
-    if kind == "attention":
+    if kind in ("attention", "attention_rows"):
         # QK^T and PV over kv_len keys per query (causal masking halves this in prefill; not counted)
         return 4 * output.shape[0] * KV_LEN * attrs["n_heads"] * attrs["head_dim"]
     if kind == "rms_norm":
         return 4 * n_out
-    if kind in ("add", "mul", "silu", "rope"):
-        return (4 if kind in ("silu", "rope") else 1) * n_out
+    if kind in ("add", "mul", "silu", "rope", "rope_rows"):
+        return (4 if kind in ("silu", "rope", "rope_rows") else 1) * n_out
     return sympy.Integer(0)
 
 

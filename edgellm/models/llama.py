@@ -14,7 +14,9 @@ from ..gguf_file import GGUFFile
 from ..graph.ir import CTX, SEQ, Graph
 from .config import ModelConfig
 
-STAGES = ("all", "last")  # which logits the graph returns: every position, or only the last one
+# which logits the graph returns: every position, only the last one, or one per row where each row
+# is a different sequence's decode token (its own KV slot at rows base.. of the cache, its own position)
+STAGES = ("all", "last", "rows")
 
 
 def build_llama(cfg: ModelConfig, f: GGUFFile, logits: str = "all") -> Graph:
@@ -27,7 +29,11 @@ def build_llama(cfg: ModelConfig, f: GGUFFile, logits: str = "all") -> Graph:
         return g.weight(name, t.shape, storage=t.type_name)
 
     tokens = g.input("tokens", (SEQ,), "i32")
-    start = g.input("start_pos", (), "i32")
+    rows = logits == "rows"
+    if rows:
+        pos, base = g.input("pos", (SEQ,), "i32"), g.input("base", (SEQ,), "i32")
+    else:
+        start = g.input("start_pos", (), "i32")
     freqs = w("rope_freqs.weight") if cfg.has_rope_freqs else None
     rope = dict(head_dim=cfg.head_dim, rope_dim=cfg.rope_dim, theta=cfg.rope_theta,
                 style=cfg.rope_style, pos_scale=cfg.rope_pos_scale)
@@ -41,14 +47,16 @@ def build_llama(cfg: ModelConfig, f: GGUFFile, logits: str = "all") -> Graph:
             proj[p] = g.op("linear", n, w(b + f"attn_{p}.weight"), name=b + f"attn_{p}")
             if cfg.attn_bias:
                 proj[p] = g.op("add", proj[p], w(b + f"attn_{p}.bias"), name=b + f"attn_{p}_bias")
-        rope_in = lambda t: (t, start) + ((freqs,) if freqs else ())  # noqa: E731
-        q = g.op("rope", *rope_in(proj["q"]), name=b + "rope_q", n_heads=cfg.n_heads, **rope)
-        k = g.op("rope", *rope_in(proj["k"]), name=b + "rope_k", n_heads=cfg.n_kv_heads, **rope)
+        rope_op, at = ("rope_rows", (pos,)) if rows else ("rope", (start,))
+        rope_in = lambda t: (t, *at) + ((freqs,) if freqs else ())  # noqa: E731
+        q = g.op(rope_op, *rope_in(proj["q"]), name=b + "rope_q", n_heads=cfg.n_heads, **rope)
+        k = g.op(rope_op, *rope_in(proj["k"]), name=b + "rope_k", n_heads=cfg.n_kv_heads, **rope)
         kc = g.state(f"cache.k.{i}", (CTX, cfg.kv_dim))
         vc = g.state(f"cache.v.{i}", (CTX, cfg.kv_dim))
-        kc = g.op("kv_store", kc, k, start, name=b + "store_k")
-        vc = g.op("kv_store", vc, proj["v"], start, name=b + "store_v")
-        a = g.op("attention", q, kc, vc, start, name=b + "attn", n_heads=cfg.n_heads,
+        where = (base, pos) if rows else (start,)
+        kc = g.op("kv_store_rows" if rows else "kv_store", kc, k, *where, name=b + "store_k")
+        vc = g.op("kv_store_rows" if rows else "kv_store", vc, proj["v"], *where, name=b + "store_v")
+        a = g.op("attention_rows" if rows else "attention", q, kc, vc, *where, name=b + "attn", n_heads=cfg.n_heads,
                  n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, scale=1.0 / math.sqrt(cfg.head_dim))
         o = g.op("linear", a, w(b + "attn_output.weight"), name=b + "attn_output")
         h = g.op("add", x, o, name=b + "attn_residual")

@@ -54,15 +54,23 @@ class ServeConfig:
     max_tokens_limit: int | None = None  # default: the context
 
 
-class _BodyLimit:
-    """Refuses request bodies over `limit` bytes (413), by Content-Length or while reading."""
+class _Guard:
+    """Plain ASGI middleware (no BaseHTTPMiddleware: it wraps the receive channel, which streaming
+    responses need for noticing a client that went away): the API key on /v1/, and request bodies
+    over `limit` bytes refused (413) by Content-Length or while reading."""
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int, api_key: str | None):
+        self.app, self.limit, self.api_key = app, limit, api_key
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if self.api_key and scope["path"].startswith("/v1/"):
+            given = dict(scope.get("headers", [])).get(b"authorization", b"")
+            if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
+                err = APIError(401, "a valid API key is needed: Authorization: Bearer KEY", "authentication_error",
+                               code="invalid_api_key")
+                return await JSONResponse(err.body(), status_code=401)(scope, receive, send)
         for k, v in scope.get("headers", []):
             if k == b"content-length" and v.isdigit() and int(v) > self.limit:
                 err = APIError(413, f"the request body has {int(v)} bytes; at most {self.limit} are accepted",
@@ -91,7 +99,7 @@ def create_app(model, scheduler: sch.Scheduler, cfg: ServeConfig) -> FastAPI:
         await run_in_threadpool(scheduler.stop)
 
     app = FastAPI(title="edgellm", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
-    app.add_middleware(_BodyLimit, limit=cfg.max_body)
+    app.add_middleware(_Guard, limit=cfg.max_body, api_key=cfg.api_key)
     tok = model.tokenizer
     ctx = scheduler.ctx
     max_tokens_limit = cfg.max_tokens_limit or ctx
@@ -122,16 +130,6 @@ def create_app(model, scheduler: sch.Scheduler, cfg: ServeConfig) -> FastAPI:
                  413: "invalid_request_error"}
         return JSONResponse(APIError(e.status_code, str(e.detail), types.get(e.status_code, "invalid_request_error")).body(),
                             status_code=e.status_code)
-
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if cfg.api_key and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {cfg.api_key}".encode()):
-                err = APIError(401, "a valid API key is needed: Authorization: Bearer KEY", "authentication_error",
-                               code="invalid_api_key")
-                return JSONResponse(err.body(), status_code=401)
-        return await call_next(request)
 
     # -- routes -------------------------------------------------------------------------------------
     @app.get("/health")

@@ -7,10 +7,10 @@ next step), runs one chunk of one pending prefill, then one decode step for ever
 sequence. Requests thus join and leave the running set between steps, and a long prompt delays
 the running sequences by at most one chunk per step.
 
-Decode today runs each sequence's single-token program in turn (round-robin over the slots): the
-step structure is the batched one, but the weights are read once per sequence rather than once
-per step. `Scheduler._decode` is the one place a batched decode program (one skinny GEMM over
-the active rows, attention over each row's own cache length) would go.
+A decode step is one batched program over every running sequence (SlotPool.decode: the linear
+layers one matrix product over the rows, attention over each row's own slot and length) where
+the backend has the row-wise ops (cpu today); elsewhere (cuda today) each sequence's
+single-token program runs in turn, with the same step structure.
 
 Each request brings its own sampling parameters (and seed), stop strings and max_tokens; its
 events (text pieces, then a final Done or Failed) go to a callback, called on this thread.
@@ -29,7 +29,7 @@ import numpy as np
 
 from ..errors import EdgeLLMError
 from ..sampling import Sampler, SamplingParams
-from ..session import KVSlot, TextStream
+from ..session import KVSlot, SlotPool, TextStream
 
 
 class QueueFullError(EdgeLLMError):
@@ -107,7 +107,9 @@ class Scheduler:
         self.ctx = model.ctx
         self.chunk = max(1, int(chunk))
         self.max_queue = max_queue
-        self.slots: list[KVSlot] = [model.default_slot] + [model.new_slot(i) for i in range(1, parallel)]
+        self.pool = SlotPool(model, parallel)
+        self.slots: list[KVSlot] = list(self.pool.slots)
+        self.batched = self.pool.batch is not None
         self._free: list[KVSlot] = list(self.slots)
         self._waiting: collections.deque[Request] = collections.deque()
         self._running: list[_Running] = []
@@ -203,13 +205,24 @@ class Scheduler:
             self._sample(run, logits)
 
     def _decode(self) -> None:
-        # round-robin single-sequence steps (see the module docstring)
-        for run in [r for r in self._running if not r.todo and r.last is not None]:
-            if run.req.cancelled:
-                continue
-            logits = self._forward(run, [run.last])
-            if logits is not None:
-                self._sample(run, logits)
+        runs = [r for r in self._running if not r.todo and r.last is not None and not r.req.cancelled]
+        if not runs:
+            return
+        if not self.batched:  # round-robin single-sequence steps (see the module docstring)
+            for run in runs:
+                logits = self._forward(run, [run.last])
+                if logits is not None:
+                    self._sample(run, logits)
+            return
+        try:
+            logits = self.pool.decode([(r.slot, r.last, r.pos) for r in runs])
+        except Exception as e:
+            for run in runs:
+                self._fail(run, f"{type(e).__name__}: {e}" if not isinstance(e, EdgeLLMError) else str(e))
+            return
+        for run, row in zip(runs, logits):
+            run.pos += 1
+            self._sample(run, row)
 
     def _forward(self, run: _Running, ids: list[int]) -> np.ndarray | None:
         try:
