@@ -3,9 +3,10 @@
 One thread owns the model. Between model steps it admits waiting requests into free slots (the
 slot whose cache already holds the longest prefix of the prompt: a multi-turn client or a shared
 system prompt skips that part of the prefill), drops cancelled ones (the slot is free for the
-next step), runs one chunk of one pending prefill, then one decode step for every running
-sequence. Requests thus join and leave the running set between steps, and a long prompt delays
-the running sequences by at most one chunk per step.
+next step), runs pending prefills up to `chunk` prompt tokens in all (oldest first; a long prompt
+in chunk-sized parts over several steps), then one decode step for every running sequence.
+Requests thus join and leave the running set between steps, and prompts delay the running
+sequences by at most one chunk of prefill per step.
 
 A decode step is one batched program over every running sequence (SlotPool.decode: the linear
 layers one matrix product over the rows, attention over each row's own slot and length) where
@@ -134,7 +135,8 @@ class Scheduler:
         with self._cv:
             if self._stopping:
                 raise ShuttingDownError("the server is shutting down")
-            if not self._free and len(self._waiting) >= self.max_queue:
+            # free slots take the first waiting requests at the next step; beyond them, max_queue wait
+            if len(self._waiting) >= len(self._free) + self.max_queue:
                 raise QueueFullError(f"all {len(self.slots)} slots are busy and {len(self._waiting)} requests "
                                      "are waiting; try again later")
             self._waiting.append(req)
@@ -167,7 +169,7 @@ class Scheduler:
                         return
                     self._cv.wait(0.5)
                     continue
-            self._prefill_one()
+            self._prefill()
             self._decode()
             self.steps += 1
 
@@ -193,16 +195,21 @@ class Scheduler:
                 continue
             self._running.append(run)
 
-    def _prefill_one(self) -> None:
-        """One chunk of the oldest pending prefill; its last chunk yields the first token."""
-        run = next((r for r in self._running if r.todo), None)
-        if run is None:
-            return
-        part, run.todo = run.todo[: self.chunk], run.todo[self.chunk:]
-        logits = self._forward(run, part)
-        if logits is not None and not run.todo:
-            run.ttft = time.perf_counter() - run.t0
-            self._sample(run, logits)
+    def _prefill(self) -> None:
+        """Pending prefills, oldest first, up to `chunk` tokens in all this step; a prompt's last
+        part yields its first token."""
+        budget = self.chunk
+        for run in [r for r in self._running if r.todo]:
+            if budget <= 0:
+                break
+            if run.req.cancelled:
+                continue
+            part, run.todo = run.todo[:budget], run.todo[budget:]
+            budget -= len(part)
+            logits = self._forward(run, part)
+            if logits is not None and not run.todo:
+                run.ttft = time.perf_counter() - run.t0
+                self._sample(run, logits)
 
     def _decode(self) -> None:
         runs = [r for r in self._running if not r.todo and r.last is not None and not r.req.cancelled]
