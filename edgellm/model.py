@@ -89,13 +89,9 @@ class Model:
             self._default_slot = KVSlot(self.states, self.programs)
         return self._default_slot
 
-    def new_slot(self, index: int = 0) -> KVSlot:
-        """A further KV cache of ctx tokens with the stage programs bound to it (one per
-        sequence served at once; the compiled graphs and memory plans are shared)."""
-        return KVSlot(*self.bind_programs(self.backend.allocate_states(self.graphs["last"], self.ctx)), index=index)
-
     def bind_programs(self, states: dict) -> tuple[dict, dict]:
-        """(states, the stage programs bound to them): the compiled graphs run on another KV cache."""
+        """(states, the stage programs bound to them): the compiled graphs run on another KV cache
+        (edgellm.session.SlotPool makes slots this way; compiled graphs and memory plans are shared)."""
         return states, {name: self.backend.compile(c.graph, states, c.plan, max_seq=c.sizes["seq"])
                         for name, c in self.compiled.items()}
 

@@ -28,10 +28,11 @@ class Collect:
 
 
 def _greedy_alone(m, ids, n):
-    seq = list(ids)
-    for _ in range(n):
-        seq.append(int(np.argmax(m.logits(seq)[-1])))
-    return seq[len(ids):]
+    """n greedy tokens after ids, one sequence on the model's own slot (end-of-turn not special)."""
+    out = [int(np.argmax(m.forward(ids, 0, all_logits=False)[-1]))]
+    for i in range(n - 1):
+        out.append(int(np.argmax(m.forward(out[-1:], len(ids) + i, all_logits=False)[-1])))
+    return out
 
 
 def test_requests_joining_a_running_batch_get_their_own_greedy_tokens(default_model):

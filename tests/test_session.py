@@ -9,6 +9,21 @@ from edgellm.session import TextStream, common_prefix
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
+@pytest.fixture(scope="module")
+def pool(default_model):
+    """Three further KV slots (binding programs to a cache costs seconds: made once here)."""
+    from edgellm.session import SlotPool
+
+    return SlotPool(default_model, 3)
+
+
+@pytest.fixture
+def slot(pool):
+    s = pool.slots[0]
+    s.reset()  # the record starts empty: nothing in the cache is trusted
+    return s
+
+
 def test_second_turn_prefills_only_new_tokens_and_matches_a_fresh_run(default_model):
     m = default_model
     first = "".join(m.chat(QUESTION, max_tokens=16, temperature=0))
@@ -34,25 +49,23 @@ def test_second_turn_prefills_only_new_tokens_and_matches_a_fresh_run(default_mo
     assert "Berlin" in second
 
 
-def test_reused_prefix_gives_the_logits_of_a_fresh_run(default_model):
+def test_reused_prefix_gives_the_logits_of_a_fresh_run(default_model, slot):
     m = default_model
     ids = m.chat_tokens(QUESTION + [{"role": "assistant", "content": "Paris."},
                                     {"role": "user", "content": "Why?"}])
-    slot = m.new_slot()
     m.forward(ids[:20], 0, all_logits=False, slot=slot)
     assert slot.tokens == ids[:20]
     p = slot.reusable_prefix(ids)
     assert p == 20
     reused = m.forward(ids[p:], p, all_logits=False, slot=slot)[-1]
     assert slot.tokens == ids
-    fresh = m.logits(ids)[-1]
+    fresh = m.forward(ids, 0, all_logits=False)[-1]  # the whole history from position 0, default slot
     np.testing.assert_allclose(reused, fresh, rtol=0, atol=2e-4)
     assert int(np.argmax(reused)) == int(np.argmax(fresh))
 
 
-def test_slot_record_follows_what_the_cache_holds(default_model):
+def test_slot_record_follows_what_the_cache_holds(default_model, slot):
     m = default_model
-    slot = m.new_slot()
     a = m.tokenizer.encode("The capital of France is")
     b = m.tokenizer.encode("The capital of Spain is")
     m.forward(a, 0, all_logits=False, slot=slot)
@@ -91,14 +104,11 @@ def test_text_stream_cuts_at_stop_strings_across_tokens(default_model):
     assert "".join(ts.push(t) for t in ids) + ts.flush() == whole
 
 
-def test_batched_decode_step_equals_each_sequence_alone(default_model):
+def test_batched_decode_step_equals_each_sequence_alone(default_model, pool):
     """SlotPool.decode: one step over several slots (one matrix product per linear layer, each row
     attending to its own slot up to its own position) gives every sequence the logits a fresh run
     of that sequence alone gives."""
-    from edgellm.session import SlotPool
-
     m = default_model
-    pool = SlotPool(m, 3)
     assert pool.batch is not None
     seqs = [m.tokenizer.encode(t) for t in ("The capital of France is", "Once upon a time, in a land far away",
                                             "1, 2, 3,")]
@@ -116,7 +126,7 @@ def test_batched_decode_step_equals_each_sequence_alone(default_model):
         last = list(out)
     for slot, ids, lg in zip(order, seqs, last):
         assert slot.tokens == ids
-        np.testing.assert_allclose(lg, m.logits(ids)[-1], rtol=0, atol=2e-4)
+        np.testing.assert_allclose(lg, m.forward(ids, 0, all_logits=False)[-1], rtol=0, atol=2e-4)
     with pytest.raises(EdgeLLMError, match="at most once"):
         pool.decode([(order[0], 1, 5), (order[0], 1, 6)])
     with pytest.raises(EdgeLLMError, match="outside slot"):
