@@ -2,7 +2,6 @@
 driven by the official openai client and raw HTTP. The server starts once for the module."""
 
 import concurrent.futures
-import json
 import os
 import signal
 import socket
