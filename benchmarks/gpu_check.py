@@ -32,6 +32,8 @@ from edgellm.sampling import SamplingParams  # noqa: E402
 from edgellm.synthetic import preset, write_synthetic_gguf  # noqa: E402
 
 PRESETS = {"135m": "smollm2-135m", "1b": "llama-3.2-1b", "8b": "llama-3.1-8b"}
+FIDELITY_PROMPTS = ("What is the capital of France?", "Write a short poem about the ocean.",
+                    "Explain in two sentences why the sky is blue.")
 
 
 def copy_bandwidth() -> float:
@@ -57,8 +59,7 @@ def fidelity(path: str) -> dict:
     cpu = edgellm.load(path, backend="cpu", ctx=1024)
     gpu = edgellm.load(path, backend="cuda", ctx=1024)
     out = {"prompts": []}
-    for prompt in ("What is the capital of France?", "Write a short poem about the ocean.",
-                   "Explain in two sentences why the sky is blue."):
+    for prompt in FIDELITY_PROMPTS:
         ids = cpu.prompt_tokens(prompt)
         a = list(cpu.generate_tokens(ids, 64, SamplingParams(temperature=0)))
         b = list(gpu.generate_tokens(ids, 64, SamplingParams(temperature=0)))

@@ -20,6 +20,9 @@
 #   models NAME:FMT,...   write synthetic models (edgellm.synthetic presets) into the session folder
 #   tests                 the cuda backend's kernel and whole-model tests on the GPU
 #   vs NAME:FMT,... [bench_vs_llamacpp options]   edgellm cuda vs llama-bench on those models
+#   start [bench_start options]  time to load and to first token, cold and warm: edgellm cuda
+#                         (and llama.cpp CUDA when build_llama_py has finished) on the default model
+#                         and synthetic files (benchmarks/bench_start.py; issue 14's table)
 #   bench_1b              edgellm bench: the Llama-3.2-1B shape in q4_0 and q8_0, edgellm cuda vs
 #                         llama.cpp CUDA (llama-cpp-python from build_llama_py) vs transformers
 #                         (issue 5's GPU report)
@@ -70,7 +73,7 @@ wait_llama)
 build_llama_py)
   rm -f "$W/llama_py.done"
   tar xzf "$ROOT/.llama/llama_trim.tar.gz" -C "$W"
-  CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAVA_BUILD=off" CMAKE_BUILD_PARALLEL_LEVEL=16 \
+  CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAVA_BUILD=off -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF" CMAKE_BUILD_PARALLEL_LEVEL=16 \
     python3 -m pip wheel -v --no-build-isolation --no-deps --no-index -w "$W/wheels" "$W/llama_cpp_python-0.3.36" \
     >"$W/pip_build.log" 2>&1 || { tail -30 "$W/pip_build.log"; exit 1; }
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$W/site" "$W"/wheels/llama_cpp_python-*.whl
@@ -132,6 +135,12 @@ vs)
   for item in ${1//,/ }; do models+=("$(model_path "$item")"); done
   shift
   python3 "$ROOT/benchmarks/bench_vs_llamacpp.py" --llama-bench "$W/lb/bin/llama-bench" "${models[@]}" "$@"
+  ;;
+start)
+  engines=edgellm
+  [ -e "$W/llama_py.done" ] && engines=edgellm,llama.cpp
+  python3 "$ROOT/benchmarks/bench_start.py" --backend cuda --engines "$engines" --model-dir "$W/models" \
+    -o "$OUT/start_cuda.json" "$@"
   ;;
 bench_1b)
   f=$W/models/llama-3.2-1b-F16-vocab.gguf

@@ -6,9 +6,14 @@ import argparse
 import os
 import sys
 
+from . import arguments as A
 from .errors import EdgeLLMError
 
 DEFAULT_MAX_TOKENS = 256
+
+# import name -> what to pip install, where the two differ (anything else: the import name)
+PIP_NAMES = {"llama_cpp": "llama-cpp-python", "yaml": "pyyaml", "PIL": "pillow", "sklearn": "scikit-learn",
+             "torch": "torch (scripts/install.sh installs the pinned CPU build)"}
 
 
 def _add_model_arg(p: argparse.ArgumentParser, positional: bool = False) -> None:
@@ -22,6 +27,11 @@ def _add_model_arg(p: argparse.ArgumentParser, positional: bool = False) -> None
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from .model import load
+    from .onnx.cli import is_onnx, run_onnx
+
+    onnx_path = next((p for p in (args.model, args.prompt) if is_onnx(p)), None)
+    if onnx_path is not None:  # a network file: `edgellm run model.onnx --input image.jpg`
+        return run_onnx(args, onnx_path)
 
     prompt = args.prompt
     if prompt is None:
@@ -29,7 +39,17 @@ def _cmd_run(args: argparse.Namespace) -> int:
             prompt = "Tell me a short story about a robot who learns to paint."
         else:
             prompt = sys.stdin.read()
-    m = load(args.model, backend=args.backend, ctx=args.ctx)
+    if not prompt.strip() and not args.allow_empty:
+        raise EdgeLLMError("the prompt is empty (give the prompt as an argument or on stdin; "
+                           "--allow-empty runs an empty prompt deliberately)")
+    import torch
+
+    from .progress import slow_notice
+
+    torch.set_num_threads(args.threads or A.physical_cores())  # the cpu backend's matrix code
+    with slow_notice("loading the model (the first load on this device compiles kernels; later ones read "
+                     "them from ~/.cache/edgellm)", after=1.5):
+        m = load(args.model, backend=args.backend, ctx=args.ctx)
     chat = False if args.raw else None
     stream = m.generate(prompt, max_tokens=args.max_tokens, chat=chat, system=args.system, stop=args.stop or (),
                         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -39,7 +59,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
     sys.stdout.write("\n")
     if not args.quiet:
-        print(f"[{m.backend.describe()}; load {m.load_s:.2f} s; {m.last_stats.summary()}]", file=sys.stderr)
+        cached = f" (cached: {', '.join(m.cache_hits)})" if m.cache_hits else ""
+        print(f"[{m.backend.describe()}; load {m.load_s:.2f} s{cached}; {m.last_stats.summary()}]", file=sys.stderr)
     return 0
 
 
@@ -51,11 +72,39 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
+def _family_lines(cfg) -> list[str]:
+    """What the model's family changes about the llama block (edgellm.models), one line each."""
+    lines = []
+    slid = [w for w in cfg.layer_window if w]
+    if slid:
+        local = f", RoPE base {cfg.rope_theta_local:g} there" if cfg.rope_theta_local else ""
+        lines.append(f"attention     sliding window {max(slid)} on {len(slid)} of {cfg.n_layers} layers{local}")
+    if cfg.attn_scale is not None:
+        lines.append(f"attn scale    {cfg.attn_scale:.6g}")
+    parts = [name for flag, name in ((cfg.qk_norm, "per-head q/k RMSNorm"), (cfg.post_norms, "post-norms"),
+                                     (cfg.fused_qkv, "fused q|k|v tensor"), (cfg.fused_gate_up, "fused gate|up tensor"))
+             if flag]
+    if parts:
+        lines.append(f"block         {', '.join(parts)}")
+    if cfg.mlp_act != "silu" or cfg.embed_scale != 1.0:
+        lines.append(f"mlp           {cfg.mlp_act}-gated; embedding scale {cfg.embed_scale:g}")
+    if cfg.logit_softcap:
+        lines.append(f"logits        softcap {cfg.logit_softcap:g}")
+    if cfg.rope_factors:
+        lines.append(f"rope factors  {cfg.rope_factors}, attention factor {cfg.rope_mscale:g}")
+    return lines
+
+
 def _cmd_info(args: argparse.Namespace) -> int:
     from .default_model import default_model_path
     from .gguf_file import open_gguf
     from .models import config_from_gguf
 
+    if args.adapters:  # the GPUs the webgpu backend can use, with their features; no model read
+        from .backends.webgpu.device import describe_adapters
+
+        print("\n".join(describe_adapters(verbose=True)))
+        return 0
     path = args.model or str(default_model_path())
     f = open_gguf(path)
     cfg = config_from_gguf(f)
@@ -73,6 +122,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
           + (f", linear scale {cfg.rope_pos_scale:g}" if cfg.rope_pos_scale != 1 else "")
           + (", per-frequency factors" if cfg.has_rope_freqs else ""))
     print(f"norm eps      {cfg.norm_eps:g}")
+    for line in _family_lines(cfg):
+        print(line)
     print(f"output        {'tied to token_embd' if cfg.tied_output else 'output.weight'}")
     by_type: dict[str, list[int]] = {}
     for t in f.tensors.values():
@@ -98,11 +149,17 @@ def _cmd_info(args: argparse.Namespace) -> int:
         print(f"  vocab {tok.vocab_size}, bos {tok.bos_id} {bos!r}, eos {tok.eos_id} {eos!r}, add_bos {tok.add_bos}")
         print(f"  stop tokens {sorted(tok.stop_ids)}")
     tmpl = f.get("tokenizer.chat_template", None)
-    print(f"chat template {'yes (' + str(len(tmpl)) + ' chars)' if tmpl else 'none'}")
+    from .chat import BUILTIN_TEMPLATES
+
+    builtin = f"built-in {f.architecture} format (the file has none)" if f.architecture in BUILTIN_TEMPLATES else "none"
+    print(f"chat template {'yes (' + str(len(tmpl)) + ' chars)' if tmpl else builtin}")
     if args.tensors:
         print("tensors")
         for t in f.tensors.values():
             print(f"  {t.name:<32} {t.type_name:<6} {str(t.shape):<16} {_fmt_bytes(t.nbytes):>10}")
+    from .backends.webgpu.device import describe_adapters
+
+    print("\n".join(describe_adapters()))
     return 0
 
 
@@ -111,12 +168,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     from .compiler.report import plan_model, render_plan
     from .default_model import default_model_path
+    from .onnx.cli import is_onnx, plan_onnx
 
-    if args.ctx is not None and args.ctx <= 0:
-        raise EdgeLLMError(f"--ctx must be a positive number of tokens, got {args.ctx}")
-    if args.prefill <= 0:
-        raise EdgeLLMError(f"--prefill must be a positive number of tokens, got {args.prefill}")
+    if is_onnx(args.model):
+        return plan_onnx(args, args.model)
     path = args.model or str(default_model_path())
+    from .hetero.plan import run_plan_args
+
+    placed = run_plan_args(args, path)
+    if placed is not None:
+        print(placed, end="")
+        return 0
     p = plan_model(path, backend=args.backend, ctx=args.ctx, prefill=args.prefill, fuse=not args.no_fuse)
     print(json.dumps(p, indent=2) if args.json else render_plan(p), end="" if not args.json else "\n")
     return 0
@@ -125,7 +187,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    p = argparse.ArgumentParser(prog="edgellm", description="Run large language models fast, from GGUF files.")
+    p = A.ArgumentParser(prog="edgellm", description="Run large language models fast, from GGUF files.")
     p.add_argument("--version", action="version", version=f"edgellm {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -134,25 +196,37 @@ def build_parser() -> argparse.ArgumentParser:
                                    "models with a chat template get it applied unless --raw.")
     r.add_argument("prompt", nargs="?", default=None, help="the prompt (default: read stdin, or a demo prompt)")
     _add_model_arg(r)
-    r.add_argument("--backend", default="auto", help="cpu, or auto (default: the fastest available)")
-    r.add_argument("-n", "--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="tokens to generate at most")
-    r.add_argument("-c", "--ctx", type=int, default=None, help="context size in tokens (default: min(model, 4096))")
-    r.add_argument("--temperature", "--temp", type=float, default=0.8, help="0 = greedy (default 0.8)")
-    r.add_argument("--top-k", type=int, default=40, help="0 disables (default 40)")
-    r.add_argument("--top-p", type=float, default=0.95, help="1.0 disables (default 0.95)")
-    r.add_argument("--min-p", type=float, default=0.05, help="0 disables (default 0.05)")
-    r.add_argument("--repeat-penalty", type=float, default=1.0, help="1.0 disables (default 1.0)")
-    r.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-    r.add_argument("--stop", action="append", help="stop when this text appears (repeatable)")
-    r.add_argument("--system", default=None, help="system message for chat models")
+    r.add_argument("--backend", default="auto", type=A.backend_name,
+                   help="cpu-fast (weights packed, bf16 products), cpu (float32 reference), cuda, webgpu, or "
+                        "auto (default: cuda when a GPU is usable, else webgpu on a GPU adapter, else cpu-fast)")
+    r.add_argument("-n", "--max-tokens", type=A.at_least(0), default=DEFAULT_MAX_TOKENS,
+                   help="tokens to generate at most")
+    r.add_argument("-c", "--ctx", type=A.positive(int), default=None,
+                   help="context size in tokens (default: min(model, 4096))")
+    r.add_argument("-t", "--threads", type=A.positive(int), default=None,
+                   help="CPU threads (default: the physical cores, here %d)" % A.physical_cores())
+    r.add_argument("--temperature", "--temp", type=A.at_least(0.0, float), default=0.8, help="0 = greedy (default 0.8)")
+    r.add_argument("--top-k", type=A.at_least(0), default=40, help="0 disables (default 40)")
+    r.add_argument("--top-p", type=A.between(0.0, 1.0), default=0.95, help="1.0 disables (default 0.95)")
+    r.add_argument("--min-p", type=A.between(0.0, 1.0), default=0.05, help="0 disables (default 0.05)")
+    r.add_argument("--repeat-penalty", type=A.positive(float), default=1.0, help="1.0 disables (default 1.0)")
+    r.add_argument("--seed", type=A.at_least(0), default=None, help="random seed for sampling")
+    r.add_argument("--stop", action="append", type=A.unescape,
+                   help=r"stop when this text appears (repeatable; escapes as llama-cli: \n \t \\ \xHH \uXXXX ...)")
+    r.add_argument("--system", default=None, type=A.unescape, help="system message for chat models (escapes as --stop)")
+    r.add_argument("--allow-empty", action="store_true", help="run an empty prompt instead of refusing it")
     r.add_argument("--raw", action="store_true", help="do not apply the chat template")
     r.add_argument("-q", "--quiet", action="store_true", help="do not print timings to stderr")
+    from .onnx.cli import add_onnx_run_args
+
+    add_onnx_run_args(r)
     r.set_defaults(func=_cmd_run)
 
     i = sub.add_parser("info", help="describe a model file", description="Print architecture, hyperparameters, "
                        "tensor types and sizes, tokenizer and template facts of a GGUF file.")
     _add_model_arg(i, positional=True)
     i.add_argument("--tensors", action="store_true", help="list every tensor")
+    i.add_argument("--adapters", action="store_true", help="list the webgpu backend's adapters and their features")
     i.set_defaults(func=_cmd_info)
 
     pl = sub.add_parser("plan", help="show the compiled program and the memory a run needs (reads no weights)",
@@ -160,11 +234,17 @@ def build_parser() -> argparse.ArgumentParser:
                                     "pass, kernels per stage, delegated subgraphs, intermediate memory per planner, "
                                     "weight bytes per format, KV-cache bytes and the estimated peak memory.")
     _add_model_arg(pl, positional=True)
-    pl.add_argument("--backend", default="cpu", help="backend to plan for (default cpu)")
-    pl.add_argument("-c", "--ctx", type=int, default=None, help="context size (default: min(model, 4096))")
-    pl.add_argument("--prefill", type=int, default=512, help="prefill chunk in tokens (default 512)")
+    pl.add_argument("--backend", default="auto", type=A.backend_name,
+                    help="backend to plan for (default auto: what `run` uses)")
+    pl.add_argument("-c", "--ctx", type=A.positive(int), default=None, help="context size (default: min(model, 4096))")
+    pl.add_argument("--prefill", type=A.positive(int), default=512, help="prefill chunk in tokens (default 512)")
     pl.add_argument("--no-fuse", action="store_true", help="plan without the fusion passes")
     pl.add_argument("--json", action="store_true", help="machine-readable output")
+    pl.add_argument("--size", default=None, help="ONNX models: sizes of the dynamic dimensions, e.g. "
+                    "batch=1,height=224,width=224 (default: batch 1, others 224)")
+    from .hetero.plan import add_plan_args
+
+    add_plan_args(pl)
     pl.set_defaults(func=_cmd_plan)
 
     from .quantize_model import add_quantize_parser
@@ -174,6 +254,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+
+    from .cache_cli import add_cache_parser
+
+    add_cache_parser(sub)
 
     from .serve.cli import add_serve_parser
 
@@ -185,12 +269,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def missing_module_message(e: ImportError) -> str:
+    """One line for an ImportError: the module that is missing and what to install."""
+    name = (e.name or "").split(".")[0]
+    if isinstance(e, ModuleNotFoundError) and name and name != "edgellm":
+        return f"this needs the Python module '{name}', which is not installed: pip install {PIP_NAMES.get(name, name)}"
+    what = f" ({name})" if name else ""
+    return f"a module does not import{what}: {e}; reinstall it (pip install --force-reinstall {PIP_NAMES.get(name, name or '...')})"
+
+
 def run_command(args: argparse.Namespace) -> int:
     """Run a parsed subcommand: user errors become one line on stderr and exit status 1."""
     try:
         return args.func(args)
     except EdgeLLMError as e:
         print(f"edgellm: error: {e}", file=sys.stderr)
+        return 1
+    except ImportError as e:  # an optional (or broken) dependency: say what to install, not a traceback
+        print(f"edgellm: error: {missing_module_message(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("\nedgellm: interrupted", file=sys.stderr)
@@ -200,7 +296,12 @@ def run_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_command(build_parser().parse_args(argv))
+    try:
+        parser = build_parser()  # subcommands may import their dependencies here
+    except ImportError as e:
+        print(f"edgellm: error: {missing_module_message(e)}", file=sys.stderr)
+        return 1
+    return run_command(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

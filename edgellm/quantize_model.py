@@ -764,12 +764,14 @@ def _fmt_bytes(n: float) -> str:
 
 
 def _console(stderr: bool = False):
-    """A rich console; 100 columns when not writing to a terminal (rich's default 80 cuts tables)."""
+    """A rich console that never wraps a line itself (soft wrap: a terminal wraps long lines, a pipe
+    or file keeps paths and messages whole); off a terminal tables may be as wide as they need
+    (rich would assume 80 columns)."""
     from rich.console import Console
 
     stream = sys.stderr if stderr else sys.stdout
-    return Console(stderr=stderr, highlight=False,
-                   width=None if getattr(stream, "isatty", lambda: False)() else 100)
+    tty = getattr(stream, "isatty", lambda: False)()
+    return Console(stderr=stderr, highlight=False, soft_wrap=True, width=None if tty else 1 << 16)
 
 
 def print_summary(report: QuantizeReport, console=None) -> None:
@@ -792,10 +794,15 @@ def print_summary(report: QuantizeReport, console=None) -> None:
                   f"{report.bpw_after:.2f}")
     console.print(table)
     fallbacks = [t for t in report.tensors if t.fallback_from]
-    console.print(f"file {report.output}: {_fmt_bytes(report.file_bytes)}; "
-                  f"{report.bytes_before / max(report.bytes_after, 1):.2f}x smaller tensors"
+    console.print(f"file {report.output}: {_fmt_bytes(report.file_bytes)}; tensors {size_change(report)}"
                   + (f"; {len(fallbacks)} tensors fell back to a wider format" if fallbacks else ""),
-                  highlight=False)
+                  highlight=False, markup=False)
+
+
+def size_change(report: QuantizeReport) -> str:
+    """The tensors' size after relative to before, worded for its direction: '1.48× larger', '0.68× the size'."""
+    ratio = report.bytes_after / max(report.bytes_before, 1)
+    return f"{ratio:.2f}× larger" if ratio > 1 else f"{ratio:.2f}× the size"
 
 
 def _cmd_quantize(args: argparse.Namespace) -> int:
@@ -875,7 +882,9 @@ def _cmd_compare_fp4(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """`python -m edgellm.quantize_model IN OUT --type T ...`, or `... --compare-fp4 [MODEL] [--group G]`."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(prog="python -m edgellm.quantize_model")
+    from .arguments import ArgumentParser
+
+    p = ArgumentParser(prog="python -m edgellm.quantize_model")
     if "--compare-fp4" in argv:
         p.add_argument("--compare-fp4", action="store_true", required=True,
                        help="print the FP4_E0M4 vs int4 mean-error table per tensor kind")

@@ -1,4 +1,4 @@
-"""Write synthetic random-weight GGUF models (llama / qwen2 architecture) with gguf-py.
+"""Write synthetic random-weight GGUF models (llama, qwen2, qwen3, gemma3, phi3 architectures) with gguf-py.
 
 Used by the tests (small models compared with transformers) and by the benchmarks (models of
 SmolLM2-135M, Llama-3.2-1B and Llama-3.1-8B shape, the shapes of ../shared/anchors, in any
@@ -19,7 +19,7 @@ from .errors import EdgeLLMError
 
 @dataclass(frozen=True)
 class SyntheticSpec:
-    arch: str = "llama"  # llama | qwen2
+    arch: str = "llama"  # llama | mistral | qwen2 | qwen3 | gemma3 | phi3
     n_layers: int = 2
     d_model: int = 64
     n_heads: int = 4
@@ -38,6 +38,10 @@ class SyntheticSpec:
     embed_type: str | None = None  # None: weight_type
     output_type: str | None = None  # None: weight_type (only for untied models)
     type_overrides: dict[str, str] = field(default_factory=dict)  # tensor name -> type
+    sliding_window: int = 0  # attention.sliding_window (gemma3: the local layers'; others: every layer)
+    swa_pattern: int = 0  # gemma3: attention.sliding_window_pattern (every n-th layer global; 0: not written, 6)
+    logit_softcap: float = 0.0  # gemma3: final_logit_softcapping
+    rope_factors: bool = False  # phi3: long-RoPE rope_factors_short/long tensors and attn_factor
     std: float = 0.02
     seed: int = 0
     name: str = "synthetic"
@@ -74,13 +78,23 @@ def tensor_shapes(spec: SyntheticSpec) -> dict[str, tuple[int, ...]]:
         shapes["output.weight"] = (spec.vocab_size, d)
     if spec.rope_freqs:
         shapes["rope_freqs.weight"] = (hd // 2,)
+    if spec.rope_factors:
+        shapes.update({"rope_factors_long.weight": (hd // 2,), "rope_factors_short.weight": (hd // 2,)})
     for i in range(spec.n_layers):
         b = f"blk.{i}."
-        shapes.update({b + "attn_norm.weight": (d,), b + "attn_q.weight": (q, d), b + "attn_k.weight": (kv, d),
-                       b + "attn_v.weight": (kv, d), b + "attn_output.weight": (d, q), b + "ffn_norm.weight": (d,),
-                       b + "ffn_gate.weight": (f, d), b + "ffn_up.weight": (f, d), b + "ffn_down.weight": (d, f)})
+        shapes.update({b + "attn_norm.weight": (d,), b + "attn_output.weight": (d, q), b + "ffn_norm.weight": (d,),
+                       b + "ffn_down.weight": (d, f)})
+        if spec.arch == "phi3":  # fused q|k|v and gate|up, as llama.cpp writes Phi-3
+            shapes.update({b + "attn_qkv.weight": (q + 2 * kv, d), b + "ffn_up.weight": (2 * f, d)})
+        else:
+            shapes.update({b + "attn_q.weight": (q, d), b + "attn_k.weight": (kv, d), b + "attn_v.weight": (kv, d),
+                           b + "ffn_gate.weight": (f, d), b + "ffn_up.weight": (f, d)})
         if bias:
             shapes.update({b + "attn_q.bias": (q,), b + "attn_k.bias": (kv,), b + "attn_v.bias": (kv,)})
+        if spec.arch in ("qwen3", "gemma3"):
+            shapes.update({b + "attn_q_norm.weight": (hd,), b + "attn_k_norm.weight": (hd,)})
+        if spec.arch == "gemma3":
+            shapes.update({b + "post_attention_norm.weight": (d,), b + "post_ffw_norm.weight": (d,)})
     return shapes
 
 
@@ -102,6 +116,8 @@ def make_tensor(spec: SyntheticSpec, name: str, shape: tuple[int, ...]) -> np.nd
         return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
     if name == "rope_freqs.weight":
         return np.linspace(1.0, 8.0, shape[0]).astype(np.float32)
+    if name.startswith("rope_factors_"):
+        return np.linspace(1.0, 3.0 if "short" in name else 20.0, shape[0]).astype(np.float32)
     return (spec.std * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
 
 
@@ -122,6 +138,17 @@ def random_blocks(ttype: str, shape: tuple[int, ...], rng: np.random.Generator, 
         if ttype == "Q4_1":
             parts.append((-8 * d.astype(np.float32)).astype(np.float16).view(np.uint8))
         return np.concatenate(parts + [q], axis=2).reshape(*shape[:-1], nb * (18 if ttype == "Q4_0" else 20))
+    if ttype in ("Q4_K", "Q6_K") and cols % 256 == 0:
+        # super-blocks of 256: random codes and 6-bit (Q4_K) or int8 (Q6_K) sub-block scales, every
+        # bit pattern valid; the fp16 super-block scales sized so that values have about `std`
+        ns = cols // 256
+        if ttype == "Q4_K":  # d, dmin, 12 bytes of scales and mins, 128 bytes of nibbles
+            d = (std / 4.6 / 32 * (1 + 0.1 * rng.standard_normal((rows, ns, 2)))).astype(np.float16)
+            rest = rng.integers(0, 256, (rows, ns, 140), dtype=np.uint8)
+            return np.concatenate([d.view(np.uint8), rest], axis=2).reshape(*shape[:-1], ns * 144)
+        rest = rng.integers(0, 256, (rows, ns, 208), dtype=np.uint8)  # ql, qh, int8 scales, then d
+        d = (std / 18.5 / 64 * (1 + 0.1 * rng.standard_normal((rows, ns, 1)))).astype(np.float16)
+        return np.concatenate([rest, d.view(np.uint8)], axis=2).reshape(*shape[:-1], ns * 210)
     return None
 
 
@@ -191,6 +218,17 @@ def write_synthetic_gguf(path: str | Path, spec: SyntheticSpec,
     if spec.rope_linear_factor:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(spec.rope_linear_factor)
+    if spec.sliding_window:
+        w.add_sliding_window(spec.sliding_window)
+    if spec.swa_pattern:
+        w.add_sliding_window_pattern(spec.swa_pattern)
+    if spec.logit_softcap:
+        w.add_final_logit_softcapping(spec.logit_softcap)
+    if spec.rope_factors:  # as llama.cpp's converter writes a Phi-3 long-RoPE model (trained context / 4)
+        import math
+
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(4) / math.log(spec.context_length // 4)))
+        w.add_rope_scaling_orig_ctx_len(spec.context_length // 4)
     if header_only:
         total = 0
         for name, shape in tensor_shapes(spec).items():

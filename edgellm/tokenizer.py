@@ -118,9 +118,17 @@ BYTE_ALPHABET = _bytes_to_unicode()
 _CHAR_TO_BYTE = {c: b for b, c in BYTE_ALPHABET.items()}
 
 
+# alphabet character -> its byte; a character below 256 outside the alphabet (which encodes to
+# other bytes in UTF-8 than in Latin-1) -> U+FFFF, so that the encode fails and the exact path runs
+_TO_LATIN1 = {**{b: "\uffff" for b in range(256)}, **{ord(c): b for c, b in _CHAR_TO_BYTE.items()}}
+
+
 def _byte_level_bytes(token: str) -> bytes:
-    # characters outside the alphabet cannot come from BPE; keep them as their own UTF-8
-    return b"".join(bytes([_CHAR_TO_BYTE[c]]) if c in _CHAR_TO_BYTE else c.encode("utf-8") for c in token)
+    try:  # every character in the byte alphabet: one C-level translation (a vocabulary in ~50 ms)
+        return token.translate(_TO_LATIN1).encode("latin-1")
+    except UnicodeEncodeError:
+        # characters outside the alphabet cannot come from BPE; keep them as their own UTF-8
+        return b"".join(bytes([_CHAR_TO_BYTE[c]]) if c in _CHAR_TO_BYTE else c.encode("utf-8") for c in token)
 
 
 # -- metadata access -------------------------------------------------------------------------------
@@ -164,7 +172,9 @@ class _Meta:
             return None
         if n >= 0 and len(value) != n:
             raise self.error(key, f"has {len(value)} entries, expected {n} (one per token)")
-        if value and not all(isinstance(v, item_kind) and not isinstance(v, bool) for v in value):
+        kinds = item_kind if isinstance(item_kind, tuple) else (item_kind,)
+        if value and not set(map(type, value)) <= set(kinds) and \
+                not all(isinstance(v, item_kind) and not isinstance(v, bool) for v in value):
             bad = next(v for v in value if not isinstance(v, item_kind) or isinstance(v, bool))
             raise self.error(key, f"holds {type(bad).__name__} {bad!r:.60}, expected {item_kind}")
         return value
@@ -205,6 +215,7 @@ class Tokenizer:
         self.add_bos, self.add_eos = add_bos, add_eos
         self.stop_ids = stop_ids
         self.chat_template = chat_template
+        self.builtin_template = False  # chat_template is the family's built-in one (the file has none)
 
     def __repr__(self) -> str:
         pre = f", pre={self.pre!r}" if self.pre else ""
@@ -213,9 +224,12 @@ class Tokenizer:
 
     # -- construction ------------------------------------------------------------------------------
     @classmethod
-    def from_metadata(cls, meta: dict, source: str = "") -> "Tokenizer":
+    def from_metadata(cls, meta: dict, source: str = "", backend_json: str | None = None) -> "Tokenizer":
         """The tokenizer described by a GGUF's metadata (`open_gguf(path).metadata`); source names
-        the file in error messages. Raises MetadataError for a missing or malformed key."""
+        the file in error messages. Raises MetadataError for a missing or malformed key.
+        backend_json: `backend_json()` of the same file's tokenizer from an earlier load (the
+        program cache), which skips building the BPE model (merges of a SentencePiece vocabulary
+        are derived from its scores, seconds for a 262k vocabulary)."""
         m = _Meta(meta, source)
         model = m.get("tokenizer.ggml.model", str)
         if model is None:
@@ -237,18 +251,27 @@ class Tokenizer:
             types = _guess_token_types(tokens, model, {i for i in (bos, eos, unk, pad) if i is not None})
 
         if model == "gpt2":
-            backend, token_bytes, strip = _build_byte_level(m, tokens, types)
+            token_bytes, strip = _byte_level_token_bytes(tokens, types), False
             pre = m.get("tokenizer.ggml.pre", str, "default")
         else:
-            backend, token_bytes, strip = _build_sentencepiece(m, tokens, types)
+            token_bytes, strip = _sentencepiece_token_bytes(tokens, types), \
+                m.get("tokenizer.ggml.add_space_prefix", bool, True)
             pre = None
 
         # added tokens: matched whole in the text before the model sees it
         referenced = {i for i in (bos, eos, unk, pad) if i is not None}
         special = sorted({i for i, t in enumerate(types) if t in (CONTROL, UNKNOWN)} | referenced)
-        user = [i for i, t in enumerate(types) if t == USER_DEFINED and i not in referenced]
-        backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special])
-        backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i in user])
+        backend = None
+        if backend_json is not None:
+            try:
+                backend = _HFTokenizer.from_str(backend_json)
+            except Exception:  # not a tokenizer: build it from the metadata
+                backend = None
+        if backend is None:
+            backend = _build_byte_level(m) if model == "gpt2" else _build_sentencepiece(m, tokens, types)
+            user = [i for i, t in enumerate(types) if t == USER_DEFINED and i not in referenced]
+            backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special])
+            backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i in user])
 
         add_bos = m.get("tokenizer.ggml.add_bos_token", bool, model == "llama")
         add_eos = m.get("tokenizer.ggml.add_eos_token", bool, False)
@@ -256,10 +279,23 @@ class Tokenizer:
         stop |= {i for i, (t, ty) in enumerate(zip(tokens, types))
                  if t in _EOG_TEXTS and ty in (CONTROL, USER_DEFINED)}
         template = m.get("tokenizer.chat_template", str)
-        return cls(backend=backend, tokens=tokens, token_types=types, token_bytes=token_bytes,
+        builtin = False
+        if not template:  # the family's known format, as llama.cpp's built-in templates (--raw turns it off)
+            from .chat import BUILTIN_TEMPLATES
+
+            template = BUILTIN_TEMPLATES.get(str(meta.get("general.architecture", "")))
+            builtin = template is not None
+        tok = cls(backend=backend, tokens=tokens, token_types=types, token_bytes=token_bytes,
                    special_ids=frozenset(special), model=model, pre=pre, bos_id=bos, eos_id=eos, unk_id=unk,
                    pad_id=pad, add_bos=add_bos, add_eos=add_eos, stop_ids=frozenset(stop),
                    chat_template=template or None, strip_leading_space=strip, source=source)
+        tok.builtin_template = builtin
+        return tok
+
+    def backend_json(self) -> str:
+        """The built BPE model (vocabulary, merges, added tokens) as tokenizers' JSON: what
+        from_metadata(..., backend_json=) takes back."""
+        return self._backend.to_str()
 
     # -- encoding ----------------------------------------------------------------------------------
     def encode(self, text: str, *, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
@@ -360,8 +396,11 @@ class StreamDecoder:
         return self._emit(self._utf8.decode(self._tok._token_bytes[i]))
 
     def flush(self) -> str:
-        """End of stream: bytes still held back (an incomplete character) come out as U+FFFD."""
-        return self._emit(self._utf8.decode(b"", final=True))
+        """End of stream: bytes still held back are an incomplete character (generation stopped inside
+        it, e.g. an emoji cut by max_tokens): they are dropped, not shown as U+FFFD, as llama.cpp does.
+        The decoder is reset, ready for a new stream."""
+        self._utf8.reset()  # only a valid-so-far prefix is ever held back; invalid bytes already became U+FFFD
+        return ""
 
     def _emit(self, text: str) -> str:
         if text and not self._started:
@@ -394,7 +433,8 @@ def _vocab_dict(tokens: list[str]) -> dict[str, int]:
     return vocab
 
 
-def _build_byte_level(m: _Meta, tokens: list[str], types: list[int]):
+def _build_byte_level(m: _Meta) -> _HFTokenizer:
+    tokens = m.meta["tokenizer.ggml.tokens"]
     merges_raw = m.array("tokenizer.ggml.merges", -1, str, required=True)
     merges = []
     for k, line in enumerate(merges_raw):
@@ -413,13 +453,16 @@ def _build_byte_level(m: _Meta, tokens: list[str], types: list[int]):
     backend = _HFTokenizer(bpe)
     backend.pre_tokenizer = pre_tok
     backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _byte_level_token_bytes(tokens: list[str], types: list[int]) -> list[bytes]:
     # control and user-defined tokens are stored as their text; the rest in the byte alphabet
-    token_bytes = [t.encode("utf-8") if ty in (CONTROL, USER_DEFINED, UNKNOWN) else _byte_level_bytes(t)
-                   for t, ty in zip(tokens, types)]
-    return backend, token_bytes, False
+    return [t.encode("utf-8") if ty in (CONTROL, USER_DEFINED, UNKNOWN) else _byte_level_bytes(t)
+            for t, ty in zip(tokens, types)]
 
 
-def _build_sentencepiece(m: _Meta, tokens: list[str], types: list[int]):
+def _build_sentencepiece(m: _Meta, tokens: list[str], types: list[int]) -> _HFTokenizer:
     n = len(tokens)
     scores = m.array("tokenizer.ggml.scores", n, (int, float))
     merges_raw = m.array("tokenizer.ggml.merges", -1, str)
@@ -441,6 +484,10 @@ def _build_sentencepiece(m: _Meta, tokens: list[str], types: list[int]):
     backend = _HFTokenizer(bpe)
     backend.pre_tokenizer = pre_tokenizers.Metaspace(
         replacement=SPIECE_SPACE, prepend_scheme="first" if add_space_prefix else "never", split=False)
+    return backend
+
+
+def _sentencepiece_token_bytes(tokens: list[str], types: list[int]) -> list[bytes]:
     token_bytes = []
     for t, ty in zip(tokens, types):
         byte = _BYTE_TOKEN.match(t) if ty == BYTE else None
@@ -450,7 +497,7 @@ def _build_sentencepiece(m: _Meta, tokens: list[str], types: list[int]):
             token_bytes.append(t.encode("utf-8"))
         else:
             token_bytes.append(t.replace(SPIECE_SPACE, " ").encode("utf-8"))
-    return backend, token_bytes, add_space_prefix
+    return token_bytes
 
 
 def sentencepiece_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:

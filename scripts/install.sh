@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install edgellm into ./.venv (created if missing). Usage: scripts/install.sh [--test]
 #   --test   also the test tools and references (pytest, hypothesis, transformers, triton for
-#            the kernel tests in Triton's CPU interpreter)
+#            the kernel tests in Triton's CPU interpreter, wgpu and, as root with apt, Mesa's
+#            software Vulkan driver lavapipe for the webgpu backend's tests)
 # EDGELLM_WITH_LLAMA_CPP=1 also builds llama-cpp-python from source (CPU, ~13 min on 2 cores), the
 # peer engine of `edgellm bench` and of the perplexity agreement test (which skips without it).
 # TORCH_SPEC overrides the torch requirement (default: torch==2.13.0, whose CPU wheel is on the
@@ -16,7 +17,15 @@ PIP=".venv/bin/python -m pip"
 $PIP install -q --upgrade pip >/dev/null
 $PIP install -q "${TORCH_SPEC:-torch==2.13.0}"
 if [ "${1:-}" = "--test" ]; then
-  $PIP install -q -e ".[test,cuda]"
+  # the webgpu tests run on a Vulkan adapter: lavapipe (a CPU one) where no GPU driver is installed
+  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null && ! ldconfig -p | grep -q libvulkan_lvp; then
+    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mesa-vulkan-drivers libvulkan1 >/dev/null
+  fi
+  $PIP install -q -e ".[test,cuda,webgpu]"
+  # torchvision's model definitions for the ONNX tests: PyPI's wheel is built for CUDA torch and
+  # fails to import beside the CPU torch, so it is unpacked outside site-packages and only its
+  # pure-Python models package is used (tests/onnx_models.py)
+  $PIP install -q --no-deps --upgrade --target .venv/torchvision-models "torchvision==0.28.0"
 else
   $PIP install -q -e .
 fi

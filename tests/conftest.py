@@ -1,5 +1,6 @@
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,9 @@ try:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 except ImportError:
     pass
+
+# the tests' loads use a cache of their own, not the user's ~/.cache/edgellm
+os.environ.setdefault("EDGELLM_CACHE_DIR", tempfile.mkdtemp(prefix="edgellm-test-cache-"))
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/reference.py, tests/vocab_fixtures.py
 

@@ -160,3 +160,20 @@ def test_decode_fusions_match_unfused_program(tmp_path, monkeypatch):
     assert np.abs(fused - plain).max() <= 2e-2 * scale
     # int8 activations against the float32 cpu reference
     assert np.abs(fused - ref).max() <= 3e-2 * scale and (fused.argmax(-1) == ref.argmax(-1)).mean() >= 0.8
+
+
+def test_cuda_program_read_back_from_the_cache_gives_the_same_logits(tmp_path, monkeypatch):
+    """A cached program (graphs with symbolic dimensions read back without sympy) runs on the
+    cuda backend exactly as the freshly compiled one, prefill and decode."""
+    monkeypatch.setenv("EDGELLM_CACHE_DIR", str(tmp_path / "cache"))
+    spec = MODELS["llama-q4_0-gqa2"]
+    path = write_synthetic_gguf(tmp_path / "m.gguf", spec)
+    ids = np.random.default_rng(5).integers(0, spec.vocab_size, 9).tolist()
+    fresh = edgellm.load(path, backend="cuda", ctx=32, prefill_chunk=8, cache=False)
+    edgellm.load(path, backend="cuda", ctx=32, prefill_chunk=8)  # fills the cache
+    cached = edgellm.load(path, backend="cuda", ctx=32, prefill_chunk=8)
+    assert "compiled" in cached.cache_hits
+    np.testing.assert_array_equal(cached.logits(ids), fresh.logits(ids))
+    a = list(fresh.generate_tokens(ids, 4, SamplingParams(temperature=0)))
+    b = list(cached.generate_tokens(ids, 4, SamplingParams(temperature=0)))
+    assert a == b

@@ -300,7 +300,8 @@ def test_stream_decoder_holds_back_split_characters(smollm_tok, spm_tok):
     tok = smollm_tok
     partial = tok.encode("🤖", add_bos=False)[:-1]  # a stream cut off inside a character
     pieces, tail = stream(tok, partial)
-    assert "".join(pieces) == "" and tail == tok.decode(partial) == "\ufffd"
+    assert tok.decode(partial) == "\ufffd"  # decoding all at once replaces the cut character...
+    assert "".join(pieces) == "" and tail == ""  # ...a stream's end drops it, as llama.cpp does
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -4,14 +4,20 @@ from __future__ import annotations
 
 from ..errors import BackendUnavailableError
 
-BACKENDS = ("cpu", "cuda")
+BACKENDS = ("cpu", "cpu-fast", "cuda", "webgpu")
 
 
 def _auto() -> str:
-    """cuda when a GPU and triton are there, else cpu."""
+    """cuda when a GPU and triton are there, else webgpu on a hardware adapter, else cpu-fast (the
+    float32 `cpu` is the reference). A software WebGPU adapter (lavapipe) is never picked: it is
+    slower than the cpu backends."""
     from .cuda.backend import CudaBackend
 
-    return "cuda" if CudaBackend.available() else "cpu"
+    if CudaBackend.available():
+        return "cuda"
+    from .webgpu.device import hardware_adapter_available
+
+    return "webgpu" if hardware_adapter_available() else "cpu-fast"
 
 
 def get_backend_info(name: str):
@@ -22,8 +28,12 @@ def get_backend_info(name: str):
         name = _auto()
     if name == "cpu":
         return info.CpuInfo
+    if name == "cpu-fast":
+        return info.CpuFastInfo
     if name == "cuda":
         return info.CudaInfo
+    if name == "webgpu":
+        return info.WebgpuInfo
     raise BackendUnavailableError(f"unknown backend '{name}' (available: {', '.join(BACKENDS)}, auto)")
 
 
@@ -34,8 +44,16 @@ def get_backend(name: str):
         from .cpu import CpuBackend
 
         return CpuBackend
+    if name == "cpu-fast":
+        from .cpu_fast import CpuFastBackend
+
+        return CpuFastBackend
     if name == "cuda":
         from .cuda.backend import CudaBackend
 
         return CudaBackend
+    if name == "webgpu":
+        from .webgpu.backend import WebgpuBackend
+
+        return WebgpuBackend
     raise BackendUnavailableError(f"unknown backend '{name}' (available: {', '.join(BACKENDS)}, auto)")

@@ -13,14 +13,15 @@ import math
 from typing import Callable
 
 import numpy as np
-import sympy
 import torch
 
 from ..errors import GraphError
 from ..gguf_file import GGUFFile
 from ..compiler.memory import MemoryPlan
+from .cpu_nd import ND_KERNELS
 from .info import CpuInfo
-from ..graph.ir import CTX, SEQ, Graph, Op
+from ..graph.ir import Graph, Op
+from ..graph.shapes import shape_function
 from ..quant import dequantize
 
 
@@ -34,7 +35,7 @@ class CpuWeights:
     def get(self, name: str) -> torch.Tensor:
         t = self._cache.get(name)
         if t is None:
-            src = self.file.tensors[name]
+            src = self.file.tensor(name)
             # numpy, single-threaded: steadier than torch's thread pool on a busy machine (1.2 s for SmolLM2)
             t = torch.from_numpy(np.ascontiguousarray(dequantize(src.data, src.type_name, src.shape), dtype=np.float32))
             self._cache[name] = t
@@ -58,7 +59,8 @@ def _rope(x: torch.Tensor, start: int, freqs: torch.Tensor | None, a: dict,
     pos = (torch.arange(start, start + s, dtype=torch.float64, device=dev) if positions is None
            else positions.to(device=dev, dtype=torch.float64)) * a.get("pos_scale", 1.0)
     ang = pos[:, None] * inv[None, :]  # [S, r/2]
-    cos, sin = ang.cos().to(x.dtype)[:, None, :], ang.sin().to(x.dtype)[:, None, :]
+    m = a.get("mscale", 1.0)  # long-RoPE attention factor: scales cos and sin
+    cos, sin = (ang.cos() * m).to(x.dtype)[:, None, :], (ang.sin() * m).to(x.dtype)[:, None, :]
     xh = x.view(s, h, d)
     out = xh.clone()
     if a["style"] == "norm":
@@ -83,7 +85,10 @@ def _attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, start: int, 
     scores = torch.bmm(qh, k.transpose(1, 2)).view(g, r, s, n) * a["scale"]
     qpos = torch.arange(start, n)[:, None]
     kpos = torch.arange(n)[None, :]
-    scores = scores.masked_fill(kpos > qpos, float("-inf"))
+    hidden = kpos > qpos
+    if a.get("window"):  # sliding window: only the last `window` positions (the query's own included)
+        hidden |= kpos <= qpos - a["window"]
+    scores = scores.masked_fill(hidden, float("-inf"))
     p = torch.softmax(scores, dim=-1).view(g, r * s, n)
     o = torch.bmm(p, v).view(g, r, s, d)
     return o.permute(2, 0, 1, 3).reshape(s, h * d)
@@ -107,7 +112,16 @@ def _kv_store_rows(op: Op, i: list) -> torch.Tensor:
 
 
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    if w.shape[-1] != x.shape[-1]:  # one norm per group of w's width (per-head q/k norm)
+        return _rms_norm(x.unflatten(-1, (-1, w.shape[-1])), w, eps).flatten(-2)
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.gelu(x, approximate="tanh")
+
+
+GATE_ACTS = {"silu": torch.nn.functional.silu, "gelu_tanh": gelu_tanh}  # the gated MLP's activation
 
 
 # -- the reference kernels: op kind -> f(op, inputs) -> output (or a tuple for multi-output ops) --
@@ -119,13 +133,23 @@ def _add_rms_norm(op: Op, i: list) -> tuple[torch.Tensor, torch.Tensor]:
     s = i[0] + i[1]
     return s, _rms_norm(s, i[2], op.attrs["eps"])
 
+def rope_qkv_extras(op: Op, ins: list) -> tuple:
+    """(freqs or None, (q norm weight, k norm weight) or None) of a rope_qkv_store's inputs."""
+    norms = tuple(ins[-2:]) if "qk_norm_eps" in op.attrs else None
+    rest = ins[4:len(ins) - (2 if norms else 0)]
+    return (rest[0] if rest else None), norms
+
+
 def _rope_qkv_store(op: Op, i: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     qkv, start, kc, vc = i[0], int(i[1]), i[2], i[3]
-    freqs = i[4] if len(i) > 4 else None
+    freqs, norms = rope_qkv_extras(op, i)
     a = op.attrs
     nq, nkv = a["n_heads"] * a["head_dim"], a["n_kv_heads"] * a["head_dim"]
-    q = _rope(qkv[:, :nq].contiguous(), start, freqs, a)
-    k = _rope(qkv[:, nq:nq + nkv].contiguous(), start, freqs, {**a, "n_heads": a["n_kv_heads"]})
+    q_in, k_in = qkv[:, :nq].contiguous(), qkv[:, nq:nq + nkv].contiguous()
+    if norms:
+        q_in, k_in = _rms_norm(q_in, norms[0], a["qk_norm_eps"]), _rms_norm(k_in, norms[1], a["qk_norm_eps"])
+    q = _rope(q_in, start, freqs, a)
+    k = _rope(k_in, start, freqs, {**a, "n_heads": a["n_kv_heads"]})
     return (q, _kv_store(op, [kc, k, start]), _kv_store(op, [vc, qkv[:, nq + nkv:], start]))
 
 def _kv_store(op: Op, i: list) -> torch.Tensor:
@@ -143,6 +167,9 @@ CPU_KERNELS: dict[str, Callable] = {
     "add": lambda op, i: i[0] + i[1],
     "mul": lambda op, i: i[0] * i[1],
     "silu": lambda op, i: torch.nn.functional.silu(i[0]),
+    "gelu": lambda op, i: gelu_tanh(i[0]),
+    "scale": lambda op, i: i[0] * op.attrs["factor"],
+    "softcap": lambda op, i: torch.tanh(i[0] / op.attrs["cap"]) * op.attrs["cap"],
     "rope": lambda op, i: _rope(i[0], int(i[1]), i[2] if len(i) > 2 else None, op.attrs),
     "kv_store": _kv_store,
     "attention": lambda op, i: _attention(i[0], i[1], i[2], int(i[3]), op.attrs),
@@ -152,8 +179,8 @@ CPU_KERNELS: dict[str, Callable] = {
     "attention_rows": lambda op, i: _attention_rows(i[0], i[1], i[2], i[3], i[4], op.attrs),
     # fused ops (edgellm.compiler.passes): each the composition it replaces
     "add_rms_norm": _add_rms_norm,
-    "swiglu": lambda op, i: torch.nn.functional.silu(i[0]) * i[1],
-    "linear_swiglu": lambda op, i: (torch.nn.functional.silu(torch.nn.functional.linear(i[0], i[1]))
+    "swiglu": lambda op, i: GATE_ACTS[op.attrs.get("act", "silu")](i[0]) * i[1],
+    "linear_swiglu": lambda op, i: (GATE_ACTS[op.attrs.get("act", "silu")](torch.nn.functional.linear(i[0], i[1]))
                                     * torch.nn.functional.linear(i[0], i[2])),
     "linear_qkv": lambda op, i: torch.cat(
         [torch.nn.functional.linear(i[0], w, i[4 + k] if op.attrs.get("has_bias") else None)
@@ -162,6 +189,7 @@ CPU_KERNELS: dict[str, Callable] = {
     "rope_store": lambda op, i: _kv_store(
         op, [i[2], _rope(i[0], int(i[1]), i[3] if len(i) > 3 else None, op.attrs), i[1]]),
 }
+CPU_KERNELS.update({k: v for k, v in ND_KERNELS.items() if k not in CPU_KERNELS})  # N-D kinds (imported networks)
 
 
 class CpuProgram:
@@ -179,7 +207,7 @@ class CpuProgram:
         self.arena = arena
         if self.offsets and (arena is None or arena.numel() < plan.total_bytes):
             raise GraphError(f"graph '{graph.name}': the arena is smaller than the plan's {plan.total_bytes} bytes")
-        self._shape_fn = {n: sympy.lambdify([SEQ, CTX], list(graph.tensors[n].shape), "math") for n in self.offsets}
+        self._shape_fn = {n: shape_function(graph.tensors[n].shape) for n in self.offsets}
         missing = [t.name for t in graph.states() if t.name not in states]
         if missing:
             raise GraphError(f"graph '{graph.name}': no storage for state tensors {missing[:3]}")
@@ -201,7 +229,7 @@ class CpuProgram:
         return free
 
     def _view(self, name: str, seq: int, ctx: int) -> torch.Tensor:
-        shape = [int(d) for d in self._shape_fn[name](seq, ctx)]
+        shape = self._shape_fn[name]({"seq": seq, "ctx": ctx})
         n = 4 * math.prod(shape)
         off = self.offsets[name]
         return self.arena[off : off + n].view(torch.float32).view(shape)

@@ -3,6 +3,8 @@ it needs for a model (used by `edgellm plan`, which must not load torch or any w
 
 from __future__ import annotations
 
+import re
+
 from ..gguf_file import GGUFFile
 
 
@@ -35,6 +37,55 @@ class CpuInfo:
 
 
 
+INT4_GROUPS = (32, 64, 128, 256)  # group sizes torch's _weight_int4pack_mm_for_cpu takes
+_Q4_GROUP = re.compile(r"^Q4_G(\d+)(_SYM)?$")
+
+
+def int4_group(type_name: str) -> tuple[int, bool] | None:
+    """(group size, symmetric) of the 4-bit group formats the cpu-fast backend holds as int4 packs."""
+    if type_name == "Q4_0":
+        return 32, True
+    if type_name == "Q4_1":
+        return 32, False
+    m = _Q4_GROUP.match(type_name)
+    if m and int(m.group(1)) in INT4_GROUPS:
+        return int(m.group(1)), m.group(2) is not None
+    return None
+
+
+class CpuFastInfo(CpuInfo):
+    """The cpu-fast backend (backends/cpu_fast.py): 4-bit group formats as int4 packs, Q8_PC as
+    int8, other matrices as bf16, vectors as float32; the embedding table is read from the file."""
+
+    name = "cpu-fast"
+
+    @staticmethod
+    def tensor_bytes(f: GGUFFile, name: str) -> int:
+        """Bytes one tensor of the file takes in this backend's layout."""
+        t = f.tensors[name]
+        if len(t.shape) < 2:
+            return 4 * t.n_elements
+        if name == "token_embd.weight" and "output.weight" in f.tensors:
+            return 0  # looked up row by row in the memory-mapped file
+        g = int4_group(t.type_name)
+        if g is not None and t.shape[-1] % g[0] == 0:
+            return t.n_elements // 2 + t.n_elements // g[0] * 4  # codes + bf16 scale and offset per group
+        if t.type_name == "Q8_PC":
+            return t.n_elements + 2 * t.shape[0]
+        return 2 * t.n_elements
+
+    @classmethod
+    def resident_weight_bytes(cls, f: GGUFFile) -> int:
+        return sum(cls.tensor_bytes(f, n) for n in f.tensors)
+
+    @staticmethod
+    def runtime_overhead_bytes(f: GGUFFile, cfg) -> int:
+        """The file's pages are dropped after packing (only embedding rows are read later); the
+        tokenizer and programs as for the cpu backend."""
+        vocab_entries = len(f.metadata.get("tokenizer.ggml.tokens", ())) + len(f.metadata.get("tokenizer.ggml.merges", ()))
+        return 400 * vocab_entries + (16 << 20)
+
+
 # bytes per element of the layouts the cuda kernels read (kernels/packing.py); formats without a
 # kernel layout are stored as Q8_0
 _CUDA_LAYOUT_BYTES = {"F16": 2, "BF16": 2, "F32": 2, "Q4_0": 18 / 32, "Q4_1": 20 / 32, "Q8_0": 34 / 32}
@@ -45,18 +96,18 @@ class CudaInfo:
     SUPPORTED_OPS = frozenset({
         "embedding", "rms_norm", "add_rms_norm", "linear", "linear_qkv", "linear_swiglu", "swiglu",
         "rope_qkv_store", "attention", "last_row", "add", "mul", "silu", "rope", "rope_store", "kv_store",
+        "gelu", "scale", "softcap",
     })
 
     @staticmethod
-    def resident_weight_bytes(f: GGUFFile) -> int:
+    def tensor_bytes(f: GGUFFile, name: str) -> int:
+        t = f.tensors[name]
+        return 4 * t.n_elements if len(t.shape) < 2 else int(t.n_elements * _CUDA_LAYOUT_BYTES.get(t.type_name, 34 / 32))
+
+    @classmethod
+    def resident_weight_bytes(cls, f: GGUFFile) -> int:
         """2-D weights in their kernel layouts; vectors as float32."""
-        total = 0
-        for t in f.tensors.values():
-            if len(t.shape) < 2:
-                total += 4 * t.n_elements
-            else:
-                total += int(t.n_elements * _CUDA_LAYOUT_BYTES.get(t.type_name, 34 / 32))
-        return total
+        return sum(cls.tensor_bytes(f, n) for n in f.tensors)
 
     @staticmethod
     def kv_cache_bytes(cfg, ctx: int) -> int:
@@ -70,3 +121,36 @@ class CudaInfo:
     def runtime_overhead_bytes(f: GGUFFile, cfg) -> int:
         """Decode attention workspaces and the CUDA graph's pool: a few MiB."""
         return 8 << 20
+
+
+# bytes per element of the layouts the webgpu kernels read (webgpu/codegen.py); F32/BF16 become
+# F16, Q4_K Q4_1, Q5_0 and formats without a layout of their own Q8_0
+_WEBGPU_LAYOUT_BYTES = {"F16": 2, "BF16": 2, "F32": 2, "Q4_0": 18 / 32, "Q4_1": 20 / 32, "Q4_K": 20 / 32,
+                        "Q8_0": 34 / 32}
+
+
+class WebgpuInfo:
+    name = "webgpu"
+    SUPPORTED_OPS = frozenset({
+        "embedding", "rms_norm", "add_rms_norm", "linear", "linear_qkv", "linear_swiglu", "swiglu",
+        "rope_qkv_store", "attention", "last_row", "add", "mul", "silu", "rope", "rope_store", "kv_store",
+    })
+
+    @staticmethod
+    def resident_weight_bytes(f: GGUFFile) -> int:
+        """2-D weights in their kernel layouts; vectors as float32."""
+        return sum(4 * t.n_elements if len(t.shape) < 2 else int(t.n_elements * _WEBGPU_LAYOUT_BYTES.get(t.type_name, 34 / 32))
+                   for t in f.tensors.values())
+
+    @staticmethod
+    def kv_cache_bytes(cfg, ctx: int) -> int:
+        return 2 * cfg.n_layers * ctx * cfg.kv_dim * 2  # fp16 (float32 on adapters without shader-f16)
+
+    @staticmethod
+    def output_bytes(cfg, prefill: int) -> int:
+        return (prefill + 1) * cfg.vocab_size * 4  # float32 logits of a prefill chunk and of a decode step
+
+    @staticmethod
+    def runtime_overhead_bytes(f: GGUFFile, cfg) -> int:
+        """RoPE tables, the decode attention workspace, the Vulkan/Metal driver's own: about 16 MiB."""
+        return 16 << 20

@@ -115,6 +115,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .report import terminal_summary
     from .runner import run_bench
 
+    models = list(args.models or [])
+    if models and all(m.lower().endswith(".onnx") for m in models):  # networks: latency at batch 1 and 8
+        from ..onnx.cli import bench_onnx
+
+        return bench_onnx(args, models)
     plan = validate(plan_from_args(args))  # every error before anything runs
     argv = getattr(args, "_argv", None)
     if argv is None and "bench" in sys.argv:  # called through the main `edgellm` command
@@ -128,11 +133,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if results.get("interrupted"):
         print("the sweep was interrupted: the configurations that had not finished are marked 'interrupted'")
         return 130
+    if not any(c["tests"] for c in results["configurations"]):
+        from .plan import BenchArgumentError
+
+        raise BenchArgumentError(f"no configuration produced a result: {why_nothing_ran(results)}")
     return 0
 
 
+def why_nothing_ran(results: dict) -> str:
+    """The distinct reasons the configurations failed, each with the configurations it hit, in one line."""
+    reasons: dict[str, list[str]] = {}
+    for c in results["configurations"]:
+        reasons.setdefault(f"{c['status']}: {c.get('error') or 'no measurements'}", []).append(c["id"])
+    return "; ".join(f"{ids[0]}{f' (and {len(ids) - 1} more)' if len(ids) > 1 else ''} {why}"
+                     for why, ids in reasons.items()) or "no configurations"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="edgellm bench", description=DESCRIPTION, epilog=EPILOG,
+    from ..arguments import ArgumentParser
+
+    p = ArgumentParser(prog="edgellm bench", description=DESCRIPTION, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_arguments(p)
     p.set_defaults(func=cmd_bench)

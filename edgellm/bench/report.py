@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import textwrap
 from pathlib import Path
 
 from .metrics import SPREAD_FLAG
@@ -180,6 +181,9 @@ def markdown(results: dict, plots: dict[str, str] | None = None) -> str:
         parts += ["", f"Perplexity: {plan.get('ppl_file') or 'the shipped text (edgellm/data/perplexity_text.txt)'}, "
                       f"{ppl_facts['n_tokens']} tokens, {ppl_facts['n_chunks']} chunks of {ppl_facts['n_ctx']}, "
                       f"{ppl_facts['n_scored']} tokens scored (llama.cpp's method)."]
+        note = requantized_note(results)
+        if note:
+            parts += ["", f"Note: {note} (the difference to the source is not that format's own error)."]
     flagged = [(c["id"], t["name"]) for c in results["configurations"] for t in c["tests"]
                if (t.get("tokens_per_s") or {}).get("flagged")]
     if flagged:
@@ -260,7 +264,9 @@ def _bars(ax, groups: list[str], series: dict[str, dict[str, tuple[float, float,
         ys = [vals.get(g, (np.nan, np.nan, np.nan)) for g in groups]
         v = np.array([y[0] for y in ys], dtype=float)
         err = np.array([[y[0] - y[1] for y in ys], [y[2] - y[0] for y in ys]], dtype=float)
-        ax.bar(x - 0.4 + width * (i + 0.5), v, width, yerr=np.nan_to_num(err), capsize=3, label=name)
+        bars = ax.bar(x - 0.4 + width * (i + 0.5), v, width, yerr=np.nan_to_num(err), capsize=3, label=name)
+        # the median on each bar (above its error bar); no label where a group has no value
+        ax.bar_label(bars, labels=["" if not np.isfinite(y) else _short(y) for y in v], padding=2, fontsize=7)
     ax.set_xticks(x)
     ax.set_xticklabels(groups, rotation=20 if len(groups) > 4 else 0, ha="right" if len(groups) > 4 else "center")
     ax.set_ylabel(ylabel)
@@ -269,13 +275,41 @@ def _bars(ax, groups: list[str], series: dict[str, dict[str, tuple[float, float,
         ax.legend(fontsize=8)
 
 
+def _short(y: float) -> str:
+    """A bar's value in three significant digits or so: 1,234 / 98.7 / 0.512."""
+    return f"{y:,.0f}" if abs(y) >= 100 else f"{y:.1f}" if abs(y) >= 10 else f"{y:.3g}"
+
+
+def plot_subtitle(results: dict) -> str:
+    """What the plots measured: the model(s), the device(s) and the date of the run."""
+    models = ", ".join(dict.fromkeys(c["model"] for c in results["configurations"])) or "no model"
+    devices = "; ".join(f"{b}: {d.get('device') or '?'}" for b, d in (results.get("devices") or {}).items())
+    date = (results.get("started") or "")[:10]
+    return " · ".join(x for x in (models, devices, date) if x)
+
+
+def requantized_note(results: dict) -> str | None:
+    """Which quantizations were made from an already-quantized file (their error includes the source's)."""
+    by_source: dict[str, list[str]] = {}
+    for c in results["configurations"]:
+        if c.get("requantized_from"):
+            qs = by_source.setdefault(f"{c['model']} ({c['requantized_from']})", [])
+            if c["quant"] not in qs:
+                qs.append(c["quant"])
+    if not by_source:
+        return None
+    return ("re-quantized from an already-quantized file, so they carry its quantization error too: "
+            + "; ".join(f"{', '.join(qs)} from {src}" for src, qs in by_source.items()))
+
+
 def _empty(ax, text: str) -> None:
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=11, color="gray")
     ax.set_xticks([])
     ax.set_yticks([])
 
 
-def write_plots(results: dict, out_dir: Path) -> dict[str, str]:
+def make_figures(results: dict) -> dict:
+    """The plots as matplotlib figures (key -> Figure; the caller closes them)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -283,12 +317,13 @@ def write_plots(results: dict, out_dir: Path) -> dict[str, str]:
 
     multi = _multi_model(results)
     confs = results["configurations"]
+    subtitle = plot_subtitle(results)
 
     def group(c):
         return (f"{c['model']} " if multi else "") + c["quant"]
 
     groups = list(dict.fromkeys(group(c) for c in confs if c["tests"]))
-    written = {}
+    figures = {}
     for key, kind, title, ylabel in (("prefill", "pp", "Prefill (pp) tokens/s", "tokens/s"),
                                      ("decode", "tg", "Decode (tg) tokens/s", "tokens/s"),
                                      ("mbu", "tg", "Decode memory bandwidth utilisation", "MBU (%)")):
@@ -306,51 +341,71 @@ def write_plots(results: dict, out_dir: Path) -> dict[str, str]:
                 else:
                     s = t["tokens_per_s"]
                     series.setdefault(name, {})[group(c)] = (s["median"], s["min"], s["max"])
-        fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(groups) + 3), 4.2))
+        fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(groups) + 3), 4.6))
         if series:
             _bars(ax, groups, series, ylabel)
         else:
             _empty(ax, "no data")
-        ax.set_title(title + " (median, min–max)")
+        ax.set_title(f"{title} (median, min–max)\n{subtitle}", fontsize=10)
         fig.tight_layout()
-        fig.savefig(out_dir / PLOTS[key], dpi=110)
-        plt.close(fig)
-        written[key] = PLOTS[key]
+        figures[key] = fig
 
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    pts: dict[str, list[tuple[float, float, str]]] = {}
+    fig, ax = plt.subplots(figsize=(6.5, 4.6))
+    pts: dict[str, list[tuple[float, float, str, str | None]]] = {}
     for c in confs:
         p = (c.get("perplexity") or {}).get("ppl")
         if p and c.get("bits_per_weight"):
             pts.setdefault(f"{c['engine']}/{c['backend']}" + (f" {c['model']}" if multi else ""), []).append(
-                (c["bits_per_weight"], p, c["quant"]))
+                (c["bits_per_weight"], p, c["quant"], c.get("requantized_from")))
     if pts:
         for name, xs in pts.items():
             xs.sort()
-            ax.plot([x[0] for x in xs], [x[1] for x in xs], "o-", label=name)
-            for bpw, p, q in xs:
-                ax.annotate(q, (bpw, p), textcoords="offset points", xytext=(4, 4), fontsize=8)
+            line, = ax.plot([x[0] for x in xs], [x[1] for x in xs], "o-", label=name)
+            for bpw, p, q, src in xs:
+                if src:  # hollow marker: made from a quantized file, not from the original weights
+                    ax.plot([bpw], [p], "o", markersize=11, markerfacecolor="white", color=line.get_color())
+                ax.annotate(q + (f" (from {src})" if src else ""), (bpw, p), textcoords="offset points",
+                            xytext=(4, 4), fontsize=8)
         ax.set_xlabel("bits per weight (file)")
         ax.set_ylabel("perplexity")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     else:
         _empty(ax, "no perplexity measured")
-    ax.set_title("Perplexity vs bits per weight")
-    fig.tight_layout()
-    fig.savefig(out_dir / PLOTS["ppl"], dpi=110)
-    plt.close(fig)
-    written["ppl"] = PLOTS["ppl"]
+    ax.set_title(f"Perplexity vs bits per weight\n{subtitle}", fontsize=10)
+    note = requantized_note(results) if pts else None
+    if note:  # under the axes, wrapped to the figure's width
+        note = textwrap.fill("Hollow markers: " + note + ".", 100)
+        fig.text(0.01, 0.01, note, fontsize=7, va="bottom")
+        fig.tight_layout(rect=(0, 0.035 * (note.count("\n") + 1) + 0.01, 1, 1))
+    else:
+        fig.tight_layout()
+    figures["ppl"] = fig
+    return figures
+
+
+def write_plots(results: dict, out_dir: Path) -> dict[str, str]:
+    figures = make_figures(results)
+    import matplotlib.pyplot as plt
+
+    written = {}
+    for key, fig in figures.items():
+        fig.savefig(out_dir / PLOTS[key], dpi=110)
+        plt.close(fig)
+        written[key] = PLOTS[key]
     return written
 
 
 def write_outputs(results: dict, out_dir: Path) -> list[str]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        plots = write_plots(results, out_dir)
-    except ImportError as e:  # results matter more than pictures: keep the rest
-        plots = {}
-        results["plots_error"] = f"no plots: matplotlib is not installed ({e})"
+    plots: dict[str, str] = {}
+    if not any(c["tests"] for c in results["configurations"]):
+        results["plots_error"] = "no plots: nothing was measured"
+    else:
+        try:
+            plots = write_plots(results, out_dir)
+        except ImportError as e:  # results matter more than pictures: keep the rest
+            results["plots_error"] = f"no plots: matplotlib is not installed ({e})"
     files = ["results.json", "results.csv", "report.md"] + list(plots.values())
     results["files"] = files
     (out_dir / "results.json").write_text(json.dumps(results, indent=1, default=str))

@@ -24,6 +24,7 @@ from .quantize import SOURCE, QuantizationUnavailable, cached_path
 
 SCHEMA = "edgellm-bench/1"
 FAILED = ("error", "timeout", "crash", "oom")
+FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
 
 # -- child processes -------------------------------------------------------------------------------
@@ -137,6 +138,7 @@ class Variant:
     quant: str  # SOURCE or a format name
     path: str | None = None
     label: str = ""  # the type shown: the format, or the source file's main type
+    source_type: str = ""  # the source file's main type (a quantized source: its variants are re-quantized)
     status: str = "pending"  # ok | skipped
     reason: str | None = None
     size_bytes: int | None = None
@@ -237,7 +239,7 @@ def _prepare_variants(plan: BenchPlan, quant_cache: Path, workdir: Path, progres
         facts = file_facts(src)
         model = Path(src).stem
         for q in plan.quants:
-            v = Variant(model=model, source=str(src), quant=q)
+            v = Variant(model=model, source=str(src), quant=q, source_type=facts["main_type"])
             if q == SOURCE:
                 v.path, v.label, v.status = str(src), facts["main_type"], "ok"
             else:
@@ -527,6 +529,8 @@ def config_metrics(c: Config, devices: dict, costs: dict) -> dict:
     v = c.variant
     return {
         "id": c.id, "model": v.model, "source": v.source, "quant": v.label, "quantized": v.quant != SOURCE,
+        # produced from a file that was quantized already: it carries that file's quantization error too
+        "requantized_from": v.source_type if v.quant != SOURCE and v.source_type not in FLOAT_TYPES else None,
         "path": v.path, "size_bytes": v.size_bytes, "bits_per_weight": v.bits_per_weight,
         "engine": c.engine, "engine_spec": c.engine_spec, "backend": c.backend,
         "status": c.status, "error": c.error,

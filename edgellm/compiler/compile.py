@@ -12,45 +12,20 @@ Everything here works from shapes and metadata alone: no weight is read.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import sympy
 
 from ..errors import GraphError
 from ..graph.ir import DTYPE_BYTES, SEQ, Graph
 from ..graph.ops import KV_LEN, RULES, flops
-from .memory import MemoryPlan, UsageRecord, lower_bound, plan_all, validate_plan
-from .passes import PassReport, run_passes
+from .memory import MemoryPlan, UsageRecord, lower_bound, plan_all, plan_memory, validate_plan
+from .passes import run_passes
+from .program import CompiledGraph, Segment
+
+__all__ = ["ALL_OPS", "FUSED_OPS", "CompiledGraph", "Segment", "check_graph", "compile_graph", "graph_flops",
+           "partition", "tensor_bytes", "usage_records"]
 
 FUSED_OPS = {"add_rms_norm", "swiglu", "linear_swiglu", "rope_store", "linear_qkv", "rope_qkv_store"}
 ALL_OPS = set(RULES) | FUSED_OPS
-
-
-@dataclass
-class Segment:
-    backend: str
-    ops: list[int]  # indices into the graph's op list
-    inputs_in: list[str] = field(default_factory=list)  # activations transferred in at the cut
-
-
-@dataclass
-class CompiledGraph:
-    graph: Graph
-    original_ops: int
-    pass_reports: list[PassReport]
-    segments: list[Segment]
-    sizes: dict[str, int]
-    records: list[UsageRecord]
-    plans: dict[str, MemoryPlan]
-    plan: MemoryPlan
-    lower_bound: int
-
-    @property
-    def transfers(self) -> int:
-        return sum(len(s.inputs_in) for s in self.segments)
-
-    def kernel_counts(self) -> dict[str, int]:
-        return self.graph.op_counts()
 
 
 def tensor_bytes(graph: Graph, name: str, sizes: dict[str, int]) -> int:
@@ -115,16 +90,26 @@ def partition(graph: Graph, supported: set[str], backend: str) -> list[Segment]:
 
 
 def compile_graph(graph: Graph, *, supported_ops: set[str] | None = None, backend: str = "cpu",
-                  seq: int = 512, ctx: int = 4096, fuse: bool = True, alignment: int = 256) -> CompiledGraph:
+                  seq: int = 512, ctx: int = 4096, fuse: bool = True, alignment: int = 256,
+                  planner: str = "all", sizes: dict[str, int] | None = None) -> CompiledGraph:
+    """planner: "all" runs every memory planner and keeps the smallest plan (what `edgellm plan`
+    reports); a strategy name (memory.STRATEGIES) runs only that one, as a model's load does:
+    the min-cost-flow planner alone took 1.5 s of a 135M model's load and its plan is not used.
+    sizes: values of further symbols (an imported network's batch, height, ...) for the plan."""
     check_graph(graph)
     original = len(graph.ops)
     g, reports = run_passes(graph, fuse=fuse)
     check_graph(g)
     supported = ALL_OPS if supported_ops is None else set(supported_ops)
     segments = partition(g, supported, backend)
-    sizes = {"seq": seq, "ctx": ctx}
+    sizes = {"seq": seq, "ctx": ctx, **(sizes or {})}
     records = usage_records(g, sizes)
-    plans = plan_all(records, alignment=alignment) if records else {}
+    if not records:
+        plans = {}
+    elif planner == "all":
+        plans = plan_all(records, alignment=alignment)
+    else:
+        plans = {planner: plan_memory(records, planner, alignment=alignment)}
     best = min(plans.values(), key=lambda p: p.total_bytes) if plans else MemoryPlan("naive", 0, {}, None, None)
     if records:
         validate_plan(best, records)

@@ -5,15 +5,16 @@ Each pass takes a Graph and returns a new Graph (the input is not modified). Fus
 their semantics (the cpu backend implements each as the composition it replaces):
 
   add_rms_norm(a, b, w; eps)          -> (s, n):  s = a + b, n = rms_norm(s, w)     residual + norm
-  swiglu(gate, up)                    -> silu(gate) * up
-  linear_swiglu(x, wg, wu)            -> silu(x @ wg.T) * (x @ wu.T)                  gate/up + SiLU·mul
+  swiglu(gate, up; act)               -> act(gate) * up  (act: 'silu' SwiGLU, default; 'gelu_tanh' GeGLU)
+  linear_swiglu(x, wg, wu; act)       -> act(x @ wg.T) * (x @ wu.T)                   gate/up + activation·mul
   linear(x, w, bias?, residual?; has_bias, has_residual)
                                       -> x @ w.T (+ bias) (+ residual)                element-wise into producer
   rope_store(x, start, cache, freqs?) -> cache with rows start.. = rope(x)           RoPE + layout + KV write
   linear_qkv(x, wq, wk, wv, bq?, bk?, bv?; has_bias)
                                       -> [S, (H + 2G) d]: the q | k | v projections side by side
-  rope_qkv_store(qkv, start, kc, vc, freqs?; n_heads, n_kv_heads, ...)
+  rope_qkv_store(qkv, start, kc, vc, freqs?, qnorm?, knorm?; n_heads, n_kv_heads, ..., qk_norm_eps?)
                                       -> (q, kc, vc): q rotated; rotated k and v written to the caches
+                                         (with qk_norm_eps: q and k per-head RMSNormed first)
 """
 
 from __future__ import annotations
@@ -156,8 +157,10 @@ def fuse_add_rms_norm(g: Graph) -> Graph:
         if i in skip:
             continue
         if op.kind == "add" and len(op.inputs) == 2 and all(len(g.tensors[t].shape) == 2 for t in op.inputs):
+            width = g.tensors[op.outputs[0]].shape[-1]
             norm = next((j for j in cons.get(op.outputs[0], []) if g.ops[j].kind == "rms_norm"
-                         and g.ops[j].inputs[0] == op.outputs[0]), None)
+                         and g.ops[j].inputs[0] == op.outputs[0]
+                         and g.tensors[g.ops[j].inputs[1]].shape[-1] == width), None)  # not a per-group norm
             if norm is not None:
                 n = g.ops[norm]
                 # the norm moves up to the add: its weight is a weight, so nothing it reads comes later
@@ -170,16 +173,21 @@ def fuse_add_rms_norm(g: Graph) -> Graph:
     return g
 
 
+GATE_ACTS = {"silu": "silu", "gelu": "gelu_tanh"}  # activation op kind -> the gated ops' act attribute
+
+
 def fuse_swiglu(g: Graph) -> Graph:
     """a = silu(gate); y = mul(a, up)  ->  y = swiglu(gate, up); then, when gate and up are linears of
-    the same input read by nothing else, y = linear_swiglu(x, wg, wu)."""
+    the same input read by nothing else, y = linear_swiglu(x, wg, wu). The same for gelu (GeGLU),
+    with act='gelu_tanh'."""
     g = _clone(g)
     cons = _consumers(g)
     prod = g.producers()
     drop: set[int] = set()
     for i, op in enumerate(g.ops):
-        if op.kind != "silu":
+        if op.kind not in GATE_ACTS:
             continue
+        attrs = {} if op.kind == "silu" else {"act": GATE_ACTS[op.kind]}
         j = _single_consumer(cons, op.outputs[0])
         if j is None or g.ops[j].kind != "mul":
             continue
@@ -194,10 +202,10 @@ def fuse_swiglu(g: Graph) -> Graph:
         if (lin_g and lin_u and lin_g.kind == lin_u.kind == "linear" and len(lin_g.inputs) == len(lin_u.inputs) == 2
                 and lin_g.inputs[0] == lin_u.inputs[0] and len(cons[gate]) == 1 and len(cons[up]) == 1):
             g.ops[j] = Op(mul.name + "+gate_up", "linear_swiglu", (lin_g.inputs[0], lin_g.inputs[1], lin_u.inputs[1]),
-                          mul.outputs, {})
+                          mul.outputs, dict(attrs))
             drop.update((i, gi, ui))
         else:
-            g.ops[j] = Op(mul.name + "+silu", "swiglu", (gate, up), mul.outputs, {})
+            g.ops[j] = Op(mul.name + "+" + op.kind, "swiglu", (gate, up), mul.outputs, dict(attrs))
             drop.add(i)
     g.ops = [op for k, op in enumerate(g.ops) if k not in drop]
     _drop_unused_tensors(g)
@@ -230,30 +238,56 @@ def fuse_qkv(g: Graph) -> Graph:
     """Three projections of one input (q, k, v, each maybe with a bias) whose results meet in
     rope(q), rope_store(k) and kv_store(v) at the same start position become one linear_qkv
     (the weights are concatenated at load) and one rope_qkv_store: per layer, two kernels instead
-    of six."""
+    of six. A per-head RMSNorm of q and of k before RoPE (qwen3, gemma3) moves into the
+    rope_qkv_store too (its weights are the op's last two inputs, attribute qk_norm_eps)."""
     g = _clone(g)
     prod = g.producers()
     cons = _consumers(g)
     drop: set[int] = set()
     new_at: dict[int, list[Op]] = {}
+
+    def head_norm(t: str) -> tuple[str, int | None]:
+        """(the tensor before a per-head rms_norm producing t that only RoPE reads, its op) or (t, None)."""
+        i = prod.get(t)
+        if (i is not None and g.ops[i].kind == "rms_norm" and len(cons.get(t, [])) == 1
+                and g.tensors[g.ops[i].inputs[1]].shape[-1] != g.tensors[t].shape[-1]
+                and len(cons.get(g.ops[i].inputs[0], [])) == 1):
+            return g.ops[i].inputs[0], i
+        return t, None
+
+    def linear_of(t: str) -> int | None:
+        i = prod.get(t)
+        return i if i is not None and g.ops[i].kind == "linear" and i not in drop else None
+
     for i, op in enumerate(g.ops):
         if op.kind != "rope_store" or i in drop:
             continue
-        k_lin_i = prod.get(op.inputs[0])
+        k_pre, k_norm = head_norm(op.inputs[0])
+        k_lin_i = linear_of(k_pre)
         start, kc = op.inputs[1], op.inputs[2]
         freqs = op.inputs[3:]
-        # the V store and the Q rope of the same layer: same start, linears of the same input
-        v_st = next((j for j, o in enumerate(g.ops) if o.kind == "kv_store" and o.inputs[2] == start
-                     and prod.get(o.inputs[1]) is not None and j not in drop
-                     and g.ops[prod[o.inputs[1]]].kind == "linear" and k_lin_i is not None
-                     and g.ops[prod[o.inputs[1]]].inputs[0] == g.ops[k_lin_i].inputs[0]), None)
-        q_rope = next((j for j, o in enumerate(g.ops) if o.kind == "rope" and o.inputs[1] == start
-                       and prod.get(o.inputs[0]) is not None and j not in drop
-                       and g.ops[prod[o.inputs[0]]].kind == "linear" and k_lin_i is not None
-                       and g.ops[prod[o.inputs[0]]].inputs[0] == g.ops[k_lin_i].inputs[0]), None)
-        if k_lin_i is None or v_st is None or q_rope is None:
+        if k_lin_i is None:
             continue
-        lin = {"q": g.ops[prod[g.ops[q_rope].inputs[0]]], "k": g.ops[k_lin_i], "v": g.ops[prod[g.ops[v_st].inputs[1]]]}
+        x_in = g.ops[k_lin_i].inputs[0]
+        # the V store and the Q rope of the same layer: same start, linears of the same input
+        v_st = next((j for j, o in enumerate(g.ops) if o.kind == "kv_store" and o.inputs[2] == start and j not in drop
+                     and linear_of(o.inputs[1]) is not None and g.ops[prod[o.inputs[1]]].inputs[0] == x_in), None)
+        q_rope = next((j for j, o in enumerate(g.ops) if o.kind == "rope" and o.inputs[1] == start and j not in drop
+                       and linear_of(head_norm(o.inputs[0])[0]) is not None
+                       and g.ops[prod[head_norm(o.inputs[0])[0]]].inputs[0] == x_in), None)
+        if v_st is None or q_rope is None:
+            continue
+        rq = g.ops[q_rope]
+        q_pre, q_norm = head_norm(rq.inputs[0])
+        if (q_norm is None) != (k_norm is None):
+            continue
+        norms: tuple[str, ...] = ()
+        if q_norm is not None:
+            qn, kn = g.ops[q_norm], g.ops[k_norm]
+            if qn.attrs["eps"] != kn.attrs["eps"]:
+                continue
+            norms = (qn.inputs[1], kn.inputs[1])
+        lin = {"q": g.ops[prod[q_pre]], "k": g.ops[k_lin_i], "v": g.ops[prod[g.ops[v_st].inputs[1]]]}
         if any(len(cons.get(l.outputs[0], [])) != 1 or l.attrs.get("has_residual") for l in lin.values()):
             continue
         biased = [bool(l.attrs.get("has_bias")) for l in lin.values()]
@@ -262,7 +296,6 @@ def fuse_qkv(g: Graph) -> Graph:
         x = lin["q"].inputs[0]
         weights = tuple(l.inputs[1] for l in lin.values())
         biases = tuple(l.inputs[2] for l in lin.values()) if all(biased) else ()
-        rq = g.ops[q_rope]
         n_q = g.tensors[rq.outputs[0]].shape[1]
         n_kv = g.tensors[op.inputs[0]].shape[1]
         qkv_name = lin["q"].outputs[0].replace("attn_q", "attn_qkv")
@@ -271,21 +304,90 @@ def fuse_qkv(g: Graph) -> Graph:
         from ..graph.ir import Tensor
 
         g.tensors[qkv_name] = Tensor(qkv_name, (g.tensors[x].shape[0], n_q + 2 * n_kv), "f32", "activation")
-        first = min(prod[rq.inputs[0]], k_lin_i, prod[g.ops[v_st].inputs[1]])
+        first = min(prod[q_pre], k_lin_i, prod[g.ops[v_st].inputs[1]])
         last = max(i, q_rope, v_st)
         new_at[first] = [Op(lin["q"].name + "+kv", "linear_qkv", (x, *weights, *biases), (qkv_name,),
                             {"has_bias": bool(biases)})]
         attrs = dict(rq.attrs)
         attrs["n_kv_heads"] = op.attrs["n_heads"]
-        new_at[last] = [Op(rq.name + "+store", "rope_qkv_store", (qkv_name, start, kc, g.ops[v_st].inputs[0], *freqs),
+        if norms:
+            attrs["qk_norm_eps"] = g.ops[q_norm].attrs["eps"]
+        new_at[last] = [Op(rq.name + "+store", "rope_qkv_store",
+                           (qkv_name, start, kc, g.ops[v_st].inputs[0], *freqs, *norms),
                            (rq.outputs[0], op.outputs[0], g.ops[v_st].outputs[0]), attrs)]
-        drop.update({prod[rq.inputs[0]], k_lin_i, prod[g.ops[v_st].inputs[1]], q_rope, i, v_st})
+        drop.update({prod[q_pre], k_lin_i, prod[g.ops[v_st].inputs[1]], q_rope, i, v_st})
+        drop.update(n for n in (q_norm, k_norm) if n is not None)
     out: list[Op] = []
     for k, op in enumerate(g.ops):
         out.extend(new_at.get(k, []))
         if k not in drop:
             out.append(op)
     g.ops = out
+    _drop_unused_tensors(g)
+    return g
+
+
+# activations an N-D op's epilogue can apply (conv2d's act / res_act attrs; see graph.nd_ops)
+EPILOGUE_ACTS = ("relu", "clip", "hardswish", "hardsigmoid", "sigmoid", "silu", "gelu", "tanh")
+
+
+def _act_attrs(op: Op) -> dict:
+    return {k: v for k, v in op.attrs.items() if k in ("min", "max", "alpha", "beta", "approximate")}
+
+
+def fuse_silu(g: Graph) -> Graph:
+    """s = sigmoid(x); y = mul(x, s)  ->  y = silu(x) (how exporters spell SiLU / Swish)."""
+    g = _clone(g)
+    cons = _consumers(g)
+    drop: set[int] = set()
+    for i, op in enumerate(g.ops):
+        if op.kind != "sigmoid" or op.outputs[0] in g.outputs:
+            continue
+        j = _single_consumer(cons, op.outputs[0])
+        if j is None or g.ops[j].kind != "mul" or set(g.ops[j].inputs) != {op.inputs[0], op.outputs[0]}:
+            continue
+        g.ops[j] = Op(g.ops[j].name + "+sigmoid", "silu", (op.inputs[0],), g.ops[j].outputs, {})
+        drop.add(i)
+    g.ops = [op for k, op in enumerate(g.ops) if k not in drop]
+    _drop_unused_tensors(g)
+    return g
+
+
+def fuse_conv_epilogue(g: Graph) -> Graph:
+    """Fold what follows a conv2d into its epilogue: an activation (act), then a residual add of a
+    tensor of the output's shape that exists before the conv runs (has_residual), then an
+    activation after the residual (res_act, as ResNet's relu(conv + identity))."""
+    g = _clone(g)
+    changed = True
+    while changed:
+        changed = False
+        cons = _consumers(g)
+        prod = g.producers()
+        for i, op in enumerate(g.ops):
+            if op.kind != "conv2d" or op.outputs[0] in g.outputs:
+                continue
+            j = _single_consumer(cons, op.outputs[0])
+            if j is None:
+                continue
+            nxt = g.ops[j]
+            a = op.attrs
+            if nxt.kind in EPILOGUE_ACTS and not a.get("has_residual") and not a.get("act"):
+                a["act"], a["act_args"] = nxt.kind, _act_attrs(nxt)
+            elif nxt.kind in EPILOGUE_ACTS and a.get("has_residual") and not a.get("res_act"):
+                a["res_act"], a["res_act_args"] = nxt.kind, _act_attrs(nxt)
+            elif nxt.kind == "add" and not a.get("has_residual") and len(nxt.inputs) == 2 \
+                    and nxt.inputs.count(op.outputs[0]) == 1:
+                other = next(t for t in nxt.inputs if t != op.outputs[0])
+                if g.tensors[other].shape != g.tensors[op.outputs[0]].shape or prod.get(other, -1) > i:
+                    continue
+                op.inputs = (*op.inputs, other)
+                a["has_residual"] = True
+            else:
+                continue
+            _rename_uses(g, nxt.outputs[0], op.outputs[0])
+            del g.ops[j]
+            changed = True
+            break
     _drop_unused_tensors(g)
     return g
 
@@ -308,6 +410,8 @@ FUSION: list[tuple[str, Callable[[Graph], Graph]]] = [
     ("fuse_swiglu", fuse_swiglu),
     ("fuse_add_rms_norm", fuse_add_rms_norm),
     ("fuse_linear_epilogue", fuse_linear_epilogue),
+    ("fuse_silu", fuse_silu),
+    ("fuse_conv_epilogue", fuse_conv_epilogue),
 ]
 
 

@@ -107,7 +107,9 @@ def render_plan(p: dict) -> str:
     from rich.table import Table
 
     buf = StringIO()
-    con = Console(file=buf, width=110, force_terminal=False, color_system=None)
+    # soft_wrap: no line is wrapped by rich, table titles included (a title wider than its table
+    # was broken over lines); a terminal wraps long lines itself
+    con = Console(file=buf, width=110, force_terminal=False, color_system=None, soft_wrap=True)
     m = p["model"]
     con.print(f"[bold]{m['name']}[/bold] ({m['arch']}, {m['layers']} layers, d {m['d_model']}, vocab {m['vocab']}), "
               f"file {_fmt(m['file_bytes'])}")

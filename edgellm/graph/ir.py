@@ -13,17 +13,44 @@ them, not an axis, which keeps layouts a backend decision (tensor virtualization
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Any
-
-import sympy
+from typing import TYPE_CHECKING, Any
 
 from ..errors import GraphError
+from .shapes import shape_function
 
-SEQ = sympy.Symbol("seq", integer=True, positive=True)
-CTX = sympy.Symbol("ctx", integer=True, positive=True)
+if TYPE_CHECKING:
+    import sympy
 
-Shape = tuple[sympy.Expr, ...]
+Shape = tuple  # of sympy expressions, ints, or SymDims (graphs read back from the program cache)
+
+# Every size symbol by name (positive integers). Language models use seq and ctx; imported networks
+# (ONNX) add their own dynamic dimensions (batch, height, width, ...) through symbol(). Made on first
+# use, with sympy: a program read back from the cache runs without importing sympy at all.
+_SYMBOLS: dict = {}
+
+
+def symbol(name: str) -> "sympy.Symbol":
+    """The size symbol called `name` (a positive integer), registered on first use."""
+    s = _SYMBOLS.get(name)
+    if s is None:
+        import sympy
+
+        s = _SYMBOLS[name] = sympy.Symbol(name, integer=True, positive=True)
+    return s
+
+
+def __getattr__(name: str):
+    """SEQ, CTX and SYMBOLS (the registry, with seq and ctx in it), made on first use."""
+    if name in ("SEQ", "CTX", "SYMBOLS"):
+        g = globals()
+        g.setdefault("SEQ", symbol("seq"))
+        g.setdefault("CTX", symbol("ctx"))
+        g.setdefault("SYMBOLS", _SYMBOLS)
+        return g[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "i32": 4, "i64": 8}
 
@@ -44,25 +71,23 @@ class Tensor:
     alias_of: str | None = None
 
     def numel(self, **sizes: int) -> int:
-        return int(sympy.Mul(*self.shape).subs(_symbols(sizes))) if self.shape else 1
+        return math.prod(self.concrete_shape(**sizes))
 
-    def nbytes_expr(self) -> sympy.Expr:
+    def nbytes_expr(self) -> "sympy.Expr":
+        import sympy
+
         return sympy.Mul(*self.shape, DTYPE_BYTES.get(self.dtype, 4))
 
     def concrete_shape(self, **sizes: int) -> tuple[int, ...]:
-        subs = _symbols(sizes)
-        out = []
-        for d in self.shape:
-            v = sympy.sympify(d).subs(subs)
-            if not v.is_Integer:
-                raise GraphError(f"tensor '{self.name}': dimension {d} is not known for sizes {sizes}")
-            out.append(int(v))
-        return tuple(out)
+        try:
+            return shape_function(self.shape)(sizes)
+        except GraphError as e:
+            raise GraphError(f"tensor '{self.name}': {e}") from None
 
 
-def _symbols(sizes: dict[str, int]) -> dict[sympy.Symbol, int]:
-    table = {"seq": SEQ, "ctx": CTX}
-    return {table[k]: v for k, v in sizes.items() if k in table}
+def row_slice(source: str, start: int, stop: int) -> str:
+    """The source name of rows start..stop-1 of a stored tensor (GGUFFile.tensor reads it)."""
+    return f"{source}[{start}:{stop}]"
 
 
 @dataclass

@@ -3,17 +3,23 @@
 Semantics (every backend implements these exactly; the cpu backend is the reference):
   embedding(table[V,D], ids[S])            -> [S,D]   rows of table
   rms_norm(x[S,D], w[D]; eps)              -> [S,D]   x / sqrt(mean(x^2) + eps) * w
+  rms_norm(x[S,H*d], w[d]; eps)            -> [S,H*d] the same over each group of d features (per-head q/k norm)
   linear(x[S,K], w[N,K])                   -> [S,N]   x @ w.T
   add(a, b) / mul(a, b)                    -> shape of a; b is a's shape or [D] (broadcast over rows)
   silu(x)                                  -> x * sigmoid(x)
+  gelu(x)                                  -> GELU, tanh approximation: x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+  scale(x; factor)                         -> x * factor
+  softcap(x; cap)                          -> cap * tanh(x / cap)
   rope(x[S,H*d], start_pos[], (freqs[r/2]); n_heads, head_dim, rope_dim, theta, style, pos_scale)
                                            -> rotary embedding at positions start_pos .. start_pos+S-1;
                                               style 'norm' rotates pairs (2i, 2i+1), 'neox' pairs (i, i+r/2);
-                                              frequency i is theta^(-2i/r) / freqs[i] (freqs optional)
+                                              frequency i is theta^(-2i/r) / freqs[i] (freqs optional);
+                                              mscale (default 1) multiplies cos and sin (long-RoPE attn_factor)
   kv_store(cache[C,F], x[S,F], start_pos[]) -> cache, rows start_pos.. overwritten in place (alias)
-  attention(q[S,H*d], k[C,G*d], v[C,G*d], start_pos[]; n_heads, n_kv_heads, head_dim, scale)
-                                           -> [S,H*d]; query i (position start_pos+i) attends to cache rows
-                                              0..start_pos+i; query head h reads kv head h // (H/G)
+  attention(q[S,H*d], k[C,G*d], v[C,G*d], start_pos[]; n_heads, n_kv_heads, head_dim, scale, window=0)
+                                           -> [S,H*d]; query i (position p = start_pos+i) attends to cache rows
+                                              0..p, and with window > 0 only to rows p-window+1..p (sliding
+                                              window); query head h reads kv head h // (H/G)
   last_row(x[S,D])                         -> [1,D]   the last row
 Row-wise forms, for one decode step of several sequences (row i: its own KV slot and position):
   rope_rows(x[S,H*d], pos[S], (freqs); as rope) -> row i rotated at position pos[i]
@@ -30,12 +36,13 @@ import sympy
 
 from ..errors import GraphError
 from .ir import SEQ, Shape, Tensor
+from .nd_ops import ND_RULES, broadcast_shapes, dims_equal, nd_flops
 
 KV_LEN = sympy.Symbol("kv_len", integer=True, positive=True)  # keys attended to (start_pos + seq)
 
 
 def _same(a, b) -> bool:
-    return sympy.simplify(sympy.sympify(a) - sympy.sympify(b)) == 0
+    return dims_equal(a, b)
 
 
 def _fail(op: str, msg: str) -> GraphError:
@@ -57,18 +64,21 @@ def _embedding(op, ins, attrs):
 def _rms_norm(op, ins, attrs):
     x, w = ins
     _rank(op, x, 2)
-    if not _same(x.shape[-1], w.shape[-1]):
-        raise _fail(op, f"norm weight '{w.name}' has {w.shape[-1]} features, input '{x.name}' has {x.shape[-1]}")
+    width, group = sympy.sympify(x.shape[-1]), sympy.sympify(w.shape[-1])
+    if not (_same(width, group) or (width.is_Integer and group.is_Integer and width % group == 0)):
+        raise _fail(op, f"norm weight '{w.name}' has {w.shape[-1]} features, input '{x.name}' has {x.shape[-1]} "
+                        "(expected the same, or a divisor: one norm per group of features)")
     return x.shape, "f32", None
 
 
 def _linear(op, ins, attrs):
     x, w = ins
-    _rank(op, x, 2)
+    if len(x.shape) < 2:  # language models: [S, K]; imported networks: [..., K]
+        _rank(op, x, 2)
     _rank(op, w, 2)
-    if not _same(x.shape[1], w.shape[1]):
-        raise _fail(op, f"'{x.name}' has {x.shape[1]} features but weight '{w.name}' expects {w.shape[1]}")
-    return (x.shape[0], w.shape[0]), "f32", None
+    if not _same(x.shape[-1], w.shape[1]):
+        raise _fail(op, f"'{x.name}' has {x.shape[-1]} features but weight '{w.name}' expects {w.shape[1]}")
+    return (*x.shape[:-1], w.shape[0]), "f32", None
 
 
 def _elementwise(op, ins, attrs):
@@ -76,9 +86,17 @@ def _elementwise(op, ins, attrs):
     for b in ins[1:]:
         ok = len(b.shape) == len(a.shape) and all(_same(p, q) for p, q in zip(a.shape, b.shape))
         ok = ok or (len(b.shape) == 1 and _same(b.shape[0], a.shape[-1]))
-        if not ok:
-            raise _fail(op, f"cannot combine '{a.name}' {a.shape} with '{b.name}' {b.shape}")
+        if not ok:  # N-D operands (imported networks): numpy broadcasting
+            return broadcast_shapes(op, *[t.shape for t in ins]), a.dtype, None
     return a.shape, a.dtype, None
+
+
+def _unary_with(attr):
+    def rule(op, ins, attrs):
+        if attr not in attrs or not float(attrs[attr]):
+            raise _fail(op, f"needs a nonzero '{attr}' attribute")
+        return _elementwise(op, ins, attrs)
+    return rule
 
 
 def _rope(op, ins, attrs):
@@ -116,6 +134,8 @@ def _attention(op, ins, attrs):
     for t in (k, v):
         if not _same(t.shape[1], g * d):
             raise _fail(op, f"'{t.name}' has {t.shape[1]} features, expected {g}*{d}")
+    if int(attrs.get("window", 0)) < 0:
+        raise _fail(op, f"window {attrs['window']} must be >= 0 (0: no sliding window)")
     return q.shape, "f32", None
 
 
@@ -157,6 +177,9 @@ RULES: dict[str, Rule] = {
     "add": _elementwise,
     "mul": _elementwise,
     "silu": _elementwise,
+    "gelu": _elementwise,
+    "scale": _unary_with("factor"),
+    "softcap": _unary_with("cap"),
     "rope": _rope,
     "kv_store": _kv_store,
     "attention": _attention,
@@ -165,6 +188,7 @@ RULES: dict[str, Rule] = {
     "kv_store_rows": _kv_store_rows,
     "attention_rows": _attention_rows,
 }
+RULES.update({k: v for k, v in ND_RULES.items() if k not in RULES})  # N-D kinds of imported networks
 
 
 def infer(kind: str, inputs: list[Tensor], attrs: dict[str, Any], op_name: str):
@@ -178,15 +202,19 @@ def infer(kind: str, inputs: list[Tensor], attrs: dict[str, Any], op_name: str):
 def flops(kind: str, inputs: list[Tensor], output: Tensor, attrs: dict[str, Any]) -> sympy.Expr:
     """Arithmetic operations (multiply and add counted separately) as an expression in seq/kv_len."""
     n_out = sympy.Mul(*output.shape)
+    nd = nd_flops(kind, inputs, output, attrs)
+    if nd is not None:
+        return nd
     if kind == "linear":
         return 2 * n_out * inputs[1].shape[1]
     if kind in ("attention", "attention_rows"):
         # QK^T and PV over kv_len keys per query (causal masking halves this in prefill; not counted)
-        return 4 * output.shape[0] * KV_LEN * attrs["n_heads"] * attrs["head_dim"]
+        keys = sympy.Min(KV_LEN, attrs["window"]) if attrs.get("window") else KV_LEN  # a sliding window reads fewer
+        return 4 * output.shape[0] * keys * attrs["n_heads"] * attrs["head_dim"]
     if kind == "rms_norm":
         return 4 * n_out
-    if kind in ("add", "mul", "silu", "rope", "rope_rows"):
-        return (4 if kind in ("silu", "rope", "rope_rows") else 1) * n_out
+    if kind in ("add", "mul", "scale", "silu", "gelu", "softcap", "rope", "rope_rows"):
+        return (1 if kind in ("add", "mul", "scale") else 4) * n_out
     return sympy.Integer(0)
 
 

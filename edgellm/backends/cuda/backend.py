@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections import OrderedDict
 from typing import Callable, Iterator
 
@@ -29,7 +30,8 @@ import torch
 
 from ...errors import BackendUnavailableError, EdgeLLMError, GraphError
 from ...gguf_file import GGUFFile
-from ...graph.ir import CTX, SEQ, Graph, Op
+from ...graph.ir import Graph, Op
+from ...graph.shapes import shape_function
 from ..cpu import _rope, plan_offsets
 from ..info import CudaInfo
 
@@ -56,11 +58,19 @@ def _device() -> torch.device:
 
 
 def _kernels():
+    # compiled kernels live in the engine's cache (`edgellm cache info|clear` covers them)
+    from ...cache import cache_root
+
+    os.environ.setdefault("TRITON_CACHE_DIR", str(cache_root() / "triton"))
     try:
         from . import kernels
     except ImportError as e:  # triton missing
         raise BackendUnavailableError(f"the cuda backend needs triton: {e}") from None
     return kernels
+
+
+# weights decoded on the device a slab of this many elements at a time (float32: 256 MiB)
+_DECODE_SLAB_ELEMENTS = 64 << 20
 
 
 class CudaWeights:
@@ -88,15 +98,23 @@ class CudaWeights:
         return w
 
     def _pack_one(self, name: str):
-        t = self.file.tensors[name]
+        t = self.file.tensor(name)
         if self.K.can_repack(t.type_name):
-            w = self.K.repack(np.ascontiguousarray(t.data), t.type_name, t.shape, device=self.device)
-        else:
-            from ...quant import dequantize
+            return self.K.repack(np.ascontiguousarray(t.data), t.type_name, t.shape, device=self.device)
+        # no layout of its own (Q5_1, Q5_K, Q6_K): the raw blocks go to the device and are decoded
+        # there (bitwise the reference decode) and packed as Q8_0, a slab of rows at a time. Decoding
+        # on the host with numpy took most of an 8B Q4_K_M file's 10.7 s load (its Q6_K output
+        # matrix alone is 525M weights).
+        from ...quant import dequantize_torch
 
-            dense = torch.from_numpy(np.ascontiguousarray(dequantize(t.data, t.type_name, t.shape), dtype=np.float32))
-            w = self.K.pack_float(dense.to(self.device), "Q8_0")
-        return w
+        raw = torch.from_numpy(np.ascontiguousarray(t.data))
+        rows = max(1, _DECODE_SLAB_ELEMENTS // t.shape[-1])
+        parts = []
+        for i in range(0, t.shape[0], rows):
+            slab = raw[i:i + rows].to(self.device, non_blocking=False)
+            dense = dequantize_torch(slab, t.type_name, (slab.shape[0], t.shape[-1]))
+            parts.append(self.K.pack_float(dense, "Q8_0"))
+        return parts[0] if len(parts) == 1 else self.K.concat_packed(parts)
 
     def vector(self, *names: str) -> torch.Tensor:
         """1-D tensors (norm weights, biases, rope factors) as fp32 on the device, concatenated."""
@@ -104,8 +122,8 @@ class CudaWeights:
         if v is None:
             from ...quant import dequantize
 
-            parts = [np.asarray(dequantize(self.file.tensors[n].data, self.file.tensors[n].type_name,
-                                           self.file.tensors[n].shape), dtype=np.float32).reshape(-1) for n in names]
+            ts = [self.file.tensor(n) for n in names]
+            parts = [np.asarray(dequantize(t.data, t.type_name, t.shape), dtype=np.float32).reshape(-1) for t in ts]
             v = torch.from_numpy(np.concatenate(parts)).to(self.device)
             self._vectors[names] = v
         return v
@@ -141,9 +159,15 @@ class CudaProgram:
         self.offsets = plan_offsets(plan) if plan is not None else {}
         need = plan.total_bytes if plan is not None else 0
         self.arena = backend.arena(need)
-        self._shape_fn = {n: _shape_fn(graph, n) for n in graph.tensors if graph.tensors[n].kind == "activation"}
+        self._shape_fn = {n: shape_function(graph.tensors[n].shape) for n in graph.tensors
+                          if graph.tensors[n].kind == "activation"}
         # static device inputs: tokens, start position, tokens in the cache after this step
         self.tokens = torch.zeros(max_seq, dtype=torch.int32, device=self.dev)
+        # float inputs: activations a split model's earlier segment made on another processor
+        # (edgellm/hetero/executor.py), copied into static buffers before each step
+        self._float_inputs = {n: torch.zeros((max_seq, int(graph.tensors[n].concrete_shape(seq=1, ctx=1)[-1])),
+                                             dtype=torch.float16, device=self.dev)
+                              for n in graph.inputs if graph.tensors[n].dtype == "f32"}
         self.start = torch.zeros(1, dtype=torch.int32, device=self.dev)
         self.seq_len = torch.zeros(1, dtype=torch.int32, device=self.dev)
         self._host_positions = False
@@ -166,7 +190,9 @@ class CudaProgram:
         self._graph_envs: dict[int, dict] = {}
         self.use_cuda_graph = (self.dev.type == "cuda" and not self._host_positions and not self.delegated
                                and os.environ.get("EDGELLM_CUDA_GRAPHS", "1") != "0")
-        self._warm_buckets: set[tuple[int, int]] = set()
+        # seconds this program spent on one-time work (kernel compiles, graph captures), which the
+        # generation stats report apart from prefill and decode speed
+        self.one_time_s = 0.0
         # prefill token counts round up to a multiple of this, so prompts of nearby lengths share a
         # graph (the padding rows are computed and dropped; 0: no padding)
         self.prefill_pad = PREFILL_PAD if self.use_cuda_graph and max_seq > 1 else 0
@@ -175,7 +201,7 @@ class CudaProgram:
     # -- buffers ------------------------------------------------------------------------------
     def _buffer(self, name: str, seq: int, ctx: int) -> torch.Tensor:
         t = self.graph.tensors[name]
-        shape = [int(d) for d in self._shape_fn[name](seq, ctx)]
+        shape = self._shape_fn[name]({"seq": seq, "ctx": ctx})
         dtype = torch.float32 if name in self.graph.outputs else torch.float16
         if name in self._own_buffers:
             return self._own_buffers[name][:shape[0]].view(shape)
@@ -220,7 +246,9 @@ class CudaProgram:
             if op.kind == "linear_qkv":
                 rd = readers.get(op.outputs[0], [])
                 if (len(rd) == 1 and rd[0].kind == "rope_qkv_store" and rd[0].attrs.get("style") == "norm"
-                        and rd[0].attrs.get("pos_scale", 1.0) == 1.0 and rd[0].inputs[0] == op.outputs[0]):
+                        and rd[0].attrs.get("pos_scale", 1.0) == 1.0 and rd[0].attrs.get("mscale", 1.0) == 1.0
+                        and "qk_norm_eps" not in rd[0].attrs
+                        and rd[0].inputs[0] == op.outputs[0]):
                     self._rope_into_gemv[op.name] = rd[0]
                     self._absorbed.add(rd[0].name)
                     # the rotated q is now written while the GEMV still reads its input, earlier than
@@ -354,6 +382,8 @@ class CudaProgram:
             xq = self._xq_for.get(normed)
             if kind == "rms_norm":
                 w = W.vector(wname(ins[1]))
+                if int(self.graph.tensors[ins[1]].shape[-1]) != int(self.graph.tensors[ins[0]].shape[-1]):
+                    return lambda env, s, c: K.head_rms_norm(env[ins[0]], w, a["eps"], out=env[outs[0]])
                 return lambda env, s, c: K.rms_norm(env[ins[0]], w, a["eps"], out=env[outs[0]],
                                                     xq=None if xq is None else self._xq_rows(xq, s))
             w = W.vector(wname(ins[2]))
@@ -363,11 +393,30 @@ class CudaProgram:
         if kind in ("linear", "linear_qkv", "linear_swiglu"):
             return self._lower_linear(op)
         if kind == "swiglu":
-            return lambda env, s, c: K.silu_mul(env[ins[0]], env[ins[1]], out=env[outs[0]])
+            return lambda env, s, c: K.silu_mul(env[ins[0]], env[ins[1]], out=env[outs[0]], act=a.get("act", "silu"))
+        if kind in ("gelu", "scale", "softcap"):
+            param = a.get("factor", a.get("cap", 0.0))
+            return lambda env, s, c: K.unary(env[ins[0]], kind, param, out=env[outs[0]])
         if kind == "rope_qkv_store":
-            if a.get("pos_scale", 1.0) != 1.0:
-                raise GraphError(f"cuda: op '{op.name}' uses linear rope scaling, which the rope kernel lacks")
-            freqs = W.vector(wname(ins[4])) if len(ins) > 4 else None
+            if a.get("pos_scale", 1.0) != 1.0 or a.get("mscale", 1.0) != 1.0:
+                raise GraphError(f"cuda: op '{op.name}' uses linear rope scaling or a long-RoPE attention factor, "
+                                 "which the rope kernel lacks")
+            from ..cpu import rope_qkv_extras
+
+            f_name, n_names = rope_qkv_extras(op, list(ins))
+            freqs = W.vector(wname(f_name)) if f_name else None
+            if n_names:  # per-head q/k RMSNorm, in place in the q|k|v tensor (read by nothing else)
+                qn, kn = (W.vector(wname(n)) for n in n_names)
+                nq, nkv = a["n_heads"] * a["head_dim"], a["n_kv_heads"] * a["head_dim"]
+
+                def run_norm_rope(env, s, c):
+                    qkv = env[ins[0]]
+                    K.head_rms_norm(qkv[:, :nq], qn, a["qk_norm_eps"], out=qkv[:, :nq])
+                    K.head_rms_norm(qkv[:, nq:nq + nkv], kn, a["qk_norm_eps"], out=qkv[:, nq:nq + nkv])
+                    K.rope_qkv_cache(qkv, None, None, env[ins[2]], env[ins[3]], self.start, a["n_heads"],
+                                     a["n_kv_heads"], a["head_dim"], theta=a["theta"], style=a["style"],
+                                     freq_factors=freqs, n_rot=a.get("rope_dim", a["head_dim"]), q_out=env[outs[0]])
+                return run_norm_rope
             return lambda env, s, c: K.rope_qkv_cache(
                 env[ins[0]], None, None, env[ins[2]], env[ins[3]], self.start, a["n_heads"], a["n_kv_heads"],
                 a["head_dim"], theta=a["theta"], style=a["style"], freq_factors=freqs,
@@ -375,6 +424,7 @@ class CudaProgram:
         if kind == "attention":
             ws, caps = {}, {}
             G = a["n_heads"] // a["n_kv_heads"]
+            window = int(a.get("window", 0))  # sliding window: the kernels read only the last `window` keys
 
             def run_attention(env, s, c):
                 q, kc, vc, out = env[ins[0]], env[ins[1]], env[ins[2]], env[outs[0]]
@@ -386,17 +436,18 @@ class CudaProgram:
                     if n == 1:  # the whole context in one program per KV head: no combine kernel
                         bm = min(64, max(16, 1 << (s * G - 1).bit_length()))
                         K.attention_prefill(q, kc, vc, self.start, a["n_heads"], a["n_kv_heads"], a["scale"],
-                                            out=out, head_dim=a["head_dim"],
+                                            out=out, head_dim=a["head_dim"], window=window,
                                             config=dict(BLOCK_M=bm, BLOCK_N=K.configs.attn_decode_single_block_n(
                                                 a["n_kv_heads"])))
                         return
                     if (s, n) not in ws:
                         ws[s, n] = K.decode_workspace(s, a["n_heads"], a["head_dim"], n, self.dev)
                     K.attention_decode(q, kc, vc, self.seq_len, a["n_heads"], a["n_kv_heads"], a["scale"], out=out,
-                                       head_dim=a["head_dim"], workspace=ws[s, n], config=dict(n_splits=n))
+                                       head_dim=a["head_dim"], window=window, workspace=ws[s, n],
+                                       config=dict(n_splits=n))
                 else:
                     K.attention_prefill(q, kc, vc, self.start, a["n_heads"], a["n_kv_heads"], a["scale"], out=out,
-                                        head_dim=a["head_dim"])
+                                        head_dim=a["head_dim"], window=window)
             return run_attention
         if kind == "last_row":  # the last real token's row (prefill may run padded, see run)
             return lambda env, s, c: torch.index_select(env[ins[0]], 0, self.last_index, out=env[outs[0]])
@@ -434,8 +485,9 @@ class CudaProgram:
         xq = self._xq_for.get(ins[0]) if i8 else None
         cfg = self._tuned_gemv(op, w, i8) if self.decode_stage else None
         if kind == "linear_swiglu":
+            act = a.get("act", "silu")
             return lambda env, s, c: K.linear_silu_mul(env[ins[0]], w, out=env[outs[0]], act_int8=i8, config=cfg,
-                                                       xq=None if xq is None else self._xq_rows(xq, s))
+                                                       xq=None if xq is None else self._xq_rows(xq, s), act=act)
         if kind == "linear_qkv":
             bias = W.vector(*(wname(t) for t in ins[4:7])) if a.get("has_bias") else None
             rope_op = self._rope_into_gemv.get(op.name)
@@ -531,6 +583,8 @@ class CudaProgram:
     # -- execution ----------------------------------------------------------------------------
     def _env(self, seq: int, ctx: int) -> dict:
         env: dict[str, torch.Tensor] = dict(self.states)
+        for n, buf in self._float_inputs.items():
+            env[n] = buf[:seq]
         for op in self.graph.ops:
             for o in op.outputs:
                 t = self.graph.tensors[o]
@@ -582,12 +636,15 @@ class CudaProgram:
             if g is None:
                 # compile this bucket's kernels outside the capture (the step it runs is the one the
                 # replay below repeats: same token, same cache row)
+                t0 = time.perf_counter()
                 self._launch_all(self._greedy_env, 1, ctx)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g):
                     self._launch_all(self._greedy_env, 1, ctx)
                     self.K.argmax(self._greedy_env["logits"], out=self._next,
                                   step=(self.tokens[:1], self.start, self.seq_len))
+                torch.cuda.synchronize(self.dev)
+                self.one_time_s += time.perf_counter() - t0
                 self._greedy_graphs[bucket] = g
             g.replay()
             yield int(self._next.item())
@@ -616,42 +673,44 @@ class CudaProgram:
         self.tokens[:seq].copy_(torch.from_numpy(ids), non_blocking=True)
         if padded > seq:
             self.tokens[seq:padded].zero_()
+        for n, buf in self._float_inputs.items():
+            buf[:seq].copy_(inputs[n].to(self.dev, non_blocking=True))
+            if padded > seq:
+                buf[seq:padded].zero_()
         self.last_index.fill_(seq - 1)
         self.start.fill_(start)
         self.seq_len.fill_(start + padded)
         key = (padded, self._set_context(start + padded))
-        if self.use_cuda_graph and key in self._warm_buckets:
+        if self.use_cuda_graph:
             env = self._graph_envs.get(padded)
             if env is None:
                 env = self._graph_envs[padded] = self._env(padded, ctx)
             g = self._graphs.get(key)
             if g is None:
+                # a shape's first step: its kernels compile (or load from Triton's cache) in a run
+                # outside the capture, then the capture; the replay below is the step itself. Running
+                # it twice is harmless: the same rows of the KV cache get the same values.
+                t0 = time.perf_counter()
+                self._launch_all(env, padded, ctx)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g):
                     self._launch_all(env, padded, ctx)
+                torch.cuda.synchronize(self.dev)
+                self.one_time_s += time.perf_counter() - t0
                 self._graphs[key] = g
                 if len(self._graphs) > MAX_GRAPHS:  # the least recently used one goes, with its memory
-                    old = next(iter(self._graphs))
-                    del self._graphs[old]
-                    self._warm_buckets.discard(old)
+                    del self._graphs[next(iter(self._graphs))]
             self._graphs.move_to_end(key)
             g.replay()
         else:
             env = self._env(padded, ctx)
             self._launch_all(env, padded, ctx)
-            self._warm_buckets.add(key)  # a shape's first run compiles its kernels outside a capture
         out = {}
         for name in self.graph.outputs:
             t = env[name]
-            rows = int(self._shape_fn[name](seq, ctx)[0]) if name in self._shape_fn else t.shape[0]
+            rows = self._shape_fn[name]({"seq": seq, "ctx": ctx})[0] if name in self._shape_fn else t.shape[0]
             out[name] = t[:rows] if t.shape[0] != rows else t
         return out
-
-
-def _shape_fn(graph: Graph, name: str):
-    import sympy
-
-    return sympy.lambdify([SEQ, CTX], list(graph.tensors[name].shape), "math")
 
 
 class CudaBackend(CudaInfo):
@@ -689,6 +748,21 @@ class CudaBackend(CudaInfo):
             return True
         except BackendUnavailableError:
             return False
+
+    def warmup_sizes(self, programs: dict, ctx: int, full: bool) -> list[tuple[str, int, int]]:
+        """(program, tokens, start position) steps that meet every first-run shape of a short
+        prompt (one padded prefill size, the first decode bucket), or with full of every prompt
+        (each padded prefill size of both prefill programs, each decode context bucket)."""
+        if self.device.type != "cuda":
+            return []  # the interpreter compiles nothing
+        chunk = programs["last"].max_seq
+        pad = PREFILL_PAD
+        steps = [("last", min(pad, chunk, ctx - 1), 0), ("decode", 1, 0)]
+        if full:
+            steps += [(stage, n, 0) for stage in ("last", "all") for n in range(pad, min(chunk, ctx - 1) + 1, pad)]
+            per = self.K.configs.ATTN_DECODE_KEYS_PER_SPLIT
+            steps += [("decode", 1, start) for start in range(per, ctx, per)]
+        return steps
 
     def cpu_weights(self):
         """Float32 host copies of weights, for ops delegated to the cpu backend's kernels."""

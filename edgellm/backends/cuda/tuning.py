@@ -64,12 +64,11 @@ Timer = Callable[[Callable[[], None]], float]
 
 
 def default_cache_dir() -> Path:
-    """``$EDGELLM_CACHE_DIR``, else ``$XDG_CACHE_HOME/edgellm``, else ``~/.cache/edgellm``."""
-    if os.environ.get("EDGELLM_CACHE_DIR"):
-        return Path(os.environ["EDGELLM_CACHE_DIR"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "edgellm"
-    return Path.home() / ".cache" / "edgellm"
+    """The engine's cache root (edgellm.cache.cache_root): ``$EDGELLM_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/edgellm``, else ``~/.cache/edgellm``."""
+    from ...cache import cache_root
+
+    return cache_root()
 
 
 def tuning_enabled() -> bool:

@@ -18,10 +18,10 @@ GPU and prints registers, spills and the instruction mix of each.
 
 from ._common import INTERPRET, USE_DP4A, set_pdl
 from .attention import attention_decode, attention_prefill, decode_workspace, default_decode_splits
-from .elementwise import silu_mul
+from .elementwise import silu_mul, unary
 from .embedding import embedding
 from .linear import QuantizedActivations, linear, linear_silu_mul, quantize_activations
-from .norm import NormTail, rms_norm
+from .norm import NormTail, head_rms_norm, rms_norm
 from .packing import (PACKED_FORMATS, SUPPORTED_FORMATS, PackedWeight, UnsupportedFormatError, can_repack,
                       concat_packed, dequantize, pack_float, repack)
 from .rope import RopeStore, rope_qkv_cache
@@ -32,4 +32,5 @@ __all__ = [
     "NormTail", "QuantizedActivations", "RopeStore", "argmax", "attention_decode", "attention_prefill", "can_repack",
     "concat_packed", "decode_workspace", "default_decode_splits", "dequantize", "embedding", "linear",
     "linear_silu_mul", "pack_float", "quantize_activations", "repack", "rms_norm", "rope_qkv_cache", "sample", "set_pdl", "silu_mul",
+    "unary", "head_rms_norm",
 ]

@@ -91,7 +91,7 @@ def summarise(kernel, sass_dir: str | None = None, tag: str = "") -> dict:
 def _cases():
     from . import NormTail, PackedWeight, QuantizedActivations, quantize_activations
     from . import attention_decode, attention_prefill, embedding, linear, linear_silu_mul, rms_norm
-    from . import rope_qkv_cache, silu_mul, argmax
+    from . import rope_qkv_cache, silu_mul, argmax, head_rms_norm, unary
 
     def pw(fmt, n, k):
         if fmt == "F16":
@@ -131,6 +131,12 @@ def _cases():
     yield "rope", lambda: rope_qkv_cache(torch.empty(1, 6144, dtype=h16), None, None, kc, kc, seq, 32, 8, 128,
                                          theta=5e5)
     yield "silu_mul", lambda: silu_mul(torch.empty(1, 28672, dtype=h16))
+    # the model families' kernels (gemma3: GeGLU, sliding window, per-head q/k norm, softcap)
+    yield "gelu_mul", lambda: silu_mul(torch.empty(1, 4096, dtype=h16), act="gelu_tanh")
+    yield "glu-gelu Q8_0", lambda: linear_silu_mul(x1, pw("Q8_0", 2 * 2048, 4096), act="gelu_tanh")
+    yield "attn-decode-window", lambda: attention_decode(q, kc, kc, seq, 32, 8, window=512)
+    yield "head_rms_norm", lambda: head_rms_norm(torch.empty(1, 6144, dtype=h16)[:, :4096], torch.empty(128), 1e-6)
+    yield "softcap", lambda: unary(torch.empty(1, 128256, dtype=h16), "softcap", 30.0)
     yield "embedding", lambda: embedding(torch.empty(1, dtype=torch.int32), pw("Q8_0", 128256, 4096))
     yield "argmax", lambda: argmax(torch.empty(1, 128256, dtype=h16))
 

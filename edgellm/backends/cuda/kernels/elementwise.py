@@ -1,4 +1,6 @@
-"""SwiGLU: out = silu(gate) * up, from one [T, 2F] gate|up tensor or from two [T, F] tensors."""
+"""Gated activations: out = act(gate) * up (SwiGLU: silu; GeGLU: GELU with the tanh approximation),
+from one [T, 2F] gate|up tensor or from two [T, F] tensors; and the one-input element-wise ops
+(gelu, scale, softcap), computed in fp32."""
 
 from __future__ import annotations
 
@@ -10,21 +12,82 @@ from . import configs
 from ._common import check_2d, jit, out_buffer, pdl, pdl_prologue
 
 
+ACT_CODES = {"silu": 1, "gelu_tanh": 2}  # the ACT / GLU constexpr of the kernels
+
+
 @jit
-def _silu_mul_kernel(g_ptr, stride_g, u_ptr, stride_u, out_ptr, stride_o, F, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def tanh_f32(z):
+    # tanh from exp: exact limits (+-1) where exp overflows or underflows
+    return 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)
+
+
+@jit
+def gelu_tanh_f32(x):
+    return 0.5 * x * (1.0 + tanh_f32(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+
+
+@jit
+def gate_act(g, ACT: tl.constexpr):
+    if ACT == 2:
+        return gelu_tanh_f32(g)
+    return g / (1.0 + tl.exp(-g))
+
+
+@jit
+def _silu_mul_kernel(g_ptr, stride_g, u_ptr, stride_u, out_ptr, stride_o, F, BLOCK: tl.constexpr, ACT: tl.constexpr,
+                     PDL: tl.constexpr):
     pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = c < F
     g = tl.load(g_ptr + row * stride_g + c, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * stride_u + c, mask=mask, other=0.0).to(tl.float32)
-    y = g / (1.0 + tl.exp(-g)) * u
+    y = gate_act(g, ACT) * u
     tl.store(out_ptr + row * stride_o + c, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@jit
+def _unary_kernel(x_ptr, stride_x, out_ptr, stride_o, F, param, KIND: tl.constexpr, BLOCK: tl.constexpr,
+                  PDL: tl.constexpr):
+    pdl_prologue(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = c < F
+    x = tl.load(x_ptr + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
+    if KIND == 0:  # gelu (tanh approximation)
+        y = gelu_tanh_f32(x)
+    elif KIND == 1:  # scale
+        y = x * param
+    else:  # softcap: param * tanh(x / param)
+        y = param * tanh_f32(x / param)
+    tl.store(out_ptr + row * stride_o + c, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+UNARY_KINDS = {"gelu": 0, "scale": 1, "softcap": 2}
+
+
+def unary(x: torch.Tensor, kind: str, param: float = 0.0, out: torch.Tensor | None = None,
+          config: dict | None = None) -> torch.Tensor:
+    """gelu(x) | x * param (scale) | param * tanh(x / param) (softcap), row by row; out may be x."""
+    check_2d(x, "x")
+    if kind not in UNARY_KINDS:
+        raise ValueError(f"unary op {kind!r}, expected one of {sorted(UNARY_KINDS)}")
+    if kind == "softcap" and not param:
+        raise ValueError("softcap needs a nonzero cap")
+    T, F = x.shape
+    out = out_buffer(out, (T, F), x.dtype, x.device)
+    cfg = {**configs.ELEMENTWISE_DEFAULT, **(config or {})}
+    if T and F:
+        grid = (T, triton.cdiv(F, cfg["BLOCK"]))
+        _unary_kernel[grid](x, x.stride(0), out, out.stride(0), F, float(param), KIND=UNARY_KINDS[kind],
+                            BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"], **pdl())
+    return out
+
+
 def silu_mul(gate_up: torch.Tensor, up: torch.Tensor | None = None, out: torch.Tensor | None = None,
-             config: dict | None = None) -> torch.Tensor:
-    """silu(gate) * up. With up None, gate_up is [T, 2F]: gate in columns :F, up in F:."""
+             config: dict | None = None, act: str = "silu") -> torch.Tensor:
+    """act(gate) * up (act: silu or gelu_tanh). With up None, gate_up is [T, 2F]: gate in columns :F,
+    up in F:."""
     check_2d(gate_up, "gate")
     if up is None:
         if gate_up.shape[1] % 2:
@@ -42,5 +105,5 @@ def silu_mul(gate_up: torch.Tensor, up: torch.Tensor | None = None, out: torch.T
     if T and F:
         grid = (T, triton.cdiv(F, cfg["BLOCK"]))
         _silu_mul_kernel[grid](gate, gate.stride(0), up, up.stride(0), out, out.stride(0), F,
-                               BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"], **pdl())
+                               BLOCK=cfg["BLOCK"], ACT=ACT_CODES[act], num_warps=cfg["num_warps"], **pdl())
     return out

@@ -33,6 +33,7 @@ import triton.language as tl
 
 from . import configs
 from ._common import USE_DP4A, check_2d, dp4a, int_or_tensor, jit, or_under_one, out_buffer, pdl, pdl_prologue
+from .elementwise import ACT_CODES, gate_act
 from .norm import NormTail, norm_tail_epilogue
 from .packing import PackedWeight
 from .rope import RopeStore, rope_cos_sin
@@ -192,7 +193,7 @@ def _gemv_epilogue(acc_a, acc_b, rows, rmask, tok, bias_ptr, out_ptr, stride_om,
             u = tl.sum(acc_b, axis=1)
         else:
             u = tl.sum(acc_b, axis=0)
-        y = y / (1.0 + tl.exp(-y)) * u
+        y = gate_act(y, GLU) * u  # GLU: 1 silu, 2 gelu_tanh
     if ROPE:
         # y holds rows of the q|k|v projection: rotate (q, k) pairs (2i, 2i+1) of each head, then
         # write q to its buffer and k, v straight into row `pos` of the caches (rope_qkv_cache's
@@ -495,7 +496,7 @@ def _norm_args(norm, out) -> tuple[list, dict]:
     return norm.kernel_args()
 
 
-def _launch_gemv(x, wa, wb, b_offset, bias, out, glu, act_int8, xq, config, rope=None, norm=None):
+def _launch_gemv(x, wa, wb, b_offset, bias, out, glu, act_int8, xq, config, rope=None, norm=None, act="silu"):
     M, K = x.shape
     N = wa.out_features - b_offset if glu and wb is wa else wa.out_features
     fmt = wa.fmt
@@ -518,8 +519,8 @@ def _launch_gemv(x, wa, wb, b_offset, bias, out, glu, act_int8, xq, config, rope
         stride_d = wa.d.stride(0)
         _gemv_i8_kernel[grid](xq.xq.view(torch.int32), xq.xd, xq.xs, *a, *b, bias_arg, out, out.stride(0),
                               M, N, K, stride_q, stride_d, *rope_rt, *norm_rt,
-                              FMT=_FMT_CODE[fmt], GLU=glu, HAS_BIAS=has_bias, BLOCK_N=bn, BLOCK_K=bk,
-                              USE_ASM=USE_DP4A, MASKED=masked, num_warps=cfg["num_warps"], **rope_ce, **norm_ce,
+                              FMT=_FMT_CODE[fmt], GLU=ACT_CODES[act] if glu else 0, HAS_BIAS=has_bias,
+                              BLOCK_N=bn, BLOCK_K=bk, USE_ASM=USE_DP4A, MASKED=masked, num_warps=cfg["num_warps"], **rope_ce, **norm_ce,
                               **pdl())
         return
     words = fmt in ("Q4_0", "Q4_1")
@@ -529,7 +530,8 @@ def _launch_gemv(x, wa, wb, b_offset, bias, out, glu, act_int8, xq, config, rope
     stride_d = wa.d.stride(0) if wa.d is not None else 0
     _gemv_kernel[grid](x, x.stride(0), *a, *b, bias_arg, out, out.stride(0),
                        M, N, K, stride_q, stride_d, *rope_rt, *norm_rt,
-                       FMT=_FMT_CODE[fmt], GLU=glu, HAS_BIAS=has_bias, BLOCK_N=bn, BLOCK_K=bk, MASKED=masked,
+                       FMT=_FMT_CODE[fmt], GLU=ACT_CODES[act] if glu else 0, HAS_BIAS=has_bias, BLOCK_N=bn,
+                       BLOCK_K=bk, MASKED=masked,
                        USE_ASM=USE_DP4A, num_warps=cfg["num_warps"], **rope_ce, **norm_ce, **pdl())
 
 
@@ -606,8 +608,9 @@ def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, o
 def linear_silu_mul(x: torch.Tensor, w_gate: PackedWeight, w_up: PackedWeight | None = None,
                     out: torch.Tensor | None = None, *, act_int8: bool = False,
                     xq: QuantizedActivations | None = None, config: dict | None = None,
-                    decode_max_tokens: int = configs.DECODE_MAX_TOKENS) -> torch.Tensor:
-    """silu(x @ Wg.T) * (x @ Wu.T) in one kernel for decode (tokens <= decode_max_tokens).
+                    decode_max_tokens: int = configs.DECODE_MAX_TOKENS, act: str = "silu") -> torch.Tensor:
+    """act(x @ Wg.T) * (x @ Wu.T) in one kernel for decode (tokens <= decode_max_tokens); act is
+    silu (SwiGLU) or gelu_tanh (GeGLU).
 
     w_up None: w_gate holds both, gate rows first then up rows (concat_packed([gate, up])).
     Prefill: one matrix-matrix product per half, then silu_mul.
@@ -628,12 +631,12 @@ def linear_silu_mul(x: torch.Tensor, w_gate: PackedWeight, w_up: PackedWeight | 
     if M == 0:
         return out
     if M <= decode_max_tokens:
-        _launch_gemv(x, w_gate, wb, b_off, None, out, True, act_int8, xq, config)
+        _launch_gemv(x, w_gate, wb, b_off, None, out, True, act_int8, xq, config, act=act)
         return out
     from .elementwise import silu_mul
     if w_up is None:
         gu = linear(x, w_gate, config=config, decode_max_tokens=decode_max_tokens)
-        return silu_mul(gu, out=out)
+        return silu_mul(gu, out=out, act=act)
     g = linear(x, w_gate, config=config, decode_max_tokens=decode_max_tokens)
     u = linear(x, w_up, config=config, decode_max_tokens=decode_max_tokens)
-    return silu_mul(g, u, out=out)
+    return silu_mul(g, u, out=out, act=act)

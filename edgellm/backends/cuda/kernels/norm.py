@@ -97,6 +97,38 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return out
 
 
+@jit
+def _head_rms_norm_kernel(x_ptr, stride_x, w_ptr, out_ptr, stride_o, D, eps, BLOCK_D: tl.constexpr,
+                          PDL: tl.constexpr):
+    pdl_prologue(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    c = tl.arange(0, BLOCK_D)
+    mask = c < D
+    x = tl.load(x_ptr + row * stride_x + head * D + c, mask=mask, other=0.0).to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+    w = tl.load(w_ptr + c, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + head * D + c, (x * r * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None,
+                  config: dict | None = None) -> torch.Tensor:
+    """RMSNorm of each head_dim group of x [T, H * head_dim] (head_dim = weight.numel()): per-head
+    q/k norm. x may be a column slice of a wider tensor (only its row stride is used); out may be x."""
+    check_2d(x, "x")
+    T, W = x.shape
+    D = weight.numel()
+    if not weight.is_contiguous() or W % D or x.stride(1) != 1:
+        raise ValueError(f"head_rms_norm: width {W} is not a multiple of the weight's {D} (or x is not row-major)")
+    out = out_buffer(out, (T, W), x.dtype, x.device)
+    if T:
+        block = max(32, next_pow2(D))
+        nw = (config or {}).get("num_warps") or max(1, min(8, block // 256))
+        _head_rms_norm_kernel[(T, W // D)](x, x.stride(0), weight, out, out.stride(0), D, float(eps), BLOCK_D=block,
+                                           num_warps=nw, **pdl())
+    return out
+
+
 @dataclass
 class NormTail:
     """add_rms_norm's work done by the matrix-vector kernel that produces its branch input y:

@@ -1,0 +1,151 @@
+"""A model larger than the GPU budget: edgellm's solved GPU+CPU placement against llama.cpp -ngl N.
+
+    python benchmarks/bench_hetero_gpu.py --llama-bench PATH/llama-bench [--preset llama-3.1-8b]
+        [--format Q8_0] [--caps 6,4] [-p 512] [-n 128] [-r 3] [--model-dir DIR]
+
+Steps, on a machine with one GPU and no network:
+1. writes (or reuses) the synthetic GGUF file of the preset's shape (random weights, `fast`);
+2. profiles: GPU microbenchmarks (bandwidth, throughput, launch, pinned copies both ways) and the
+   CPU's ops measured on a 2-layer file of the same layer shape (the signatures of its ops are the
+   big model's), with the fitted CPU cost model for the rest; stored in the tuning cache;
+3. per cap (GiB): solves the placement under --gpu-memory CAP, runs it (edgellm.hetero.executor)
+   and measures pp (one forward over p tokens) and tg (n greedy single-token steps), median of r;
+   llama-bench -ngl N with N the most layers whose Q8_0 bytes + f16 KV fit the same cap;
+4. prints one table: tok/s of both, the ratio, and edgellm's predicted vs measured ms/token.
+Threads: the physical cores for both engines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import numpy as np  # noqa: E402
+
+
+def llama_bench_ngl(exe: str, path: str, ngl: int, p: int, n: int, r: int, threads: int) -> dict:
+    cmd = [exe, "-m", path, "-ngl", str(ngl), "-p", str(p), "-n", str(n), "-r", str(r), "-fa", "1",
+           "-t", str(threads), "-o", "json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if out.returncode:
+        return {"error": (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1]}
+    res = {}
+    for row in json.loads(out.stdout):
+        res["pp" if row["n_gen"] == 0 else "tg"] = row["avg_ts"]
+    return res
+
+
+def fit_ngl(f, cfg, cap: int, ctx: int) -> int:
+    """llama.cpp's -ngl N that fits the cap: N repeating layers (their stored bytes + f16 KV), plus
+    the output layer when all of them fit (-ngl n_layers+1), less 512 MiB for its buffers."""
+    layer = [sum(t.nbytes for n, t in f.tensors.items() if n.startswith(f"blk.{i}.")) + 2 * 2 * ctx * cfg.kv_dim
+             for i in range(cfg.n_layers)]
+    room = cap - (512 << 20)
+    n = 0
+    while n < cfg.n_layers and sum(layer[cfg.n_layers - n - 1:]) <= room:
+        n += 1
+    out = f.tensors.get("output.weight") or f.tensors["token_embd.weight"]
+    if n == cfg.n_layers and sum(layer) + out.nbytes <= room:
+        n += 1
+    return n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--llama-bench", default=None, help="llama-bench executable (CUDA build)")
+    ap.add_argument("--preset", default="llama-3.1-8b")
+    ap.add_argument("--format", default="Q8_0")
+    ap.add_argument("--caps", default="6,4", help="GPU memory caps in GiB")
+    ap.add_argument("-p", type=int, default=512)
+    ap.add_argument("-n", type=int, default=128)
+    ap.add_argument("-r", type=int, default=3)
+    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--model-dir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "edgellm-synthetic"))
+    a = ap.parse_args()
+
+    import torch
+
+    import edgellm
+    from dataclasses import replace
+    from edgellm.backends.cpu_fast import physical_cores
+    from edgellm.gguf_file import open_gguf
+    from edgellm.hetero.executor import load_split
+    from edgellm.hetero.plan import plan_split
+    from edgellm.hetero.profile import Profile, profile_cpu, profile_cuda, save_profile
+    from edgellm.models import config_from_gguf
+    from edgellm.synthetic import preset, write_synthetic_gguf
+
+    threads = physical_cores()
+    torch.set_num_threads(threads)
+    os.makedirs(a.model_dir, exist_ok=True)
+    spec = preset(a.preset, weight_type=a.format)
+    path = os.path.join(a.model_dir, f"{a.preset}-{a.format}.gguf")
+    small = os.path.join(a.model_dir, f"{a.preset}-{a.format}-2layers.gguf")
+    for pth, sp in ((path, spec), (small, replace(spec, n_layers=2))):
+        if not os.path.exists(pth):
+            t = time.perf_counter()
+            write_synthetic_gguf(pth, sp, fast=True)
+            print(f"wrote {pth} ({os.path.getsize(pth) / 1e9:.2f} GB, {time.perf_counter() - t:.0f} s)", flush=True)
+
+    prof = profile_cuda(Profile(), "cuda:0")
+    m2 = edgellm.load(small, backend="cpu-fast", ctx=a.ctx, prefill_chunk=a.p)
+    profile_cpu(m2, prof, kv_len=a.ctx // 2, prefill=a.p)
+    del m2
+    save_profile(prof)
+    print("profile:", {k: (f"{v.bandwidth / 1e9:.0f} GB/s", f"{v.throughput / 1e12:.1f} TFLOP/s",
+                           f"{v.overhead_s * 1e6:.1f} us/op") for k, v in prof.processors.items()}, flush=True)
+
+    f = open_gguf(path)
+    cfg = config_from_gguf(f)
+    rows = []
+    for cap_gib in [float(c) for c in a.caps.split(",")]:
+        cap = int(cap_gib * 2**30)
+        plan = plan_split(path, gpu_memory=str(cap), devices="cuda:0,cpu", ctx=a.ctx, prefill=a.p, profile=prof)
+        placement = {u: ("cuda" if d.startswith("cuda") else "cpu") for u, d in plan["placement"].items()}
+        n_gpu = sum(1 for u, d in placement.items() if u.startswith("blk.") and d == "cuda")
+        m = load_split(path, placement, ctx=a.ctx, prefill_chunk=a.p)
+        used = torch.cuda.max_memory_allocated() / 2**30
+        rng = np.random.default_rng(0)
+        prompt = rng.integers(3, cfg.vocab_size, a.p).tolist()
+        m.forward(prompt[:8], 0, all_logits=False)
+        pp, tg = [], []
+        for _ in range(a.r):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            m.forward(prompt, 0, all_logits=False)
+            pp.append(a.p / (time.perf_counter() - t))
+            tok = 1
+            t = time.perf_counter()
+            for i in range(a.n):
+                tok = int(np.argmax(m.forward([tok], i, all_logits=False)[-1]))
+            tg.append(a.n / (time.perf_counter() - t))
+        del m
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        ngl = fit_ngl(f, cfg, cap, a.ctx)
+        ll = llama_bench_ngl(a.llama_bench, path, ngl, a.p, a.n, a.r, threads) if a.llama_bench else {"error": "no --llama-bench"}
+        rows.append((cap_gib, n_gpu, used, statistics.median(pp), statistics.median(tg), ngl, ll,
+                     plan["predicted_decode_s"], plan["predicted_prefill_s"]))
+
+    print(f"\n{time.strftime('%Y-%m-%d')}, {torch.cuda.get_device_name()}, {threads} CPU threads, "
+          f"{os.path.basename(path)} ({os.path.getsize(path) / 1e9:.2f} GB), ctx {a.ctx}, pp{a.p} tg{a.n}, median of {a.r}\n")
+    print("| cap GiB | edgellm layers on GPU | GPU GiB used | edgellm pp tok/s | edgellm tg tok/s | llama.cpp -ngl | "
+          "llama.cpp pp | llama.cpp tg | tg ratio | pp ratio | predicted / measured ms/token |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for cap, n_gpu, used, pp, tg, ngl, ll, pred_d, pred_p in rows:
+        lpp, ltg = ll.get("pp"), ll.get("tg")
+        r_tg = f"{tg / ltg:.2f}x" if ltg else ll.get("error", "-")
+        r_pp = f"{pp / lpp:.2f}x" if lpp else "-"
+        print(f"| {cap:g} | {n_gpu} | {used:.2f} | {pp:.1f} | {tg:.2f} | {ngl} | {lpp or '-'} | {ltg or '-'} | "
+              f"{r_tg} | {r_pp} | {pred_d * 1e3:.1f} / {1e3 / tg:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,220 @@
+"""What a user meets first: time to load (TTLM) and time to first token (TTFT), cold and warm,
+edgellm and llama.cpp (llama-cpp-python) side by side on the same files, each sample in a fresh
+process.
+
+    python benchmarks/bench_start.py --backend cpu                       # the default model
+    python benchmarks/bench_start.py --backend cuda -m a.gguf --synthetic llama-3.1-8b:Q4_0 -r 3
+
+Per model and engine:
+  edgellm cold   an empty engine cache (EDGELLM_CACHE_DIR: no compiled programs, no compiled
+                 kernels, no tuning), the model file in the page cache;
+  edgellm warm   the same cache, filled by the cold run (median of -r runs);
+  llama.cpp      llama-cpp-python's Llama() load and its first token (median of -r runs; it has no
+                 cache of its own: its first run is reported as cold);
+  run cold/warm  `edgellm run -n 8 --temperature 0` wall time for the default question, as a user
+                 types it (process start to exit).
+A sample's numbers: import (the engine's Python modules), load (edgellm.load / Llama()), TTFT
+(a 37-token chat prompt's prefill and its first token, after load), 8 tokens (TTFT + 7 decode
+steps), process (the child's wall time from exec to exit). Prints a Markdown table; -o writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+QUESTION = "What is the capital of France?"
+
+CHILD = r"""
+import json, sys, time
+t0 = time.perf_counter()
+engine, backend, path, ids, ctx = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), int(sys.argv[5])
+out = {}
+if engine == "llama.cpp":
+    from edgellm.bench.engines import LlamaCppEngine as E
+    import llama_cpp  # noqa: F401  (imported first: see LlamaCppEngine.preload)
+else:
+    from edgellm.bench.engines import EdgeLLMEngine as E
+    import edgellm  # noqa: F401
+e = E()
+e.prepare(backend)
+t1 = time.perf_counter()
+e.load(path, backend, ctx)
+t2 = time.perf_counter()
+e.prefill(ids)
+first = e.next_token()
+t3 = time.perf_counter()
+if engine == "llama.cpp":
+    import llama_cpp
+    tok = first
+    for i in range(7):
+        e._one[0] = tok
+        e._decode(e._one, 1)
+        tok = e.next_token()
+else:
+    m = e.model
+    pos, tok = len(ids), first
+    greedy = getattr(m.programs["decode"], "greedy_tokens", None)
+    if greedy is not None:
+        for tok in greedy(tok, pos, 7):
+            pass
+    else:
+        import numpy as np
+        for i in range(7):
+            tok = int(np.argmax(m.forward([tok], pos + i, all_logits=False)[-1]))
+t4 = time.perf_counter()
+out = {"import_s": t1 - t0, "load_s": t2 - t1, "ttft_s": t3 - t2, "eight_s": t4 - t2}
+if engine != "llama.cpp":
+    out["phases"] = e.model.load_phases
+    out["cache_hits"] = e.model.cache_hits
+print("RESULT " + json.dumps(out))
+"""
+
+
+def _child(engine: str, backend: str, path: str, ids: list[int], ctx: int, env: dict) -> dict:
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-c", CHILD, engine, backend, path, json.dumps(ids), str(ctx)],
+                       capture_output=True, text=True, env=env, timeout=900)
+    wall = time.perf_counter() - t0
+    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if p.returncode != 0 or line is None:
+        return {"error": (p.stderr or p.stdout).strip().splitlines()[-1:] or [f"exit {p.returncode}"]}
+    d = json.loads(line[7:])
+    d["process_s"] = wall
+    return d
+
+
+def _cli(path: str | None, backend: str, env: dict) -> dict:
+    cmd = [sys.executable, "-m", "edgellm", "run", "--backend", backend, "--temperature", "0", "-n", "8", QUESTION]
+    if path:
+        cmd[4:4] = ["-m", path]
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    wall = time.perf_counter() - t0
+    if p.returncode != 0:
+        return {"error": p.stderr.strip().splitlines()[-1:]}
+    return {"process_s": wall, "answer": p.stdout.strip(), "stats": p.stderr.strip().splitlines()[-1]}
+
+
+def _spec(name: str, fmt: str):
+    """A preset in one weight format; Q4_K_M as llama-quantize mixes it: Q4_K, with Q6_K for the
+    output matrix and half of the layers' attn_v and ffn_down."""
+    from edgellm.synthetic import preset
+
+    if fmt.upper() != "Q4_K_M":
+        return preset(name, weight_type=fmt)
+    base = preset(name)
+    six = {f"blk.{i}.{t}.weight": "Q6_K" for i in range(0, base.n_layers, 2) for t in ("attn_v", "ffn_down")}
+    return preset(name, weight_type="Q4_K", output_type="Q6_K", type_overrides=six)
+
+
+def _median(samples: list[dict], key: str) -> float | None:
+    vals = [s[key] for s in samples if key in s]
+    return statistics.median(vals) if vals else None
+
+
+def _prompt_ids(path: str) -> list[int]:
+    import edgellm
+
+    m = edgellm.load(path, backend="cpu", ctx=64, warmup=False, cache=False)
+    if m.tokenizer is not None and m.tokenizer.chat_template:
+        return m.prompt_tokens(QUESTION)
+    return [1 + (i * 7919) % (m.config.vocab_size - 2) for i in range(37)]  # 37 tokens, as the chat prompt
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-m", "--model", action="append", default=[], help="GGUF file (repeatable; default: the embedded model)")
+    ap.add_argument("--synthetic", action="append", default=[],
+                    help="PRESET:FORMAT written with edgellm.synthetic (with a vocabulary), e.g. llama-3.1-8b:Q4_0")
+    ap.add_argument("--model-dir", default=None, help="where synthetic files go (default: a temporary folder)")
+    ap.add_argument("--backend", default="cpu")
+    ap.add_argument("--engines", default="edgellm,llama.cpp")
+    ap.add_argument("-r", "--repeat", type=int, default=3)
+    ap.add_argument("-c", "--ctx", type=int, default=4096)
+    ap.add_argument("--no-cli", action="store_true", help="skip the `edgellm run` wall-time rows")
+    ap.add_argument("-o", "--output", default=None, help="write the results as JSON here")
+    args = ap.parse_args()
+    if args.repeat < 1:
+        ap.error("-r must be at least 1")
+
+    from edgellm.default_model import default_model_path
+
+    models = list(args.model) or ([] if args.synthetic else [str(default_model_path())])
+    if args.synthetic:
+        from edgellm.synthetic import byte_bpe_vocab, preset, write_synthetic_gguf
+
+        d = Path(args.model_dir or tempfile.mkdtemp(prefix="edgellm-start-"))
+        d.mkdir(parents=True, exist_ok=True)
+        for item in args.synthetic:
+            name, fmt = item.split(":")
+            path = d / f"{name}-{fmt}-vocab.gguf"
+            if not path.exists():
+                print(f"writing {path} ...", file=sys.stderr, flush=True)
+                write_synthetic_gguf(path, _spec(name, fmt), byte_bpe_vocab(preset(name).vocab_size), fast=True)
+            models.append(str(path))
+
+    engines = [e for e in args.engines.split(",") if e]
+    results = {"date": time.strftime("%Y-%m-%d"), "backend": args.backend, "argv": sys.argv[1:], "rows": []}
+    base_env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    for path in models:
+        for f in (path,):  # page cache: read the file once before any timed run
+            with open(f, "rb") as fh:
+                while fh.read(64 << 20):
+                    pass
+        ids = _prompt_ids(path)
+        for engine in engines:
+            cache = tempfile.mkdtemp(prefix="edgellm-cache-")
+            env = {**base_env, "EDGELLM_CACHE_DIR": cache}
+            env.pop("TRITON_CACHE_DIR", None)
+            samples = []
+            for i in range(args.repeat + (1 if engine == "edgellm" else 0)):
+                s = _child(engine, args.backend, path, ids, args.ctx, env)
+                print(f"{Path(path).name} {engine} #{i}: {s}", file=sys.stderr, flush=True)
+                samples.append(s)
+            if engine == "edgellm":
+                rows = [("edgellm cold", samples[:1]), ("edgellm warm", samples[1:])]
+            else:
+                rows = [(f"{engine} first", samples[:1]), (f"{engine} median", samples)]
+            for label, ss in rows:
+                results["rows"].append({"model": Path(path).name, "what": label, "samples": ss,
+                                        **{k: _median(ss, k) for k in ("import_s", "load_s", "ttft_s", "eight_s",
+                                                                          "process_s")}})
+        if not args.no_cli and "edgellm" in engines:
+            cache = tempfile.mkdtemp(prefix="edgellm-cache-")
+            env = {**base_env, "EDGELLM_CACHE_DIR": cache}
+            env.pop("TRITON_CACHE_DIR", None)
+            cli_path = None if not args.model and not args.synthetic else path  # None: as a user types it
+            runs = [_cli(cli_path, args.backend, env) for _ in range(1 + args.repeat)]
+            for s in runs:
+                print(f"{Path(path).name} edgellm run: {s}", file=sys.stderr, flush=True)
+            for label, ss in (("`edgellm run` cold", runs[:1]), ("`edgellm run` warm", runs[1:])):
+                results["rows"].append({"model": Path(path).name, "what": label, "samples": ss,
+                                        "process_s": _median(ss, "process_s")})
+
+    def ms(v):
+        return "—" if v is None else f"{v * 1e3:,.0f}"
+
+    print(f"\n{results['date']}, backend {args.backend}, medians (ms)\n")
+    print("| model | what | import | load (TTLM) | TTFT after load | 8 tokens after load | process wall |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for r in results["rows"]:
+        err = next((s["error"] for s in r["samples"] if "error" in s), None)
+        print(f"| {r['model']} | {r['what']} | {ms(r.get('import_s'))} | {ms(r.get('load_s'))} | "
+              f"{ms(r.get('ttft_s'))} | {ms(r.get('eight_s'))} | {ms(r.get('process_s'))} |"
+              + (f" error: {err}" if err else ""))
+    if args.output:
+        Path(args.output).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

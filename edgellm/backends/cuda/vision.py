@@ -1,0 +1,113 @@
+"""The cuda backend's kernels for imported networks (N-D op kinds of edgellm.graph.nd_ops).
+
+Convolution (implicit GEMM on tensor cores, depthwise), pooling and global pooling are Triton
+kernels (kernels/conv.py) with the conv epilogue fused. The remaining kinds (layout changes,
+element-wise, softmax, layer norm, matmul) run as the cpu reference kernels do, on device
+tensors through torch: correct and on the GPU, but not yet generated kernels of ours.
+Weights are repacked once, on first use, into the layout the conv kernels read.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import torch
+
+from ...errors import BackendUnavailableError
+from ...graph.ir import Op
+from ..cpu_nd import ND_KERNELS, spatial_pads
+
+_PACKED: dict[tuple, torch.Tensor] = {}
+
+
+def vision_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    from triton import knobs
+
+    if knobs.runtime.interpret or os.environ.get("TRITON_INTERPRET") == "1":
+        return torch.device("cpu")  # Triton's interpreter: the same kernels on CPU tensors (tests)
+    raise BackendUnavailableError("the cuda backend needs an NVIDIA GPU (or TRITON_INTERPRET=1 to interpret "
+                                  "its kernels on the CPU)")
+
+
+def _packed(w: torch.Tensor, groups: int, depthwise: bool) -> torch.Tensor:
+    from .kernels.conv import pack_conv_weight
+
+    key = (w.data_ptr(), tuple(w.shape), groups, depthwise)
+    p = _PACKED.get(key)
+    if p is None:
+        p = w.reshape(w.shape[0], -1).contiguous() if depthwise else pack_conv_weight(w, groups)
+        _PACKED[key] = p
+    return p
+
+
+def _conv2d(op: Op, i: list) -> torch.Tensor:
+    from .kernels.conv import conv2d
+
+    a = op.attrs
+    x, w = i[0], i[1]
+    k = 2
+    bias = None
+    if a.get("has_bias"):
+        bias, k = i[2], 3
+    res = i[k] if a.get("has_residual") else None
+    kh, kw = int(w.shape[2]), int(w.shape[3])
+    t, l, b, r = spatial_pads(a, tuple(x.shape[2:]), (kh, kw))
+    (sh, sw), (dh, dw) = a["strides"], a["dilations"]
+    oh = (x.shape[2] + t + b - dh * (kh - 1) - 1) // sh + 1
+    ow = (x.shape[3] + l + r - dw * (kw - 1) - 1) // sw + 1
+    g = a["groups"]
+    depthwise = g == x.shape[1] and g == w.shape[0]
+    if a.get("act") == "gelu" and a.get("act_args", {}).get("approximate", "none") != "none" or \
+            a.get("res_act") == "gelu" and a.get("res_act_args", {}).get("approximate", "none") != "none":
+        return ND_KERNELS["conv2d"](op, i)
+    wp = _packed(w, g, depthwise)
+    return conv2d(x, wp, bias, res, out_channels=w.shape[0], kernel=(kh, kw), strides=(sh, sw), pads=(t, l),
+                  dilations=(dh, dw), groups=g, out_hw=(oh, ow), act=a.get("act"), act_args=a.get("act_args"),
+                  res_act=a.get("res_act"), res_act_args=a.get("res_act_args"),
+                  depthwise_w=wp if depthwise else None)
+
+
+def _pool(op: Op, i: list) -> torch.Tensor:
+    from .kernels.conv import pool2d
+
+    a, x = op.attrs, i[0]
+    kh, kw = a["kernel"]
+    t, l, b, r = spatial_pads(a, tuple(x.shape[2:]), (kh, kw))
+    (sh, sw), (dh, dw) = a["strides"], a["dilations"]
+    ceil = a.get("ceil_mode", False)
+
+    def out(size, lo, hi, k, s, d):
+        span = size + lo + hi - d * (k - 1) - 1
+        o = (-(-span // s) if ceil else span // s) + 1
+        if ceil and (o - 1) * s >= size + lo:  # ONNX/PyTorch: the last window must start inside the input
+            o -= 1
+        return o
+    oh, ow = out(x.shape[2], t, b, kh, sh, dh), out(x.shape[3], l, r, kw, sw, dw)
+    return pool2d(x, is_max=op.kind == "maxpool", kernel=(kh, kw), strides=(sh, sw), pads=(t, l),
+                  dilations=(dh, dw), out_hw=(oh, ow), count_include_pad=bool(a.get("count_include_pad")),
+                  pads_end=(b, r))
+
+
+def _global_avgpool(op: Op, i: list) -> torch.Tensor:
+    from .kernels.conv import global_avgpool
+
+    return global_avgpool(i[0])
+
+
+# op kind -> kernel; every kind here runs on the device (the Triton ones first, torch for the rest)
+CUDA_ND_KERNELS: dict[str, Callable] = {
+    **{k: v for k, v in ND_KERNELS.items()},
+    "conv2d": _conv2d,
+    "maxpool": _pool,
+    "avgpool": _pool,
+    "global_avgpool": _global_avgpool,
+    "linear": lambda op, i: torch.nn.functional.linear(i[0], i[1], i[2] if op.attrs.get("has_bias") else None)
+    + (i[-1] if op.attrs.get("has_residual") else 0),
+    "add": lambda op, i: i[0] + i[1],
+    "mul": lambda op, i: i[0] * i[1],
+    "silu": lambda op, i: torch.nn.functional.silu(i[0]),
+}
+TRITON_KINDS = {"conv2d", "maxpool", "avgpool", "global_avgpool"}

@@ -1,0 +1,721 @@
+"""The webgpu backend: executes a compiled Graph with the WGSL kernel templates of kernels.py.
+
+- Weights are uploaded once, repacked into a storage descriptor's layout (codegen.py): F16,
+  Q8_0, Q4_0 and Q4_1 as themselves, F32/BF16 as F16, Q5_0 as Q8_0 (exact), other formats
+  dequantized and stored as Q8_0. Projections a fused op reads together (q|k|v, gate|up) are
+  stacked at load. A weight larger than one storage binding is split by rows across bindings.
+- Activations are float32 in ONE arena buffer laid out by the compile step's memory plan; each
+  kernel binds the ranges of its tensors. The KV cache is one float32 buffer per layer and K/V,
+  written in place at the position offset.
+- A step is recorded into one command encoder and one compute pass (dispatches are ordered; wgpu
+  puts the barriers between them), so a decode token is one submit; greedy decoding appends
+  the argmax kernel, which writes the next token straight into the token buffer, and only its
+  4 bytes are read back.
+- Ops without a kernel here are delegated to the cpu backend's reference kernels: the pass is
+  cut, their inputs read back, their outputs written to the device.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Callable, Iterator
+
+import numpy as np
+
+from ...errors import BackendUnavailableError, EdgeLLMError, GraphError
+from ...gguf_file import GGUFFile
+from ...graph.ir import CTX, SEQ, Graph, Op
+from ..cpu import plan_offsets
+from ..info import WebgpuInfo
+from . import codegen, kernels
+from .device import Device, get_device
+
+GEMV_MAX_ROWS = 4  # steps of at most this many tokens use the matrix-vector kernel
+SPLIT_KEYS = 256  # decode attention: one split per this many cached keys ...
+MAX_SPLITS = 32  # ... up to this many
+
+
+class DeviceMemoryError(EdgeLLMError):
+    """A tensor does not fit in the adapter's buffers or bindings."""
+
+
+class WebgpuError(EdgeLLMError):
+    """The WebGPU implementation refused or failed an operation (a driver or limit problem)."""
+
+
+def _device_errors(what: str):
+    """Turn wgpu's errors into one-line edgellm errors naming what was being done."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def guard():
+        import wgpu
+
+        try:
+            yield
+        except wgpu.GPUOutOfMemoryError as e:
+            raise DeviceMemoryError(f"webgpu: out of GPU memory {what}: {_first_line(e)}") from None
+        except wgpu.GPUError as e:
+            raise WebgpuError(f"webgpu: {what} failed: {_first_line(e)}") from None
+    return guard()
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [x.strip() for x in str(e).splitlines() if x.strip() and x.strip() != "Caused by:"]
+    return " | ".join(lines[:3])[:300] or type(e).__name__
+
+
+class WebgpuTensor:
+    """A tensor on the device: a range of a buffer, row-major float32 (or float16: the KV cache
+    where the adapter has shader-f16)."""
+
+    def __init__(self, dev: Device, buf, offset: int, shape: tuple[int, ...], dtype: str = "f32"):
+        self.dev, self.buffer, self.offset, self.shape = dev, buf, int(offset), tuple(int(s) for s in shape)
+        self.dtype = dtype
+        self._np = np.float16 if dtype == "f16" else np.float32
+
+    @property
+    def nbytes(self) -> int:
+        return (2 if self.dtype == "f16" else 4) * math.prod(self.shape)
+
+    def numpy(self) -> np.ndarray:
+        if self.nbytes == 0:
+            return np.zeros(self.shape, np.float32)
+        raw = np.frombuffer(self.dev.read(self.buffer, self.offset, -(-self.nbytes // 4) * 4), self._np)
+        return raw[:math.prod(self.shape)].astype(np.float32).reshape(self.shape)
+
+    def write(self, a: np.ndarray) -> None:
+        self.dev.write(self.buffer, np.ascontiguousarray(a, dtype=self._np).reshape(-1), self.offset)
+
+
+class DeviceWeight:
+    """A weight on the device: its descriptor's parts, each a dict of array name -> buffer."""
+
+    def __init__(self, p: codegen.PackedArrays, dev: Device, max_binding: int | None = None):
+        self.fmt, self.rows, self.cols, self.source_fmt = p.fmt, p.rows, p.cols, p.source_fmt
+        self.part_rows = codegen.split_rows(p, max_binding or dev.max_binding)
+        self.buffers = [{k: dev.upload(a) for k, a in part.items()} for part in codegen.part_arrays(p, self.part_rows)]
+        self.nbytes = p.nbytes
+
+    def desc(self, name: str = "W") -> codegen.WeightDesc:
+        return codegen.WeightDesc(name, self.fmt, self.rows, self.cols, self.part_rows)
+
+    def resources(self, name: str = "W") -> dict:
+        out = {}
+        for p, bufs in enumerate(self.buffers):
+            for k, b in bufs.items():
+                out[f"{name}_{k}{p}"] = (b, 0, b.size)
+        return out
+
+
+class WebgpuWeights:
+    """Weights on the device in descriptor layouts, converted on first use, shared by all programs."""
+
+    def __init__(self, f: GGUFFile, dev: Device):
+        self.file, self.dev = f, dev
+        self._mats: dict[tuple[str, ...], DeviceWeight] = {}
+        self._vectors: dict[tuple[str, ...], object] = {}
+
+    def matrix(self, *names: str) -> DeviceWeight:
+        w = self._mats.get(names)
+        if w is None:
+            parts = []
+            for n in names:
+                t = self.file.tensors[n]
+                if len(t.shape) != 2:
+                    raise GraphError(f"webgpu: weight '{n}' has shape {t.shape}, expected 2-D")
+                parts.append(codegen.repack(np.asarray(t.data), t.type_name, tuple(t.shape)))
+            if len({p.fmt for p in parts}) > 1 and all(p.cols % 8 == 0 for p in parts):
+                # mixed formats (Q4_K_M files: q, k Q4_K, v Q6_K): stacked as F16 from the file's own
+                # values (not from a Q8_0 requantization of them)
+                from ...quant import dequantize
+
+                parts = [codegen.pack_float(np.asarray(dequantize(self.file.tensors[n].data, self.file.tensors[n].type_name,
+                                                                  self.file.tensors[n].shape), np.float32), "F16")
+                         for n in names]
+            w = self._mats[names] = DeviceWeight(codegen.stack(parts), self.dev)
+        return w
+
+    def vector(self, *names: str):
+        """1-D tensors (norm weights, biases, rope factors) as float32, concatenated."""
+        v = self._vectors.get(names)
+        if v is None:
+            from ...quant import dequantize
+
+            parts = [np.asarray(dequantize(self.file.tensors[n].data, self.file.tensors[n].type_name,
+                                           self.file.tensors[n].shape), dtype=np.float32).reshape(-1) for n in names]
+            v = self._vectors[names] = self.dev.upload(np.concatenate(parts))
+        return v
+
+    def vector_host(self, name: str) -> np.ndarray:
+        from ...quant import dequantize
+
+        t = self.file.tensors[name]
+        return np.asarray(dequantize(t.data, t.type_name, t.shape), dtype=np.float64).reshape(-1)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for w in self._mats.values()) + sum(v.size for v in self._vectors.values())
+
+
+class _Dispatch:
+    """One kernel bound to its tensors: pipeline and bind group made at first use."""
+
+    def __init__(self, prog: "WebgpuProgram", kernel: kernels.Kernel, resources: dict[str, Callable], grid: Callable):
+        self.prog, self.kernel, self.resources, self.grid = prog, kernel, resources, grid
+        self.pipeline = None
+        self.bind_group = None
+        self.arena_gen = -1
+        self._grids: dict[tuple[int, int], tuple[int, int, int]] = {}
+
+    def prepare(self) -> None:
+        dev, be = self.prog.dev, self.prog.backend
+        if self.pipeline is None:
+            self.pipeline = dev.pipeline(self.kernel.source, dev.layout(self.kernel.kinds))
+        if self.bind_group is None or self.arena_gen != be.arena_gen:
+            entries = []
+            for i, b in enumerate(self.kernel.bindings):
+                key = b.name[:-3] if b.name.endswith("_v4") else b.name
+                if key == "step":
+                    buf, off, size = self.prog.step_buf, 0, kernels.STEP_BYTES
+                else:
+                    buf, off, size = self.resources[key]()
+                entries.append({"binding": i, "resource": {"buffer": buf, "offset": off, "size": size}})
+            self.bind_group = dev.device.create_bind_group(layout=dev.layout(self.kernel.kinds), entries=entries)
+            self.arena_gen = be.arena_gen
+
+    def encode(self, cpass, seq: int, splits: int) -> None:
+        g = self._grids.get((seq, splits))
+        if g is None:  # the grid functions evaluate symbolic shapes: once per step shape, not per token
+            g = self._grids[seq, splits] = tuple(int(v) for v in self.grid(seq, splits))
+        x, y, z = g
+        if x * y * z == 0:
+            return
+        if _RAW is not None:
+            sp, sb, dw, null = _RAW
+            c = cpass._internal
+            sp(c, self.pipeline._internal)
+            sb(c, 0, self.bind_group._internal, 0, null)
+            dw(c, x, y, z)
+            return
+        cpass.set_pipeline(self.pipeline)
+        cpass.set_bind_group(0, self.bind_group)
+        cpass.dispatch_workgroups(x, y, z)
+
+
+def _raw_encoder():
+    """wgpu-native's own compute-pass functions, called without wgpu-py's per-call wrapper: a
+    decode token records a few hundred dispatches from Python, and the wrapper cost 4-17 us per
+    dispatch against about 3 us here (lavapipe machine, 300 dispatches). wgpu-py's private API, so
+    anything unexpected falls back to the public calls (EDGELLM_WEBGPU_RAW=0 forces that)."""
+    if os.environ.get("EDGELLM_WEBGPU_RAW", "1") == "0":
+        return None
+    try:
+        from .device import import_wgpu
+
+        import_wgpu()
+        from wgpu.backends.wgpu_native._api import ffi, libf
+
+        return (libf.wgpuComputePassEncoderSetPipeline, libf.wgpuComputePassEncoderSetBindGroup,
+                libf.wgpuComputePassEncoderDispatchWorkgroups, ffi.NULL)
+    except Exception:  # noqa: BLE001 - another wgpu-py layout: the public API works the same
+        return None
+
+
+_RAW = _raw_encoder()
+
+
+def _grid2(n: int, limit: int) -> tuple[int, int]:
+    """n workgroups as (x, y) within the per-dimension limit (kernels flatten wid.x + wid.y * nwg.x)."""
+    if n <= limit:
+        return n, 1
+    y = -(-n // limit)
+    return -(-n // y), y
+
+
+class WebgpuProgram:
+    """A compiled graph bound to device weights, caches and the arena; one dispatch per op."""
+
+    def __init__(self, backend: "WebgpuBackend", graph: Graph, states: dict[str, WebgpuTensor], plan, max_seq: int):
+        import sympy
+
+        self.backend, self.graph, self.states, self.max_seq = backend, graph, states, int(max_seq)
+        self.dev: Device = backend.dev
+        self.offsets = plan_offsets(plan) if plan is not None else {}
+        backend.reserve_arena(plan.total_bytes if plan is not None else 0)
+        self.ctx = next(iter(states.values())).shape[0] if states else 1
+        self._shape = {n: sympy.lambdify([SEQ, CTX], list(t.shape), "math") for n, t in graph.tensors.items()
+                       if t.kind == "activation"}
+        self.step_buf = self.dev.buffer(kernels.STEP_BYTES, uniform=True)
+        self.tok_buf = self.dev.buffer(4 * max(self.max_seq, 1))
+        self._outputs = {}
+        for name in graph.outputs:
+            shape = self.shape(name, self.max_seq)
+            if 4 * math.prod(shape) > self.dev.max_binding:
+                raise DeviceMemoryError(f"webgpu: output '{name}' of {math.prod(shape)} floats exceeds the adapter's "
+                                        f"{self.dev.max_binding}-byte storage binding; use a smaller prefill chunk")
+            self._outputs[name] = self.dev.buffer(4 * math.prod(shape))
+        self.delegated: list[str] = []
+        self.matrix_bytes = 0  # bytes of the weight matrices one step reads (a decode token's traffic)
+        self._steps: list = []
+        for op in graph.ops:
+            self._steps.extend(self._lower(op))
+        self._argmax = None
+        if self.max_seq == 1 and "logits" in graph.outputs:
+            n = self.shape("logits", 1)[-1]
+            self.hist_buf = self.dev.buffer(4 * self.ctx)
+            self._argmax = _Dispatch(self, kernels.argmax(n), {"X": self._res("logits"),
+                                                               "TOK": lambda: (self.tok_buf, 0, self.tok_buf.size),
+                                                               "HIST": lambda: (self.hist_buf, 0, self.hist_buf.size)},
+                                     lambda s, k: (1, 1, 1))
+
+    # -- tensors ------------------------------------------------------------------------------
+    def shape(self, name: str, seq: int) -> tuple[int, ...]:
+        return tuple(int(d) for d in self._shape[name](seq, self.ctx))
+
+    def _rows_expr(self, name: str) -> str:
+        d = self.graph.tensors[name].shape[0]
+        if d == SEQ:
+            return "step.seq"
+        try:
+            return f"{int(d)}u"
+        except TypeError:
+            raise GraphError(f"webgpu: tensor '{name}' has rows {d}; the kernels take [seq, n] or [k, n]") from None
+
+    def _res(self, name: str) -> Callable:
+        """A function giving (buffer, byte offset, byte size) of a tensor's storage (called when the
+        bind groups are made, after every program of the model has reserved its arena); its
+        `dtype` attribute is the tensor's element type there."""
+        t = self.graph.tensors[name]
+        dev = self.dev
+        if t.kind == "weight":
+            src = t.source or name
+            fn, dtype = (lambda: (lambda b: (b, 0, b.size))(self.backend.weights.vector(src))), "f32"
+        elif t.kind == "state" or t.alias_of is not None:
+            st = self.states[t.alias_of or name]
+            fn, dtype = (lambda: (st.buffer, st.offset, -(-st.nbytes // 16) * 16)), st.dtype
+        elif name in self._outputs:
+            b = self._outputs[name]
+            fn, dtype = (lambda: (b, 0, b.size)), "f32"
+        elif name in self.offsets:
+            off = self.offsets[name]
+            size = -(-4 * math.prod(self.shape(name, self.max_seq)) // 16) * 16  # the plan's float32 slot
+            if size > dev.max_binding:
+                raise DeviceMemoryError(f"webgpu: tensor '{name}' needs {size} bytes, more than the adapter's "
+                                        f"{dev.max_binding}-byte storage binding; use a smaller prefill chunk")
+            fn, dtype = (lambda: (self.backend.arena_buffer, off, max(size, 16))), self.backend.act_dtype
+        else:
+            raise GraphError(f"webgpu: no storage planned for tensor '{name}'")
+        fn.dtype = dtype
+        return fn
+
+    def tensor(self, name: str, seq: int) -> WebgpuTensor:
+        fn = self._res(name)
+        buf, off, _ = fn()
+        return WebgpuTensor(self.dev, buf, off, self.shape(name, seq), fn.dtype)
+
+    def _rows(self, name: str) -> Callable[[int], int]:
+        return lambda seq: self.shape(name, seq)[0]
+
+    # -- lowering -------------------------------------------------------------------------------
+    def _wname(self, t: str) -> str:
+        return self.graph.tensors[t].source or t
+
+    def _lower(self, op: Op) -> list:
+        if op.kind not in self.backend.SUPPORTED_OPS:
+            return [self._delegate(op)]
+        dev, a, ins, outs = self.dev, op.attrs, op.inputs, op.outputs
+        W = self.backend.weights
+        R = self._res
+        limit = dev.max_groups
+        kind = op.kind
+        if kind == "embedding":
+            w = W.matrix(self._wname(ins[0]))
+            rows = self._rows(outs[0])
+            res = {**_const(w.resources()), "Y": R(outs[0]), "TOK": lambda: (self.tok_buf, 0, self.tok_buf.size)}
+            k = kernels.embedding(w.desc(), self._rows_expr(outs[0]), dtypes=_dtypes(res))
+            return [_Dispatch(self, k, res, lambda s, n: (-(-w.cols // 256), rows(s), 1))]
+        if kind in ("rms_norm", "add_rms_norm"):
+            add = kind == "add_rms_norm"
+            normed = outs[1] if add else outs[0]
+            cols = self.shape(normed, 1)[-1]
+            rows = self._rows(normed)
+            res = {"A": R(ins[0]), "G": R(ins[2] if add else ins[1]), "O": R(normed)}
+            if add:
+                res.update(B=R(ins[1]), S=R(outs[0]))
+            k = kernels.rms_norm(cols, a["eps"], self._rows_expr(normed), add=add, dtypes=_dtypes(res))
+            return [_Dispatch(self, k, res, lambda s, n: (*_grid2(rows(s), limit), 1))]
+        if kind in ("linear", "linear_qkv", "linear_swiglu"):
+            return [self._lower_linear(op)]
+        if kind in ("add", "mul", "silu", "swiglu"):
+            cols = self.shape(outs[0], 1)[-1]
+            rows = self._rows(outs[0])
+            b_rows = True
+            res = {"A": R(ins[0]), "Y": R(outs[0])}
+            if kind != "silu":
+                tb = self.graph.tensors[ins[1]]
+                b_rows = len(tb.shape) == 2 and tb.shape[0] == self.graph.tensors[outs[0]].shape[0]
+                res["B"] = R(ins[1])
+            k = kernels.elementwise(kind, cols, self._rows_expr(outs[0]), b_rows=b_rows, dtypes=_dtypes(res))
+            return [_Dispatch(self, k, res, lambda s, n: (*_grid2(-(-rows(s) * cols // 256), limit), 1))]
+        if kind == "last_row":
+            cols = self.shape(outs[0], 1)[-1]
+            res = {"X": R(ins[0]), "Y": R(outs[0])}
+            return [_Dispatch(self, kernels.last_row(cols, dtypes=_dtypes(res)), res, lambda s, n: (-(-cols // 256), 1, 1))]
+        if kind in ("rope_qkv_store", "rope", "rope_store", "kv_store"):
+            return [self._lower_rope(op)]
+        if kind == "attention":
+            return self._lower_attention(op)
+        raise GraphError(f"webgpu: no kernel for op '{op.name}' ({kind})")
+
+    def _lower_linear(self, op: Op):
+        W, R, a, ins, outs = self.backend.weights, self._res, op.attrs, op.inputs, op.outputs
+        glu = op.kind == "linear_swiglu"
+        if op.kind == "linear_qkv":
+            w = W.matrix(*(self._wname(t) for t in ins[1:4]))
+            bias = ins[4:7] if a.get("has_bias") else ()
+        elif glu:
+            w = W.matrix(self._wname(ins[1]), self._wname(ins[2]))
+            bias = ()
+        else:
+            w = W.matrix(self._wname(ins[1]))
+            bias = (ins[2],) if a.get("has_bias") else ()
+        self.matrix_bytes += w.nbytes
+        res_in = ins[-1] if op.kind == "linear" and a.get("has_residual") else None
+        n_out = w.rows // 2 if glu else w.rows
+        rows_expr, rows = self._rows_expr(outs[0]), self._rows(outs[0])
+        res = {**_const(w.resources()), "X": R(ins[0]), "Y": R(outs[0])}
+        if bias:
+            names = tuple(self._wname(t) for t in bias)
+            res["B"] = lambda: (lambda b: (b, 0, b.size))(W.vector(*names))
+        if res_in is not None:
+            res["R"] = R(res_in)
+        opts = dict(bias=bool(bias), residual=res_in is not None, glu=glu)
+        cfg = self.backend.gemv_config(w, n_out, glu)
+        x_vec = 4 if w.cols % 4 == 0 else 1
+        gv = _Dispatch(self, kernels.gemv(w.desc(), n_out, rows_expr, x_vec=x_vec, **cfg, **opts, dtypes=_dtypes(res)), res,
+                       lambda s, n: (*_grid2(-(-n_out // cfg["rows_per_wg"]), self.dev.max_groups), rows(s)))
+        if (self.max_seq <= GEMV_MAX_ROWS or self.graph.tensors[outs[0]].shape[0] != SEQ
+                or not self.backend.prefill_tiled):
+            return gv
+        gcfg = self.backend.gemm_config(w, n_out, glu, self.max_seq)
+        gm = _Dispatch(self, kernels.gemm(w.desc(), n_out, rows_expr, **gcfg, **opts, dtypes=_dtypes(res)), res,
+                       lambda s, n: (-(-n_out // gcfg["tn"]), -(-rows(s) // gcfg["tm"]), 1))
+        return _Choice(lambda s: gv if s <= GEMV_MAX_ROWS else gm, gv, gm)
+
+    def _lower_rope(self, op: Op):
+        a, ins, outs, R = op.attrs, op.inputs, op.outputs, self._res
+        S = kernels.RopeSegment
+        if op.kind == "kv_store":
+            cols = self.shape(ins[1], 1)[-1]
+            segs, x, d, r = [S(1, 0, "KC", False)], ins[1], cols, 0
+            res = {"X": R(ins[1]), "KC": R(ins[0])}
+            freqs = None
+            rows = self._rows(ins[1])
+        else:
+            d, r = a["head_dim"], a.get("rope_dim", a["head_dim"])
+            if op.kind == "rope_qkv_store":
+                h, g = a["n_heads"], a["n_kv_heads"]
+                segs = [S(h, 0, "Q", True), S(g, h * d, "KC", True), S(g, (h + g) * d, "VC", False)]
+                res = {"X": R(ins[0]), "Q": R(outs[0]), "KC": R(ins[2]), "VC": R(ins[3])}
+                freqs = ins[4] if len(ins) > 4 else None
+            elif op.kind == "rope":
+                segs = [S(a["n_heads"], 0, "Q", True)]
+                res = {"X": R(ins[0]), "Q": R(outs[0])}
+                freqs = ins[2] if len(ins) > 2 else None
+            else:  # rope_store(x, start, cache, freqs?)
+                segs = [S(a["n_heads"], 0, "KC", True)]
+                res = {"X": R(ins[0]), "KC": R(ins[2])}
+                freqs = ins[3] if len(ins) > 3 else None
+            x = ins[0]
+            rows = self._rows(ins[0])
+        cos, sin = self.backend.rope_tables(a, r, None if freqs is None else self._wname(freqs), self.ctx)
+        res["COS"] = lambda: (cos, 0, cos.size)
+        res["SIN"] = lambda: (sin, 0, sin.size)
+        x_cols = self.shape(x, 1)[-1]
+        k = kernels.rope(segs, x_cols, d, r, a.get("style") == "neox", self._rows_expr(x), dtypes=_dtypes(res))
+        n_heads = sum(s.n for s in segs)
+        return _Dispatch(self, k, res, lambda s, n: (n_heads, rows(s), 1))
+
+    def _lower_attention(self, op: Op) -> list:
+        a, ins, outs, R = op.attrs, op.inputs, op.outputs, self._res
+        h, g, d = a["n_heads"], a["n_kv_heads"], a["head_dim"]
+        rows_expr, rows = self._rows_expr(ins[0]), self._rows(ins[0])
+        res = {"Q": R(ins[0]), "KC": R(ins[1]), "VC": R(ins[2]), "O": R(outs[0])}
+        direct = _Dispatch(self, kernels.attention(h, g, d, a["scale"], rows_expr, partial=False,
+                                                       dtypes=_dtypes(res)), res,
+                           lambda s, n: (h, rows(s), 1))
+        if self.max_seq != 1:
+            if not self.backend.prefill_tiled or self.max_seq <= GEMV_MAX_ROWS:
+                return [direct]
+            bm = kernels.attention_tile_rows(d, self.dev.max_workgroup_memory - 4096)
+            tiled = _Dispatch(self, kernels.attention_tiled(h, g, d, a["scale"], rows_expr, dtypes=_dtypes(res),
+                                                            workgroup_bytes=self.dev.max_workgroup_memory - 4096),
+                              res, lambda s, n: (h, -(-rows(s) // bm), 1))
+            return [_Choice(lambda s: direct if s <= GEMV_MAX_ROWS else tiled, direct, tiled)]
+        ws = self.backend.workspace(h * MAX_SPLITS * (d + 2) * 4)
+        wres = {**res, "WS": lambda: (ws, 0, ws.size)}
+        part = _Dispatch(self, kernels.attention(h, g, d, a["scale"], rows_expr, partial=True,
+                                                     dtypes=_dtypes(wres)), wres,
+                         lambda s, n: (h, rows(s), n))
+        comb = _Dispatch(self, kernels.attention_combine(h, d, rows_expr, dtypes=_dtypes(wres)), wres, lambda s, n: (h, rows(s), 1))
+        return [_Choice(lambda s: None, direct, part, comb, splits=True)]
+
+    def _delegate(self, op: Op):
+        """An op without a kernel here runs on the cpu backend's reference kernel (its inputs read
+        back, its outputs written to the device). A KV-cache write must stay on the device."""
+        from ..cpu import CPU_KERNELS
+
+        if any(self.graph.tensors[o].alias_of for o in op.outputs):
+            raise GraphError(f"webgpu: op '{op.name}' ({op.kind}) writes state and cannot be delegated to the cpu")
+        self.delegated.append(op.name)
+        return _HostOp(self, op, CPU_KERNELS[op.kind])
+
+    # -- execution ----------------------------------------------------------------------------
+    def _write_step(self, seq: int, start: int, hist: int = 0) -> int:
+        kv_len = start + seq
+        splits = 1
+        if self.max_seq == 1:
+            splits = max(1, min(MAX_SPLITS, -(-kv_len // SPLIT_KEYS)))
+        split_len = -(-kv_len // splits) if splits > 1 else self.ctx
+        self.dev.write(self.step_buf, np.array([seq, start, kv_len, split_len, splits, hist, 0, 0], np.uint32))
+        return splits
+
+    def _record(self, seq: int, splits: int, with_argmax: bool = False) -> None:
+        dev = self.dev
+        for st in self._steps:
+            st.prepare()
+        enc = dev.device.create_command_encoder()
+        cpass = enc.begin_compute_pass()
+        for st in self._steps:
+            if isinstance(st, _HostOp):
+                cpass.end()
+                dev.queue.submit([enc.finish()])
+                st.run(seq)
+                enc = dev.device.create_command_encoder()
+                cpass = enc.begin_compute_pass()
+            else:
+                st.encode(cpass, seq, splits)
+        if with_argmax:
+            self._argmax.prepare()
+            self._argmax.encode(cpass, seq, splits)
+        cpass.end()
+        dev.queue.submit([enc.finish()])
+
+    def run(self, inputs: dict[str, object]) -> dict[str, WebgpuTensor]:
+        """One step over the given tokens at start_pos. The returned tensors are the program's own
+        buffers, valid until its next run."""
+        ids = np.asarray(inputs["tokens"], dtype=np.int64).reshape(-1)
+        seq, start = int(ids.size), int(inputs["start_pos"])
+        if seq > self.max_seq:
+            raise GraphError(f"webgpu program '{self.graph.name}' was compiled for {self.max_seq} tokens, got {seq}")
+        if start + seq > self.ctx:
+            raise GraphError(f"tokens {start}..{start + seq} exceed the KV cache of {self.ctx}")
+        self._host_start = start
+        with _device_errors(f"running '{self.graph.name}' on {seq} tokens"):
+            self.dev.write(self.tok_buf, ids.astype(np.uint32))
+            self._record(seq, self._write_step(seq, start))
+        return {name: self.tensor(name, seq) for name in self.graph.outputs}
+
+    def greedy_tokens(self, first_token: int, start: int, n: int) -> Iterator[int]:
+        """Decode greedily on the device: each step's argmax kernel writes the next token into the
+        token buffer the next step's embedding reads, so no step waits for the host. Steps are
+        submitted in growing batches (1, 2, 4, ... 32 tokens: the first token comes at once; the
+        host encodes the next step while the GPU runs this one) and each batch's tokens are read
+        back together, 4 bytes each. A batch may run a few steps past an end-of-generation token
+        the caller stops at; their cache rows lie beyond the tokens kept. Yields n tokens after
+        first_token at position start."""
+        if self._argmax is None:
+            raise GraphError("greedy_tokens runs on the single-token decode program")
+        if start + n > self.ctx:
+            raise GraphError(f"{start + n} tokens exceed the context of {self.ctx}")
+        self.dev.write(self.tok_buf, np.array([first_token], np.uint32))
+        i, batch = 0, 1
+        while i < n:
+            k = min(batch, n - i)
+            with _device_errors(f"greedy decoding at position {start + i}"):
+                for j in range(i, i + k):
+                    self._host_start = start + j
+                    # the step's values are written in queue order: after the previous step's commands
+                    self._record(1, self._write_step(1, start + j, hist=j), with_argmax=True)
+                ids = np.frombuffer(self.dev.read(self.hist_buf, 4 * i, 4 * k), np.uint32)
+            for t in ids:
+                yield int(t)
+            i += k
+            batch = min(2 * batch, 32)
+
+
+class _Choice:
+    """Variants of one op chosen per step: GEMV or GEMM by token count; attention direct, or split
+    over the context and combined, by the step's split count."""
+
+    def __init__(self, pick, *variants, splits: bool = False):
+        self.pick, self.variants, self.splits = pick, variants, splits
+
+    def prepare(self) -> None:
+        for v in self.variants:
+            v.prepare()
+
+    def encode(self, cpass, seq: int, splits: int) -> None:
+        if self.splits:
+            direct, part, comb = self.variants
+            if splits == 1:
+                direct.encode(cpass, seq, 1)
+            else:
+                part.encode(cpass, seq, splits)
+                comb.encode(cpass, seq, splits)
+            return
+        self.pick(seq).encode(cpass, seq, splits)
+
+
+class _HostOp:
+    def __init__(self, prog: WebgpuProgram, op: Op, fn):
+        self.prog, self.op, self.fn = prog, op, fn
+
+    def prepare(self) -> None:
+        pass
+
+    def run(self, seq: int) -> None:
+        import torch
+
+        prog, op = self.prog, self.op
+        args = []
+        for t in op.inputs:
+            tt = prog.graph.tensors[t]
+            if t == "start_pos":
+                args.append(prog._host_start)
+            elif t == "tokens":
+                ids = np.frombuffer(prog.dev.read(prog.tok_buf, 0, 4 * seq), np.uint32).astype(np.int64)
+                args.append(torch.from_numpy(ids))
+            elif tt.kind == "weight":
+                args.append(prog.backend.cpu_weights().get(tt.source or t))
+            else:
+                args.append(torch.from_numpy(prog.tensor(t, seq).numpy()))
+        with torch.inference_mode():
+            result = self.fn(op, args)
+        for name, value in zip(op.outputs, (result,) if len(op.outputs) == 1 else result):
+            prog.tensor(name, seq).write(value.float().numpy())
+
+
+def _dtypes(res: dict) -> dict:
+    """Binding name -> element type of the tensor each resource holds (kernels.py's `dtypes`)."""
+    return {k: getattr(v, "dtype", "f32") for k, v in res.items()}
+
+
+def _const(res: dict) -> dict:
+    return {k: (lambda v=v: v) for k, v in res.items()}
+
+
+class WebgpuBackend(WebgpuInfo):
+    def __init__(self, f: GGUFFile):
+        self.dev = get_device()
+        self.file = f
+        self.weights = WebgpuWeights(f, self.dev)
+        self.arena_buffer = None
+        self.arena_gen = 0
+        self._arena_need = 256
+        self._tables: dict[tuple, tuple] = {}
+        self._workspace = None
+        self._cpu_weights = None
+        # tiled GEMM for prefill on GPUs; a software adapter runs prefill as GEMVs, which need no
+        # workgroup barriers (lavapipe, SmolLM2 prompt of 37 tokens: 80 s with the GEMM). Override
+        # with EDGELLM_WEBGPU_TILED=0/1 (the tiled GEMM and the tiled causal attention together).
+        want = os.environ.get("EDGELLM_WEBGPU_TILED")
+        self.prefill_tiled = (want == "1") if want in ("0", "1") else not self.dev.info.software
+        # the KV cache in fp16 where the adapter has shader-f16 (half the memory and the attention's
+        # reads; the cuda backend's choice too); EDGELLM_WEBGPU_KV=f32 keeps it in float32
+        self.kv_dtype = "f16" if self.dev.has_f16 and os.environ.get("EDGELLM_WEBGPU_KV", "f16") != "f32" else "f32"
+        # activations in the arena: float32 (the cpu reference's type) unless EDGELLM_WEBGPU_ACT=f16 on
+        # an adapter with shader-f16 (half the activation traffic; the storage descriptors change,
+        # the kernels' float32 maths does not)
+        self.act_dtype = "f16" if self.dev.has_f16 and os.environ.get("EDGELLM_WEBGPU_ACT", "f32") == "f16" else "f32"
+
+    @staticmethod
+    def available() -> bool:
+        try:
+            get_device()
+            return True
+        except BackendUnavailableError:
+            return False
+
+    # -- shared buffers --------------------------------------------------------------------------
+    def reserve_arena(self, nbytes: int) -> None:
+        """One arena for every program (programs never run at the same time): sized to the largest
+        plan, (re)made before the first run; bind groups are remade when it grows."""
+        need = int(nbytes) + 256
+        if need > self._arena_need or self.arena_buffer is None:
+            self._arena_need = max(need, self._arena_need)
+            if self._arena_need > self.dev.max_buffer:
+                raise DeviceMemoryError(f"webgpu: the activations need {self._arena_need} bytes, more than the "
+                                        f"adapter's largest buffer ({self.dev.max_buffer}); use a smaller prefill chunk")
+            self.arena_buffer = self.dev.buffer(self._arena_need)
+            self.arena_gen += 1
+
+    def workspace(self, nbytes: int):
+        if self._workspace is None or self._workspace.size < nbytes:
+            self._workspace = self.dev.buffer(nbytes)
+            self.arena_gen += 1  # rebinds every program's dispatches
+        return self._workspace
+
+    def rope_tables(self, a: dict, n_rot: int, freqs: str | None, ctx: int):
+        """cos and sin of every position's angles [ctx, n_rot / 2], in float64 then float32 (the
+        cpu reference's rounding); one pair per distinct rope configuration."""
+        key = (a.get("theta"), n_rot, a.get("pos_scale", 1.0), freqs, ctx)
+        t = self._tables.get(key)
+        if t is None:
+            if n_rot == 0:
+                z = self.dev.buffer(16)
+                t = (z, z)
+            else:
+                inv = a["theta"] ** (-np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)
+                if freqs is not None:
+                    inv = inv / self.weights.vector_host(freqs)
+                ang = (np.arange(ctx, dtype=np.float64) * a.get("pos_scale", 1.0))[:, None] * inv[None, :]
+                t = (self.dev.upload(np.cos(ang).astype(np.float32)), self.dev.upload(np.sin(ang).astype(np.float32)))
+            self._tables[key] = t
+        return t
+
+    def gemv_config(self, w: DeviceWeight, n_out: int, glu: bool) -> dict:
+        """Workgroup size, rows per workgroup, subgroup reduction of the decode GEMV: the adapter's
+        default, or with EDGELLM_TUNE=1 the fastest candidate timed here and cached (tuning.py)."""
+        from .tuning import gemv_config
+
+        return gemv_config(self.dev, w, n_out, glu)
+
+    def gemm_config(self, w: DeviceWeight, n_out: int, glu: bool, rows: int) -> dict:
+        """Tile sizes of the prefill GEMM: the default, or with EDGELLM_TUNE=1 the fastest candidate
+        at this program's token count, timed here and cached (tuning.py)."""
+        from .tuning import gemm_config
+
+        return gemm_config(self.dev, w, n_out, glu, rows)
+
+    def cpu_weights(self):
+        if self._cpu_weights is None:
+            from ..cpu import CpuWeights
+
+            self._cpu_weights = CpuWeights(self.file)
+        return self._cpu_weights
+
+    # -- the backend interface ---------------------------------------------------------------------
+    def allocate_states(self, graph: Graph, ctx: int) -> dict[str, WebgpuTensor]:
+        out = {}
+        for t in graph.states():
+            shape = t.concrete_shape(ctx=ctx)
+            nbytes = (2 if self.kv_dtype == "f16" else 4) * math.prod(shape)
+            if nbytes > self.dev.max_binding:
+                raise DeviceMemoryError(f"webgpu: KV cache '{t.name}' needs {nbytes} bytes at context {ctx}, more than "
+                                        f"the adapter's {self.dev.max_binding}-byte binding; lower --ctx")
+            out[t.name] = WebgpuTensor(self.dev, self.dev.buffer(nbytes), 0, shape, self.kv_dtype)
+        return out
+
+    def compile(self, graph: Graph, states: dict, plan=None, max_seq: int | None = None) -> WebgpuProgram:
+        with _device_errors(f"uploading {self.file.path.name}'s weights and compiling '{graph.name}'"):
+            return WebgpuProgram(self, graph, states, plan, max_seq or 512)
+
+    @staticmethod
+    def to_numpy(t) -> np.ndarray:
+        return t.numpy() if isinstance(t, WebgpuTensor) else np.asarray(t, dtype=np.float32)
+
+    def describe(self) -> str:
+        return f"webgpu ({self.dev.describe()}; WGSL kernels, {self.act_dtype} activations, {self.kv_dtype} KV cache)"

@@ -1,0 +1,229 @@
+"""WebGPU adapters and devices through wgpu-py (wgpu-native).
+
+Importing this module does not import wgpu; every function that needs it imports it lazily and
+turns its absence (or the absence of any adapter) into a BackendUnavailableError, so that the
+rest of edgellm runs without the package.
+
+A software adapter (Mesa's lavapipe, `adapter_type` "CPU") runs every kernel correctly but more
+slowly than the cpu backend's torch kernels on the same cores, so `auto` never picks it: it is
+for tests, and for `--backend webgpu` when asked for by name.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from ...errors import BackendUnavailableError
+
+# features the kernels use when the adapter has them (each kernel has a fallback without)
+WANTED_FEATURES = ("shader-f16", "subgroup", "timestamp-query", "timestamp-query-inside-passes")
+# limits raised from WebGPU's defaults to the adapter's own (the defaults allow 128 MiB bindings,
+# 8 storage buffers per stage and 16 KiB of workgroup memory)
+RAISED_LIMITS = ("max-storage-buffer-binding-size", "max-buffer-size", "max-storage-buffers-per-shader-stage",
+                 "max-compute-workgroup-storage-size", "max-compute-invocations-per-workgroup",
+                 "max-compute-workgroup-size-x", "max-compute-workgroups-per-dimension")
+
+
+def import_wgpu():
+    # Mesa's software Vulkan warns on stderr when XDG_RUNTIME_DIR is unset (it wants it for window
+    # surfaces, which compute never uses)
+    os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
+    try:
+        import wgpu  # noqa: F401
+    except ImportError as e:
+        raise BackendUnavailableError(f"the webgpu backend needs the wgpu package (pip install 'edgellm[webgpu]'): "
+                                      f"{e}") from None
+    return wgpu
+
+
+@dataclass
+class AdapterInfo:
+    """What `edgellm info` shows of one adapter, and what the backend specialises kernels on."""
+
+    name: str
+    vendor: str
+    backend: str  # Vulkan, Metal, D3D12, ...
+    adapter_type: str  # DiscreteGPU, IntegratedGPU, CPU, ...
+    driver: str
+    features: tuple[str, ...]
+    limits: dict = field(default_factory=dict)
+    subgroup_min: int = 0
+    subgroup_max: int = 0
+
+    @property
+    def software(self) -> bool:
+        """A CPU implementation (lavapipe, SwiftShader, WARP): correct, slower than the cpu backend."""
+        low = (self.name + " " + self.vendor).lower()
+        return self.adapter_type.upper() == "CPU" or any(s in low for s in ("llvmpipe", "lavapipe", "swiftshader",
+                                                                               "microsoft basic render"))
+
+    def key(self) -> str:
+        """A string naming the adapter and driver, for per-adapter caches (tuning)."""
+        return f"{self.name}|{self.backend}|{self.driver}"
+
+    def line(self) -> str:
+        kind = "software (CPU)" if self.software else self.adapter_type
+        return f"{self.name} [{self.backend}, {kind}; {self.driver}]"
+
+
+def _info(adapter) -> AdapterInfo:
+    i = adapter.info
+    limits = dict(adapter.limits)
+    # wgpu-py 0.32 spells the subgroup sizes 'stackgroup_*' in its info dict; accept both
+    smin = i.get("subgroup_min_size", i.get("stackgroup_min_size", 0)) or 0
+    smax = i.get("subgroup_max_size", i.get("stackgroup_max_size", 0)) or 0
+    return AdapterInfo(name=i.get("device", "") or "unknown", vendor=i.get("vendor", ""),
+                       backend=i.get("backend_type", ""), adapter_type=i.get("adapter_type", ""),
+                       driver=i.get("description", ""), features=tuple(sorted(adapter.features)), limits=limits,
+                       subgroup_min=int(smin), subgroup_max=int(smax))
+
+
+def list_adapters() -> list[AdapterInfo]:
+    """Every adapter wgpu finds (empty when wgpu is missing or no driver is installed)."""
+    try:
+        wgpu = import_wgpu()
+        return [_info(a) for a in wgpu.gpu.enumerate_adapters_sync()]
+    except BackendUnavailableError:
+        return []
+    except Exception:  # a broken driver: report no adapters rather than fail `edgellm info`
+        return []
+
+
+def hardware_adapter_available() -> bool:
+    """For `auto`: a GPU adapter (not a software one) exists."""
+    return any(not a.software for a in list_adapters())
+
+
+def describe_adapters(verbose: bool = False) -> list[str]:
+    """Lines for `edgellm info`: one per adapter, with features and main limits when verbose."""
+    try:
+        import_wgpu()
+    except BackendUnavailableError as e:
+        return [f"webgpu: unavailable ({e})"]
+    adapters = list_adapters()
+    if not adapters:
+        return ["webgpu: no adapter found (install a Vulkan driver, e.g. mesa-vulkan-drivers)"]
+    lines = []
+    for k, a in enumerate(adapters):
+        lines.append(f"webgpu adapter {k}: {a.line()}")
+        if verbose:
+            used = [f for f in a.features if f in WANTED_FEATURES or f.startswith("subgroup") or "f16" in f]
+            lines.append(f"  features used: {', '.join(used) or 'none'}")
+            lines.append(f"  max storage binding {a.limits.get('max-storage-buffer-binding-size', 0) / 2**20:.0f} MiB, "
+                         f"max buffer {a.limits.get('max-buffer-size', 0) / 2**20:.0f} MiB, workgroup memory "
+                         f"{a.limits.get('max-compute-workgroup-storage-size', 0) // 1024} KiB, subgroup "
+                         f"{a.subgroup_min}-{a.subgroup_max}")
+            lines.append(f"  all features: {', '.join(a.features)}")
+    return lines
+
+
+class Device:
+    """One wgpu device with the features and limits the kernels use.
+
+    EDGELLM_WEBGPU_ADAPTER=N picks the N-th adapter of `edgellm info`; by default the
+    high-performance one (a discrete GPU before an integrated one before software)."""
+
+    def __init__(self):
+        wgpu = import_wgpu()
+        self.wgpu = wgpu
+        want = os.environ.get("EDGELLM_WEBGPU_ADAPTER")
+        try:
+            if want is not None:
+                adapters = wgpu.gpu.enumerate_adapters_sync()
+                if not want.isdigit() or int(want) >= len(adapters):
+                    raise BackendUnavailableError(f"EDGELLM_WEBGPU_ADAPTER={want}: there are {len(adapters)} adapters "
+                                                  f"(0..{len(adapters) - 1}; see `edgellm info`)")
+                adapter = adapters[int(want)]
+            else:
+                adapter = wgpu.gpu.request_adapter_sync(power_preference="high-performance")
+        except BackendUnavailableError:
+            raise
+        except Exception as e:
+            adapter = None
+            err = e
+        else:
+            err = None
+        if adapter is None:
+            raise BackendUnavailableError(f"the webgpu backend found no adapter ({err or 'none'}); install a Vulkan "
+                                          "driver (mesa-vulkan-drivers for a software one) or use --backend cpu")
+        self.adapter = adapter
+        self.info = _info(adapter)
+        self.features = frozenset(f for f in WANTED_FEATURES if f in adapter.features)
+        limits = {k: self.info.limits[k] for k in RAISED_LIMITS if k in self.info.limits}
+        self.device = adapter.request_device_sync(required_features=sorted(self.features), required_limits=limits)
+        self.limits = dict(self.device.limits)
+        self.queue = self.device.queue
+        self.max_binding = int(self.limits["max-storage-buffer-binding-size"]) & ~255
+        self.max_buffer = int(self.limits["max-buffer-size"])
+        self.max_workgroup_memory = int(self.limits["max-compute-workgroup-storage-size"])
+        self.max_groups = int(self.limits["max-compute-workgroups-per-dimension"])
+        self.max_storage_buffers = int(self.limits["max-storage-buffers-per-shader-stage"])
+        self.has_f16 = "shader-f16" in self.features
+        self.has_subgroups = "subgroup" in self.features and self.info.subgroup_min >= 4
+        self.has_timestamps = "timestamp-query" in self.features
+        self._pipelines: dict[str, object] = {}
+        self._layouts: dict[tuple, object] = {}
+
+    # -- buffers -----------------------------------------------------------------------------
+    def buffer(self, nbytes: int, *, uniform: bool = False):
+        """A zero-filled storage (or uniform) buffer that can be written and read back."""
+        U = self.wgpu.BufferUsage
+        usage = (U.UNIFORM if uniform else U.STORAGE) | U.COPY_DST | U.COPY_SRC
+        return self.device.create_buffer(size=max(16, -(-int(nbytes) // 16) * 16), usage=usage)
+
+    def upload(self, data) -> object:
+        """A storage buffer holding these bytes (padded to a multiple of 16)."""
+        import numpy as np
+
+        raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+        pad = (-raw.size) % 16
+        if pad or raw.size == 0:
+            raw = np.concatenate([raw, np.zeros(pad or 16, np.uint8)])
+        U = self.wgpu.BufferUsage
+        return self.device.create_buffer_with_data(data=raw, usage=U.STORAGE | U.COPY_DST | U.COPY_SRC)
+
+    def read(self, buf, offset: int = 0, size: int | None = None) -> memoryview:
+        return self.queue.read_buffer(buf, offset, size)
+
+    def write(self, buf, data, offset: int = 0) -> None:
+        self.queue.write_buffer(buf, offset, data)
+
+    # -- pipelines -----------------------------------------------------------------------------
+    def layout(self, kinds: tuple[str, ...]):
+        """The bind group layout of a kernel's bindings ('uniform' or 'storage', in binding order),
+        one object per distinct tuple so bind groups are shared by every kernel variant over them."""
+        lay = self._layouts.get(kinds)
+        if lay is None:
+            T = self.wgpu.BufferBindingType
+            entries = [{"binding": i, "visibility": self.wgpu.ShaderStage.COMPUTE,
+                        "buffer": {"type": T.uniform if k == "uniform" else T.storage}} for i, k in enumerate(kinds)]
+            lay = self._layouts[kinds] = self.device.create_bind_group_layout(entries=entries)
+        return lay
+
+    def pipeline(self, source: str, layout) -> object:
+        """A compute pipeline for this WGSL source over a bind group layout, made once per source
+        (every layer's kernels share their pipelines: the source bakes in shapes, not tensors)."""
+        p = self._pipelines.get(source)
+        if p is None:
+            m = self.device.create_shader_module(code=source)
+            pl = self.device.create_pipeline_layout(bind_group_layouts=[layout])
+            p = self.device.create_compute_pipeline(layout=pl, compute={"module": m, "entry_point": "main"})
+            self._pipelines[source] = p
+        return p
+
+    def describe(self) -> str:
+        extras = [f for f, ok in (("f16", self.has_f16), ("subgroups", self.has_subgroups),
+                                  ("timestamps", self.has_timestamps)) if ok]
+        return f"{self.info.line()}; {', '.join(extras) or 'no optional features'}"
+
+
+_DEVICE: Device | None = None
+
+
+def get_device() -> Device:
+    """The process's one device (wgpu devices are costly to create; programs share it)."""
+    global _DEVICE
+    if _DEVICE is None:
+        _DEVICE = Device()
+    return _DEVICE

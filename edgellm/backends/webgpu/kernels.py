@@ -1,0 +1,600 @@
+"""WGSL kernel templates. Each function renders one kernel's source for given shapes and storage
+descriptors (codegen.py) and returns a `Kernel`: its source, its bindings in order, its workgroup
+size. Shapes, epsilons and scales are baked in as constants (a kernel is specialised per shape;
+every layer of a model shares the same sources, so pipelines are made once per model).
+
+Per-step values (tokens in this step, start position, context length, attention splits) come
+from the `Step` uniform bound first in every kernel, so that a program's bind groups and
+pipelines are made once and only the uniform changes per step.
+
+Row counts: a template takes `rows`, a WGSL expression ("step.seq" for [seq, n] tensors, "1u"
+for a tensor of one row), and the host dispatches as many rows as the step has.
+Where a reduction across threads is needed, `subgroup=True` uses subgroupShuffleXor (adapters
+with the `subgroup` feature; the lanes reduced together must lie in one subgroup), else
+workgroup memory and barriers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from string import Template
+
+from .codegen import HELPERS, ActDesc, Binding, WeightDesc
+
+STEP_STRUCT = ("struct Step { seq: u32, start: u32, kv_len: u32, split_len: u32, n_splits: u32, "
+               "p0: u32, p1: u32, p2: u32 }")
+STEP_BYTES = 32
+STEP = Binding("step", "Step", "uniform")
+NEG = "-1.0e30"  # a finite -inf: exp(NEG - m) is 0 and NEG - NEG is 0, never NaN
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    source: str
+    bindings: tuple[Binding, ...]
+    workgroup: int
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(b.kind for b in self.bindings)
+
+
+def _render(name: str, parts: list, body: str, wg: int, dtypes: dict | None = None, **consts) -> Kernel:
+    """Assemble a kernel: Step + the parts' bindings, helpers, accessors, then the body template
+    with ${...} constants substituted. dtypes: binding name -> element type of the tensor bound
+    there ("f32", "f16"), overriding the template's default: the caller's storage decides, the
+    template's maths stays the same."""
+    bindings: list[Binding] = [STEP]
+    acc = []
+    f16 = False
+    for p, x in parts:  # (descriptor, accessor argument) pairs
+        if isinstance(p, ActDesc) and dtypes and p.name in dtypes:
+            p = replace(p, dtype=dtypes[p.name])
+        bindings += p.bindings()
+        acc.append(p.accessors(x) if isinstance(p, WeightDesc) else p.accessors())
+        f16 |= getattr(p, "dtype", "f32") == "f16"
+    decls = "\n".join(b.decl(i) for i, b in enumerate(bindings))
+    src = "\n".join([("enable f16;" if f16 else ""), STEP_STRUCT, decls, HELPERS, *acc,
+                     Template(body).substitute(WG=wg, **consts)])
+    return Kernel(name, src, tuple(bindings), wg)
+
+
+def _tree(var: str, lane: str, width: str, op: str = "+") -> str:
+    """A reduction of red[] over `width` consecutive lanes in workgroup memory (all threads call it)."""
+    comb = f"red[lid] = red[lid] + red[lid + s];" if op == "+" else "red[lid] = max(red[lid], red[lid + s]);"
+    return (f"red[lid] = {var}; workgroupBarrier();\n"
+            f"    for (var s = {width} / 2u; s > 0u; s = s >> 1u) {{ if ({lane} < s) {{ {comb} }} workgroupBarrier(); }}\n")
+
+
+# -- matrix products ------------------------------------------------------------------------------
+def gemv(w: WeightDesc, n_out: int, rows: str, *, bias: bool = False, residual: bool = False, glu: bool = False,
+         rows_per_wg: int = 4, wg: int = 128, subgroup: bool = False, x_vec: int = 4, rows_per_thread: int = 1, dtypes: dict | None = None) -> Kernel:
+    """y[t, c] = sum_k x[t, k] W[c, k] (+ bias[c]) (+ res[t, c]); glu: silu(W[c] x) * (W[c + n_out] x).
+    Decode-stage (few rows): rows_per_wg output features per workgroup; TPR = wg * rows_per_thread /
+    rows_per_wg threads per feature group stride over its blocks (16-byte loads); each thread reads
+    a block of x once for rows_per_thread features; then a reduction over the TPR threads.
+    Grid (features / rows_per_wg, 1, rows)."""
+    nr = rows_per_thread
+    tpr = wg * nr // rows_per_wg
+    assert tpr * rows_per_wg == wg * nr and tpr & (tpr - 1) == 0 and tpr <= wg, (wg, rows_per_wg, nr)
+    parts = [(w, "X"), (ActDesc("X", vec=x_vec), None), (ActDesc("Y"), None)]
+    if bias:
+        parts.append((ActDesc("B"), None))
+    if residual:
+        parts.append((ActDesc("R"), None))
+    na = nr * (2 if glu else 1)  # accumulators per thread
+    if subgroup:
+        red = f"for (var s = TPR / 2u; s > 0u; s = s >> 1u) {{ for (var a = 0u; a < {na}u; a++) {{ acc[a] += subgroupShuffleXor(acc[a], s); }} }}"
+        decl = ""
+    else:
+        red = (f"for (var a = 0u; a < {na}u; a++) {{ red[a * WG + lid] = acc[a]; }}\n    workgroupBarrier();\n"
+               "    for (var s = TPR / 2u; s > 0u; s = s >> 1u) {\n"
+               f"        if (lane < s) {{ for (var a = 0u; a < {na}u; a++) {{ red[a * WG + lid] += red[a * WG + lid + s]; }} }}\n"
+               "        workgroupBarrier();\n    }\n"
+               f"    for (var a = 0u; a < {na}u; a++) {{ acc[a] = red[a * WG + lid]; }}")
+        decl = f"var<workgroup> red: array<f32, {wg * na}>;"
+    epi = ""
+    if glu:
+        epi += "y = y / (1.0 + exp(-y)) * acc[NR + r];\n"
+    if bias:
+        epi += "            y += B_ld(col);\n"
+    if residual:
+        epi += "            y += R_ld(t * N + col);\n"
+    body = """
+const N: u32 = ${N}u; const K: u32 = ${K}u; const NB: u32 = ${NB}u; const BLK: u32 = ${BLK}u;
+const ROWS: u32 = ${ROWS}u; const TPR: u32 = ${TPR}u; const WG: u32 = ${WG}u; const NR: u32 = ${NR}u;
+${DECL}
+@compute @workgroup_size(${WG})
+fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>,
+        @builtin(num_workgroups) nwg: vec3<u32>) {
+    let t = wid.z;
+    let lane = lid % TPR;
+    let c0 = (wid.x + wid.y * nwg.x) * ROWS + (lid / TPR) * NR;
+    var acc: array<f32, ${NA}>;
+    if (c0 < N && t < ${ROWS_EXPR}) {
+        for (var b = lane; b < NB; b += TPR) {
+            let xv = W_xblock(t * K + b * BLK);
+            for (var r = 0u; r < NR; r++) {
+                let col = min(c0 + r, N - 1u);  // a thread's last features may lie past N: computed, not stored
+                acc[r] += W_dotv(col, b, xv);
+                ${GLU_DOT}
+            }
+        }
+    }
+    ${RED}
+    if (lane == 0u && t < ${ROWS_EXPR}) {
+        for (var r = 0u; r < NR; r++) {
+            let col = c0 + r;
+            if (col < N) {
+                var y = acc[r];
+                ${EPI}
+                Y_st(t * N + col, y);
+            }
+        }
+    }
+}
+"""
+    return _render("gemv", parts, body, wg, N=n_out, K=w.cols, NB=w.nblocks, BLK=w.block, ROWS=rows_per_wg,
+                   TPR=tpr, NR=nr, NA=na, DECL=decl, RED=red, EPI=epi, ROWS_EXPR=rows,
+                   GLU_DOT="acc[NR + r] += W_dotv(col + N, b, xv);" if glu else "", dtypes=dtypes)
+
+
+def gemm(w: WeightDesc, n_out: int, rows: str, *, bias: bool = False, residual: bool = False, glu: bool = False,
+         tm: int = 64, tn: int = 64, tk: int = 32, dtypes: dict | None = None) -> Kernel:
+    """The prefill matrix product: a TM x TN tile of y per workgroup of 256 threads (16 x 16, each
+    TM/16 x TN/16 outputs, strided so that neighbouring threads read neighbouring workgroup
+    memory), x and dequantized W tiles staged in workgroup memory TK at a time, k-major.
+    W is read four elements at a time through W_get4, so every format is this one template."""
+    parts = [(w, "X"), (ActDesc("X", vec=4), None), (ActDesc("Y"), None)]
+    if bias:
+        parts.append((ActDesc("B"), None))
+    if residual:
+        parts.append((ActDesc("R"), None))
+    nw = 2 if glu else 1
+    epi = ""
+    if glu:
+        epi += "y = y / (1.0 + exp(-y)) * acc1[i * PN + j];\n"
+    if bias:
+        epi += "                y += B_ld(n);\n"
+    if residual:
+        epi += "                y += R_ld(m * N + n);\n"
+    body = """
+const N: u32 = ${N}u; const K: u32 = ${K}u; const TM: u32 = ${TM}u; const TN: u32 = ${TN}u; const TK: u32 = ${TK}u;
+const PM: u32 = TM / 16u; const PN: u32 = TN / 16u; const NW: u32 = ${NW}u;
+var<workgroup> xs: array<f32, ${XS}>;  // [TK][TM]
+var<workgroup> ws: array<f32, ${WS}>;  // [NW][TK][TN]
+@compute @workgroup_size(256)
+fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {
+    let rows = ${ROWS_EXPR};
+    let m0 = wid.y * TM; let n0 = wid.x * TN;
+    let ty = lid / 16u; let tx = lid % 16u;
+    var acc0: array<f32, ${PMN}>; var acc1: array<f32, ${PMN}>;
+    for (var k0 = 0u; k0 < K; k0 += TK) {
+        for (var i = lid; i < TM * TK / 4u; i += 256u) {
+            let m = i / (TK / 4u); let k = (i % (TK / 4u)) * 4u;
+            var v = vec4<f32>(0.0);
+            if (m0 + m < rows && k0 + k < K) { v = X_ld4(((m0 + m) * K + k0 + k) >> 2u); }
+            xs[k * TM + m] = v.x; xs[(k + 1u) * TM + m] = v.y; xs[(k + 2u) * TM + m] = v.z; xs[(k + 3u) * TM + m] = v.w;
+        }
+        for (var i = lid; i < NW * TN * TK / 4u; i += 256u) {
+            let half = i / (TN * TK / 4u); let r = i % (TN * TK / 4u);
+            let n = r / (TK / 4u); let k = (r % (TK / 4u)) * 4u;
+            var v = vec4<f32>(0.0);
+            if (n0 + n < N && k0 + k < K) { v = W_get4(n0 + n + half * N, k0 + k); }
+            let o = half * TK * TN + n;
+            ws[o + k * TN] = v.x; ws[o + (k + 1u) * TN] = v.y; ws[o + (k + 2u) * TN] = v.z; ws[o + (k + 3u) * TN] = v.w;
+        }
+        workgroupBarrier();
+        for (var k = 0u; k < TK; k++) {
+            var xv: array<f32, ${PM}>;
+            for (var i = 0u; i < PM; i++) { xv[i] = xs[k * TM + ty + 16u * i]; }
+            for (var j = 0u; j < PN; j++) {
+                let wv = ws[k * TN + tx + 16u * j];
+                ${GLU_W}
+                for (var i = 0u; i < PM; i++) {
+                    acc0[i * PN + j] += xv[i] * wv;
+                    ${GLU_FMA}
+                }
+            }
+        }
+        workgroupBarrier();
+    }
+    for (var i = 0u; i < PM; i++) {
+        for (var j = 0u; j < PN; j++) {
+            let m = m0 + ty + 16u * i; let n = n0 + tx + 16u * j;
+            if (m < rows && n < N) {
+                var y = acc0[i * PN + j];
+                ${EPI}
+                Y_st(m * N + n, y);
+            }
+        }
+    }
+}
+"""
+    return _render("gemm", parts, body, 256, N=n_out, K=w.cols, TM=tm, TN=tn, TK=tk, NW=nw, XS=tm * tk,
+                   WS=nw * tn * tk, PM=tm // 16, PMN=(tm // 16) * (tn // 16), EPI=epi, ROWS_EXPR=rows,
+                   GLU_W="let wu = ws[TK * TN + k * TN + tx + 16u * j];" if glu else "",
+                   GLU_FMA="acc1[i * PN + j] += xv[i] * wu;" if glu else "", dtypes=dtypes)
+
+
+# -- row-wise kernels -----------------------------------------------------------------------------
+def embedding(w: WeightDesc, rows: str, *, dtypes: dict | None = None) -> Kernel:
+    """out[t, k] = W[tokens[t], k]; grid (ceil(cols / 256), rows)."""
+    body = """
+@group(0) @binding(${TOKB}) var<storage, read_write> TOK: array<u32>;
+@compute @workgroup_size(256)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let k = gid.x; let t = gid.y;
+    if (k < ${K}u && t < ${ROWS_EXPR}) { Y_st(t * ${K}u + k, W_get(TOK[t], k)); }
+}
+"""
+    parts = [(w, "Y"), (ActDesc("Y"), None)]
+    n_bind = 1 + len(w.bindings()) + 1
+    k = _render("embedding", parts, body, 256, K=w.cols, ROWS_EXPR=rows, TOKB=n_bind, dtypes=dtypes)
+    return Kernel(k.name, k.source, k.bindings + (Binding("TOK", "array<u32>"),), 256)
+
+
+def rms_norm(cols: int, eps: float, rows: str, *, add: bool = False, wg: int = 256, dtypes: dict | None = None) -> Kernel:
+    """O = x * rsqrt(mean(x^2) + eps) * G per row; add: x = A + B is also written to S (the
+    residual stream). One workgroup per row."""
+    parts = [(ActDesc("A"), None), (ActDesc("G"), None), (ActDesc("O"), None)]
+    if add:
+        parts += [(ActDesc("B"), None), (ActDesc("S"), None)]
+    load = "var v = A_ld(t * C + k) + B_ld(t * C + k); S_st(t * C + k, v);" if add else "let v = A_ld(t * C + k);"
+    again = "S_ld(t * C + k)" if add else "A_ld(t * C + k)"
+    body = """
+const C: u32 = ${C}u;
+var<workgroup> red: array<f32, ${WG}>;
+@compute @workgroup_size(${WG})
+fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>,
+        @builtin(num_workgroups) nwg: vec3<u32>) {
+    let t = wid.x + wid.y * nwg.x;  // rows past the per-dimension limit continue in y
+    var ss = 0.0;
+    if (t < ${ROWS_EXPR}) {
+        for (var k = lid; k < C; k += ${WG}u) { ${LOAD} ss += v * v; }
+    }
+    ${TREE}
+    let inv = inverseSqrt(red[0] / f32(C) + ${EPS});
+    if (t < ${ROWS_EXPR}) {
+        for (var k = lid; k < C; k += ${WG}u) { O_st(t * C + k, ${AGAIN} * inv * G_ld(k)); }
+    }
+}
+"""
+    return _render("add_rms_norm" if add else "rms_norm", parts, body, wg, C=cols, EPS=_f(eps), LOAD=load,
+                   AGAIN=again, ROWS_EXPR=rows, TREE=_tree("ss", "lid", f"{wg}u"), dtypes=dtypes)
+
+
+def elementwise(kind: str, cols: int, rows: str, *, b_rows: bool = True, dtypes: dict | None = None) -> Kernel:
+    """add, mul (b broadcast over rows when b_rows is False), silu, swiglu = silu(a) * b."""
+    expr = {"add": "a + b", "mul": "a * b", "silu": "a / (1.0 + exp(-a))", "swiglu": "a / (1.0 + exp(-a)) * b"}[kind]
+    parts = [(ActDesc("A"), None), (ActDesc("Y"), None)]
+    unary = kind == "silu"
+    if not unary:
+        parts.insert(1, (ActDesc("B"), None))
+    body = """
+@compute @workgroup_size(256)
+fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>,
+        @builtin(num_workgroups) nwg: vec3<u32>) {
+    let i = (wid.x + wid.y * nwg.x) * 256u + lid;
+    if (i < ${C}u * ${ROWS_EXPR}) {
+        let a = A_ld(i);
+        ${LOADB}
+        Y_st(i, ${EXPR});
+    }
+}
+"""
+    loadb = "" if unary else f"let b = B_ld({'i' if b_rows else f'i % {cols}u'});"
+    return _render(kind, parts, body, 256, C=cols, ROWS_EXPR=rows, EXPR=expr, LOADB=loadb, dtypes=dtypes)
+
+
+def last_row(cols: int, *, dtypes: dict | None = None) -> Kernel:
+    """out[0, :] = x[seq - 1, :]."""
+    body = """
+@compute @workgroup_size(256)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+    if (gid.x < ${C}u) { Y_st(gid.x, X_ld((step.seq - 1u) * ${C}u + gid.x)); }
+}
+"""
+    return _render("last_row", [(ActDesc("X"), None), (ActDesc("Y"), None)], body, 256, C=cols, dtypes=dtypes)
+
+
+def argmax(n: int, wg: int = 256, *, dtypes: dict | None = None) -> Kernel:
+    """TOK[0] = the first index of the largest of x[0..n) (numpy's argmax), one workgroup; the
+    same index also goes to HIST[step.p0] (the tokens of a greedy run, read back in batches)."""
+    body = """
+@group(0) @binding(${TOKB}) var<storage, read_write> TOK: array<u32>;
+@group(0) @binding(${HISTB}) var<storage, read_write> HIST: array<u32>;
+var<workgroup> best: array<f32, ${WG}>;
+var<workgroup> bidx: array<u32, ${WG}>;
+@compute @workgroup_size(${WG})
+fn main(@builtin(local_invocation_index) lid: u32) {
+    var m = ${NEG}; var mi = 0xffffffffu;
+    for (var i = lid; i < ${N}u; i += ${WG}u) { let v = X_ld(i); if (v > m) { m = v; mi = i; } }
+    best[lid] = m; bidx[lid] = mi;
+    workgroupBarrier();
+    for (var s = ${WG}u / 2u; s > 0u; s = s >> 1u) {
+        if (lid < s) {
+            let v = best[lid + s]; let j = bidx[lid + s];
+            if (v > best[lid] || (v == best[lid] && j < bidx[lid])) { best[lid] = v; bidx[lid] = j; }
+        }
+        workgroupBarrier();
+    }
+    if (lid == 0u) { TOK[0] = bidx[0]; HIST[step.p0] = bidx[0]; }
+}
+"""
+    k = _render("argmax", [(ActDesc("X"), None)], body, wg, N=n, NEG=NEG, TOKB=2, HISTB=3, dtypes=dtypes)
+    return Kernel(k.name, k.source, k.bindings + (Binding("TOK", "array<u32>"), Binding("HIST", "array<u32>")), wg)
+
+
+# -- RoPE and the KV cache ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class RopeSegment:
+    """heads [h0, h0 + n) of the grid read n heads from X at column c0 and write them to `dst`
+    (Q: the output rows; KC/VC: the cache rows at the token's position), rotated or copied."""
+
+    n: int
+    c0: int
+    dst: str  # "Q", "KC" or "VC"
+    rotate: bool
+
+
+def rope(segments: list[RopeSegment], x_cols: int, head_dim: int, n_rot: int, neox: bool, rows: str,
+         cache_dtype: str = "f32", *, dtypes: dict | None = None) -> Kernel:
+    """RoPE on some heads and the KV-cache write, in one kernel: grid (heads, rows). cos/sin come
+    from tables COS/SIN[pos, i] computed on the host in float64 (as the cpu reference does)."""
+    dsts = sorted({s.dst for s in segments})
+    parts = [(ActDesc("X"), None), (ActDesc("COS"), None), (ActDesc("SIN"), None)]
+    parts += [(ActDesc(d, dtype=cache_dtype if d != "Q" else "f32"), None) for d in dsts]
+    width = {d: sum(s.n for s in segments if s.dst == d) * head_dim for d in dsts}
+    branches, h0 = [], 0
+    for k, s in enumerate(segments):
+        row = "t" if s.dst == "Q" else "pos"
+        prior = sum(x.n for x in segments[:k] if x.dst == s.dst)  # earlier heads written to the same tensor
+        rot = "true" if s.rotate else "false"
+        branches.append(f"if (h >= {h0}u && h < {h0 + s.n}u) {{ head(t * XW + {s.c0}u + (h - {h0}u) * D, "
+                        f"{row} * {width[s.dst]}u + (h - {h0}u + {prior}u) * D, pos, {rot}, {dsts.index(s.dst)}u); }}")
+        h0 += s.n
+    stores = "\n".join(f"        case {i}u: {{ {d}_st(o, v); }}" for i, d in enumerate(dsts))
+    body = """
+const D: u32 = ${D}u; const R: u32 = ${R}u; const HALF: u32 = ${R}u / 2u; const XW: u32 = ${XW}u;
+var<private> lane: u32;
+fn put(which: u32, o: u32, v: f32) {
+    switch which {
+${STORES}
+        default: {}
+    }
+}
+// one head of D values from X at src to tensor `which` at dst, rotated or copied; the 64 threads
+// of the workgroup share it
+fn head(src: u32, dst: u32, pos: u32, rotate: bool, which: u32) {
+    if (rotate) {
+        for (var i = lane; i < HALF; i += 64u) {
+            let c = COS_ld(pos * HALF + i); let s = SIN_ld(pos * HALF + i);
+            let i1 = ${I1}; let i2 = ${I2};
+            let x1 = X_ld(src + i1); let x2 = X_ld(src + i2);
+            put(which, dst + i1, x1 * c - x2 * s);
+            put(which, dst + i2, x1 * s + x2 * c);
+        }
+        for (var d = R + lane; d < D; d += 64u) { put(which, dst + d, X_ld(src + d)); }
+    } else {
+        for (var d = lane; d < D; d += 64u) { put(which, dst + d, X_ld(src + d)); }
+    }
+}
+@compute @workgroup_size(64)
+fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {
+    let h = wid.x; let t = wid.y;
+    lane = lid;
+    if (t >= ${ROWS_EXPR}) { return; }
+    let pos = step.start + t;
+    ${BRANCHES}
+}
+"""
+    return _render("rope", parts, body, 64, D=head_dim, R=n_rot, XW=x_cols, ROWS_EXPR=rows,
+                   BRANCHES="\n    ".join(branches), STORES=stores,
+                   I1="i" if neox else "2u * i", I2="i + HALF" if neox else "2u * i + 1u", dtypes=dtypes)
+
+
+# -- attention -------------------------------------------------------------------------------------
+def attention(n_heads: int, n_kv: int, head_dim: int, scale: float, rows: str, *, partial: bool,
+              cache_dtype: str = "f32", wg: int = 64, dtypes: dict | None = None) -> Kernel:
+    """Causal attention of query rows t (position start + t) over the cache rows 0..position, one
+    workgroup per (head, row, split): keys [split * split_len, ...) in chunks of WG with an online
+    softmax. GQA: head h reads KV head h / (n_heads / n_kv). partial: write (acc, max, sum) per
+    split to WS for attention_combine (decode split over the context), else the output."""
+    dpt = -(-head_dim // wg)
+    parts = [(ActDesc("Q"), None), (ActDesc("KC", dtype=cache_dtype), None), (ActDesc("VC", dtype=cache_dtype), None),
+             (ActDesc("WS" if partial else "O"), None)]
+    if partial:
+        out = """for (var i = 0u; i < DPT; i++) { let d = lid + i * WG; if (d < D) { WS_st(base + d, acc[i]); } }
+    if (lid == 0u) { WS_st(base + D, m); WS_st(base + D + 1u, l); }"""
+    else:
+        out = "for (var i = 0u; i < DPT; i++) { let d = lid + i * WG; if (d < D) { O_st(t * H * D + h * D + d, acc[i] / l); } }"
+    body = """
+const H: u32 = ${H}u; const G: u32 = ${G}u; const D: u32 = ${D}u; const REP: u32 = ${H}u / ${G}u;
+const WG: u32 = ${WG}u; const DPT: u32 = ${DPT}u;
+var<workgroup> qs: array<f32, ${D}>;
+var<workgroup> p: array<f32, ${WG}>;
+var<workgroup> red: array<f32, ${WG}>;
+@compute @workgroup_size(${WG})
+fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {
+    let h = wid.x; let t = wid.y; let sp = wid.z;
+    let kvh = h / REP;
+    let last = step.start + t;  // the last key this row sees
+    let k_begin = sp * step.split_len;
+    let k_end = min(last + 1u, k_begin + step.split_len);
+    let base = ((t * H + h) * step.n_splits + sp) * (D + 2u);
+    for (var d = lid; d < D; d += WG) { qs[d] = Q_ld(t * H * D + h * D + d); }
+    workgroupBarrier();
+    var m = ${NEG}; var l = 0.0;
+    var acc: array<f32, ${DPT}>;
+    for (var j0 = k_begin; j0 < k_end; j0 += WG) {
+        let j = j0 + lid;
+        var s = ${NEG};
+        if (j < k_end) {
+            var dot = 0.0;
+            let kb = j * G * D + kvh * D;
+            for (var d = 0u; d < D; d++) { dot += qs[d] * KC_ld(kb + d); }
+            s = dot * ${SCALE};
+        }
+        ${TREE_MAX}
+        let mn = max(m, red[0]);
+        workgroupBarrier();
+        let e = select(0.0, exp(s - mn), j < k_end);
+        p[lid] = e;
+        ${TREE_SUM}
+        let alpha = exp(m - mn);
+        l = l * alpha + red[0];
+        let n = min(WG, k_end - j0);
+        for (var i = 0u; i < DPT; i++) {
+            let d = lid + i * WG;
+            var a = acc[i] * alpha;
+            if (d < D) {
+                for (var jj = 0u; jj < n; jj++) { a += p[jj] * VC_ld((j0 + jj) * G * D + kvh * D + d); }
+            }
+            acc[i] = a;
+        }
+        m = mn;
+        workgroupBarrier();
+    }
+    ${OUT}
+}
+"""
+    return _render("attention_partial" if partial else "attention", parts, body, wg, H=n_heads, G=n_kv, D=head_dim,
+                   DPT=dpt, SCALE=_f(scale), NEG=NEG, OUT=out,
+                   TREE_MAX=_tree("s", "lid", "WG", "max"), TREE_SUM=_tree("e", "lid", "WG"), dtypes=dtypes)
+
+
+def attention_tiled(n_heads: int, n_kv: int, head_dim: int, scale: float, rows: str, *, cache_dtype: str = "f32",
+                    workgroup_bytes: int = 28 * 1024, dtypes: dict | None = None) -> Kernel:
+    """Causal prefill attention in tiles (flash attention without matrix units): a workgroup takes
+    BM query rows of one head and walks the keys BN at a time; each K/V tile is staged once in
+    workgroup memory for all BM rows (the per-row kernel reads it BM times). Thread (i, j) of the
+    BM x BN workgroup scores query i against key j; row i's online-softmax state lives in workgroup
+    memory; each thread then accumulates D / BN output dimensions of one row. Grid (heads,
+    ceil(rows / BM))."""
+    d = head_dim
+    bm = bn = 16
+    while (bm * d + 2 * bn * d + bm * bn + 3 * bm) * 4 > workgroup_bytes and bn > 4:
+        bm, bn = bm // 2, bn // 2
+    wg = bm * bn
+    dpt = -(-d // bn)
+    parts = [(ActDesc("Q"), None), (ActDesc("KC", dtype=cache_dtype), None), (ActDesc("VC", dtype=cache_dtype), None),
+             (ActDesc("O"), None)]
+    body = """
+const H: u32 = ${H}u; const G: u32 = ${G}u; const D: u32 = ${D}u; const REP: u32 = ${H}u / ${G}u;
+const BM: u32 = ${BM}u; const BN: u32 = ${BN}u; const DPT: u32 = ${DPT}u;
+var<workgroup> qs: array<f32, ${QS}>;
+var<workgroup> ks: array<f32, ${KS}>;
+var<workgroup> vs: array<f32, ${KS}>;
+var<workgroup> p: array<f32, ${BMBN}>;
+var<workgroup> row_m: array<f32, ${BM}>;
+var<workgroup> row_l: array<f32, ${BM}>;
+var<workgroup> row_a: array<f32, ${BM}>;
+@compute @workgroup_size(${WG})
+fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {
+    let h = wid.x; let m0 = wid.y * BM;
+    let kvh = h / REP;
+    let n_rows = ${ROWS_EXPR};
+    let qi = lid / BN; let kj = lid % BN;
+    for (var e = lid; e < BM * D; e += ${WG}u) {
+        let r = e / D; let dd = e % D;
+        var v = 0.0;
+        if (m0 + r < n_rows) { v = Q_ld((m0 + r) * H * D + h * D + dd); }
+        qs[e] = v;
+    }
+    if (lid < BM) { row_m[lid] = ${NEG}; row_l[lid] = 0.0; }
+    var acc: array<f32, ${DPT}>;
+    let last_row = min(m0 + BM, n_rows) - 1u;
+    let k_end = step.start + last_row + 1u;  // keys the tile's last row sees
+    for (var j0 = 0u; j0 < k_end; j0 += BN) {
+        workgroupBarrier();
+        for (var e = lid; e < BN * D; e += ${WG}u) {
+            let j = j0 + e / D; let dd = e % D;
+            var kv = 0.0; var vv = 0.0;
+            if (j < k_end) { kv = KC_ld(j * G * D + kvh * D + dd); vv = VC_ld(j * G * D + kvh * D + dd); }
+            ks[e] = kv; vs[e] = vv;
+        }
+        workgroupBarrier();
+        var sc = ${NEG};
+        let qpos = step.start + m0 + qi;
+        if (j0 + kj <= qpos && m0 + qi < n_rows) {
+            var dot = 0.0;
+            for (var dd = 0u; dd < D; dd++) { dot += qs[qi * D + dd] * ks[kj * D + dd]; }
+            sc = dot * ${SCALE};
+        }
+        p[lid] = sc;
+        workgroupBarrier();
+        if (lid < BM) {
+            var mx = row_m[lid];
+            for (var j = 0u; j < BN; j++) { mx = max(mx, p[lid * BN + j]); }
+            var sum = 0.0;
+            for (var j = 0u; j < BN; j++) {
+                let sv = p[lid * BN + j];
+                let e = select(0.0, exp(sv - mx), sv > ${NEG});
+                p[lid * BN + j] = e; sum += e;
+            }
+            let alpha = exp(row_m[lid] - mx);
+            row_a[lid] = alpha; row_l[lid] = row_l[lid] * alpha + sum; row_m[lid] = mx;
+        }
+        workgroupBarrier();
+        let alpha = row_a[qi];
+        for (var c = 0u; c < DPT; c++) {
+            let dd = kj + c * BN;
+            if (dd < D) {
+                var a = acc[c] * alpha;
+                for (var j = 0u; j < BN; j++) { a += p[qi * BN + j] * vs[j * D + dd]; }
+                acc[c] = a;
+            }
+        }
+    }
+    workgroupBarrier();
+    if (m0 + qi < n_rows) {
+        let l = row_l[qi];
+        for (var c = 0u; c < DPT; c++) {
+            let dd = kj + c * BN;
+            if (dd < D) { O_st((m0 + qi) * H * D + h * D + dd, acc[c] / l); }
+        }
+    }
+}
+"""
+    return _render("attention_tiled", parts, body, wg, H=n_heads, G=n_kv, D=d, BM=bm, BN=bn, DPT=dpt, QS=bm * d,
+                   KS=bn * d, BMBN=bm * bn, SCALE=_f(scale), NEG=NEG, ROWS_EXPR=rows, dtypes=dtypes)
+
+
+def attention_tile_rows(head_dim: int, workgroup_bytes: int = 28 * 1024) -> int:
+    """BM of attention_tiled for this head size (the grid's second dimension is rows / BM)."""
+    bm = bn = 16
+    while (bm * head_dim + 2 * bn * head_dim + bm * bn + 3 * bm) * 4 > workgroup_bytes and bn > 4:
+        bm, bn = bm // 2, bn // 2
+    return bm
+
+
+def attention_combine(n_heads: int, head_dim: int, rows: str, wg: int = 64, *, dtypes: dict | None = None) -> Kernel:
+    """Merge the splits of attention(partial=True): grid (heads, rows)."""
+    body = """
+const H: u32 = ${H}u; const D: u32 = ${D}u;
+@compute @workgroup_size(${WG})
+fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {
+    let h = wid.x; let t = wid.y;
+    let S = step.n_splits;
+    let base = (t * H + h) * S * (D + 2u);
+    var mx = ${NEG};
+    for (var s = 0u; s < S; s++) { mx = max(mx, WS_ld(base + s * (D + 2u) + D)); }
+    var l = 0.0;
+    for (var s = 0u; s < S; s++) { let b = base + s * (D + 2u); l += exp(WS_ld(b + D) - mx) * WS_ld(b + D + 1u); }
+    for (var d = lid; d < D; d += ${WG}u) {
+        var o = 0.0;
+        for (var s = 0u; s < S; s++) { let b = base + s * (D + 2u); o += exp(WS_ld(b + D) - mx) * WS_ld(b + d); }
+        O_st(t * H * D + h * D + d, o / l);
+    }
+}
+"""
+    return _render("attention_combine", [(ActDesc("WS"), None), (ActDesc("O"), None)], body, wg, H=n_heads,
+                   D=head_dim, NEG=NEG, dtypes=dtypes)
+
+
+def _f(v: float) -> str:
+    """A WGSL f32 literal."""
+    r = repr(float(v))
+    return r if ("e" in r or "." in r) else r + ".0"

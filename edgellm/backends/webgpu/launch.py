@@ -1,0 +1,90 @@
+"""Run one kernel outside a program, on buffers made from host arrays: for the kernel tests, the
+GEMV benchmark and the tuner. Timing uses timestamp queries where the adapter has them (the GPU's
+own clock, no submit overhead), else the host clock around a waited submit."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from . import kernels
+from .device import Device
+
+
+class Launch:
+    """A kernel bound once to buffers: `run(grid)` dispatches it; `time(grid)` times it.
+
+    buffers: binding name -> buffer, or a list of such dicts (copies of the operands, e.g. weights
+    larger together than the GPU's L2 cache): timing then cycles through them, as a model's layers do."""
+
+    def __init__(self, dev: Device, kernel: kernels.Kernel, buffers: dict | list[dict]):
+        self.dev, self.kernel = dev, kernel
+        self.step_buf = dev.buffer(kernels.STEP_BYTES, uniform=True)
+        layout = dev.layout(kernel.kinds)
+        self.pipeline = dev.pipeline(kernel.source, layout)
+        self.bind_groups = []
+        for bufs in ([buffers] if isinstance(buffers, dict) else buffers):
+            entries = []
+            for i, b in enumerate(kernel.bindings):
+                key = b.name[:-3] if b.name.endswith("_v4") else b.name
+                buf = self.step_buf if key == "step" else bufs[key]
+                size = kernels.STEP_BYTES if key == "step" else buf.size
+                entries.append({"binding": i, "resource": {"buffer": buf, "offset": 0, "size": size}})
+            self.bind_groups.append(dev.device.create_bind_group(layout=layout, entries=entries))
+        self.bind_group = self.bind_groups[0]
+
+    def set_step(self, seq: int = 1, start: int = 0, kv_len: int | None = None, split_len: int | None = None,
+                 n_splits: int = 1) -> None:
+        kv = start + seq if kv_len is None else kv_len
+        self.dev.write(self.step_buf, np.array([seq, start, kv, split_len or (1 << 30), n_splits, 0, 0, 0], np.uint32))
+
+    def _encode(self, cpass, grid, repeat: int) -> None:
+        cpass.set_pipeline(self.pipeline)
+        for i in range(repeat):
+            cpass.set_bind_group(0, self.bind_groups[i % len(self.bind_groups)])
+            cpass.dispatch_workgroups(*grid)
+
+    def run(self, grid: tuple[int, int, int]) -> None:
+        enc = self.dev.device.create_command_encoder()
+        cpass = enc.begin_compute_pass()
+        self._encode(cpass, grid, 1)
+        cpass.end()
+        self.dev.queue.submit([enc.finish()])
+
+    def time(self, grid: tuple[int, int, int], repeat: int = 20) -> float:
+        """Seconds per dispatch, over `repeat` dispatches in one pass (after one warm-up)."""
+        dev = self.dev
+        self.run(grid)
+        dev.read(self.step_buf, 0, 4)
+        if dev.has_timestamps:
+            wgpu = dev.wgpu
+            qs = dev.device.create_query_set(type=wgpu.QueryType.timestamp, count=2)
+            res = dev.device.create_buffer(size=16, usage=wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC)
+            enc = dev.device.create_command_encoder()
+            cpass = enc.begin_compute_pass(timestamp_writes={"query_set": qs, "beginning_of_pass_write_index": 0,
+                                                             "end_of_pass_write_index": 1})
+            self._encode(cpass, grid, repeat)
+            cpass.end()
+            enc.resolve_query_set(qs, 0, 2, res, 0)
+            dev.queue.submit([enc.finish()])
+            t = np.frombuffer(dev.read(res, 0, 16), np.uint64)
+            ns = float(t[1] - t[0])  # wgpu-native reports timestamps in nanoseconds
+            if ns > 0:
+                return ns * 1e-9 / repeat
+        t0 = time.perf_counter()
+        enc = dev.device.create_command_encoder()
+        cpass = enc.begin_compute_pass()
+        self._encode(cpass, grid, repeat)
+        cpass.end()
+        dev.queue.submit([enc.finish()])
+        dev.read(self.step_buf, 0, 4)
+        return (time.perf_counter() - t0) / repeat
+
+
+def upload_f32(dev: Device, a: np.ndarray):
+    return dev.upload(np.ascontiguousarray(a, dtype=np.float32))
+
+
+def read_f32(dev: Device, buf, n: int) -> np.ndarray:
+    return np.frombuffer(dev.read(buf, 0, 4 * n), np.float32).copy()

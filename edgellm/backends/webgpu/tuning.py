@@ -1,0 +1,110 @@
+"""Launch configurations of the decode GEMV: defaults per adapter, and (EDGELLM_TUNE=1) the
+fastest of a few candidates timed on the adapter, cached on disk per adapter with the cuda
+backend's Tuner (edgellm/backends/cuda/tuning.py: one JSON file per device string)."""
+
+from __future__ import annotations
+
+import os
+
+from .device import Device
+
+
+def default_gemv_config(dev: Device) -> dict:
+    """Threads per output feature (TPR) as one subgroup's share where the adapter has subgroups
+    (the reduction is then register shuffles), else 32 threads reducing in workgroup memory.
+    On a software adapter, 2 threads per feature: lavapipe runs a workgroup barrier as a switch
+    between all its SIMD batches, and fewer threads per feature mean fewer reduction steps
+    (1536x576 Q8_0 GEMV, 2 cores: 32 threads per feature with barriers 14.8 ms, 2 per feature 0.9 ms)."""
+    wg = 128
+    if dev.info.software:
+        return {"wg": 64, "rows_per_wg": 32, "subgroup": dev.has_subgroups}
+    if dev.has_subgroups:
+        tpr = min(32, dev.info.subgroup_min)
+        return {"wg": wg, "rows_per_wg": wg // tpr, "subgroup": True}
+    return {"wg": wg, "rows_per_wg": 4, "subgroup": False}
+
+
+def gemv_candidates(dev: Device) -> list[dict]:
+    """Workgroup size x threads per feature group (TPR) x features per thread (each thread reads a
+    block of x once for that many features): 30 configurations."""
+    out = []
+    for wg in (64, 128, 256):
+        for tpr in (4, 8, 16, 32, 64):
+            for nr in (1, 2, 4):
+                if tpr > wg or (nr > 1 and tpr < 16) or (wg == 64 and nr == 4):
+                    continue
+                sub = dev.has_subgroups and tpr <= dev.info.subgroup_min
+                out.append({"wg": wg, "rows_per_wg": wg * nr // tpr, "subgroup": sub, "rows_per_thread": nr})
+    return out
+
+
+_TUNERS: dict[str, object] = {}
+
+
+def gemv_config(dev: Device, w, n_out: int, glu: bool = False) -> dict:
+    """The launch configuration for one weight: the default, or with EDGELLM_TUNE=1 the fastest
+    of the default and gemv_candidates, timed on this adapter at first load (timestamp queries
+    where the adapter has them, see launch.py) and cached per adapter and driver in
+    <cache dir>/tune/webgpu_<adapter>.json by the cuda backend's Tuner."""
+    default = default_gemv_config(dev)
+    if os.environ.get("EDGELLM_TUNE", "0") != "1":
+        return default
+    key = (w.fmt, n_out, w.cols, "glu" if glu else "plain")
+    tuner = _tuner(dev)
+    return tuner.pick("webgpu_gemv_v1", key, gemv_candidates(dev), default, lambda cfg: _time_gemv(dev, w, n_out, glu, cfg))
+
+
+def _time_gemv(dev: Device, w, n_out: int, glu: bool, cfg: dict) -> float:
+    """Microseconds per launch of the GEMV with this configuration on this weight."""
+    import numpy as np
+
+    from . import kernels
+    from .backend import _grid2
+    from .launch import Launch, upload_f32
+
+    bufs = {k: b for k, (b, _, _) in w.resources().items()}
+    bufs["X"] = upload_f32(dev, np.random.default_rng(0).standard_normal(w.cols).astype(np.float32))
+    bufs["Y"] = dev.buffer(4 * n_out)
+    k = kernels.gemv(w.desc(), n_out, "1u", glu=glu, **cfg)
+    L = Launch(dev, k, bufs)
+    L.set_step(seq=1)
+    return 1e6 * L.time((*_grid2(-(-n_out // cfg["rows_per_wg"]), dev.max_groups), 1), repeat=10)
+
+
+def _tuner(dev: Device):
+    t = _TUNERS.get(dev.info.key())
+    if t is None:
+        from ..cuda.tuning import Tuner
+
+        t = _TUNERS[dev.info.key()] = Tuner("webgpu|" + dev.info.key(), enabled=True, timer=lambda fn: fn())
+    return t
+
+
+DEFAULT_GEMM = {"tm": 64, "tn": 64, "tk": 32}
+# (tokens x features x k) tiles of 256 threads; workgroup memory (tm + 2 tn) * tk * 4 <= 24 KiB
+GEMM_CANDIDATES = [{"tm": 64, "tn": 64, "tk": 16}, {"tm": 128, "tn": 64, "tk": 16}, {"tm": 64, "tn": 128, "tk": 16},
+                   {"tm": 128, "tn": 128, "tk": 16}, {"tm": 128, "tn": 128, "tk": 8}, {"tm": 32, "tn": 64, "tk": 32}]
+
+
+def gemm_config(dev: Device, w, n_out: int, glu: bool, rows: int) -> dict:
+    """The prefill GEMM's tiles for one weight at `rows` tokens: DEFAULT_GEMM, or with EDGELLM_TUNE=1
+    the fastest of it and GEMM_CANDIDATES on this adapter, cached like the GEMV's."""
+    if os.environ.get("EDGELLM_TUNE", "0") != "1" or dev.info.software:
+        return dict(DEFAULT_GEMM)
+    key = (w.fmt, n_out, w.cols, rows, "glu" if glu else "plain")
+    return _tuner(dev).pick("webgpu_gemm_v1", key, GEMM_CANDIDATES, DEFAULT_GEMM,
+                            lambda cfg: _time_gemm(dev, w, n_out, glu, rows, cfg))
+
+
+def _time_gemm(dev: Device, w, n_out: int, glu: bool, rows: int, cfg: dict) -> float:
+    import numpy as np
+
+    from . import kernels
+    from .launch import Launch, upload_f32
+
+    bufs = {k: b for k, (b, _, _) in w.resources().items()}
+    bufs["X"] = upload_f32(dev, np.random.default_rng(0).standard_normal(rows * w.cols).astype(np.float32))
+    bufs["Y"] = dev.buffer(4 * n_out * rows)
+    L = Launch(dev, kernels.gemm(w.desc(), n_out, "step.seq", glu=glu, **cfg), bufs)
+    L.set_step(seq=rows)
+    return 1e6 * L.time((-(-n_out // cfg["tn"]), -(-rows // cfg["tm"]), 1), repeat=3)

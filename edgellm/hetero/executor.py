@@ -1,0 +1,255 @@
+"""The split executor: a model whose units run on different processors.
+
+    m = load_split(path, {"embed": "cpu", "blk.0": "cuda:0", ..., "head": "cuda:0"}, ctx=4096)
+    m.logits(ids); m.generate(...)            # the Model API, unchanged
+
+`SplitBackend` has the backend protocol (allocate_states, compile, to_numpy, describe), so the
+Model's stage programs (prefill chunks, decode) are split programs: the compiled graph's op list is
+cut where the placement changes processor; each segment becomes a subgraph compiled by its
+processor's own backend ('cpu' / 'cpu:N': the cpu-fast backend; 'cuda' / 'cuda:N': the cuda
+backend), whose inputs are the activations crossing the cut. Each layer's KV cache is allocated on
+the processor that runs the layer and written in place there. Crossing activations are copied
+once per cut (through pinned host buffers when one side is a GPU: non-blocking copies ordered on
+the device's stream). Several 'cpu:N' processors in one process share the CPU's threads: that
+exercises the partition logic (CI), it does not add speed.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import EdgeLLMError, GraphError
+from ..graph.ir import Graph, Tensor
+from .units import unit_of_op, unit_of_state
+
+
+def parse_choice(choice: str) -> tuple[str, float, str | None]:
+    """A placement value: 'cpu' -> ('cpu', 1.0, None); the solver's row split 'rows cpu 0.50 | cpu:1'
+    -> ('cpu', 0.5, 'cpu:1'): the unit runs on the first processor, which multiplies that share of
+    each matrix's rows while the second multiplies the rest, at the same time."""
+    if not choice.startswith("rows "):
+        return choice, 1.0, None
+    try:
+        left, other = choice[5:].split("|")
+        main, share = left.split()
+        return main.strip(), float(share), other.strip()
+    except ValueError:
+        raise EdgeLLMError(f"placement: cannot read '{choice}' (expected 'rows PROC SHARE | PROC')") from None
+
+
+@dataclass
+class Segment:
+    processor: str
+    ops: list[int]
+    inputs: list[str] = field(default_factory=list)  # graph inputs and activations from earlier segments
+    outputs: list[str] = field(default_factory=list)  # read by later segments, or graph outputs
+
+
+def op_processors(graph: Graph, placement: dict[str, str]) -> list[str]:
+    procs, seen_layer = [], False
+    for op in graph.ops:
+        u = unit_of_op(op.name, op.kind, seen_layer)
+        seen_layer |= u.startswith("blk.")
+        if u not in placement:
+            raise EdgeLLMError(f"placement: no processor for unit '{u}' (op '{op.name}')")
+        procs.append(parse_choice(placement[u])[0])
+    return procs
+
+
+def split_segments(graph: Graph, placement: dict[str, str]) -> list[Segment]:
+    procs = op_processors(graph, placement)
+    segs: list[Segment] = []
+    for i, p in enumerate(procs):
+        if not segs or segs[-1].processor != p:
+            segs.append(Segment(p, []))
+        segs[-1].ops.append(i)
+    producer = {o: k for k, s in enumerate(segs) for i in s.ops for o in graph.ops[i].outputs}
+    for k, s in enumerate(segs):
+        for i in s.ops:
+            for t in graph.ops[i].inputs:
+                kind = graph.tensors[t].kind
+                crossing = kind == "activation" and producer.get(t, k) != k
+                if (kind == "input" or crossing) and t not in s.inputs:
+                    s.inputs.append(t)
+                    if crossing and t not in segs[producer[t]].outputs:
+                        segs[producer[t]].outputs.append(t)
+    for t in graph.outputs:
+        if t not in segs[producer[t]].outputs:
+            segs[producer[t]].outputs.append(t)
+    return segs
+
+
+def subgraph(graph: Graph, seg: Segment, name: str) -> Graph:
+    g = Graph(name, graph.meta)
+    for t in seg.inputs:
+        src = graph.tensors[t]
+        g.tensors[t] = Tensor(t, src.shape, src.dtype, "input")
+        g.inputs.append(t)
+    for i in seg.ops:
+        op = graph.ops[i]
+        for t in (*op.inputs, *op.outputs):
+            if t not in g.tensors:
+                g.tensors[t] = graph.tensors[t]
+        g.ops.append(op)
+    g.outputs = list(seg.outputs)
+    g.validate()
+    return g
+
+
+class SplitProgram:
+    def __init__(self, backend: "SplitBackend", graph: Graph, states: dict, plan, max_seq: int | None):
+        from ..compiler.compile import compile_graph
+
+        self.segments = split_segments(graph, backend.placement)
+        self.parts = []
+        for k, s in enumerate(self.segments):
+            proc = backend.processor(s.processor)
+            sub = subgraph(graph, s, f"{graph.name}.{k}.{s.processor}")
+            st = {t.name: states[t.name] for t in sub.states()}
+            sub_plan = None
+            if proc.name == "cuda":  # the cuda backend lays out activations by a memory plan of its own
+                sizes = max_seq or 1
+                ctx = next(iter(states.values())).shape[0]
+                sub_plan = compile_graph(sub, supported_ops=proc.SUPPORTED_OPS, backend="cuda", seq=sizes,
+                                         ctx=ctx, fuse=False).plan
+            prog = proc.compile(sub, st, sub_plan, max_seq=max_seq)
+            splits = {u: parse_choice(c) for u, c in backend.placement.items() if parse_choice(c)[2]}
+            if splits:
+                _split_products(prog, backend, splits)
+            self.parts.append((s, proc, prog))
+        self.graph = graph
+
+    def run(self, inputs: dict) -> dict:
+        env = dict(inputs)
+        for seg, proc, prog in self.parts:
+            feed = {k: env[k] for k in ("tokens", "start_pos") if k in env}  # the cuda backend steps by them
+            for t in seg.inputs:
+                v = env[t]
+                if isinstance(v, torch.Tensor):
+                    v = _move(v, proc)
+                feed[t] = v
+            env.update(prog.run(feed))
+        return {t: env[t] for t in self.graph.outputs}
+
+
+def _split_products(prog, backend: "SplitBackend", splits: dict) -> None:
+    """Row splits: the products of a split unit multiply the first share of the rows here and the
+    rest on the other processor (a worker thread: torch's kernels release the interpreter lock),
+    then the two parts are joined. Between cpu-fast processors (the hook their programs have)."""
+    if not hasattr(prog, "product"):
+        raise EdgeLLMError("placement: row splits run on cpu-fast processors (cpu, cpu:N) for now")
+    own = prog.product
+    pool = backend.pool()
+
+    def product(names, x):
+        unit = "blk." + names[0].split(".")[1] if names[0].startswith("blk.") else None
+        if unit not in splits:
+            return own(names, x)
+        main, share, other = splits[unit]
+        n = sum(prog.weights.file.tensors[t].shape[0] for t in names)
+        cut = max(1, min(n - 1, int(round(n * share))))
+        there = backend.processor(other).weights
+        fut = pool.submit(lambda: there.pack(names, rows=(cut, n))(x))
+        here = prog.weights.pack(names, rows=(0, cut))(x)
+        return torch.cat([here, fut.result()], dim=1)
+
+    prog.product = product
+    for op in prog.graph.ops:  # pack both shares now
+        if op.kind in ("linear", "linear_qkv", "linear_swiglu"):
+            names = prog._weight_names(op)
+            if names[0].startswith("blk."):
+                u = "blk." + names[0].split(".")[1]
+                if u in splits:
+                    main, share, other = splits[u]
+                    n = sum(prog.weights.file.tensors[t].shape[0] for t in names)
+                    cut = max(1, min(n - 1, int(round(n * share))))
+                    prog.weights.pack(names, rows=(0, cut))
+                    backend.processor(other).weights.pack(names, rows=(cut, n))
+                    prog.weights._packs.pop((names, None), None)  # the whole matrix is not held here
+
+
+def _move(t: torch.Tensor, proc) -> torch.Tensor:
+    dev = getattr(proc, "device", torch.device("cpu"))
+    if t.device == dev:
+        return t
+    if dev.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(dev, non_blocking=True)
+    return t.to(dev).float() if dev.type == "cpu" else t.to(dev)
+
+
+class SplitBackend:
+    """The backend protocol over several processors, one backend instance each."""
+
+    name = "split"
+    SUPPORTED_OPS = None
+
+    def __init__(self, f, placement: dict[str, str]):
+        self.file = f
+        self.placement = dict(placement)
+        self._procs: dict[str, object] = {}
+        self._pool = None
+
+    def pool(self):
+        from concurrent.futures import ThreadPoolExecutor
+
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgellm-split")
+        return self._pool
+
+    def processor(self, name: str):
+        proc = self._procs.get(name)
+        if proc is None:
+            kind = name.split(":")[0]
+            if kind == "cpu":
+                from ..backends.cpu_fast import CpuFastBackend
+
+                # one packed copy per distinct 'cpu:N' processor (CI splits cpu+cpu)
+                proc = CpuFastBackend(self.file, threads=torch.get_num_threads())
+            elif kind == "cuda":
+                from ..backends.cuda.backend import CudaBackend
+
+                if ":" in name:
+                    torch.cuda.set_device(int(name.split(":")[1]))
+                    os.environ.setdefault("EDGELLM_CUDA_DEVICE", name)
+                proc = CudaBackend(self.file)
+            else:
+                raise EdgeLLMError(f"placement: unknown processor '{name}' (cpu, cpu:N, cuda, cuda:N)")
+            self._procs[name] = proc
+        return proc
+
+    def allocate_states(self, graph: Graph, ctx: int) -> dict:
+        states = {}
+        for t in graph.states():
+            u = unit_of_state(t.name)
+            if u not in self.placement:
+                raise GraphError(f"placement: no processor for the cache '{t.name}' (unit {u})")
+            one = Graph("state", graph.meta)
+            one.tensors[t.name] = t
+            states.update(self.processor(parse_choice(self.placement[u])[0]).allocate_states(one, ctx))
+        return states
+
+    def compile(self, graph: Graph, states: dict, plan=None, max_seq: int | None = None) -> SplitProgram:
+        return SplitProgram(self, graph, states, plan, max_seq)
+
+    @staticmethod
+    def to_numpy(t: torch.Tensor):
+        return t.detach().to(torch.float32).cpu().numpy()
+
+    def describe(self) -> str:
+        counts: dict[str, int] = {}
+        for u, p in self.placement.items():
+            p = parse_choice(p)[0] if not p.startswith("rows ") else p
+            if u.startswith("blk."):
+                counts[p] = counts.get(p, 0) + 1
+        return "split: " + ", ".join(f"{n} layers on {p}" for p, n in counts.items()) + \
+            f"; head on {self.placement.get('head')}"
+
+
+def load_split(path=None, placement: dict[str, str] | None = None, ctx: int | None = None, **kw):
+    """A Model whose units run where `placement` says (unit -> processor)."""
+    from ..model import load
+
+    return load(path, backend=lambda f: SplitBackend(f, placement or {}), ctx=ctx, **kw)

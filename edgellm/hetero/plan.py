@@ -1,0 +1,200 @@
+"""From a model and memory budgets to a placement with predicted times (`edgellm plan --gpu-memory`).
+
+    problem = build_problem(f, cfg, graphs, ["cuda:0", "cpu"], {"cuda:0": 6 << 30}, profile, ctx=4096)
+    best = solve(problem)   # edgellm.hetero.solver
+
+Per unit and processor: decode time per token (the decode graph, attention at half the context)
+and prefill time per prompt (the prefill graph at `prefill` tokens), each the measured time of the
+op where the profile has it, else the processor's fitted cost model; memory = the unit's weights in
+that processor's layout + its KV cache at the full context. Row splits of a layer between a GPU and
+the CPU are offered with `splits=True`; the executor runs row splits between cpu-fast processors
+(a split with the cuda backend as one side is predicted, not yet executed).
+"""
+
+from __future__ import annotations
+
+from ..errors import EdgeLLMError
+from .profile import Profile, cache_path, op_cost_inputs, op_signature
+from .solver import Option, Problem, Solution, parse_bytes, solve
+from .units import graph_units
+
+SPLIT_FRACTIONS = (0.25, 0.5, 0.75)
+
+
+def _info(proc: str):
+    from ..backends.info import CpuFastInfo, CudaInfo
+
+    return CudaInfo if proc.startswith("cuda") else CpuFastInfo
+
+
+def unit_tables(f, graph, proc: str, profile: Profile, seq: int, kv_len: int) -> dict[str, float]:
+    """Seconds per unit of one run of `graph` (seq tokens, attending to kv_len keys) on proc."""
+    model = profile.processors.get(proc) or profile.processors.get(proc.split(":")[0])
+    if model is None:
+        raise EdgeLLMError(f"no profile for processor '{proc}': run `edgellm plan --profile` on the machine that has it")  # noqa: E501
+    info = _info(proc)
+    out = {}
+    for u in graph_units(graph):
+        t = 0.0
+        for i in u.ops:
+            sig = op_signature(graph, i, seq, kv_len)
+            m = profile.measured.get(f"{proc}|{sig}") or profile.measured.get(f"{proc.split(':')[0]}|{sig}")
+            if m is None:
+                nbytes, nfl = op_cost_inputs(graph, i, f, info, seq, kv_len)
+                m = model.predict(nbytes, nfl, 1)
+            t += m
+        out[u.name] = t
+    return out
+
+
+def unit_memory(f, graph, proc: str, ctx: int) -> dict[str, int]:
+    info = _info(proc)
+    kv_elem = 2 if proc.startswith("cuda") else 4
+    out = {}
+    for u in graph_units(graph):
+        w = sum(info.tensor_bytes(f, n) for n in u.weights
+                if not (u.name == "embed" and not proc.startswith("cuda")))  # cpu-fast reads embedding rows from the file
+        kv = sum(ctx * int(graph.tensors[s].concrete_shape(ctx=1)[-1]) * kv_elem for s in u.states)
+        out[u.name] = w + kv
+    return out
+
+
+def build_problem(f, decode_graph, prefill_graph, processors: list[str], budgets: dict, profile: Profile, *,
+                  ctx: int, prefill: int = 512, prefill_weight: float = 0.0, splits: bool = False) -> Problem:
+    kv_half = max(ctx // 2, 1)
+    dec = {p: unit_tables(f, decode_graph, p, profile, 1, kv_half) for p in processors}
+    pre = {p: unit_tables(f, prefill_graph, p, profile, prefill, prefill) for p in processors}
+    mem = {p: unit_memory(f, decode_graph, p, ctx) for p in processors}
+    d_model = int(decode_graph.tensors["embed.out"].concrete_shape(seq=1)[-1])
+    units = [u.name for u in graph_units(decode_graph)]
+    options = []
+    gpus = [p for p in processors if p.startswith("cuda")]
+    for u in units:
+        opts = [Option(p, dec[p][u], pre[p][u], {p: mem[p][u]}, (p,), p) for p in processors]
+        if splits and u.startswith("blk.") and "cpu" in processors:
+            for g in gpus:
+                back_d = profile.link("cpu", g).cost(4 * d_model)
+                back_p = profile.link("cpu", g).cost(4 * d_model * prefill)
+                for fr in SPLIT_FRACTIONS:
+                    opts.append(Option(f"rows {g} {fr:.2f} | cpu", max(fr * dec[g][u], (1 - fr) * dec["cpu"][u]) + back_d,
+                                       max(fr * pre[g][u], (1 - fr) * pre["cpu"][u]) + back_p,
+                                       {g: int(fr * mem[g][u]), "cpu": int((1 - fr) * mem["cpu"][u])}, (g, "cpu"), g))
+        options.append(opts)
+    td = {(a, b): profile.link(a, b).cost(4 * d_model) for a in processors for b in processors if a != b}
+    tp = {(a, b): profile.link(a, b).cost(4 * d_model * prefill) for a in processors for b in processors if a != b}
+    return Problem(units, options, dict(budgets), td, tp, prefill_weight)
+
+
+def default_gpu_budget(device: str) -> int:
+    """What is free on the GPU now, less 512 MiB for the runtime's own workspaces."""
+    import torch
+
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    return max(free - (512 << 20), 0)
+
+
+def summarize(problem: Problem, sol: Solution) -> dict:
+    runs = []
+    for u, o in zip(problem.units, sol.options):
+        if runs and runs[-1]["on"] == o.name:
+            runs[-1]["units"].append(u)
+        else:
+            runs.append({"on": o.name, "units": [u]})
+    return {"placement": {u: o.name for u, o in zip(problem.units, sol.options)},
+            "runs": [{"on": r["on"], "from": r["units"][0], "to": r["units"][-1], "count": len(r["units"])} for r in runs],
+            "predicted_decode_s": sol.decode_s, "predicted_prefill_s": sol.prefill_s,
+            "memory_bytes": sol.memory, "budgets": problem.budgets}
+
+
+def measure_processors(path: str, procs: list[str], profile: Profile, *, ctx: int, prefill: int,
+                       force: bool = False) -> Profile:
+    """Profile what the stored profile lacks (or everything with force) and store it: the CPU by
+    timing this model's ops on cpu-fast, a GPU by microbenchmarks on it."""
+    import torch
+
+    from .profile import profile_cpu, profile_cuda, save_profile
+
+    for p in sorted(procs, key=lambda q: not q.startswith("cuda")):  # a missing GPU fails before CPU work
+        if not force and (p in profile.processors or p.split(":")[0] in profile.processors):
+            continue
+        if p.startswith("cpu"):
+            from ..model import load
+
+            profile_cpu(load(path, backend="cpu-fast", ctx=ctx, prefill_chunk=prefill), profile,
+                        kv_len=max(ctx // 2, 1), prefill=prefill, name=p.split(":")[0])
+        elif p.startswith("cuda"):
+            if not torch.cuda.is_available():
+                raise EdgeLLMError(f"no GPU is visible and the stored profile has no '{p}' "
+                                   f"({cache_path()}): plan on the machine that has the GPU")
+            profile_cuda(profile, p if ":" in p else "cuda:0")
+        else:
+            raise EdgeLLMError(f"--devices: unknown processor '{p}' (cpu, cuda:N)")
+    save_profile(profile)
+    return profile
+
+
+def plan_split(path: str, *, gpu_memory: str | None, devices: str | None, ctx: int | None, prefill: int,
+               splits: bool = False, profile: Profile | None = None, measure: bool = False) -> dict:
+    from ..compiler.compile import compile_graph
+    from ..gguf_file import open_gguf
+    from ..models import build_graph, config_from_gguf
+    from .profile import load_profile
+
+    f = open_gguf(path)
+    cfg = config_from_gguf(f)
+    ctx = ctx or min(cfg.context_length, 4096)
+    procs = [p.strip() for p in (devices or "cuda:0,cpu").split(",") if p.strip()]
+    profile = profile or load_profile()
+    if measure or any(p not in profile.processors and p.split(":")[0] not in profile.processors for p in procs):
+        profile = measure_processors(path, procs, profile, ctx=min(ctx, 1024), prefill=min(prefill, 512), force=measure)
+    budgets = {}
+    for p in procs:
+        if p.startswith("cuda"):
+            budgets[p] = parse_bytes(gpu_memory) if gpu_memory else default_gpu_budget(p)
+    dec = compile_graph(build_graph(cfg, f, "last"), seq=1, ctx=ctx).graph
+    pre = compile_graph(build_graph(cfg, f, "last"), seq=prefill, ctx=ctx).graph
+    problem = build_problem(f, dec, pre, procs, budgets, profile, ctx=ctx, prefill=prefill, splits=splits)
+    sol = solve(problem)
+    out = summarize(problem, sol)
+    out.update({"model": str(path), "ctx": ctx, "prefill": prefill, "processors": procs})
+    return out
+
+
+def render(p: dict) -> str:
+    lines = [f"placement of {p['model']} (ctx {p['ctx']}) over {', '.join(p['processors'])}:"]
+    for r in p["runs"]:
+        span = r["from"] if r["count"] == 1 else f"{r['from']} .. {r['to']}"
+        lines.append(f"  {span:<22} ({r['count']:>3} units) on {r['on']}")
+    for proc, b in p["memory_bytes"].items():
+        cap = p["budgets"].get(proc)
+        lines.append(f"  memory on {proc}: {b / 2**30:.2f} GiB" + (f" of {cap / 2**30:.2f} GiB" if cap else ""))
+    lines.append(f"  predicted decode: {p['predicted_decode_s'] * 1e3:.2f} ms/token "
+                 f"({1 / max(p['predicted_decode_s'], 1e-12):.1f} tok/s); "
+                 f"prefill of {p['prefill']} tokens: {p['predicted_prefill_s'] * 1e3:.1f} ms")
+    return "\n".join(lines) + "\n"
+
+
+def add_plan_args(pl) -> None:
+    """`edgellm plan` options for a placement over several processors."""
+    pl.add_argument("--gpu-memory", default=None,
+                    help="memory budget per GPU, e.g. 6GiB: show the layer placement over GPU and CPU and predicted "
+                         "times (default with --devices: what is free)")
+    pl.add_argument("--devices", default=None, help="processors to place over (default cuda:0,cpu)")
+    pl.add_argument("--splits", action="store_true", help="also consider row splits of a layer between GPU and CPU")
+    pl.add_argument("--profile", action="store_true",
+                    help="measure this machine's processors again (stored in ~/.cache/edgellm/hetero/)")
+
+
+def run_plan_args(args, path: str) -> str | None:
+    """The placement text (or JSON dict) when --gpu-memory/--devices was given, else None."""
+    if not (getattr(args, "gpu_memory", None) or getattr(args, "devices", None) or getattr(args, "profile", False)):
+        return None
+    if args.gpu_memory:
+        parse_bytes(args.gpu_memory)  # a bad size fails before any work
+    p = plan_split(path, gpu_memory=args.gpu_memory, devices=args.devices, ctx=args.ctx, prefill=args.prefill,
+                   splits=args.splits, measure=args.profile)
+    if args.json:
+        import json
+
+        return json.dumps(p, indent=2) + "\n"
+    return render(p)

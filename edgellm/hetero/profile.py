@@ -1,0 +1,254 @@
+"""The profiler: what each unit of a model costs on each processor, and moving activations.
+
+Two sources, one table:
+- measured: the model's own ops, run by the cpu-fast backend's programs with a timer around
+  every kernel (decode: one token at a given context; prefill: one chunk), summed per op
+  signature (kind, weight formats, shapes) so that the identical layers of a model share entries;
+- predicted: a fitted cost model per processor, t = overhead + max(bytes / bandwidth, flops /
+  throughput), for shapes not measured and for processors whose ops are not timed one by one (a
+  GPU's decode step is one CUDA graph). The bandwidth, throughput and per-op overhead of the CPU are
+  fitted to the measured ops (non-negative least squares); a GPU's come from microbenchmarks on it
+  (a weight-streaming matrix-vector product, a large matrix product, an empty launch).
+Transfers: latency + bytes / bandwidth per direction, measured with pinned host buffers where a
+GPU exists; two 'cpu' processors share memory (cost 0).
+
+Stored as JSON in <cache dir>/hetero/<device>.json (the cache folder of the kernel tuner:
+$EDGELLM_CACHE_DIR, else ~/.cache/edgellm), keyed by processor and, for measured entries, by the
+op signature (kind, weight formats and shapes, tokens, keys attended): ops of the same signature
+cost the same in any model, so a small model of a large one's layer shape profiles its layers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..graph.ir import Graph
+
+
+@dataclass
+class ProcessorModel:
+    name: str
+    bandwidth: float  # bytes / s
+    throughput: float  # flop / s
+    overhead_s: float  # per op
+
+    def predict(self, nbytes: float, nflops: float, n_ops: int) -> float:
+        return n_ops * self.overhead_s + max(nbytes / self.bandwidth, nflops / self.throughput)
+
+
+@dataclass
+class Link:
+    latency_s: float
+    bandwidth: float
+
+    def cost(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.bandwidth
+
+
+@dataclass
+class Profile:
+    processors: dict = field(default_factory=dict)  # name -> ProcessorModel
+    links: dict = field(default_factory=dict)  # "src>dst" -> Link
+    measured: dict = field(default_factory=dict)  # "proc|signature" -> seconds
+
+    def link(self, src: str, dst: str) -> Link:
+        if src.split(":")[0] == dst.split(":")[0] == "cpu":
+            return Link(0.0, float("inf"))
+        return self.links.get(f"{src}>{dst}") or self.links.get(f"{src.split(':')[0]}>{dst.split(':')[0]}") \
+            or Link(20e-6, 10e9)  # unmeasured: a PCIe 4 x16 guess; stated by `describe`
+
+    def to_json(self) -> str:
+        return json.dumps({"processors": {k: asdict(v) for k, v in self.processors.items()},
+                           "links": {k: asdict(v) for k, v in self.links.items()},
+                           "measured": self.measured}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Profile":
+        d = json.loads(text)
+        return cls({k: ProcessorModel(**v) for k, v in d.get("processors", {}).items()},
+                   {k: Link(**v) for k, v in d.get("links", {}).items()}, dict(d.get("measured", {})))
+
+
+def cache_path(device: str = "host") -> Path:
+    from ..backends.cuda.tuning import default_cache_dir
+
+    return default_cache_dir() / "hetero" / f"{''.join(c if c.isalnum() else '_' for c in device)}.json"
+
+
+def load_profile(path: Path | None = None) -> Profile:
+    path = path or cache_path()
+    try:
+        return Profile.from_json(path.read_text())
+    except (OSError, ValueError, TypeError):
+        return Profile()
+
+
+def save_profile(p: Profile, path: Path | None = None) -> None:
+    path = path or cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(p.to_json())
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache folder: the profile stays in memory
+
+
+# -- what an op moves and computes ----------------------------------------------------------------
+def op_signature(graph: Graph, i: int, seq: int, kv_len: int) -> str:
+    op = graph.ops[i]
+    parts = [op.kind, f"s{seq}"]
+    for t in op.inputs:
+        tt = graph.tensors[t]
+        if tt.kind == "weight":
+            parts.append(f"{tt.storage}{tuple(int(d) for d in tt.concrete_shape())}")
+    if op.kind == "attention":
+        parts.append(f"kv{kv_len}")
+    return "/".join(parts)
+
+
+def op_cost_inputs(graph: Graph, i: int, f, info, seq: int, kv_len: int) -> tuple[float, float]:
+    """(bytes read, flops) of op i on a backend described by `info` (its weight layout)."""
+    from ..graph.ops import KV_LEN, flops
+    from ..graph.ir import SEQ
+
+    op = graph.ops[i]
+    nbytes = 0.0
+    for t in op.inputs:
+        tt = graph.tensors[t]
+        if tt.kind == "weight":
+            nbytes += info.tensor_bytes(f, tt.source or t) if op.kind != "embedding" else 0
+        elif tt.kind == "state":
+            nbytes += kv_len * int(tt.concrete_shape(ctx=1)[-1]) * 4
+        elif tt.kind == "activation":
+            nbytes += 4 * tt.numel(seq=seq, ctx=kv_len)
+    fl = flops(op.kind, [graph.tensors[t] for t in op.inputs], graph.tensors[op.outputs[0]], op.attrs)
+    return nbytes, float(fl.subs({SEQ: seq, KV_LEN: kv_len}))
+
+
+# -- measuring ------------------------------------------------------------------------------------
+def measure_cpu_ops(model, stage: str, seq: int, start: int, repeats: int = 3) -> dict[int, float]:
+    """Seconds per op of one run of a cpu-fast Model's stage program ('decode' or 'last'), the
+    minimum over `repeats` runs (a busy machine only ever adds time)."""
+    prog = model.programs[stage]
+    times: dict[int, float] = {}
+    kernels = dict(prog._kernels)
+    index = {id(op): i for i, op in enumerate(prog.graph.ops)}
+
+    def timed(kind, fn):
+        def run(op, inputs):
+            t0 = time.perf_counter()
+            out = fn(op, inputs)
+            dt = time.perf_counter() - t0
+            i = index[id(op)]
+            times[i] = min(times.get(i, dt), dt)
+            return out
+        return run
+
+    prog._kernels = {k: timed(k, fn) for k, fn in kernels.items()}
+    try:
+        ids = np.arange(3, 3 + seq) % model.config.vocab_size
+        for _ in range(repeats):
+            prog.run({"tokens": ids.astype(np.int32), "start_pos": start})
+    finally:
+        prog._kernels = kernels
+    return times
+
+
+def fit_processor(name: str, samples: list[tuple[float, float, float]]) -> ProcessorModel:
+    """Fit t = o + b / BW + f / FL (all non-negative) to (bytes, flops, seconds) samples."""
+    from scipy.optimize import nnls
+
+    a = np.array([[1.0, b, fl] for b, fl, _ in samples])
+    t = np.array([s for _, _, s in samples])
+    scale = a.max(axis=0)
+    scale[scale == 0] = 1
+    coef, _ = nnls(a / scale, t)
+    coef = coef / scale
+    bw = 1 / coef[1] if coef[1] > 0 else 1e13
+    fl = 1 / coef[2] if coef[2] > 0 else 1e15
+    return ProcessorModel(name, float(bw), float(fl), float(coef[0]))
+
+
+def profile_cpu(model, profile: Profile, kv_len: int = 256, prefill: int = 64, name: str = "cpu") -> Profile:
+    """Measure a cpu-fast model's ops (decode at kv_len, prefill of `prefill` tokens) and fit the
+    CPU's cost model to them."""
+    from ..backends.info import CpuFastInfo
+
+    samples = []
+    for stage, seq, start in (("decode", 1, kv_len - 1), ("last", prefill, 0)):
+        if stage == "last" and prefill > model.compiled["last"].sizes["seq"]:
+            continue
+        g = model.programs[stage].graph
+        times = measure_cpu_ops(model, stage, seq, start)
+        for i, t in times.items():
+            sig = op_signature(g, i, seq, start + seq)
+            profile.measured[f"{name}|{sig}"] = t
+            nbytes, nfl = op_cost_inputs(g, i, model.file, CpuFastInfo, seq, start + seq)
+            samples.append((nbytes, nfl, t))
+    profile.processors[name] = fit_processor(name, samples)
+    return profile
+
+
+def profile_cuda(profile: Profile, device: str = "cuda:0") -> Profile:
+    """Microbenchmarks on a GPU: streaming bandwidth (fp16 matrix-vector over 1 GiB), fp16 matrix
+    product throughput, an empty launch; pinned copies both ways for the link."""
+    import torch
+
+    dev = torch.device(device)
+
+    def timeit(fn, n=20):
+        fn()
+        torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize(dev)
+        return (time.perf_counter() - t0) / n
+
+    w = torch.randn(16384, 32768, device=dev, dtype=torch.float16)
+    x = torch.randn(32768, device=dev, dtype=torch.float16)
+    bw = w.numel() * 2 / timeit(lambda: w @ x)
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.float16)
+    fl = 2 * 8192**3 / timeit(lambda: a @ a, 5)
+    z = torch.zeros(1, device=dev)
+    ov = timeit(lambda: z.add_(1), 200)
+    profile.processors[device] = ProcessorModel(device, float(bw), float(fl), float(ov))
+    del w, a
+    for nbytes in (4096,):
+        h = torch.empty(1 << 24, dtype=torch.uint8).pin_memory()
+        d = torch.empty(1 << 24, dtype=torch.uint8, device=dev)
+        small_up = timeit(lambda: d[:nbytes].copy_(h[:nbytes], non_blocking=True), 200)
+        big_up = timeit(lambda: d.copy_(h, non_blocking=True), 20)
+        small_dn = timeit(lambda: h[:nbytes].copy_(d[:nbytes], non_blocking=True), 200)
+        big_dn = timeit(lambda: h.copy_(d, non_blocking=True), 20)
+        profile.links[f"cpu>{device}"] = Link(small_up, (1 << 24) / max(big_up - small_up, 1e-9))
+        profile.links[f"{device}>cpu"] = Link(small_dn, (1 << 24) / max(big_dn - small_dn, 1e-9))
+    return profile
+
+
+def cpu_model_from_host() -> ProcessorModel:
+    """A CPU cost model without a model run: a copy for bandwidth, a bf16 product for throughput."""
+    import torch
+
+    def best(fn, n=5):
+        fn()
+        ts = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return min(ts)
+
+    src = torch.empty(32 << 20, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    bw = 2 * src.numel() / best(lambda: dst.copy_(src))
+    a = torch.randn(512, 512).bfloat16()
+    fl = 2 * 512**3 / best(lambda: a @ a)
+    return ProcessorModel("cpu", bw, fl, 5e-6)

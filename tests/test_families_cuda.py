@@ -1,0 +1,57 @@
+"""The gemma3, qwen3 and phi3 graphs on the cuda backend against the cpu backend (which
+tests/test_families.py checks against transformers). Without a GPU the Triton kernels run in the
+interpreter on CPU tensors, at tiny sizes."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import edgellm  # noqa: E402
+from edgellm.synthetic import SyntheticSpec, write_synthetic_gguf  # noqa: E402
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no GPU, and triton was imported without TRITON_INTERPRET=1", allow_module_level=True)
+
+MODELS = {
+    # layer 0 slides over 4 keys (8 tokens), layer 1 is global; GeGLU, q/k norms, post norms, softcap
+    "gemma3-f16-mqa-hd16-softcap": SyntheticSpec(arch="gemma3", n_layers=2, d_model=32, n_heads=2, n_kv_heads=1,
+                                                 head_dim=16, ffn_dim=32, vocab_size=128, sliding_window=4,
+                                                 swa_pattern=2, logit_softcap=4.0, weight_type="F16", std=0.2,
+                                                 seed=41),
+    "qwen3-f16-q8_0-embed-untied": SyntheticSpec(arch="qwen3", n_layers=1, d_model=32, n_heads=2, n_kv_heads=1,
+                                                 head_dim=24, ffn_dim=32, vocab_size=128, tied=False,
+                                                 weight_type="F16", embed_type="Q8_0", std=0.2, seed=42),
+    "phi3-f16-mqa": SyntheticSpec(arch="phi3", n_layers=1, d_model=32, n_heads=2, n_kv_heads=1, ffn_dim=32,
+                                  vocab_size=128, weight_type="F16", std=0.2, seed=43),
+}
+
+
+@pytest.fixture(autouse=True)
+def _cuda_device(monkeypatch):
+    if not ON_GPU:
+        monkeypatch.setenv("EDGELLM_CUDA_DEVICE", "cpu")
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_family_cuda_logits_match_cpu(name, tmp_path):
+    spec = MODELS[name]
+    path = write_synthetic_gguf(tmp_path / "m.gguf", spec)
+    ids = np.random.default_rng(spec.seed).integers(0, spec.vocab_size, 8).tolist()
+    ref = edgellm.load(path, ctx=16).logits(ids)
+    m = edgellm.load(path, backend="cuda", ctx=16, prefill_chunk=5)  # two prefill chunks
+    got = m.logits(ids)
+    assert got.shape == ref.shape and np.isfinite(got).all()
+    tol = 5e-3  # fp16 activations and caches, relative to the logit scale (tests/test_cuda_backend.py)
+    assert np.abs(got - ref).max() <= tol * np.abs(ref).max()
+    assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+    # decode through the fp16 cache, one token at a time (the window over cached keys)
+    steps = [m.forward(ids[:6], 0, all_logits=False)[-1]]
+    steps += [m.forward([ids[i]], i, all_logits=False)[-1] for i in range(6, len(ids))]
+    assert np.abs(np.stack(steps) - ref[5:]).max() <= tol * np.abs(ref).max()

@@ -1,0 +1,208 @@
+"""Whole models on the webgpu backend against the cpu backend (the float32 reference): tiny
+synthetic models of every weight format and both architectures, fused and unfused graphs, the
+tiled-GEMM prefill, delegation of ops to the cpu, greedy decoding on the device, and the default
+model's answer to the capital question. Skips where there is no WebGPU adapter."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("wgpu", reason="the webgpu backend needs the wgpu package (pip install 'edgellm[webgpu]')")
+
+import edgellm  # noqa: E402
+from edgellm.errors import BackendUnavailableError  # noqa: E402
+from edgellm.sampling import SamplingParams  # noqa: E402
+from edgellm.synthetic import SyntheticSpec, write_synthetic_gguf  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def adapter():
+    from edgellm.backends.webgpu.device import get_device
+
+    try:
+        return get_device()
+    except BackendUnavailableError as e:
+        pytest.skip(f"no WebGPU adapter: {e}")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("webgpu_models")
+    specs = {
+        "F32": SyntheticSpec(weight_type="F32", seed=1),
+        "F16": SyntheticSpec(weight_type="F16", seed=2),
+        "Q8_0": SyntheticSpec(weight_type="Q8_0", seed=3),
+        "Q4_0": SyntheticSpec(weight_type="Q4_0", seed=4, rope_freqs=True),
+        "Q4_1": SyntheticSpec(weight_type="Q4_1", seed=5, tied=False, output_type="Q8_0"),
+        # Q4_K (as Q4_1) with q|k|v in different formats (Q4_K, Q5_0, Q6_K): stacked as F16 at load
+        "mixed": SyntheticSpec(weight_type="Q4_K", seed=6, d_model=256, n_heads=4, n_kv_heads=2, ffn_dim=256,
+                               type_overrides={"blk.0.attn_v.weight": "Q6_K", "blk.1.attn_k.weight": "Q5_0"}),
+        "qwen2": SyntheticSpec(arch="qwen2", weight_type="Q8_0", seed=7),
+    }
+    return {k: str(write_synthetic_gguf(root / f"{k}.gguf", s)) for k, s in specs.items()}
+
+
+PROMPT = [int(x) for x in np.random.default_rng(11).integers(0, 256, 13)]
+
+
+def _compare(path: str, *, fuse: bool = True, chunk: int = 8, steps: int = 3, tol: float = 3e-3):
+    """Logits of every prompt position (prefill in chunks, so later chunks start past 0), then
+    decode steps, on both backends."""
+    cpu = edgellm.load(path, backend="cpu", ctx=64, fuse=fuse, prefill_chunk=chunk)
+    gpu = edgellm.load(path, backend="webgpu", ctx=64, fuse=fuse, prefill_chunk=chunk)
+    want, got = cpu.logits(PROMPT), gpu.logits(PROMPT)
+    scale = float(np.abs(want).max())
+    assert got.shape == want.shape
+    assert float(np.abs(got - want).max()) <= tol * scale
+    tok = int(np.argmax(want[-1]))
+    for i in range(steps):
+        w = cpu.forward([tok], len(PROMPT) + i, all_logits=False)
+        g = gpu.forward([tok], len(PROMPT) + i, all_logits=False)
+        assert float(np.abs(g - w).max()) <= tol * scale
+        tok = int(np.argmax(w[-1]))
+    return gpu
+
+
+@pytest.mark.parametrize("name", ["F32", "F16", "Q8_0", "Q4_0", "Q4_1", "mixed", "qwen2"])
+def test_synthetic_models_match_cpu(models, name):
+    _compare(models[name])
+
+
+def test_unfused_graph(models):
+    """Without fusion: separate rope, kv_store, add, mul and silu kernels."""
+    g = _compare(models["qwen2"], fuse=False)
+    kinds = {op.kind for op in g.programs["all"].graph.ops}
+    assert {"rope", "kv_store", "silu", "mul", "add"} <= kinds
+
+
+def test_tiled_prefill(models, monkeypatch):
+    """The prefill path GPUs take, tiled GEMM and tiled causal attention (a software adapter runs
+    prefill as GEMVs and per-row attention by default)."""
+    monkeypatch.setenv("EDGELLM_WEBGPU_TILED", "1")
+    g = _compare(models["Q4_1"], chunk=40, steps=1)
+    assert g.backend.prefill_tiled
+    assert {"gemm", "attention_tiled"} <= {v.kernel.name for st in g.programs["all"]._steps
+                                           for v in getattr(st, "variants", ())}
+
+
+def test_delegation_to_cpu(models, monkeypatch):
+    """Ops the backend lacks run on the cpu reference kernels between device passes (recorded
+    through wgpu-py's public API here, the fast path's fallback)."""
+    from edgellm.backends.webgpu import backend
+    from edgellm.backends.webgpu.backend import WebgpuBackend
+
+    monkeypatch.setattr(backend, "_RAW", None)
+    monkeypatch.setattr(WebgpuBackend, "SUPPORTED_OPS", WebgpuBackend.SUPPORTED_OPS - {"add_rms_norm", "swiglu",
+                                                                                      "linear_swiglu"})
+    g = _compare(models["Q8_0"])
+    assert any("+norm" in n for n in g.programs["decode"].delegated)
+
+
+def test_greedy_on_device_matches_cpu(models):
+    cpu = edgellm.load(models["Q8_0"], backend="cpu", ctx=64)
+    gpu = edgellm.load(models["Q8_0"], backend="webgpu", ctx=64)
+    calls = []
+    prog = gpu.programs["decode"]
+    orig = prog.greedy_tokens
+    prog.greedy_tokens = lambda *a: (calls.append(a), orig(*a))[1]
+    p = SamplingParams(temperature=0)
+    assert list(gpu.generate_tokens(PROMPT, 12, p)) == list(cpu.generate_tokens(PROMPT, 12, p))
+    assert calls, "greedy decoding did not run on the device"
+
+
+def test_default_model_answers_capital():
+    """The embedded SmolLM2-135M-Instruct, greedy: the same text as the cpu backend."""
+    gpu = edgellm.load(backend="webgpu", ctx=256)
+    text = "".join(gpu.generate("What is the capital of France?", max_tokens=12, temperature=0))
+    assert text == "The capital of France is Paris."  # the cpu backend's answer (shared/NOTES.md)
+
+
+def test_auto_prefers_a_hardware_adapter(monkeypatch):
+    from edgellm.backends import _auto
+    from edgellm.backends.cuda.backend import CudaBackend
+    from edgellm.backends.webgpu import device
+
+    monkeypatch.setattr(CudaBackend, "available", staticmethod(lambda: False))
+    soft = device.AdapterInfo("llvmpipe (LLVM 15)", "llvmpipe", "Vulkan", "CPU", "Mesa", ())
+    gpu = device.AdapterInfo("NVIDIA H100 80GB HBM3", "nvidia", "Vulkan", "DiscreteGPU", "NVIDIA", ())
+    monkeypatch.setattr(device, "list_adapters", lambda: [soft])
+    assert _auto() == "cpu"
+    monkeypatch.setattr(device, "list_adapters", lambda: [soft, gpu])
+    assert _auto() == "webgpu"
+
+
+def test_bad_adapter_index(monkeypatch):
+    from edgellm.backends.webgpu.device import Device
+
+    monkeypatch.setenv("EDGELLM_WEBGPU_ADAPTER", "99")
+    with pytest.raises(BackendUnavailableError, match="EDGELLM_WEBGPU_ADAPTER=99"):
+        Device()
+
+
+def test_cli_lists_adapters():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    r = subprocess.run([sys.executable, "-m", "edgellm", "info", "--adapters"], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "webgpu adapter 0:" in r.stdout and "features used:" in r.stdout
+
+
+def test_tuning_cached_per_adapter(models, monkeypatch, tmp_path):
+    """EDGELLM_TUNE=1: GEMV candidates timed at load, the picks cached per adapter and reused."""
+    from edgellm.backends.webgpu import tuning
+
+    monkeypatch.setenv("EDGELLM_TUNE", "1")
+    monkeypatch.setenv("EDGELLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tuning, "_TUNERS", {})
+    monkeypatch.setattr(tuning, "gemv_candidates", lambda dev: [{"wg": 64, "rows_per_wg": 16, "subgroup": False}])
+    _compare(models["Q8_0"], steps=1)
+    files = list((tmp_path / "tune").glob("webgpu_*.json"))
+    assert len(files) == 1 and "webgpu_gemv_v1|Q8_0" in files[0].read_text()
+    timed = []
+    monkeypatch.setattr(tuning, "_TUNERS", {})
+    monkeypatch.setattr(tuning, "_time_gemv", lambda *a: timed.append(a) or 1.0)
+    edgellm.load(models["Q8_0"], backend="webgpu", ctx=64)
+    assert not timed  # every pick came from the cache
+
+
+def test_float32_kv_cache(models, monkeypatch):
+    """EDGELLM_WEBGPU_KV=f32: the cache in float32 (the default is fp16 where the adapter has shader-f16)."""
+    monkeypatch.setenv("EDGELLM_WEBGPU_KV", "f32")
+    g = _compare(models["Q4_0"], tol=2e-4)
+    assert g.backend.kv_dtype == "f32" and "f32 KV cache" in g.backend.describe()
+
+
+def test_device_errors_are_one_line(models, monkeypatch):
+    """A failure inside wgpu (here a refused bind group) is an edgellm error naming the program and
+    step, on one line, not wgpu's multi-line report."""
+    import wgpu
+
+    from edgellm.backends.webgpu.backend import WebgpuError
+    from edgellm.backends.webgpu.device import get_device
+
+    m = edgellm.load(models["Q8_0"], backend="webgpu", ctx=64)
+
+    def refuse(*a, **k):
+        raise wgpu.GPUValidationError("Validation Error\n\nCaused by:\n  In wgpuDeviceCreateBindGroup\n  too big")
+    monkeypatch.setattr(get_device().device, "create_bind_group", refuse)
+    with pytest.raises(WebgpuError, match="running 'llama-last' on 1 tokens failed: Validation Error .* too big") as e:
+        m.forward([1], 0, all_logits=False)
+    assert "\n" not in str(e.value)
+
+
+def test_fp16_activations(models, adapter, monkeypatch):
+    """EDGELLM_WEBGPU_ACT=f16: every arena tensor stored as fp16 through its storage descriptor
+    (the kernels unchanged); logits within fp16 rounding of the cpu's."""
+    if not adapter.has_f16:
+        pytest.skip("the adapter has no shader-f16")
+    monkeypatch.setenv("EDGELLM_WEBGPU_ACT", "f16")
+    g = _compare(models["Q8_0"], tol=2e-2)
+    assert "f16 activations" in g.backend.describe()
+    sources = [v.kernel.source for st in g.programs["decode"]._steps for v in getattr(st, "variants", (st,))]
+    gemvs = [src for src in sources if "fn W_dotv" in src and "TOK" not in src]
+    assert gemvs and all("var<storage, read_write> X: array<f16>" in src for src in gemvs)

@@ -1,0 +1,351 @@
+"""The webgpu backend's WGSL kernels against the cpu backend's reference kernels (torch, float32).
+
+Weights are quantized by gguf-py and dequantized by gguf-py for the reference, so the storage
+descriptors' repacking and accessors are checked against the format's own reader. Shapes are off
+the kernels' tile sizes; outputs are poisoned with NaN first so that an element never written
+fails; inputs are fresh random values. Runs on any WebGPU adapter (in CI: Mesa's lavapipe);
+skips with the reason where there is none.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+wgpu = pytest.importorskip("wgpu", reason="the webgpu backend needs the wgpu package (pip install 'edgellm[webgpu]')")
+
+from gguf import GGMLQuantizationType  # noqa: E402
+from gguf.quants import dequantize as gg_dequantize  # noqa: E402
+from gguf.quants import quantize as gg_quantize  # noqa: E402
+
+from edgellm.backends.cpu import CPU_KERNELS  # noqa: E402
+from edgellm.errors import BackendUnavailableError  # noqa: E402
+from edgellm.graph.ir import Op  # noqa: E402
+from edgellm.backends.webgpu import codegen, kernels  # noqa: E402
+from edgellm.backends.webgpu.backend import DeviceWeight  # noqa: E402
+from edgellm.backends.webgpu.launch import Launch, read_f32, upload_f32  # noqa: E402
+
+FORMATS = ["F16", "Q8_0", "Q4_0", "Q4_1"]
+
+
+@pytest.fixture(scope="module")
+def dev():
+    from edgellm.backends.webgpu.device import get_device
+
+    try:
+        return get_device()
+    except BackendUnavailableError as e:
+        pytest.skip(f"no WebGPU adapter: {e}")
+
+
+@pytest.fixture
+def rng(request):
+    import zlib
+
+    return np.random.default_rng(zlib.crc32(request.node.name.encode()))
+
+
+def quantized(rng, rows: int, cols: int, fmt: str):
+    """(raw GGUF data, the float32 matrix gguf-py reads back from it)."""
+    w = (rng.standard_normal((rows, cols)) * 0.1).astype(np.float32)
+    if fmt == "F16":
+        raw = w.astype(np.float16)
+        return raw, raw.astype(np.float32)
+    t = GGMLQuantizationType[fmt]
+    raw = gg_quantize(w, t)
+    return raw, gg_dequantize(raw, t).reshape(rows, cols).astype(np.float32)
+
+
+def nan_buffer(dev, n: int):
+    return upload_f32(dev, np.full(n, np.nan, np.float32))
+
+
+def ref(kind: str, inputs: list, **attrs):
+    out = CPU_KERNELS[kind](Op("ref", kind, (), (), attrs), inputs)
+    return out
+
+
+def check(got: np.ndarray, want, tol: float = 2e-4):
+    want = np.asarray(want.detach().numpy() if isinstance(want, torch.Tensor) else want, dtype=np.float32)
+    got = got.reshape(want.shape)
+    assert np.isfinite(got).all(), f"{np.isnan(got).sum()} of {got.size} elements not written"
+    scale = max(1.0, float(np.abs(want).max()))
+    err = float(np.abs(got - want).max())
+    assert err <= tol * scale, f"max error {err} (scale {scale})"
+
+
+# -- matrix products ---------------------------------------------------------------------------
+def _linear_case(dev, rng, fmt, rows, n_out, k, *, glu=False, bias=False, residual=False, parts=None):
+    raw, dense = quantized(rng, 2 * n_out if glu else n_out, k, fmt)
+    p = codegen.repack(raw, fmt, dense.shape)
+    w = DeviceWeight(p, dev, max_binding=parts)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    bufs = {kk: b for kk, (b, _, _) in w.resources().items()}
+    bufs.update(X=upload_f32(dev, x), Y=nan_buffer(dev, rows * n_out))
+    b = r = None
+    if bias:
+        b = rng.standard_normal(n_out).astype(np.float32)
+        bufs["B"] = upload_f32(dev, b)
+    if residual:
+        r = rng.standard_normal((rows, n_out)).astype(np.float32)
+        bufs["R"] = upload_f32(dev, r)
+    X, D = torch.from_numpy(x), torch.from_numpy(dense)
+    if glu:
+        want = ref("linear_swiglu", [X, D[:n_out], D[n_out:]])
+    else:
+        ins = [X, D] + ([torch.from_numpy(b)] if bias else []) + ([torch.from_numpy(r)] if residual else [])
+        want = ref("linear", ins, has_bias=bias, has_residual=residual)
+    return w, bufs, want
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("subgroup,nr", [(False, 1), (True, 1), (False, 3)])
+def test_gemv(dev, rng, fmt, subgroup, nr):
+    """nr: features per thread (x read once for them); 77 features are not a multiple of any
+    workgroup's rows, so the last workgroup computes features past the end and must not store them."""
+    if subgroup and not dev.has_subgroups:
+        pytest.skip("the adapter has no subgroups")
+    rows, n_out, k = 3, 77, 96 if fmt == "F16" else 160
+    w, bufs, want = _linear_case(dev, rng, fmt, rows, n_out, k, bias=True, residual=True)
+    tpr = 4 if subgroup else 8
+    per_wg = 64 * nr // tpr
+    kern = kernels.gemv(w.desc(), n_out, "step.seq", bias=True, residual=True, rows_per_wg=per_wg, wg=64,
+                        subgroup=subgroup, rows_per_thread=nr)
+    L = Launch(dev, kern, bufs)
+    L.set_step(seq=rows)
+    L.run((-(-n_out // per_wg), 1, rows))
+    check(read_f32(dev, bufs["Y"], rows * n_out), want)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gemv_swiglu_split_weight(dev, rng, fmt):
+    """gate|up stacked, the weight split by rows across bindings (a small binding limit)."""
+    rows, n_out, k = 2, 45, 64
+    w, bufs, want = _linear_case(dev, rng, fmt, rows, n_out, k, glu=True, parts=1024)
+    assert len(w.part_rows) > 2
+    kern = kernels.gemv(w.desc(), n_out, "step.seq", glu=True, rows_per_wg=16, wg=64, rows_per_thread=2)
+    L = Launch(dev, kern, bufs)
+    L.set_step(seq=rows)
+    L.run((-(-n_out // 16), 1, rows))
+    check(read_f32(dev, bufs["Y"], rows * n_out), want)
+
+
+@pytest.mark.parametrize("fmt,tiles", [(f, (64, 64, 32)) for f in FORMATS] + [("Q4_1", (128, 64, 16)),
+                                                                              ("Q8_0", (64, 128, 8))])
+@pytest.mark.parametrize("glu", [False, True])
+def test_gemm(dev, rng, fmt, tiles, glu):
+    """Rows and features off the tiles, k = 96 (several k-steps; with tk 32, three)."""
+    tm, tn, tk = tiles
+    rows, n_out, k = 71, 70, 96
+    w, bufs, want = _linear_case(dev, rng, fmt, rows, n_out, k, glu=glu, bias=not glu, residual=not glu)
+    kern = kernels.gemm(w.desc(), n_out, "step.seq", glu=glu, bias=not glu, residual=not glu, tm=tm, tn=tn, tk=tk)
+    L = Launch(dev, kern, bufs)
+    L.set_step(seq=rows)
+    L.run((-(-n_out // tn), -(-rows // tm), 1))
+    check(read_f32(dev, bufs["Y"], rows * n_out), want)
+
+
+# -- row-wise kernels -----------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_1", "F16"])
+def test_embedding(dev, rng, fmt):
+    vocab, d, rows = 53, 96, 5
+    raw, dense = quantized(rng, vocab, d, fmt)
+    w = DeviceWeight(codegen.repack(raw, fmt, dense.shape), dev)
+    ids = rng.integers(0, vocab, rows)
+    bufs = {kk: b for kk, (b, _, _) in w.resources().items()}
+    bufs.update(Y=nan_buffer(dev, rows * d), TOK=dev.upload(ids.astype(np.uint32)))
+    L = Launch(dev, kernels.embedding(w.desc(), "step.seq"), bufs)
+    L.set_step(seq=rows)
+    L.run((1, rows, 1))
+    check(read_f32(dev, bufs["Y"], rows * d), ref("embedding", [torch.from_numpy(dense), torch.from_numpy(ids)]))
+
+
+@pytest.mark.parametrize("add", [False, True])
+def test_rms_norm(dev, rng, add):
+    rows, c = 3, 333
+    a, b = rng.standard_normal((2, rows, c)).astype(np.float32)
+    g = (1 + 0.1 * rng.standard_normal(c)).astype(np.float32)
+    bufs = dict(A=upload_f32(dev, a), G=upload_f32(dev, g), O=nan_buffer(dev, rows * c))
+    if add:
+        bufs.update(B=upload_f32(dev, b), S=nan_buffer(dev, rows * c))
+    L = Launch(dev, kernels.rms_norm(c, 1e-5, "step.seq", add=add), bufs)
+    L.set_step(seq=rows)
+    L.run((rows, 1, 1))
+    A, B, G = (torch.from_numpy(v) for v in (a, b, g))
+    if add:
+        s, n = ref("add_rms_norm", [A, B, G], eps=1e-5)
+        check(read_f32(dev, bufs["S"], rows * c), s)
+    else:
+        n = ref("rms_norm", [A, G], eps=1e-5)
+    check(read_f32(dev, bufs["O"], rows * c), n)
+
+
+@pytest.mark.parametrize("kind", ["add", "mul", "silu", "swiglu", "add_bias"])
+def test_elementwise(dev, rng, kind):
+    rows, c = 3, 301
+    a, b = rng.standard_normal((2, rows, c)).astype(np.float32)
+    if kind == "add_bias":
+        b = b[0]
+    bufs = dict(A=upload_f32(dev, a), B=upload_f32(dev, b), Y=nan_buffer(dev, rows * c))
+    op = "add" if kind == "add_bias" else kind
+    L = Launch(dev, kernels.elementwise(op, c, "step.seq", b_rows=kind != "add_bias"), bufs)
+    L.set_step(seq=rows)
+    L.run((-(-rows * c // 256), 1, 1))
+    ins = [torch.from_numpy(a)] + ([] if kind == "silu" else [torch.from_numpy(b)])
+    check(read_f32(dev, bufs["Y"], rows * c), ref(op, ins))
+
+
+def test_last_row_and_argmax(dev, rng):
+    rows, c = 4, 1000
+    x = rng.standard_normal((rows, c)).astype(np.float32)
+    x[-1, 17] = x[-1, 801] = 9.0  # a tie: the first index wins, as numpy's argmax
+    bufs = dict(X=upload_f32(dev, x), Y=nan_buffer(dev, c))
+    L = Launch(dev, kernels.last_row(c), bufs)
+    L.set_step(seq=rows)
+    L.run((-(-c // 256), 1, 1))
+    last = read_f32(dev, bufs["Y"], c)
+    check(last, ref("last_row", [torch.from_numpy(x)]))
+    tok, hist = dev.upload(np.array([12345], np.uint32)), dev.upload(np.full(8, 12345, np.uint32))
+    A = Launch(dev, kernels.argmax(c), dict(X=bufs["Y"], TOK=tok, HIST=hist))
+    A.dev.write(A.step_buf, np.array([1, 0, 1, 1, 1, 5, 0, 0], np.uint32))  # p0 = 5: the history slot
+    A.run((1, 1, 1))
+    assert int(np.frombuffer(dev.read(tok, 0, 4), np.uint32)[0]) == int(np.argmax(x[-1])) == 17
+    assert np.frombuffer(dev.read(hist, 0, 32), np.uint32).tolist() == [12345] * 5 + [17] + [12345] * 2
+
+
+# -- RoPE, KV cache, attention --------------------------------------------------------------------
+def _cache(dev, a: np.ndarray, kv: str):
+    return dev.upload(a.astype(np.float16)) if kv == "f16" else upload_f32(dev, a)
+
+
+def _read_cache(dev, buf, n: int, kv: str) -> np.ndarray:
+    if kv == "f16":
+        return np.frombuffer(dev.read(buf, 0, -(-2 * n // 4) * 4), np.float16)[:n].astype(np.float32)
+    return read_f32(dev, buf, n)
+
+
+@pytest.mark.parametrize("style,rope_dim,freqs,kv", [("norm", 16, False, "f32"), ("neox", 12, True, "f32"),
+                                                     ("norm", 16, True, "f16")])
+def test_rope_qkv_store(dev, rng, style, rope_dim, freqs, kv):
+    """RoPE on q and k, k and v written to the cache rows of their positions (float32 or fp16 cache)."""
+    from edgellm.backends.webgpu.backend import WebgpuBackend
+
+    if kv == "f16" and not dev.has_f16:
+        pytest.skip("the adapter has no shader-f16")
+    h, g, d, rows, start, ctx = 5, 1, 16, 3, 6, 20
+    qkv = rng.standard_normal((rows, (h + 2 * g) * d)).astype(np.float32)
+    kc0, vc0 = rng.standard_normal((2, ctx, g * d)).astype(np.float32)  # rows outside start.. must survive
+    if kv == "f16":
+        kc0, vc0 = kc0.astype(np.float16).astype(np.float32), vc0.astype(np.float16).astype(np.float32)
+    ff = (1 + rng.random(rope_dim // 2)).astype(np.float32) if freqs else None
+    attrs = dict(n_heads=h, n_kv_heads=g, head_dim=d, rope_dim=rope_dim, theta=10000.0, style=style)
+    # the tables as the backend makes them (float64 angles), from a stand-in for the weight file
+    be = WebgpuBackend.__new__(WebgpuBackend)
+    be.dev, be._tables = dev, {}
+    be.weights = type("W", (), {"vector_host": staticmethod(lambda n: ff.astype(np.float64))})()
+    cos, sin = be.rope_tables(attrs, rope_dim, "ff" if freqs else None, ctx)
+    S = kernels.RopeSegment
+    segs = [S(h, 0, "Q", True), S(g, h * d, "KC", True), S(g, (h + g) * d, "VC", False)]
+    bufs = dict(X=upload_f32(dev, qkv), COS=cos, SIN=sin, Q=nan_buffer(dev, rows * h * d),
+                KC=_cache(dev, kc0, kv), VC=_cache(dev, vc0, kv))
+    L = Launch(dev, kernels.rope(segs, qkv.shape[1], d, rope_dim, style == "neox", "step.seq", kv), bufs)
+    L.set_step(seq=rows, start=start)
+    L.run((h + 2 * g, rows, 1))
+    kc_ref, vc_ref = torch.from_numpy(kc0.copy()), torch.from_numpy(vc0.copy())
+    ins = [torch.from_numpy(qkv), start, kc_ref, vc_ref] + ([torch.from_numpy(ff)] if freqs else [])
+    q, _, _ = ref("rope_qkv_store", ins, **attrs)
+    check(read_f32(dev, bufs["Q"], rows * h * d), q, 1e-5)
+    if kv == "f16":  # the reference's values rounded as the cache stores them
+        kc_ref, vc_ref = kc_ref.half().float(), vc_ref.half().float()
+    check(_read_cache(dev, bufs["KC"], ctx * g * d, kv), kc_ref, 1e-5 if kv == "f32" else 1e-3)
+    check(_read_cache(dev, bufs["VC"], ctx * g * d, kv), vc_ref, 0)
+
+
+@pytest.mark.parametrize("rows,start,splits,kv", [(7, 0, 1, "f32"), (5, 9, 1, "f32"), (1, 70, 1, "f32"),
+                                                  (1, 300, 3, "f32"), (6, 40, 1, "f16"), (1, 300, 4, "f16")])
+def test_attention(dev, rng, rows, start, splits, kv):
+    """Causal prefill (from an empty and a filled cache) and decode, whole and split over the context;
+    GQA with 3 query heads per KV head; head_dim 80 (not a multiple of the 64 threads); float32 or
+    fp16 cache (the reference reads the same fp16-rounded values)."""
+    if kv == "f16" and not dev.has_f16:
+        pytest.skip("the adapter has no shader-f16")
+    h, g, d, ctx = 6, 2, 80, 320
+    q = rng.standard_normal((rows, h * d)).astype(np.float32)
+    kc, vc = rng.standard_normal((2, ctx, g * d)).astype(np.float32)
+    if kv == "f16":
+        kc, vc = kc.astype(np.float16).astype(np.float32), vc.astype(np.float16).astype(np.float32)
+    scale = 1 / math.sqrt(d)
+    n = start + rows
+    bufs = dict(Q=upload_f32(dev, q), KC=_cache(dev, kc, kv), VC=_cache(dev, vc, kv), O=nan_buffer(dev, rows * h * d))
+    if splits == 1:
+        L = Launch(dev, kernels.attention(h, g, d, scale, "step.seq", partial=False, cache_dtype=kv), bufs)
+        L.set_step(seq=rows, start=start)
+        L.run((h, rows, 1))
+    else:
+        bufs["WS"] = nan_buffer(dev, rows * h * splits * (d + 2))
+        split_len = -(-n // splits)
+        P = Launch(dev, kernels.attention(h, g, d, scale, "step.seq", partial=True, cache_dtype=kv), bufs)
+        P.set_step(seq=rows, start=start, split_len=split_len, n_splits=splits)
+        P.run((h, rows, splits))
+        C = Launch(dev, kernels.attention_combine(h, d, "step.seq"), bufs)
+        C.set_step(seq=rows, start=start, split_len=split_len, n_splits=splits)
+        C.run((h, rows, 1))
+    want = ref("attention", [torch.from_numpy(q), torch.from_numpy(kc), torch.from_numpy(vc), start],
+               n_heads=h, n_kv_heads=g, head_dim=d, scale=scale)
+    check(read_f32(dev, bufs["O"], rows * h * d), want, 1e-5)
+
+
+# -- storage descriptors ---------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["F32", "BF16", "Q5_0", "Q5_1", "Q4_K", "Q6_K"])
+def test_repack_other_formats(rng, fmt):
+    """Formats without a layout of their own become F16 (F32, BF16), Q4_1 (Q4_K, within fp16
+    rounding of its sub-block scales) or Q8_0: Q5_0 exactly, the rest within Q8_0's rounding of
+    gguf-py's values."""
+    rows, cols = 4, 256
+    w = (rng.standard_normal((rows, cols)) * 0.1).astype(np.float32)
+    t = GGMLQuantizationType[fmt]
+    if fmt == "F32":
+        raw = w
+    elif fmt in ("Q4_K", "Q6_K"):  # gguf-py reads K-quants but does not write them: edgellm's quantizer
+        from edgellm.quant import quantize
+
+        raw = quantize(w, fmt)
+    else:
+        raw = gg_quantize(w, t)
+    want = gg_dequantize(raw, t).reshape(rows, cols) if fmt != "F32" else w
+    p = codegen.repack(raw, fmt, (rows, cols))
+    got = codegen.dequantize_packed(p)
+    assert p.fmt == {"F32": "F16", "BF16": "F16", "Q4_K": "Q4_1"}.get(fmt, "Q8_0")
+    tol = 0 if fmt == "Q5_0" else {"F16": 1e-3, "Q4_1": 2e-3}.get(p.fmt, 1e-2) * float(np.abs(want).max())
+    assert float(np.abs(got - want).max()) <= tol
+
+
+def test_descriptor_accessors_pick_the_part(dev):
+    """A weight split in three parts: the generated W_qs chooses the part by row."""
+    d = codegen.WeightDesc("W", "Q4_0", 10, 64, (4, 4, 2))
+    src = d.accessors("X")
+    assert "W_qs0" in src and "W_qs2" in src and "if (row < 4u)" in src and "if (row < 8u)" in src
+    assert len(d.bindings()) == 6  # qs and d per part
+
+
+@pytest.mark.parametrize("rows,start,d,kv", [(37, 0, 80, "f32"), (21, 13, 64, "f32"), (19, 3, 128, "f16")])
+def test_attention_tiled(dev, rng, rows, start, d, kv):
+    """Causal prefill attention in tiles: query rows off the tile, keys off the key tile, GQA."""
+    if kv == "f16" and not dev.has_f16:
+        pytest.skip("the adapter has no shader-f16")
+    h, g, ctx = 6, 2, 64
+    q = rng.standard_normal((rows, h * d)).astype(np.float32)
+    kc, vc = rng.standard_normal((2, ctx, g * d)).astype(np.float32)
+    if kv == "f16":
+        kc, vc = kc.astype(np.float16).astype(np.float32), vc.astype(np.float16).astype(np.float32)
+    scale = 1 / math.sqrt(d)
+    bufs = dict(Q=upload_f32(dev, q), KC=_cache(dev, kc, kv), VC=_cache(dev, vc, kv), O=nan_buffer(dev, rows * h * d))
+    L = Launch(dev, kernels.attention_tiled(h, g, d, scale, "step.seq", cache_dtype=kv), bufs)
+    L.set_step(seq=rows, start=start)
+    L.run((h, -(-rows // kernels.attention_tile_rows(d)), 1))
+    want = ref("attention", [torch.from_numpy(q), torch.from_numpy(kc), torch.from_numpy(vc), start],
+               n_heads=h, n_kv_heads=g, head_dim=d, scale=scale)
+    check(read_f32(dev, bufs["O"], rows * h * d), want, 1e-5)
