@@ -258,6 +258,14 @@ def build_parser() -> argparse.ArgumentParser:
     from .cache_cli import add_cache_parser
 
     add_cache_parser(sub)
+
+    from .serve.cli import add_serve_parser
+
+    add_serve_parser(sub)
+
+    from .chat_cli import add_chat_parser
+
+    add_chat_parser(sub)
     return p
 
 

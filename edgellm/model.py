@@ -21,12 +21,14 @@ from .errors import ContextOverflowError, EdgeLLMError, MetadataError
 from .gguf_file import open_gguf
 from .models import build_graph, config_from_gguf
 from .sampling import Sampler, SamplingParams
+from .session import KVSlot, TextStream, check_messages
 from .tokenizer import Tokenizer
 
 
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose K/V were already in the cache (a common prefix)
     generated_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -37,7 +39,7 @@ class GenerationStats:
 
     @property
     def prefill_tps(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
+        return (self.prompt_tokens - self.cached_tokens) / self.prefill_s if self.prefill_s else 0.0
 
     @property
     def decode_tps(self) -> float:
@@ -46,8 +48,9 @@ class GenerationStats:
         return n / self.decode_s if self.decode_s else 0.0
 
     def summary(self) -> str:
+        cached = f" ({self.cached_tokens} cached)" if self.cached_tokens else ""
         once = f" | first-run compile {self.compile_s:.2f} s" if self.compile_s >= 0.0005 else ""
-        return (f"prompt {self.prompt_tokens} tok, {self.prefill_tps:.1f} tok/s | "
+        return (f"prompt {self.prompt_tokens} tok{cached}, {self.prefill_tps:.1f} tok/s | "
                 f"generated {self.generated_tokens} tok, {self.decode_tps:.1f} tok/s{once} | stop: {self.stop_reason}")
 
 
@@ -126,9 +129,23 @@ class Model:
         return out
 
     # -- forward --------------------------------------------------------------------------------
-    def forward(self, token_ids, start_pos: int, *, all_logits: bool) -> np.ndarray:
-        """Run tokens at positions start_pos.. against the KV cache; returns float32 logits
-        ([n, vocab] with all_logits, else [1, vocab] for the last token)."""
+    # -- KV slots (edgellm.session) ---------------------------------------------------------------
+    @property
+    def default_slot(self) -> KVSlot:
+        """The KV cache allocated at load, as a slot: forward, generate and chat run on it."""
+        if getattr(self, "_default_slot", None) is None:
+            self._default_slot = KVSlot(self.states, self.programs)
+        return self._default_slot
+
+    def bind_programs(self, states: dict) -> tuple[dict, dict]:
+        """(states, the stage programs bound to them): the compiled graphs run on another KV cache
+        (edgellm.session.SlotPool makes slots this way; compiled graphs and memory plans are shared)."""
+        return states, {name: self.backend.compile(c.graph, states, c.plan, max_seq=c.sizes["seq"])
+                        for name, c in self.compiled.items()}
+
+    def forward(self, token_ids, start_pos: int, *, all_logits: bool, slot: KVSlot | None = None) -> np.ndarray:
+        """Run tokens at positions start_pos.. against a KV cache (default: the model's own slot);
+        returns float32 logits ([n, vocab] with all_logits, else [1, vocab] for the last token)."""
         ids = np.asarray(token_ids, dtype=np.int32).reshape(-1)
         if ids.size == 0:
             raise EdgeLLMError("no tokens to run: the token list is empty")
@@ -140,8 +157,19 @@ class Model:
         bad = (ids < 0) | (ids >= self.config.vocab_size)
         if bad.any():
             raise EdgeLLMError(f"token id {int(ids[bad][0])} is outside the vocabulary [0, {self.config.vocab_size})")
+        slot = slot if slot is not None else self.default_slot
+        programs = slot.programs
+        # rows from start_pos on are about to change: until the run completes, trust only those before
+        del slot.tokens[start_pos:]
+        known = len(slot.tokens) == start_pos
+        out = self._run_programs(programs, ids, start_pos, all_logits)
+        if known:
+            slot.tokens.extend(int(t) for t in ids)
+        return out
+
+    def _run_programs(self, programs: dict, ids: np.ndarray, start_pos: int, all_logits: bool) -> np.ndarray:
         if ids.size == 1 and not all_logits:
-            out = self.programs["decode"].run({"tokens": ids, "start_pos": int(start_pos)})
+            out = programs["decode"].run({"tokens": ids, "start_pos": int(start_pos)})
             return self.backend.to_numpy(out["logits"])
         chunk = self.compiled["all"].sizes["seq"]
         parts = []
@@ -149,9 +177,9 @@ class Model:
             last_chunk = i + chunk >= ids.size
             if not all_logits and not last_chunk:
                 # earlier chunks only fill the KV cache; the last-logits program keeps that cheap
-                self.programs["last"].run({"tokens": ids[i:i + chunk], "start_pos": int(start_pos + i)})
+                programs["last"].run({"tokens": ids[i:i + chunk], "start_pos": int(start_pos + i)})
                 continue
-            prog = self.programs["all" if all_logits else "last"]
+            prog = programs["all" if all_logits else "last"]
             out = prog.run({"tokens": ids[i:i + chunk], "start_pos": int(start_pos + i)})
             parts.append(self.backend.to_numpy(out["logits"]))
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
@@ -200,12 +228,20 @@ class Model:
             if tok.chat_template is None:
                 raise MetadataError(f"{os.path.basename(self.path)} has no chat template; use raw mode")
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-            text = tok.apply_chat_template(messages, add_generation_prompt=True)
-            ids = tok.encode(text, add_bos=False)
-            if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
-                ids = [tok.bos_id] + ids
-            return ids
+            return self.chat_tokens(messages)
         return tok.encode(prompt)
+
+    def chat_tokens(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation [{'role': ..., 'content': ...}, ...] rendered through the
+        model's chat template (with the assistant's turn opened by default)."""
+        tok = self.tokenizer
+        if tok is None or tok.chat_template is None:
+            raise MetadataError(f"{os.path.basename(self.path)} has no chat template; a messages list needs one")
+        text = tok.apply_chat_template(check_messages(messages), add_generation_prompt=add_generation_prompt)
+        ids = tok.encode(text, add_bos=False)
+        if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
+            ids = [tok.bos_id] + ids
+        return ids
 
     def generate(self, prompt: str | list[int], max_tokens: int = 256, *, chat: bool | None = None,
                  system: str | None = None, stop: list[str] | tuple[str, ...] = (), **sampling) -> Iterator[str]:
@@ -225,22 +261,48 @@ class Model:
         self.last_stats = stats
         return self._generate(ids, max_tokens, params, tuple(s for s in stop if s), stats)
 
+    def chat(self, messages: list[dict], max_tokens: int = 256, *, stop: list[str] | tuple[str, ...] = (),
+             slot: KVSlot | None = None, **sampling) -> Iterator[str]:
+        """Stream the assistant's answer to a conversation [{'role': ..., 'content': ...}, ...],
+        rendered through the model's chat template. The KV cache keeps the tokens of earlier calls:
+        only the tokens after the longest common prefix with them are prefilled (a second turn reads
+        just the new message). Sampling keywords and stop as for generate; stats in last_stats."""
+        params = SamplingParams(**sampling)
+        if max_tokens < 0:
+            raise EdgeLLMError(f"max_tokens must be >= 0, got {max_tokens}")
+        ids = self.chat_tokens(messages)
+        if len(ids) >= self.ctx:
+            raise ContextOverflowError(
+                f"the conversation has {len(ids)} tokens, which does not fit in the context of {self.ctx} "
+                f"(leave room for at least one generated token; raise --ctx up to the model's {self.config.context_length})"
+            )
+        stats = GenerationStats(prompt_tokens=len(ids))
+        self.last_stats = stats
+        return self._generate(ids, max_tokens, params, tuple(s for s in stop if s), stats,
+                              slot=slot, reuse_prefix=True)
+
     def generate_tokens(self, ids: list[int], max_tokens: int, params: SamplingParams | None = None,
-                        stats: GenerationStats | None = None) -> Iterator[int]:
+                        stats: GenerationStats | None = None, *, slot: KVSlot | None = None,
+                        reuse_prefix: bool = False) -> Iterator[int]:
         """Stream sampled token ids after the prompt ids (prefill, then one decode step per token);
-        stops at an end-of-generation token (not yielded), a full context, or max_tokens."""
+        stops at an end-of-generation token (not yielded), a full context, or max_tokens.
+        slot: the KV cache to run on (default: the model's own); reuse_prefix: skip the prompt's
+        longest common prefix with what that cache already holds (stats.cached_tokens)."""
         sampler = Sampler(params or SamplingParams())
         stats = stats if stats is not None else GenerationStats(prompt_tokens=len(ids))
         stop_ids = self.tokenizer.stop_ids if self.tokenizer is not None else frozenset()
+        slot = slot if slot is not None else self.default_slot
         history = list(ids)
-        pos, step_in = 0, list(ids)
+        pos = slot.reusable_prefix(history) if reuse_prefix else 0
+        step_in = history[pos:]
+        stats.cached_tokens = pos
         stats.stop_reason = "max_tokens"
         for step in range(max_tokens):
             if pos + len(step_in) > self.ctx:
                 stats.stop_reason = "context full"
                 return
             t0, once0 = time.perf_counter(), self._one_time_s()
-            logits = self.forward(step_in, pos, all_logits=False)[-1]
+            logits = self.forward(step_in, pos, all_logits=False, slot=slot)[-1]
             once = self._one_time_s() - once0
             dt = time.perf_counter() - t0 - once
             stats.compile_s += once
@@ -257,7 +319,8 @@ class Model:
             history.append(token)
             step_in = [token]
             yield token
-            device_greedy = getattr(self.programs["decode"], "greedy_tokens", None)
+            # the device loop writes rows from pos on without the slot's record: it stays a true prefix
+            device_greedy = getattr(slot.programs["decode"], "greedy_tokens", None)
             if step == 0 and device_greedy is not None and sampler.params.greedy and \
                     sampler.params.repetition_penalty == 1.0:
                 # greedy on a backend that can loop on the device: no logits leave it
@@ -276,31 +339,18 @@ class Model:
                     stats.stop_reason = "max_tokens" if n == max_tokens - 1 else "context full"
                 return
 
-    def _generate(self, ids, max_tokens, params, stops, stats) -> Iterator[str]:
-        decoder = self.tokenizer.stream_decoder(strip_leading_space=False)  # a continuation keeps its space
-        pending = ""  # text held back because it could be the start of a stop string
-        for token in self.generate_tokens(ids, max_tokens, params, stats):
-            pending += decoder.push(token)
-            if not stops:
-                if pending:
-                    yield pending
-                pending = ""
-                continue
-            cut = min((i for i in (pending.find(s) for s in stops) if i >= 0), default=-1)
-            if cut >= 0:
-                if pending[:cut]:
-                    yield pending[:cut]
+    def _generate(self, ids, max_tokens, params, stops, stats, **where) -> Iterator[str]:
+        text = TextStream(self.tokenizer, stops)
+        for token in self.generate_tokens(ids, max_tokens, params, stats, **where):
+            piece = text.push(token)
+            if piece:
+                yield piece
+            if text.stopped:
                 stats.stop_reason = "stop string"
                 return
-            # hold back the longest suffix that is a prefix of some stop string
-            keep = next((k for k in range(min(max(map(len, stops)) - 1, len(pending)), 0, -1)
-                         if any(s.startswith(pending[-k:]) for s in stops)), 0)
-            if len(pending) > keep:
-                yield pending[: len(pending) - keep]
-                pending = pending[len(pending) - keep :]
-        pending += decoder.flush()
-        if pending:
-            yield pending
+        piece = text.flush()
+        if piece:
+            yield piece
 
 
 def load(path: str | os.PathLike | None = None, backend: str = "cpu", ctx: int | None = None, *,

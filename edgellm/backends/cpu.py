@@ -46,7 +46,9 @@ class CpuWeights:
         return sum(t.numel() * t.element_size() for t in self._cache.values())
 
 
-def _rope(x: torch.Tensor, start: int, freqs: torch.Tensor | None, a: dict) -> torch.Tensor:
+def _rope(x: torch.Tensor, start: int, freqs: torch.Tensor | None, a: dict,
+          positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotary embedding at positions start.. (or at the given per-row positions)."""
     s = x.shape[0]
     h, d, r = a["n_heads"], a["head_dim"], a.get("rope_dim", a["head_dim"])
     # angles in float64, then rounded once to float32
@@ -54,7 +56,8 @@ def _rope(x: torch.Tensor, start: int, freqs: torch.Tensor | None, a: dict) -> t
     inv = a["theta"] ** (-torch.arange(0, r, 2, dtype=torch.float64, device=dev) / r)
     if freqs is not None:
         inv = inv / freqs.to(device=dev, dtype=torch.float64)
-    pos = torch.arange(start, start + s, dtype=torch.float64, device=dev) * a.get("pos_scale", 1.0)
+    pos = (torch.arange(start, start + s, dtype=torch.float64, device=dev) if positions is None
+           else positions.to(device=dev, dtype=torch.float64)) * a.get("pos_scale", 1.0)
     ang = pos[:, None] * inv[None, :]  # [S, r/2]
     m = a.get("mscale", 1.0)  # long-RoPE attention factor: scales cos and sin
     cos, sin = (ang.cos() * m).to(x.dtype)[:, None, :], (ang.sin() * m).to(x.dtype)[:, None, :]
@@ -89,6 +92,23 @@ def _attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, start: int, 
     p = torch.softmax(scores, dim=-1).view(g, r * s, n)
     o = torch.bmm(p, v).view(g, r, s, d)
     return o.permute(2, 0, 1, 3).reshape(s, h * d)
+
+
+def _attention_rows(q, kc, vc, base, pos, a: dict) -> torch.Tensor:
+    # each row is one sequence's decode query over its own slot of the cache: the single-sequence
+    # attention on that row, so a batched step computes what separate steps would
+    out = torch.empty_like(q)
+    for i, (b, p) in enumerate(zip(base.tolist(), pos.tolist())):
+        out[i:i + 1] = _attention(q[i:i + 1], kc[b:b + p + 1], vc[b:b + p + 1], p, a)
+    return out
+
+
+def _kv_store_rows(op: Op, i: list) -> torch.Tensor:
+    cache, x, rows = i[0], i[1], (i[2] + i[3]).long()
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= cache.shape[0]):
+        raise GraphError(f"op '{op.name}': rows {rows.tolist()} outside the cache's {cache.shape[0]}")
+    cache.index_copy_(0, rows, x)
+    return cache
 
 
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -154,6 +174,9 @@ CPU_KERNELS: dict[str, Callable] = {
     "kv_store": _kv_store,
     "attention": lambda op, i: _attention(i[0], i[1], i[2], int(i[3]), op.attrs),
     "last_row": lambda op, i: i[0][-1:],
+    "rope_rows": lambda op, i: _rope(i[0], 0, i[2] if len(i) > 2 else None, op.attrs, positions=i[1]),
+    "kv_store_rows": _kv_store_rows,
+    "attention_rows": lambda op, i: _attention_rows(i[0], i[1], i[2], i[3], i[4], op.attrs),
     # fused ops (edgellm.compiler.passes): each the composition it replaces
     "add_rms_norm": _add_rms_norm,
     "swiglu": lambda op, i: GATE_ACTS[op.attrs.get("act", "silu")](i[0]) * i[1],

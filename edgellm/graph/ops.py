@@ -21,6 +21,11 @@ Semantics (every backend implements these exactly; the cpu backend is the refere
                                               0..p, and with window > 0 only to rows p-window+1..p (sliding
                                               window); query head h reads kv head h // (H/G)
   last_row(x[S,D])                         -> [1,D]   the last row
+Row-wise forms, for one decode step of several sequences (row i: its own KV slot and position):
+  rope_rows(x[S,H*d], pos[S], (freqs); as rope) -> row i rotated at position pos[i]
+  kv_store_rows(cache[C,F], x[S,F], base[S], pos[S]) -> cache, row base[i]+pos[i] := x[i] (alias)
+  attention_rows(q[S,H*d], k[C,G*d], v[C,G*d], base[S], pos[S]; as attention)
+                                           -> [S,H*d]; query i attends to cache rows base[i] .. base[i]+pos[i]
 """
 
 from __future__ import annotations
@@ -134,6 +139,29 @@ def _attention(op, ins, attrs):
     return q.shape, "f32", None
 
 
+def _rows(op, rows, *index):
+    """Row-wise ops: each index tensor holds one entry per row of `rows`."""
+    for t in index:
+        _rank(op, t, 1)
+        if not _same(t.shape[0], rows.shape[0]):
+            raise _fail(op, f"index '{t.name}' has {t.shape[0]} entries, expected one per row of '{rows.name}'")
+
+
+def _rope_rows(op, ins, attrs):
+    _rows(op, ins[0], ins[1])
+    return _rope(op, ins, attrs)
+
+
+def _kv_store_rows(op, ins, attrs):
+    _rows(op, ins[1], ins[2], ins[3])
+    return _kv_store(op, ins, attrs)
+
+
+def _attention_rows(op, ins, attrs):
+    _rows(op, ins[0], ins[3], ins[4])
+    return _attention(op, ins, attrs)
+
+
 def _last_row(op, ins, attrs):
     (x,) = ins
     _rank(op, x, 2)
@@ -156,6 +184,9 @@ RULES: dict[str, Rule] = {
     "kv_store": _kv_store,
     "attention": _attention,
     "last_row": _last_row,
+    "rope_rows": _rope_rows,
+    "kv_store_rows": _kv_store_rows,
+    "attention_rows": _attention_rows,
 }
 RULES.update({k: v for k, v in ND_RULES.items() if k not in RULES})  # N-D kinds of imported networks
 
@@ -176,13 +207,13 @@ def flops(kind: str, inputs: list[Tensor], output: Tensor, attrs: dict[str, Any]
         return nd
     if kind == "linear":
         return 2 * n_out * inputs[1].shape[1]
-    if kind == "attention":
+    if kind in ("attention", "attention_rows"):
         # QK^T and PV over kv_len keys per query (causal masking halves this in prefill; not counted)
         keys = sympy.Min(KV_LEN, attrs["window"]) if attrs.get("window") else KV_LEN  # a sliding window reads fewer
         return 4 * output.shape[0] * keys * attrs["n_heads"] * attrs["head_dim"]
     if kind == "rms_norm":
         return 4 * n_out
-    if kind in ("add", "mul", "scale", "silu", "gelu", "softcap", "rope"):
+    if kind in ("add", "mul", "scale", "silu", "gelu", "softcap", "rope", "rope_rows"):
         return (1 if kind in ("add", "mul", "scale") else 4) * n_out
     return sympy.Integer(0)
 

@@ -13,11 +13,15 @@ softcap are present only where the family has them.
 
 from __future__ import annotations
 
+from ..errors import GraphError
 from ..gguf_file import GGUFFile
 from ..graph.ir import CTX, SEQ, Graph, row_slice
 from .config import ModelConfig
 
-STAGES = ("all", "last")  # which logits the graph returns: every position, or only the last one
+# which logits the graph returns: every position, only the last one, or one per row where each row
+# is a different sequence's decode token (its own KV slot at rows base.. of the cache, its own
+# position: the batched decode step of edgellm.session.SlotPool)
+STAGES = ("all", "last", "rows")
 
 
 class Builder:
@@ -29,7 +33,11 @@ class Builder:
         self.cfg, self.f = cfg, f
         self.g = Graph(f"{cfg.arch}-{logits}", meta={"arch": cfg.arch, "logits": logits})
         self.tokens = self.g.input("tokens", (SEQ,), "i32")
-        self.start = self.g.input("start_pos", (), "i32")
+        self.by_rows = logits == "rows"
+        if self.by_rows:
+            self.pos, self.base = self.g.input("pos", (SEQ,), "i32"), self.g.input("base", (SEQ,), "i32")
+        else:
+            self.start = self.g.input("start_pos", (), "i32")
 
     def w(self, name: str) -> str:
         t = self.f.tensors[name]
@@ -81,16 +89,23 @@ class Builder:
         if cfg.rope_mscale != 1.0:
             rope["mscale"] = cfg.rope_mscale
         extra = (rope_freqs,) if rope_freqs else ()
-        q = g.op("rope", proj["q"], self.start, *extra, name=b + "rope_q", n_heads=cfg.n_heads, **rope)
-        k = g.op("rope", proj["k"], self.start, *extra, name=b + "rope_k", n_heads=cfg.n_kv_heads, **rope)
+        if self.by_rows:  # each row its own sequence: its own position, its own KV slot
+            if window or cfg.rope_mscale != 1.0:
+                raise GraphError(f"{cfg.arch}: batched decode of sliding-window or scaled-RoPE layers is not "
+                                 "supported yet (serve it with --parallel 1)")
+            rope_kind, at, where, suffix = "rope_rows", (self.pos,), (self.base, self.pos), "_rows"
+        else:
+            rope_kind, at, where, suffix = "rope", (self.start,), (self.start,), ""
+        q = g.op(rope_kind, proj["q"], *at, *extra, name=b + "rope_q", n_heads=cfg.n_heads, **rope)
+        k = g.op(rope_kind, proj["k"], *at, *extra, name=b + "rope_k", n_heads=cfg.n_kv_heads, **rope)
         kc = g.state(f"cache.k.{i}", (CTX, cfg.kv_dim))
         vc = g.state(f"cache.v.{i}", (CTX, cfg.kv_dim))
-        kc = g.op("kv_store", kc, k, self.start, name=b + "store_k")
-        vc = g.op("kv_store", vc, proj["v"], self.start, name=b + "store_v")
+        kc = g.op("kv_store" + suffix, kc, k, *where, name=b + "store_k")
+        vc = g.op("kv_store" + suffix, vc, proj["v"], *where, name=b + "store_v")
         attrs = dict(n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, scale=cfg.softmax_scale)
         if window:
             attrs["window"] = window
-        a = g.op("attention", q, kc, vc, self.start, name=b + "attn", **attrs)
+        a = g.op("attention" + suffix, q, kc, vc, *where, name=b + "attn", **attrs)
         return g.op("linear", a, self.w(b + "attn_output.weight"), name=b + "attn_output")
 
     def mlp(self, i: int, m: str) -> str:

@@ -1,0 +1,297 @@
+"""Continuous batching: many requests share one model, each in its own KV-cache slot.
+
+One thread owns the model. Between model steps it admits waiting requests into free slots (the
+slot whose cache already holds the longest prefix of the prompt: a multi-turn client or a shared
+system prompt skips that part of the prefill), drops cancelled ones (the slot is free for the
+next step), runs pending prefills up to `chunk` prompt tokens in all (oldest first; a long prompt
+in chunk-sized parts over several steps), then one decode step for every running sequence.
+Requests thus join and leave the running set between steps, and prompts delay the running
+sequences by at most one chunk of prefill per step.
+
+A decode step is one batched program over every running sequence (SlotPool.decode: the linear
+layers one matrix product over the rows, attention over each row's own slot and length) where
+the backend has the row-wise ops (cpu today); elsewhere (cuda today) each sequence's
+single-token program runs in turn, with the same step structure.
+
+Each request brings its own sampling parameters (and seed), stop strings and max_tokens; its
+events (text pieces, then a final Done or Failed) go to a callback, called on this thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from ..errors import EdgeLLMError
+from ..sampling import Sampler, SamplingParams
+from ..session import KVSlot, SlotPool, TextStream
+
+
+class QueueFullError(EdgeLLMError):
+    """Every slot is busy and the waiting queue is at its bound."""
+
+
+class ShuttingDownError(EdgeLLMError):
+    """The scheduler is stopping and takes no new requests."""
+
+
+@dataclass
+class Piece:
+    """Text that is now certain, with the tokens that produced it (and their log-probabilities
+    when asked: one (token, logprob, [(token, logprob), ...]) per token)."""
+    text: str
+    tokens: list[int]
+    logprobs: list | None = None
+
+
+@dataclass
+class Done:
+    finish_reason: str  # 'stop' (end of turn or a stop string), 'length' (max_tokens or context), 'cancelled'
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    ttft_s: float
+    total_s: float
+
+
+@dataclass
+class Failed:
+    message: str
+
+
+@dataclass(eq=False)
+class Request:
+    prompt: list[int]
+    max_tokens: int
+    params: SamplingParams = field(default_factory=SamplingParams)
+    stops: tuple[str, ...] = ()
+    logprobs: int | None = None  # None: off; k >= 0: the chosen token's and the k most likely
+    ignore_eos: bool = False  # end-of-turn tokens do not end the answer (load tests)
+    on_event: Callable[[object], None] = lambda ev: None
+    id: int = field(default_factory=itertools.count().__next__)
+    cancelled: bool = False
+
+    def cancel(self) -> None:
+        """Stop this request; its slot is free before the next model step. Safe from any thread."""
+        self.cancelled = True
+
+
+@dataclass(eq=False)
+class _Running:
+    req: Request
+    slot: KVSlot
+    pos: int  # the next cache row to write
+    todo: list[int]  # prompt tokens still to prefill
+    sampler: Sampler
+    history: list[int]
+    text: TextStream
+    t0: float
+    last: int | None = None  # the sampled token to feed next
+    generated: int = 0
+    cached: int = 0
+    ttft: float = 0.0
+
+
+class Scheduler:
+    def __init__(self, model, parallel: int = 1, *, max_queue: int = 64, chunk: int = 256):
+        if parallel < 1:
+            raise EdgeLLMError(f"parallel must be at least 1, got {parallel}")
+        if max_queue < 0:
+            raise EdgeLLMError(f"max_queue must be >= 0, got {max_queue}")
+        self.model = model
+        self.ctx = model.ctx
+        self.chunk = max(1, int(chunk))
+        self.max_queue = max_queue
+        self.pool = SlotPool(model, parallel)
+        self.slots: list[KVSlot] = list(self.pool.slots)
+        self.batched = self.pool.batch is not None
+        self._free: list[KVSlot] = list(self.slots)
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._running: list[_Running] = []
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._stop_ids = model.tokenizer.stop_ids if model.tokenizer is not None else frozenset()
+        self._thread = threading.Thread(target=self._loop, name="edgellm-scheduler", daemon=True)
+        self.steps = 0
+
+    # -- the caller's side ------------------------------------------------------------------------
+    def start(self) -> "Scheduler":
+        self._thread.start()
+        return self
+
+    def submit(self, req: Request) -> Request:
+        """Queue a request (prompt must leave room for one generated token: the caller checks the
+        context). Raises QueueFullError when the bounded queue is full, ShuttingDownError when stopping."""
+        if not req.prompt:
+            raise EdgeLLMError("the prompt has no tokens")
+        if len(req.prompt) >= self.ctx:
+            raise EdgeLLMError(f"the prompt has {len(req.prompt)} tokens; the context holds {self.ctx}")
+        with self._cv:
+            if self._stopping:
+                raise ShuttingDownError("the server is shutting down")
+            # free slots take the first waiting requests at the next step; beyond them, max_queue wait
+            if len(self._waiting) >= len(self._free) + self.max_queue:
+                raise QueueFullError(f"all {len(self.slots)} slots are busy and {len(self._waiting)} requests "
+                                     "are waiting; try again later")
+            self._waiting.append(req)
+            self._cv.notify()
+        return req
+
+    def counts(self) -> dict:
+        with self._cv:
+            return {"slots": len(self.slots), "busy": len(self.slots) - len(self._free),
+                    "free": len(self._free), "waiting": len(self._waiting), "max_queue": self.max_queue}
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Cancel everything queued or running (each gets Done('cancelled')) and end the thread."""
+        with self._cv:
+            self._stopping = True
+            for r in list(self._waiting) + [run.req for run in self._running]:
+                r.cancel()
+            self._cv.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # -- the model thread -------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                self._drop_cancelled()
+                self._admit()
+                if not self._running:
+                    if self._stopping:
+                        return
+                    self._cv.wait(0.5)
+                    continue
+            self._prefill()
+            self._decode()
+            self.steps += 1
+
+    def _drop_cancelled(self) -> None:
+        for r in [r for r in self._waiting if r.cancelled]:
+            self._waiting.remove(r)
+            _send(r, Done("cancelled", len(r.prompt), 0, 0, 0.0, 0.0))
+        for run in [run for run in self._running if run.req.cancelled]:
+            self._finish(run, "cancelled")
+
+    def _admit(self) -> None:
+        while self._free and self._waiting:
+            req = self._waiting.popleft()
+            # the free slot whose cache holds the longest prefix of this prompt
+            slot = max(self._free, key=lambda s: (s.reusable_prefix(req.prompt), -s.index))
+            self._free.remove(slot)
+            pos = slot.reusable_prefix(req.prompt)
+            run = _Running(req, slot, pos, list(req.prompt[pos:]), Sampler(req.params), list(req.prompt),
+                           TextStream(self.model.tokenizer, req.stops), time.perf_counter(), cached=pos)
+            if req.max_tokens == 0:
+                self._release(run)
+                _send(req, Done("length", len(req.prompt), pos, 0, 0.0, 0.0))
+                continue
+            self._running.append(run)
+
+    def _prefill(self) -> None:
+        """Pending prefills, oldest first, up to `chunk` tokens in all this step; a prompt's last
+        part yields its first token."""
+        budget = self.chunk
+        for run in [r for r in self._running if r.todo]:
+            if budget <= 0:
+                break
+            if run.req.cancelled:
+                continue
+            part, run.todo = run.todo[:budget], run.todo[budget:]
+            budget -= len(part)
+            logits = self._forward(run, part)
+            if logits is not None and not run.todo:
+                run.ttft = time.perf_counter() - run.t0
+                self._sample(run, logits)
+
+    def _decode(self) -> None:
+        runs = [r for r in self._running if not r.todo and r.last is not None and not r.req.cancelled]
+        if not runs:
+            return
+        if not self.batched:  # round-robin single-sequence steps (see the module docstring)
+            for run in runs:
+                logits = self._forward(run, [run.last])
+                if logits is not None:
+                    self._sample(run, logits)
+            return
+        try:
+            logits = self.pool.decode([(r.slot, r.last, r.pos) for r in runs])
+        except Exception as e:
+            for run in runs:
+                self._fail(run, f"{type(e).__name__}: {e}" if not isinstance(e, EdgeLLMError) else str(e))
+            return
+        for run, row in zip(runs, logits):
+            run.pos += 1
+            self._sample(run, row)
+
+    def _forward(self, run: _Running, ids: list[int]) -> np.ndarray | None:
+        try:
+            logits = self.model.forward(ids, run.pos, all_logits=False, slot=run.slot)[-1]
+        except Exception as e:  # one request's failure must not take the others down
+            self._fail(run, f"{type(e).__name__}: {e}" if not isinstance(e, EdgeLLMError) else str(e))
+            return None
+        run.pos += len(ids)
+        return logits
+
+    def _sample(self, run: _Running, logits: np.ndarray) -> None:
+        req = run.req
+        token = run.sampler(logits, run.history)
+        run.generated += 1
+        if token in self._stop_ids and not req.ignore_eos:
+            self._emit(run, run.text.flush(), [], None)
+            self._finish(run, "stop")
+            return
+        run.history.append(token)
+        run.last = token
+        lp = _logprobs(logits, token, req.logprobs, self.model.tokenizer) if req.logprobs is not None else None
+        self._emit(run, run.text.push(token), [token], lp)
+        if run.text.stopped:
+            self._finish(run, "stop")
+        elif run.generated >= req.max_tokens or run.pos >= self.ctx:
+            self._emit(run, run.text.flush(), [], None)
+            self._finish(run, "length")
+
+    def _emit(self, run: _Running, text: str, tokens: list[int], lp) -> None:
+        if text or tokens:
+            _send(run.req, Piece(text, tokens, [lp] if lp is not None else None))
+
+    def _finish(self, run: _Running, reason: str) -> None:
+        completion = len(run.history) - len(run.req.prompt)  # sampled tokens, an end-of-turn token not counted
+        self._release(run)
+        _send(run.req, Done(reason, len(run.req.prompt), run.cached, completion,
+                            run.ttft, time.perf_counter() - run.t0))
+
+    def _fail(self, run: _Running, message: str) -> None:
+        self._release(run)
+        _send(run.req, Failed(message))
+
+    def _release(self, run: _Running) -> None:
+        with self._cv:
+            if run in self._running:
+                self._running.remove(run)
+            if run.slot not in self._free:
+                self._free.append(run.slot)
+
+
+def _send(req: Request, ev) -> None:
+    try:
+        req.on_event(ev)
+    except Exception:  # a listener that went away must not stop the model thread
+        req.cancel()
+
+
+def _logprobs(logits: np.ndarray, token: int, k: int, tok) -> tuple:
+    """(token, logprob, [(token, logprob) for the k most likely]) from the model's distribution."""
+    x = np.asarray(logits, dtype=np.float64)
+    m = x.max()
+    lse = m + np.log(np.exp(x - m).sum())
+    top = np.argpartition(-x, k)[:k] if 0 < k < x.size else np.arange(0)
+    top = top[np.argsort(-x[top], kind="stable")]
+    return token, float(x[token] - lse), [(int(i), float(x[i] - lse)) for i in top]

@@ -1,0 +1,166 @@
+"""KV-cache slots, prefix reuse, chat prompts and the text stream with stop strings.
+
+A KVSlot is one sequence's KV cache (the backend's state tensors) with the programs bound to it,
+plus the token ids whose keys and values its rows 0..len-1 hold. Model.forward keeps that record
+truthful on every run, so the next request on the slot can skip the longest common prefix and
+prefill only the tokens after it: a chat's second turn reads only the new message, not the whole
+history again. `edgellm chat` and `edgellm serve` (one slot per parallel sequence) share this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .errors import EdgeLLMError
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass(eq=False)
+class KVSlot:
+    """One sequence's KV cache: `states` (the backend's cache tensors), `programs` (the model's
+    stage programs bound to them) and `tokens`, the ids whose K/V rows 0..len(tokens)-1 hold."""
+
+    states: dict = field(repr=False)
+    programs: dict = field(repr=False)
+    tokens: list[int] = field(default_factory=list)
+    index: int = 0
+
+    def reusable_prefix(self, ids: list[int]) -> int:
+        """How many leading ids can be skipped: their K/V rows are already in the cache. At least
+        one id is always left to run, since its logits are what comes next."""
+        n = common_prefix(self.tokens, ids)
+        return min(n, len(ids) - 1) if ids else 0
+
+    def reset(self) -> None:
+        self.tokens = []
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def check_messages(messages) -> list[dict]:
+    """A conversation as [{'role': ..., 'content': str}, ...], or an EdgeLLMError saying what is wrong."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise EdgeLLMError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+    out = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise EdgeLLMError(f"messages[{i}] is a {type(msg).__name__}, expected a dict with 'role' and 'content'")
+        role, content = msg.get("role"), msg.get("content")
+        if role not in CHAT_ROLES:
+            raise EdgeLLMError(f"messages[{i}]['role'] is {role!r}, expected one of {', '.join(CHAT_ROLES)}")
+        if not isinstance(content, str):
+            raise EdgeLLMError(f"messages[{i}]['content'] must be a string, got {type(content).__name__}")
+        out.append({"role": role, "content": content})
+    return out
+
+
+class TextStream:
+    """Turns sampled token ids into text pieces and cuts at stop strings: text that could be the
+    start of a stop string is held back until it is known not to be one; a stop string found ends
+    the stream (`stopped` true) and is not part of the output."""
+
+    def __init__(self, tokenizer, stops=()):
+        self._decoder = tokenizer.stream_decoder(strip_leading_space=False)  # a continuation keeps its space
+        self._stops = tuple(s for s in stops if s)
+        self._longest = max(map(len, self._stops), default=0)
+        self._pending = ""
+        self.stopped = False
+
+    def push(self, token: int) -> str:
+        """The text that is now certain after one more token ('' when held back or stopped)."""
+        if self.stopped:
+            return ""
+        self._pending += self._decoder.push(token)
+        return self._release()
+
+    def flush(self) -> str:
+        """End of generation: whatever is held back (unless a stop string ended the stream)."""
+        if self.stopped:
+            return ""
+        self._pending += self._decoder.flush()
+        out = self._release()
+        out, self._pending = out + self._pending, ""
+        return out
+
+    def _release(self) -> str:
+        pending = self._pending
+        if not self._stops:
+            self._pending = ""
+            return pending
+        cut = min((i for i in (pending.find(s) for s in self._stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            self._pending = ""
+            return pending[:cut]
+        # hold back the longest suffix that is a prefix of some stop string
+        keep = next((k for k in range(min(self._longest - 1, len(pending)), 0, -1)
+                     if any(s.startswith(pending[-k:]) for s in self._stops)), 0)
+        self._pending = pending[len(pending) - keep:]
+        return pending[: len(pending) - keep]
+
+
+ROW_OPS = frozenset({"rope_rows", "kv_store_rows", "attention_rows"})
+
+
+class SlotPool:
+    """`n` KV slots in one cache tensor per layer with the slots along its rows (slot s owns rows
+    s*ctx .. (s+1)*ctx-1). Each slot is a view bound to the model's single-sequence programs (for
+    prefill, and decode of one sequence); where the backend runs the row-wise ops, `decode` runs
+    one token of each of several slots in one step: the model's 'rows' graph, whose linear layers
+    are one matrix product over the rows (the weights read once per step, not once per sequence)
+    and whose attention reads each row's own slot up to its own position."""
+
+    def __init__(self, model, n: int):
+        from .compiler.compile import compile_graph
+        from .models import build_graph
+
+        if n < 1:
+            raise EdgeLLMError(f"a slot pool needs at least one slot, got {n}")
+        self.model, self.n, self.ctx = model, n, model.ctx
+        backend = model.backend
+        graph = build_graph(model.config, model.file, "rows")
+        self.states = backend.allocate_states(graph, n * self.ctx)
+        self.slots = []
+        for s in range(n):
+            view = {k: t[s * self.ctx:(s + 1) * self.ctx] for k, t in self.states.items()}
+            self.slots.append(KVSlot(*model.bind_programs(view), index=s))
+        supported = getattr(backend, "SUPPORTED_OPS", None)
+        self.batch = None
+        if supported is None or ROW_OPS <= set(supported):
+            c = compile_graph(graph, supported_ops=supported, backend=backend.name, seq=n, ctx=n * self.ctx,
+                              fuse=model.fuse)
+            self.batch = backend.compile(c.graph, self.states, c.plan, max_seq=n)
+
+    def decode(self, steps: list[tuple[KVSlot, int, int]]):
+        """One decode step of several sequences: (slot, token, position) each, distinct slots.
+        Returns float32 logits [len(steps), vocab], row i for steps[i]."""
+        import numpy as np
+
+        if self.batch is None:
+            raise EdgeLLMError(f"the {self.model.backend.name} backend has no row-wise decode ops")
+        if len({id(s) for s, _, _ in steps}) != len(steps):
+            raise EdgeLLMError("a decode step takes each slot at most once")
+        vocab = self.model.config.vocab_size
+        for slot, token, pos in steps:
+            if not 0 <= pos < self.ctx:
+                raise EdgeLLMError(f"position {pos} is outside slot {slot.index}'s context of {self.ctx}")
+            if not 0 <= token < vocab:
+                raise EdgeLLMError(f"token id {token} is outside the vocabulary [0, {vocab})")
+        known = []
+        for slot, _, pos in steps:  # as Model.forward: rows from pos on are about to change
+            del slot.tokens[pos:]
+            known.append(len(slot.tokens) == pos)
+        out = self.batch.run({"tokens": np.array([t for _, t, _ in steps], dtype=np.int32),
+                              "pos": np.array([p for _, _, p in steps], dtype=np.int32),
+                              "base": np.array([s.index * self.ctx for s, _, _ in steps], dtype=np.int32)})
+        for (slot, token, _), ok in zip(steps, known):
+            if ok:
+                slot.tokens.append(int(token))
+        return self.model.backend.to_numpy(out["logits"])
