@@ -59,7 +59,7 @@ def test_quantize_summary_words_the_size_change_and_does_not_wrap(work, src_type
 
 
 def test_plan_titles_do_not_wrap(work):
-    r = edgellm("plan", str(tiny_gguf(work / "plan.gguf")))
+    r = edgellm("plan", "--backend", "cpu", str(tiny_gguf(work / "plan.gguf")))
     assert r.returncode == 0, r.stderr
     lines = [ln.strip() for ln in r.stdout.splitlines()]
     for title in ("passes (prefill graph): ops before → after", "kernels per stage", "delegation: subgraphs per stage",
