@@ -195,8 +195,11 @@ class Model:
         sizes = getattr(self.backend, "warmup_sizes", None)
         if sizes is None:
             return 0.0
+        steps = sizes(self.programs, self.ctx, full)
+        if not steps:  # nothing compiles or captures on this device (the Triton interpreter)
+            return 0.0
         t0 = time.perf_counter()
-        for stage, seq, start in sizes(self.programs, self.ctx, full):
+        for stage, seq, start in steps:
             self.programs[stage].run({"tokens": np.zeros(seq, dtype=np.int32), "start_pos": start})
         greedy = getattr(self.programs["decode"], "greedy_tokens", None)
         if greedy is not None and self.ctx > 2:
