@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from . import arguments as A
 
@@ -44,7 +43,7 @@ def _cmd_warmup(args: argparse.Namespace) -> int:
         m = load(args.model, backend=args.backend, ctx=args.ctx, warmup=False)
         dt = m.warmup(full=True)
     print(f"warmed {m.backend.describe()} for {m.path} at context {m.ctx}: load {m.load_s:.2f} s, "
-          f"every program shape {dt:.2f} s", file=sys.stderr)
+          f"every program shape {dt:.2f} s")
     return 0
 
 

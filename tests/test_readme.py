@@ -221,6 +221,9 @@ def _serve_answers_then_stops(proc: subprocess.Popen, where: str) -> None:
 @pytest.mark.parametrize("line, code", PYTHON_BLOCKS, ids=[f"README.md:{n}" for n, _ in PYTHON_BLOCKS])
 def test_readme_python_runs(line, code, fixtures, tmp_path):
     d, default, _ = fixtures
+    for name in FIXTURES:  # the files this block names
+        if re.search(rf"(?<![\w.-]){re.escape(name)}(?![\w.-])", code):
+            (shutil.copytree if (d / name).is_dir() else shutil.copy)(d / name, tmp_path / name)
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=child_env(EDGELLM_MODEL=str(default)),
                        capture_output=True, text=True, timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
     assert r.returncode == 0, f"README.md python block at line {line} failed:\n{r.stderr[-3000:]}"

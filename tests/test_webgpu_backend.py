@@ -131,7 +131,7 @@ def test_auto_prefers_a_hardware_adapter(monkeypatch):
     soft = device.AdapterInfo("llvmpipe (LLVM 15)", "llvmpipe", "Vulkan", "CPU", "Mesa", ())
     gpu = device.AdapterInfo("NVIDIA H100 80GB HBM3", "nvidia", "Vulkan", "DiscreteGPU", "NVIDIA", ())
     monkeypatch.setattr(device, "list_adapters", lambda: [soft])
-    assert _auto() == "cpu"
+    assert _auto() == "cpu-fast"  # the CPU choice of auto (the float32 cpu is the reference)
     monkeypatch.setattr(device, "list_adapters", lambda: [soft, gpu])
     assert _auto() == "webgpu"
 

@@ -167,7 +167,9 @@ CPU_KERNELS: dict[str, Callable] = {
     "add": lambda op, i: i[0] + i[1],
     "mul": lambda op, i: i[0] * i[1],
     "silu": lambda op, i: torch.nn.functional.silu(i[0]),
-    "gelu": lambda op, i: gelu_tanh(i[0]),
+    # one gelu op for both worlds: ONNX's exact (erf) form by default, the tanh form of Gemma's
+    # builder with approximate='tanh'
+    "gelu": lambda op, i: torch.nn.functional.gelu(i[0], approximate=op.attrs.get("approximate", "none")),
     "scale": lambda op, i: i[0] * op.attrs["factor"],
     "softcap": lambda op, i: torch.tanh(i[0] / op.attrs["cap"]) * op.attrs["cap"],
     "rope": lambda op, i: _rope(i[0], int(i[1]), i[2] if len(i) > 2 else None, op.attrs),

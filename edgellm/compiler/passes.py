@@ -185,8 +185,8 @@ def fuse_swiglu(g: Graph) -> Graph:
     prod = g.producers()
     drop: set[int] = set()
     for i, op in enumerate(g.ops):
-        if op.kind not in GATE_ACTS:
-            continue
+        if op.kind not in GATE_ACTS or (op.kind == "gelu" and op.attrs.get("approximate", "none") != "tanh"):
+            continue  # the gated kernels' gelu is the tanh form
         attrs = {} if op.kind == "silu" else {"act": GATE_ACTS[op.kind]}
         j = _single_consumer(cons, op.outputs[0])
         if j is None or g.ops[j].kind != "mul":

@@ -118,7 +118,8 @@ class Builder:
         gate = g.op("linear", m, wg, name=b + "ffn_gate")
         up = g.op("linear", m, wu, name=b + "ffn_up")
         act_kind = {"silu": "silu", "gelu_tanh": "gelu"}[cfg.mlp_act]
-        act = g.op("mul", g.op(act_kind, gate, name=b + f"ffn_{act_kind}"), up, name=b + "ffn_mul")
+        act_attrs = {"approximate": "tanh"} if act_kind == "gelu" else {}
+        act = g.op("mul", g.op(act_kind, gate, name=b + f"ffn_{act_kind}", **act_attrs), up, name=b + "ffn_mul")
         return g.op("linear", act, self.w(b + "ffn_down.weight"), name=b + "ffn_down")
 
     def layer(self, i: int, x: str, rope_freqs: str | None) -> str:

@@ -395,6 +395,9 @@ class CudaProgram:
         if kind == "swiglu":
             return lambda env, s, c: K.silu_mul(env[ins[0]], env[ins[1]], out=env[outs[0]], act=a.get("act", "silu"))
         if kind in ("gelu", "scale", "softcap"):
+            if kind == "gelu" and a.get("approximate", "none") != "tanh":  # the kernel is the tanh form
+                return lambda env, s, c: env[outs[0]].copy_(
+                    torch.nn.functional.gelu(env[ins[0]].float(), approximate="none"))
             param = a.get("factor", a.get("cap", 0.0))
             return lambda env, s, c: K.unary(env[ins[0]], kind, param, out=env[outs[0]])
         if kind == "rope_qkv_store":
