@@ -11,18 +11,18 @@ from typing import Iterator
 
 @contextlib.contextmanager
 def slow_notice(message: str, *, after: float = 1.0, stream=None) -> Iterator[None]:
-    """Within the block, if it has not finished after `after` seconds, show `message` on stderr:
-    a spinner with the elapsed time on a terminal, one plain line otherwise. Nothing is shown for a
-    block that finishes in time (a warm start stays silent)."""
+    """Within the block, if it has not finished after `after` seconds, show `message` on stderr as
+    a spinner with the elapsed time, cleared when the block ends. Only on a terminal: a pipe or a
+    log gets nothing (scripts read stderr for errors). Nothing is shown for a block that finishes
+    in time (a warm start stays silent)."""
     stream = stream if stream is not None else sys.stderr
+    if not (hasattr(stream, "isatty") and stream.isatty()):
+        yield
+        return
     done = threading.Event()
-    tty = hasattr(stream, "isatty") and stream.isatty()
 
     def watch() -> None:
         if done.wait(after):
-            return
-        if not tty:
-            print(f"edgellm: {message} ...", file=stream, flush=True)
             return
         from rich.console import Console
 
