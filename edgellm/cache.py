@@ -129,18 +129,15 @@ class ProgramCache:
         """Write an artifact atomically; a failure to write (read-only or full disk) is not an
         error of the load that asked, so it is ignored."""
         d = self.programs / key
+        tmp = d / f".{name}.{os.getpid()}.{time.monotonic_ns()}.tmp"
         try:
             d.mkdir(parents=True, exist_ok=True)
-            tmp = d / f".{name}.{os.getpid()}.{time.monotonic_ns()}.tmp"
             with open(tmp, "wb") as f:
                 f.write(_HEADER.pack(MAGIC, FORMAT, len(payload), _digest(payload)))
                 f.write(payload)
             os.replace(tmp, d / name)
         except OSError:
-            try:
-                tmp.unlink()  # type: ignore[possibly-undefined]
-            except (OSError, NameError):
-                pass
+            tmp.unlink(missing_ok=True)
             return
         self.trim()
 

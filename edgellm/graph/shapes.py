@@ -102,10 +102,3 @@ def shape_function(shape: tuple) -> Callable[[Mapping[str, int]], tuple[int, ...
 
     return evaluate
 
-
-def concrete(shape: tuple, sizes: Mapping[str, int]) -> tuple[int, ...]:
-    return shape_function(tuple(shape))(sizes)
-
-
-def numel(shape: tuple, sizes: Mapping[str, int]) -> int:
-    return math.prod(concrete(shape, sizes))
