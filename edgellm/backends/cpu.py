@@ -61,9 +61,14 @@ def _rope(x: torch.Tensor, start: int, freqs: torch.Tensor | None, a: dict,
     ang = pos[:, None] * inv[None, :]  # [S, r/2]
     m = a.get("mscale", 1.0)  # long-RoPE attention factor: scales cos and sin
     cos, sin = (ang.cos() * m).to(x.dtype)[:, None, :], (ang.sin() * m).to(x.dtype)[:, None, :]
-    xh = x.view(s, h, d)
+    return rotate(x.view(s, h, d), cos, sin, r, a["style"]).view(s, h * d)
+
+
+def rotate(xh: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, r: int, style: str) -> torch.Tensor:
+    """xh [S, H, d] with its first r features rotated by the angles' cos/sin ([S, 1, r/2]): pairs
+    (2i, 2i+1) for style 'norm', (i, i + r/2) for 'neox'; the rest copied."""
     out = xh.clone()
-    if a["style"] == "norm":
+    if style == "norm":
         x0, x1 = xh[..., 0:r:2], xh[..., 1:r:2]
         out[..., 0:r:2] = x0 * cos - x1 * sin
         out[..., 1:r:2] = x0 * sin + x1 * cos
@@ -71,7 +76,7 @@ def _rope(x: torch.Tensor, start: int, freqs: torch.Tensor | None, a: dict,
         x0, x1 = xh[..., : r // 2], xh[..., r // 2 : r]
         out[..., : r // 2] = x0 * cos - x1 * sin
         out[..., r // 2 : r] = x0 * sin + x1 * cos
-    return out.view(s, h * d)
+    return out
 
 
 def _attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, start: int, a: dict) -> torch.Tensor:

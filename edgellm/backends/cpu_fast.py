@@ -31,7 +31,7 @@ from ..errors import GraphError
 from ..gguf_file import GGUFFile
 from ..graph.ir import Op
 from ..quant import dequantize
-from .cpu import CPU_KERNELS, CpuBackend, CpuProgram, _kv_store
+from .cpu import CPU_KERNELS, CpuBackend, CpuProgram, _kv_store, rotate
 from .info import CpuFastInfo, int4_group
 
 def physical_cores() -> int:
@@ -293,17 +293,7 @@ class RopeTables:
         d, r = a["head_dim"], a.get("rope_dim", a["head_dim"])
         cos, sin = self._table(freqs, a)
         cos, sin = cos[start:start + s, None, :], sin[start:start + s, None, :]
-        xh = x.reshape(s, heads, d)
-        out = xh.clone()
-        if a["style"] == "norm":
-            x0, x1 = xh[..., 0:r:2], xh[..., 1:r:2]
-            out[..., 0:r:2] = x0 * cos - x1 * sin
-            out[..., 1:r:2] = x0 * sin + x1 * cos
-        else:
-            x0, x1 = xh[..., : r // 2], xh[..., r // 2 : r]
-            out[..., : r // 2] = x0 * cos - x1 * sin
-            out[..., r // 2 : r] = x0 * sin + x1 * cos
-        return out.view(s, heads * d)
+        return rotate(x.reshape(s, heads, d), cos, sin, r, a["style"]).view(s, heads * d)
 
 
 # which inputs of a product are its weight matrices (concatenated by rows into one pack)
