@@ -3,7 +3,8 @@
     python benchmarks/gpu_check.py [--model SmolLM2.gguf] [--speed 135m,1b,8b] [--formats F16,Q8_0,Q4_0]
                                    [--json OUT.json]
 
-Fidelity (with --model): greedy 64-token continuations of cpu and cuda for a few chat prompts,
+Fidelity (with --model): greedy 64-token continuations of cpu and cuda (or each of
+--fidelity-backends, e.g. cuda,webgpu) for a few chat prompts,
 and top-1 agreement / logit error over 512 teacher-forced positions.
 Speed (llama-bench's method): synthetic random-weight GGUF models (edgellm.synthetic presets);
 prefill p tokens from an empty cache (last logits only), decode n single-token steps from an
@@ -55,17 +56,17 @@ def copy_bandwidth() -> float:
     return 2 * n / statistics.median(ts)
 
 
-def fidelity(path: str) -> dict:
+def fidelity(path: str, backend: str = "cuda") -> dict:
     cpu = edgellm.load(path, backend="cpu", ctx=1024)
-    gpu = edgellm.load(path, backend="cuda", ctx=1024)
-    out = {"prompts": []}
+    gpu = edgellm.load(path, backend=backend, ctx=1024)
+    out = {"backend": backend, "prompts": []}
     for prompt in FIDELITY_PROMPTS:
         ids = cpu.prompt_tokens(prompt)
         a = list(cpu.generate_tokens(ids, 64, SamplingParams(temperature=0)))
         b = list(gpu.generate_tokens(ids, 64, SamplingParams(temperature=0)))
         first_diff = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
         out["prompts"].append({"prompt": prompt, "identical": a == b, "first_divergence": first_diff,
-                               "cpu": cpu.tokenizer.decode(a), "cuda": gpu.tokenizer.decode(b)})
+                               "cpu": cpu.tokenizer.decode(a), backend: gpu.tokenizer.decode(b)})
     text = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read() * 3
     ids = cpu.tokenizer.encode(text)[:513]
     la, lb = cpu.logits(ids[:512]), gpu.logits(ids[:512])
@@ -162,6 +163,7 @@ def measure(path: str, p, n, reps: int, bw: float) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
+    ap.add_argument("--fidelity-backends", default="cuda", help="backends checked against cpu with --model")
     ap.add_argument("--speed", default="135m,1b,8b")
     ap.add_argument("--formats", default="F16,Q8_0,Q4_0")
     ap.add_argument("-p", type=int, default=512)
@@ -177,9 +179,10 @@ def main() -> None:
     report["copy_bandwidth_GBps"] = bw / 1e9
     print(f"{report['device']}: copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
     if a.model:
-        f = fidelity(a.model)
-        report["fidelity"] = f
-        print(json.dumps(f, indent=1), flush=True)
+        for backend in a.fidelity_backends.split(","):
+            f = fidelity(a.model, backend)
+            report.setdefault("fidelity", []).append(f)
+            print(json.dumps(f, indent=1), flush=True)
     rows = []
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR", "/tmp")) as tmp:
         for name in [s for s in a.speed.split(",") if s]:

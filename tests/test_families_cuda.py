@@ -4,6 +4,7 @@ interpreter on CPU tensors, at tiny sizes."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -55,3 +56,30 @@ def test_family_cuda_logits_match_cpu(name, tmp_path):
     steps = [m.forward(ids[:6], 0, all_logits=False)[-1]]
     steps += [m.forward([ids[i]], i, all_logits=False)[-1] for i in range(6, len(ids))]
     assert np.abs(np.stack(steps) - ref[5:]).max() <= tol * np.abs(ref).max()
+
+
+def test_residual_stream_past_float16_range(tmp_path, monkeypatch):
+    """Gemma 3's residual stream outgrows float16 (the 270M file reaches 1.04e5; float16 ends at
+    65,504): here the embedding rows, scaled by sqrt(d) into the stream, go past it from the first
+    layer on. The cuda backend keeps the stream in float32, so its logits stay finite and match."""
+    import edgellm.synthetic as synthetic
+
+    plain = synthetic.make_tensor
+
+    def big_embedding(spec, name, shape):
+        t = plain(spec, name, shape)
+        return t * 6e4 if name == "token_embd.weight" else t  # std 1.2e4: fits float16, x sqrt(32) does not
+
+    monkeypatch.setattr(synthetic, "make_tensor", big_embedding)
+    # untied: the output projection keeps ordinary weights, so the logits measure the stream alone
+    spec = dataclasses.replace(MODELS["gemma3-f16-mqa-hd16-softcap"], tied=False, logit_softcap=0.0)
+    path = write_synthetic_gguf(tmp_path / "m.gguf", spec)
+    ids = np.random.default_rng(7).integers(0, spec.vocab_size, 6).tolist()
+    ref = edgellm.load(path, ctx=16).logits(ids)
+    assert np.abs(ref).max() > 0  # the float32 reference
+    m = edgellm.load(path, backend="cuda", ctx=16)
+    got = m.logits(ids)
+    assert np.isfinite(got).all()
+    assert np.abs(got - ref).max() <= 5e-3 * np.abs(ref).max()
+    step = m.forward([ids[0]], 0, all_logits=False)[-1]  # the decode program's stream too
+    assert np.abs(step - ref[0]).max() <= 5e-3 * np.abs(ref).max()

@@ -148,6 +148,30 @@ def _use_act_int8(w) -> bool:
     return mode == "1" or w.shape[0] * w.shape[1] >= ACT_INT8_MIN_ELEMENTS
 
 
+def residual_stream(graph: Graph) -> set[str]:
+    """The tensors of the residual stream: the sums of residual adds (add_rms_norm's first output,
+    both its inputs, a projection's output with its residual added, and what add or last_row make of
+    them). They live in float32, other activations in float16: the stream accumulates every layer's
+    output and outgrows float16's range in some models (Gemma 3 270M reaches 1.04e5 by layer 14,
+    past float16's 65,504: its logits were NaN), where llama.cpp also keeps float32. They are a few
+    rows of width d per layer, so the bytes do not matter; the memory plan sizes every activation at
+    float32 already (the IR's dtype)."""
+    wide: set[str] = set()
+    for op in graph.ops:
+        if op.kind == "add_rms_norm":
+            wide.update((op.outputs[0], op.inputs[0], op.inputs[1]))
+    changed = True
+    while changed:  # forward through the ops that carry the stream on
+        changed = False
+        for op in graph.ops:
+            carries = (op.kind in ("add", "last_row") or (op.kind == "linear" and op.attrs.get("has_residual")))
+            src = op.inputs[-1] if op.kind == "linear" else op.inputs[0]
+            if carries and (src in wide or (op.kind == "add" and op.inputs[1] in wide)) and op.outputs[0] not in wide:
+                wide.add(op.outputs[0])
+                changed = True
+    return wide
+
+
 class CudaProgram:
     """A compiled graph bound to device weights, caches and an arena; one launch per op."""
 
@@ -163,10 +187,12 @@ class CudaProgram:
                           if graph.tensors[n].kind == "activation"}
         # static device inputs: tokens, start position, tokens in the cache after this step
         self.tokens = torch.zeros(max_seq, dtype=torch.int32, device=self.dev)
+        self.wide = residual_stream(graph)  # kept in float32, see residual_stream
         # float inputs: activations a split model's earlier segment made on another processor
         # (edgellm/hetero/executor.py), copied into static buffers before each step
         self._float_inputs = {n: torch.zeros((max_seq, int(graph.tensors[n].concrete_shape(seq=1, ctx=1)[-1])),
-                                             dtype=torch.float16, device=self.dev)
+                                             dtype=torch.float32 if n in self.wide else torch.float16,
+                                             device=self.dev)
                               for n in graph.inputs if graph.tensors[n].dtype == "f32"}
         self.start = torch.zeros(1, dtype=torch.int32, device=self.dev)
         self.seq_len = torch.zeros(1, dtype=torch.int32, device=self.dev)
@@ -202,7 +228,7 @@ class CudaProgram:
     def _buffer(self, name: str, seq: int, ctx: int) -> torch.Tensor:
         t = self.graph.tensors[name]
         shape = self._shape_fn[name]({"seq": seq, "ctx": ctx})
-        dtype = torch.float32 if name in self.graph.outputs else torch.float16
+        dtype = torch.float32 if name in self.graph.outputs or name in self.wide else torch.float16
         if name in self._own_buffers:
             return self._own_buffers[name][:shape[0]].view(shape)
         if name in self.offsets:
@@ -311,7 +337,7 @@ class CudaProgram:
             width = int(self.graph.tensors[norm.outputs[0]].shape[-1])
             self._own_buffers[norm.outputs[0]] = self.backend.shared_buffer(
                 ("resid", self.max_seq, width),
-                lambda: torch.empty((self.max_seq, width), dtype=torch.float16, device=self.dev))
+                lambda: torch.empty((self.max_seq, width), dtype=torch.float32, device=self.dev))
             self._norm_tail[lin.name] = (norm, residual, self._norm_counters[i:i + 1])
             self._absorbed.add(name)
 
