@@ -1,0 +1,128 @@
+"""Batched decode on the cuda backend: the row-wise kernels (rope_rows, kv_store_rows,
+attention_rows; each row a different sequence with its own KV slot and position) against the cpu
+backend's reference ops, and SlotPool.decode on cuda against the cpu backend and against each
+sequence run alone. Without a GPU the kernels run in Triton's interpreter (tiny shapes)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("triton was imported without TRITON_INTERPRET=1", allow_module_level=True)
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from edgellm.backends.cpu import CPU_KERNELS  # noqa: E402
+from edgellm.backends.cuda import kernels as K  # noqa: E402
+from edgellm.graph.ir import Op  # noqa: E402
+
+DEV = torch.device("cuda" if CUDA else "cpu")
+
+
+@pytest.fixture
+def rng(request):
+    seed = zlib.crc32(request.node.name.encode())
+    torch.manual_seed(seed)
+    return np.random.default_rng(seed)
+
+
+def rand(rng, *shape):
+    return torch.from_numpy(rng.standard_normal(shape).astype(np.float16)).to(DEV)
+
+
+def poisoned(shape):
+    return torch.full(shape, float("nan"), dtype=torch.float16, device=DEV)
+
+
+def ref(kind, inputs, **attrs):
+    """The cpu backend's reference op on float32 copies of the inputs."""
+    args = [t.float().cpu() if isinstance(t, torch.Tensor) and t.is_floating_point() else
+            (t.cpu() if isinstance(t, torch.Tensor) else t) for t in inputs]
+    return CPU_KERNELS[kind](Op("ref", kind, (), ("out",), attrs), args)
+
+
+def close(got, want, tol, what):
+    got = got.float().cpu()
+    assert torch.isfinite(got).all(), f"{what}: {int((~torch.isfinite(got)).sum())} elements not written"
+    err = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
+    assert err < tol, f"{what}: worst relative error {err:.2e} (tol {tol})"
+
+
+def ints(values):
+    return torch.tensor(values, dtype=torch.int32, device=DEV)
+
+
+# slots of 37 rows (not a tile multiple); rows in no slot order, lengths 1..37
+CTX, SLOTS = 37, 4
+BASES = [2 * CTX, 0, 3 * CTX, CTX, 2 * CTX + 0]
+POS = [36, 0, 13, 20, -1]  # the last row is padding (negative position): nothing stored, output 0
+
+
+@pytest.mark.parametrize("style,D,H,n_rot,ff", [("norm", 32, 3, None, True), ("neox", 24, 2, 16, False)])
+def test_rope_rows_matches_reference(rng, style, D, H, n_rot, ff):
+    pos = [5, 0, 4090, 17, 33]
+    x = rand(rng, len(pos), H * D)
+    factors = torch.from_numpy(rng.uniform(1, 4, (n_rot or D) // 2).astype(np.float32)).to(DEV) if ff else None
+    out = poisoned(tuple(x.shape))
+    K.rope_rows(x, ints(pos), H, D, theta=1e4, style=style, freq_factors=factors, n_rot=n_rot, out=out)
+    attrs = dict(n_heads=H, head_dim=D, rope_dim=n_rot or D, theta=1e4, style=style)
+    want = ref("rope_rows", [x, ints(pos)] + ([factors] if ff else []), **attrs)
+    close(out, want, 3e-3, "rope_rows")
+
+
+def test_kv_store_rows_writes_only_its_rows(rng):
+    F = 40
+    cache = poisoned((SLOTS * CTX, F))
+    x = rand(rng, len(POS), F)
+    K.kv_store_rows(cache, x, ints(BASES), ints(POS))
+    want = ref("kv_store_rows", [torch.full((SLOTS * CTX, F), float("nan")), x[:-1], ints(BASES[:-1]),
+                                 ints(POS[:-1])])
+    got = cache.float().cpu()
+    written = ~torch.isnan(want[:, 0])
+    assert torch.equal(~torch.isnan(got[:, 0]), written), "rows written other than base + pos of the real rows"
+    assert torch.equal(got[written], want[written])
+
+
+def test_rope_qkv_cache_rows_mode(rng):
+    """The fused rope + K/V store of a rows step (what the backend launches for a layer)."""
+    H, HKV, D = 4, 2, 16
+    T = len(POS)
+    q, k, v = rand(rng, T, H * D), rand(rng, T, HKV * D), rand(rng, T, HKV * D)
+    kc, vc = poisoned((SLOTS * CTX, HKV * D)), poisoned((SLOTS * CTX, HKV * D))
+    qo = poisoned((T, H * D))
+    K.rope_qkv_cache(q, k, v, kc, vc, 0, H, HKV, D, theta=1e4, q_out=qo, positions=ints(POS), bases=ints(BASES))
+    attrs = dict(head_dim=D, rope_dim=D, theta=1e4, style="norm")
+    close(qo, ref("rope_rows", [q, ints(POS)], n_heads=H, **attrs), 3e-3, "q")
+    krot = ref("rope_rows", [k, ints(POS)], n_heads=HKV, **attrs)
+    nan = torch.full((SLOTS * CTX, HKV * D), float("nan"))
+    want_k = ref("kv_store_rows", [nan.clone(), krot[:-1], ints(BASES[:-1]), ints(POS[:-1])])
+    want_v = ref("kv_store_rows", [nan.clone(), v[:-1], ints(BASES[:-1]), ints(POS[:-1])])
+    for got, want, what in ((kc, want_k, "k cache"), (vc, want_v, "v cache")):
+        got = got.float().cpu()
+        written = ~torch.isnan(want[:, 0])
+        assert torch.equal(~torch.isnan(got[:, 0]), written), f"{what}: rows written other than base + pos"
+        close(got[written], want[written], 3e-3, what)
+
+
+@pytest.mark.parametrize("H,HKV,D,window,splits", [(4, 2, 16, 0, 1), (6, 2, 24, 0, 3), (4, 1, 16, 9, 2),
+                                                    (3, 3, 16, 5, 1)])
+def test_attention_rows_matches_reference(rng, H, HKV, D, window, splits):
+    T = len(POS)
+    kc, vc = rand(rng, SLOTS * CTX, HKV * D), rand(rng, SLOTS * CTX, HKV * D)
+    q = rand(rng, T, H * D)
+    out = poisoned((T, H * D))
+    ws = K.decode_workspace(T, H, D, splits, DEV) if splits > 1 else None
+    K.attention_rows(q, kc, vc, ints(POS), ints(BASES), H, HKV, 0.3, out=out, head_dim=D, window=window,
+                     n_splits=splits, workspace=ws)
+    attrs = dict(n_heads=H, n_kv_heads=HKV, head_dim=D, scale=0.3, **({"window": window} if window else {}))
+    want = ref("attention_rows", [q[:-1], kc, vc, ints(BASES[:-1]), ints(POS[:-1])], **attrs)
+    close(out[:-1], want, 3e-3, "attention_rows")
+    assert torch.equal(out[-1].float().cpu(), torch.zeros(H * D)), "a padding row's output is not zero"
