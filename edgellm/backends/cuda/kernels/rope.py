@@ -20,7 +20,7 @@ from ._common import check_2d, int_or_tensor, jit, next_pow2, out_buffer, pdl, p
 @jit
 def _rope_kernel(q_ptr, k_ptr, v_ptr, stride_q, stride_k, stride_v, qo_ptr, stride_qo,
                  kc_ptr, vc_ptr, stride_c, pos_ptr, start_pos, ff_ptr, log2_theta,
-                 H, base_ptr,
+                 H, base_ptr, pos_scale,
                  HEAD_DIM: tl.constexpr, N_ROT: tl.constexpr, HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr,
                  D_PAD: tl.constexpr, NEOX: tl.constexpr, POS_FROM_PTR: tl.constexpr, HAS_FF: tl.constexpr,
                  ROWS: tl.constexpr, PDL: tl.constexpr):
@@ -35,7 +35,7 @@ def _rope_kernel(q_ptr, k_ptr, v_ptr, stride_q, stride_k, stride_v, qo_ptr, stri
         pos = start_pos + t
     i = tl.arange(0, HALF_PAD)
     im = i < N_ROT // 2
-    cs, sn = rope_cos_sin(pos, i, im, ff_ptr, log2_theta, N_ROT, HAS_FF)
+    cs, sn = rope_cos_sin(pos.to(tl.float32) * pos_scale, i, im, ff_ptr, log2_theta, N_ROT, HAS_FF)
     if NEOX:
         o1 = i
         o2 = i + N_ROT // 2
@@ -96,7 +96,8 @@ def rope_qkv_cache(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | No
                    n_heads: int, n_kv_heads: int, head_dim: int, *, theta: float = 10000.0, style: str = "norm",
                    freq_factors: torch.Tensor | None = None, n_rot: int | None = None,
                    q_out: torch.Tensor | None = None, config: dict | None = None,
-                   positions: torch.Tensor | None = None, bases: torch.Tensor | None = None) -> torch.Tensor:
+                   positions: torch.Tensor | None = None, bases: torch.Tensor | None = None,
+                   pos_scale: float = 1.0) -> torch.Tensor:
     """Rotate Q and K of T tokens at positions start_pos..start_pos+T-1 and store K, V in the caches.
 
     q [T, n_heads*head_dim], k and v [T, n_kv_heads*head_dim]; or k = v = None and q the fused
@@ -104,7 +105,8 @@ def rope_qkv_cache(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | No
     [ctx, n_kv_heads*head_dim]; rows start_pos.. are written in place. start_pos is an int or a
     one-element int tensor on the device (read by the kernel, so a CUDA graph can replay it).
     style "norm": rotate pairs (x[2i], x[2i+1]) (llama GGUF); "neox": pairs (x[i], x[i+n_rot/2]).
-    Frequencies are theta^(-2i/n_rot), divided by freq_factors[i] when given (llama 3 scaling).
+    Frequencies are theta^(-2i/n_rot), divided by freq_factors[i] when given (llama 3 scaling);
+    positions are multiplied by pos_scale (linear RoPE scaling).
     Only the first n_rot (default head_dim) dimensions rotate. Returns the rotated q
     (q_out, or a new [T, n_heads*head_dim] tensor; q_out may be q itself to rotate in place).
 
@@ -158,7 +160,7 @@ def rope_qkv_cache(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | No
     _rope_kernel[(T, H + HKV)](
         q, k, v, q.stride(0), k.stride(0), v.stride(0), q_out, q_out.stride(0),
         k_cache, v_cache, k_cache.stride(0), pos_ptr, pos_val, ff, math.log2(theta), H,
-        bases if rows else pos_ptr,
+        bases if rows else pos_ptr, float(pos_scale),
         HEAD_DIM=D, N_ROT=n_rot, HALF_PAD=next_pow2(n_rot // 2), REST_PAD=next_pow2(max(1, D - n_rot)),
         D_PAD=next_pow2(D), NEOX=style == "neox", POS_FROM_PTR=from_ptr, HAS_FF=freq_factors is not None,
         ROWS=rows, num_warps=cfg["num_warps"], **pdl())
@@ -178,7 +180,7 @@ def _check_rows(T: int, like: torch.Tensor, **index) -> None:
 
 def rope_rows(x: torch.Tensor, positions: torch.Tensor, n_heads: int, head_dim: int, *, theta: float = 10000.0,
               style: str = "norm", freq_factors: torch.Tensor | None = None, n_rot: int | None = None,
-              out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+              out: torch.Tensor | None = None, config: dict | None = None, pos_scale: float = 1.0) -> torch.Tensor:
     """RoPE of x [T, n_heads*head_dim], row t at its own position positions[t] (the rope_rows op:
     each row a different sequence's decode token). Arguments as rope_qkv_cache; nothing is stored."""
     H, D = int(n_heads), int(head_dim)
@@ -202,7 +204,7 @@ def rope_rows(x: torch.Tensor, positions: torch.Tensor, n_heads: int, head_dim: 
     # query heads only (no key/value heads: grid axis 1 is H), so the caches are never touched
     _rope_kernel[(T, H)](
         x, x, x, x.stride(0), x.stride(0), x.stride(0), out, out.stride(0),
-        out, out, 0, positions, 0, ff, math.log2(theta), H, positions,
+        out, out, 0, positions, 0, ff, math.log2(theta), H, positions, float(pos_scale),
         HEAD_DIM=D, N_ROT=n_rot, HALF_PAD=next_pow2(n_rot // 2), REST_PAD=next_pow2(max(1, D - n_rot)),
         D_PAD=next_pow2(D), NEOX=style == "neox", POS_FROM_PTR=True, HAS_FF=freq_factors is not None,
         ROWS=True, num_warps=cfg["num_warps"], **pdl())
