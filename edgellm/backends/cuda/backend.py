@@ -178,8 +178,9 @@ class CudaProgram:
         self._rows_fused: dict[str, tuple[Op, Op, Op]] = {}  # rope_rows(q) -> (rope_rows(k), store k, store v)
         self._host_positions = False
         self.delegated: list[str] = []
-        # decode-stage fusions across ops (see _plan_decode_fusions)
-        self.decode_stage = max_seq <= self.K.configs.DECODE_MAX_TOKENS
+        # decode-stage fusions across ops (see _plan_decode_fusions); a rows program is a decode
+        # step whatever its size (its steps of up to DECODE_MAX_TOKENS rows take the GEMV kernels)
+        self.decode_stage = max_seq <= self.K.configs.DECODE_MAX_TOKENS or self.rows_mode
         self._rope_into_gemv: dict[str, Op] = {}  # linear_qkv op name -> the rope_qkv_store it absorbs
         self._absorbed: set[str] = set()  # ops whose work another op's kernel does
         self._xq_for: dict[str, object] = {}  # norm output -> int8 copy written by the norm kernel
@@ -571,7 +572,8 @@ class CudaProgram:
         w = self._linear_weight(op, W)
         i8 = self._linear_uses_int8(op, W)
         xq = self._xq_for.get(ins[0]) if i8 else None
-        cfg = self._tuned_gemv(op, w, i8) if self.decode_stage else None
+        # (tuned GEMV tiles are for the single-token program: a rows step may take the GEMM kernel)
+        cfg = self._tuned_gemv(op, w, i8) if self.decode_stage and not self.rows_mode else None
         if kind == "linear_swiglu":
             act = a.get("act", "silu")
             return lambda env, s, c: K.linear_silu_mul(env[ins[0]], w, out=env[outs[0]], act_int8=i8, config=cfg,
