@@ -154,6 +154,7 @@ def test_skinny_linear_default_config(rng, fmt, M):
 
 # -- the rows program of a tiny model on the cuda backend -----------------------------------------
 import edgellm  # noqa: E402
+from edgellm.sampling import SamplingParams  # noqa: E402
 from edgellm.session import SlotPool  # noqa: E402
 from edgellm.synthetic import SyntheticSpec, write_synthetic_gguf  # noqa: E402
 
@@ -183,7 +184,7 @@ def test_slot_pool_decode_on_cuda_matches_cpu_and_each_sequence_alone(name, tmp_
     cu = edgellm.load(path, backend="cuda", ctx=MODEL_CTX, prefill_chunk=8)
     pc, pg = SlotPool(cpu, 5), SlotPool(cu, 5)
     assert pg.batch is not None and pg.batch.rows_mode, "the cuda backend should compile the rows program"
-    seqs = [rng.integers(0, spec.vocab_size, n).tolist() for n in (7, 3, 12, 1, 9)]
+    seqs = [rng.integers(0, spec.vocab_size, n).tolist() for n in (4, 2, 6, 1, 5)]
     for pool, m in ((pc, cpu), (pg, cu)):
         for slot, ids in zip(pool.slots, seqs):
             m.forward(ids, 0, all_logits=False, slot=slot)
@@ -210,3 +211,48 @@ def test_slot_pool_decode_on_cuda_matches_cpu_and_each_sequence_alone(name, tmp_
     full = pg.decode(steps)  # the same step again: the same cache rows, the same logits
     assert tokens.tolist() == full.argmax(-1).tolist() and list(logits) == [1]
     np.testing.assert_allclose(logits[1], full[1], rtol=0, atol=1e-6)
+
+
+def test_scheduler_on_cuda_batches_greedy_requests_like_each_alone(tmp_path):
+    """The server's scheduler on the cuda backend: concurrent greedy requests share batched steps
+    (argmax on the device; the one asking for logprobs reads its logits) and each gets the
+    tokens it gets alone."""
+    import threading
+
+    from edgellm.serve.scheduler import Done, Piece, Request, Scheduler
+    from edgellm.synthetic import byte_bpe_vocab
+
+    spec = SyntheticSpec(n_layers=1, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=416,
+                         weight_type="F16", std=0.1, seed=33)
+    path = write_synthetic_gguf(tmp_path / "m.gguf", spec, byte_bpe_vocab(416))
+    m = edgellm.load(path, backend="cuda", ctx=MODEL_CTX, prefill_chunk=8)
+    s = Scheduler(m, 3, chunk=32)
+    rows_seen = []
+    decode_tokens = s.pool.decode_tokens
+    s.pool.decode_tokens = lambda steps, need: rows_seen.append((len(steps), sum(need))) or decode_tokens(steps, need)
+    prompts = [m.tokenizer.encode(t) for t in ("the sea", "a robot", "one")]
+    events = [[] for _ in prompts]
+    done = [threading.Event() for _ in prompts]
+
+    def listener(i):
+        def on(ev):
+            events[i].append(ev)
+            if not isinstance(ev, Piece):
+                done[i].set()
+        return on
+    for i, ids in enumerate(prompts):  # queued before the loop starts: they run together
+        s.submit(Request(ids, 4, SamplingParams(temperature=0), ignore_eos=True, logprobs=0 if i == 1 else None,
+                         on_event=listener(i)))
+    s.start()
+    try:
+        assert all(d.wait(300) for d in done)
+    finally:
+        s.stop()
+    assert (3, 1) in rows_seen, f"no batched step of all three (steps: {rows_seen})"
+    for ids, evs in zip(prompts, events):
+        assert isinstance(evs[-1], Done) and evs[-1].completion_tokens == 4
+        got = [t for e in evs if isinstance(e, Piece) for t in e.tokens]
+        want = [int(np.argmax(m.forward(ids, 0, all_logits=False)[-1]))]
+        for k in range(3):
+            want.append(int(np.argmax(m.forward(want[-1:], len(ids) + k, all_logits=False)[-1])))
+        assert got == want
