@@ -176,6 +176,8 @@ class CudaProgram:
         self.row_pos = torch.full((max_seq,), -1, dtype=torch.int32, device=self.dev)
         self.row_base = torch.zeros(max_seq, dtype=torch.int32, device=self.dev)
         self._rows_fused: dict[str, tuple[Op, Op, Op]] = {}  # rope_rows(q) -> (rope_rows(k), store k, store v)
+        self._rows_qkv: dict[str, tuple[Op, Op, Op]] = {}  # linear q -> its (q, k, v) linears, one product
+        self._rows_qkv_of: dict[str, str] = {}  # rope_rows(q) -> the linear q whose q|k|v buffer it reads
         self._host_positions = False
         self.delegated: list[str] = []
         # decode-stage fusions across ops (see _plan_decode_fusions); a rows program is a decode
@@ -187,9 +189,9 @@ class CudaProgram:
         self._own_buffers: dict[str, torch.Tensor] = {}  # tensors kept out of the arena (see below)
         self._norm_tail: dict[str, tuple[Op, str, torch.Tensor]] = {}  # linear -> (norm, residual, counter)
         self._aliases: dict[str, str] = {}  # tensor -> the tensor whose buffer it is (no op writes it)
-        self._plan_decode_fusions()
-        if self.rows_mode:
+        if self.rows_mode:  # first: the decode fusions below see which projections it stacks
             self._plan_rows_fusions()
+        self._plan_decode_fusions()
         # attention splits of the current step (from the host's sequence length, see _set_context)
         self._splits = 1
         self._split_cap: int | None = None
@@ -267,7 +269,7 @@ class CudaProgram:
                     self._own_buffers[q.name] = self._private_buffer(int(q.shape[-1]))
         W = self.backend.weights
         for op in self.graph.ops:
-            if op.kind not in ("linear", "linear_qkv", "linear_swiglu"):
+            if op.kind not in ("linear", "linear_qkv", "linear_swiglu") or op.name in self._absorbed:
                 continue
             src = producer.get(op.inputs[0])
             if src is None or src.kind not in ("rms_norm", "add_rms_norm") or src.kind not in self.backend.SUPPORTED_OPS:
@@ -364,6 +366,18 @@ class CudaProgram:
                 continue
             self._rows_fused[rq.name] = (rk, sk, sv)
             self._absorbed.update({rk.name, sk.name, sv.name})
+            # the q, k and v projections of one input (read only by this group): one product over
+            # the stacked weights into a q|k|v buffer of its own, which the fused kernel reads
+            lins = [producer.get(t) for t in srcs]
+            if (all(l is not None and l.kind == "linear" and not l.attrs.get("has_residual") for l in lins)
+                    and len({l.inputs[0] for l in lins}) == 1
+                    and len({bool(l.attrs.get("has_bias")) for l in lins}) == 1
+                    and [readers.get(l.outputs[0]) for l in lins] == [[rq], [rk], [sv]]):
+                first_lin = min(lins, key=lambda l: order[l.name])
+                if first_lin is lins[0]:  # launched where the q projection was
+                    self._rows_qkv[lins[0].name] = tuple(lins)
+                    self._rows_qkv_of[rq.name] = lins[0].name
+                    self._absorbed.update({lins[1].name, lins[2].name})
 
     def _private_buffer(self, width: int) -> torch.Tensor:
         return self.backend.shared_buffer(("q", self.max_seq, width), lambda: torch.empty(
@@ -387,6 +401,8 @@ class CudaProgram:
 
     def _linear_weight(self, op: Op, W):
         wname = self._wname
+        if op.name in self._rows_qkv:  # a rows layer's q projection, stacked with its k and v
+            return W.packed(*(wname(l.inputs[1]) for l in self._rows_qkv[op.name]))
         if op.kind == "linear_qkv":
             return W.packed(*(wname(t) for t in op.inputs[1:4]))
         if op.kind == "linear_swiglu":
@@ -440,6 +456,8 @@ class CudaProgram:
             return lambda env, s, c: K.rms_norm(env[ins[0]], w, a["eps"], residual=env[ins[1]],
                                                 out=env[outs[1]], residual_out=env[outs[0]],
                                                 xq=None if xq is None else self._xq_rows(xq, s))
+        if op.name in self._rows_qkv:
+            return self._lower_rows_qkv(op)
         if kind in ("linear", "linear_qkv", "linear_swiglu"):
             return self._lower_linear(op)
         if kind == "swiglu":
@@ -547,6 +565,12 @@ class CudaProgram:
                 return lambda env, s, c: K.rope_rows(env[ins[0]], self.row_pos, a["n_heads"], a["head_dim"],
                                                      out=env[outs[0]], **rope)
             rk, sk, sv = fused
+            lin_q = self._rows_qkv_of.get(op.name)
+            if lin_q is not None:  # q | k | v side by side in the stacked product's buffer
+                buf = self._qkv_buffer(lin_q)
+                return lambda env, s, c: K.rope_qkv_cache(
+                    buf[:s], None, None, env[sk.inputs[0]], env[sv.inputs[0]], 0, a["n_heads"], rk.attrs["n_heads"],
+                    a["head_dim"], q_out=env[outs[0]], positions=self.row_pos, bases=self.row_base, **rope)
             return lambda env, s, c: K.rope_qkv_cache(
                 env[ins[0]], env[rk.inputs[0]], env[sv.inputs[1]], env[sk.inputs[0]], env[sv.inputs[0]], 0,
                 a["n_heads"], rk.attrs["n_heads"], a["head_dim"], q_out=env[outs[0]], positions=self.row_pos,
@@ -564,6 +588,25 @@ class CudaProgram:
                              a["n_kv_heads"], a["scale"], out=env[outs[0]], head_dim=a["head_dim"], window=window,
                              n_splits=n, workspace=ws.get((s, n)))
         return run_attention_rows
+
+    def _qkv_buffer(self, lin_q: str) -> torch.Tensor:
+        """The q|k|v product of a rows layer: outside the arena (the memory plan knows three
+        tensors, not this one), one buffer for all layers (each is read before the next is written)."""
+        width = sum(int(self.graph.tensors[l.outputs[0]].shape[-1]) for l in self._rows_qkv[lin_q])
+        return self.backend.shared_buffer(("qkv", self.max_seq, width), lambda: torch.empty(
+            (self.max_seq, width), dtype=torch.float16, device=self.dev))
+
+    def _lower_rows_qkv(self, op: Op) -> Callable:
+        """The q, k and v projections of a rows layer as one product over their stacked weights."""
+        K, W = self.K, self.backend.weights
+        lins = self._rows_qkv[op.name]
+        w = self._linear_weight(op, W)
+        bias = W.vector(*(self._wname(l.inputs[2]) for l in lins)) if op.attrs.get("has_bias") else None
+        i8 = self._linear_uses_int8(op, W)
+        xq = self._xq_for.get(op.inputs[0]) if i8 else None
+        buf = self._qkv_buffer(op.name)
+        return lambda env, s, c: K.linear(env[op.inputs[0]], w, bias=bias, out=buf[:s], act_int8=i8,
+                                          xq=None if xq is None else self._xq_rows(xq, s))
 
     def _lower_linear(self, op: Op) -> Callable:
         K, W, a = self.K, self.backend.weights, op.attrs
