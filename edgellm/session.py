@@ -140,7 +140,8 @@ class SlotPool:
 
     def decode(self, steps: list[tuple[KVSlot, int, int]]):
         """One decode step of several sequences: (slot, token, position) each, distinct slots.
-        Returns float32 logits [len(steps), vocab], row i for steps[i]."""
+        Returns float32 logits [len(steps), vocab], row i for steps[i]. (A step of one sequence
+        runs that slot's single-token program: the same logits, with that program's fusions.)"""
         return self.model.backend.to_numpy(self._run(steps))
 
     def decode_tokens(self, steps: list[tuple[KVSlot, int, int]], need_logits: list[bool]):
@@ -174,9 +175,13 @@ class SlotPool:
         for slot, _, pos in steps:  # as Model.forward: rows from pos on are about to change
             del slot.tokens[pos:]
             known.append(len(slot.tokens) == pos)
-        out = self.batch.run({"tokens": np.array([t for _, t, _ in steps], dtype=np.int32),
-                              "pos": np.array([p for _, _, p in steps], dtype=np.int32),
-                              "base": np.array([s.index * self.ctx for s, _, _ in steps], dtype=np.int32)})
+        if len(steps) == 1:  # one sequence: its own single-token program (the decode fusions of one row)
+            slot, token, pos = steps[0]
+            out = slot.programs["decode"].run({"tokens": np.array([token], dtype=np.int32), "start_pos": int(pos)})
+        else:
+            out = self.batch.run({"tokens": np.array([t for _, t, _ in steps], dtype=np.int32),
+                                  "pos": np.array([p for _, _, p in steps], dtype=np.int32),
+                                  "base": np.array([s.index * self.ctx for s, _, _ in steps], dtype=np.int32)})
         for (slot, token, _), ok in zip(steps, known):
             if ok:
                 slot.tokens.append(int(token))

@@ -216,9 +216,7 @@ class Scheduler:
         runs = [r for r in self._running if not r.todo and r.last is not None and not r.req.cancelled]
         if not runs:
             return
-        # round-robin single-sequence steps (see the module docstring); one sequence alone takes its
-        # single-token program too, whose decode fusions a rows program lacks
-        if not self.batched or len(runs) == 1:
+        if not self.batched:  # round-robin single-sequence steps (see the module docstring)
             for run in runs:
                 logits = self._forward(run, [run.last])
                 if logits is not None:
