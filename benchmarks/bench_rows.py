@@ -7,8 +7,8 @@
    compared with each slot's single-token program at the same position (logits, argmax).
 2. steps: ms per rows step (SlotPool.decode_tokens, greedy: what the server runs, host work and
    the token read-back included) for each row count, its aggregate tok/s, and the weights' read
-   rate (file weights / step time); beside it the single-sequence greedy decode loop (as
-   `edgellm run`) of the same file.
+   rate (resident weights / step time); beside it the single-sequence greedy decode loop (as
+   `edgellm run`) of the same file. (A step of one row runs the slot's single-token program.)
 3. --gemm-sweep: the linear kernel at M = 16 and 32 rows on the model's weight shapes, every
    candidate tile timed (CUDA graph, weights rotated past the L2), best vs the default
    (configs.gemm_default), to set the skinny-GEMM default.
