@@ -227,6 +227,8 @@ def main(argv=None) -> int:
     p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 32], help="concurrency levels")
     p.add_argument("--requests", type=int, default=1, help="requests per client per level (default 1)")
     p.add_argument("--tokens", type=int, default=64, help="tokens per request (default 64)")
+    p.add_argument("--completions", action="store_true",
+                   help="plain /v1/completions requests (a file without a chat template; implied by --synthetic)")
     p.add_argument("--prompt-tokens", type=int, default=0,
                    help="pad each prompt to about this many words (default: a one-line prompt)")
     p.add_argument("--single", action="store_true",
@@ -241,7 +243,7 @@ def main(argv=None) -> int:
         host = urlparse(args.url).hostname
         if host not in ("127.0.0.1", "localhost", "::1"):
             sys.exit("bench_serve: loopback only (127.0.0.1, localhost, ::1)")
-    raw = False
+    raw = args.completions
     if args.synthetic:
         sys.path.insert(0, str(ROOT))
         out = args.model_out or f"/tmp/edgellm-bench-serve/{args.synthetic.replace(':', '-')}.gguf"
