@@ -23,6 +23,9 @@
 #   start [bench_start options]  time to load and to first token, cold and warm: edgellm cuda
 #                         (and llama.cpp CUDA when build_llama_py has finished) on the default model
 #                         and synthetic files (benchmarks/bench_start.py; issue 14's table)
+#   serve NAME:FMT [bench_serve options]  edgellm serve --backend cuda under N = 1, 4, 16, 32 streaming
+#                         clients, edgellm's single-stream decode and llama-batched-bench (from build_llama)
+#                         on the same synthetic file, one table (benchmarks/bench_serve.py; issue 15)
 #   bench_1b              edgellm bench: the Llama-3.2-1B shape in q4_0 and q8_0, edgellm cuda vs
 #                         llama.cpp CUDA (llama-cpp-python from build_llama_py) vs transformers
 #                         (issue 5's GPU report)
@@ -60,7 +63,7 @@ build_llama)
   cmake -S "$S/vendor/llama.cpp" -B "$W/lb" -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
     -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF >"$W/cmake.log" 2>&1 || { tail -20 "$W/cmake.log"; exit 1; }
-  cmake --build "$W/lb" -j16 --target llama-bench llama >"$W/build.log" 2>&1 || { tail -30 "$W/build.log"; exit 1; }
+  cmake --build "$W/lb" -j16 --target llama-bench llama-batched-bench llama >"$W/build.log" 2>&1 || { tail -30 "$W/build.log"; exit 1; }
   mkdir -p "$W/lpy/llama_cpp/lib"
   cp -r "$S/llama_cpp/." "$W/lpy/llama_cpp/"
   find "$W/lb" -name 'lib*.so*' -exec ln -sf {} "$W/lpy/llama_cpp/lib/" \;
@@ -141,6 +144,15 @@ start)
   [ -e "$W/llama_py.done" ] && engines=edgellm,llama.cpp
   python3 "$ROOT/benchmarks/bench_start.py" --backend cuda --engines "$engines" --model-dir "$W/models" \
     -o "$OUT/start_cuda.json" "$@"
+  ;;
+serve)
+  item=${1:?NAME:FMT}
+  shift
+  lbb=()
+  [ -x "$W/lb/bin/llama-batched-bench" ] && lbb=(--llama-batched-bench "$W/lb/bin/llama-batched-bench")
+  python3 "$ROOT/benchmarks/bench_serve.py" --backend cuda --synthetic "$(preset_of "${item%%:*}"):${item##*:}" \
+    --model-out "$W/models/${item%%:*}-${item##*:}-textvocab.gguf" --single "${lbb[@]}" \
+    --json "$OUT/serve_${item%%:*}_${item##*:}.json" "$@" | tee "$OUT/serve_${item%%:*}_${item##*:}.txt"
   ;;
 bench_1b)
   f=$W/models/llama-3.2-1b-F16-vocab.gguf

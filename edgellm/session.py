@@ -140,7 +140,25 @@ class SlotPool:
 
     def decode(self, steps: list[tuple[KVSlot, int, int]]):
         """One decode step of several sequences: (slot, token, position) each, distinct slots.
-        Returns float32 logits [len(steps), vocab], row i for steps[i]."""
+        Returns float32 logits [len(steps), vocab], row i for steps[i]. (A step of one sequence
+        runs that slot's single-token program: the same logits, with that program's fusions.)"""
+        return self.model.backend.to_numpy(self._run(steps))
+
+    def decode_tokens(self, steps: list[tuple[KVSlot, int, int]], need_logits: list[bool]):
+        """decode, reading back less: (argmax token of every row, computed where the logits are
+        (on the GPU for cuda), {i: float32 logits of row i} for the rows with need_logits[i]).
+        A greedy sequence needs only its token: a step then copies len(steps) ids, not
+        len(steps) x vocab floats."""
+        import numpy as np
+
+        logits = self._run(steps)
+        tokens = logits.argmax(dim=-1).cpu().numpy().astype(np.int64)  # first maximum, as np.argmax
+        want = [i for i, need in enumerate(need_logits) if need]
+        rows = self.model.backend.to_numpy(logits[want]) if want else None
+        return tokens, {i: rows[k] for k, i in enumerate(want)}
+
+    def _run(self, steps: list[tuple[KVSlot, int, int]]):
+        """The rows program over the steps; its logits as the backend's tensor [len(steps), vocab]."""
         import numpy as np
 
         if self.batch is None:
@@ -157,10 +175,14 @@ class SlotPool:
         for slot, _, pos in steps:  # as Model.forward: rows from pos on are about to change
             del slot.tokens[pos:]
             known.append(len(slot.tokens) == pos)
-        out = self.batch.run({"tokens": np.array([t for _, t, _ in steps], dtype=np.int32),
-                              "pos": np.array([p for _, _, p in steps], dtype=np.int32),
-                              "base": np.array([s.index * self.ctx for s, _, _ in steps], dtype=np.int32)})
+        if len(steps) == 1:  # one sequence: its own single-token program (the decode fusions of one row)
+            slot, token, pos = steps[0]
+            out = slot.programs["decode"].run({"tokens": np.array([token], dtype=np.int32), "start_pos": int(pos)})
+        else:
+            out = self.batch.run({"tokens": np.array([t for _, t, _ in steps], dtype=np.int32),
+                                  "pos": np.array([p for _, _, p in steps], dtype=np.int32),
+                                  "base": np.array([s.index * self.ctx for s, _, _ in steps], dtype=np.int32)})
         for (slot, token, _), ok in zip(steps, known):
             if ok:
                 slot.tokens.append(int(token))
-        return self.model.backend.to_numpy(out["logits"])
+        return out["logits"]

@@ -152,11 +152,13 @@ def random_blocks(ttype: str, shape: tuple[int, ...], rng: np.random.Generator, 
     return None
 
 
-def byte_bpe_vocab(vocab_size: int, pre: str = "llama-bpe") -> Callable:
+def byte_bpe_vocab(vocab_size: int, pre: str = "llama-bpe", reserved_type: int = 3) -> Callable:
     """A tokenizer for write_synthetic_gguf with exactly vocab_size tokens (tokenizer.ggml.model
     'gpt2'), for synthetic models that peers load only with a vocabulary (llama-cpp-python's
     Llama(), transformers): the 256 byte tokens, merges of common letter pairs, BOS/EOS control
-    tokens and reserved control tokens up to vocab_size (the embedding rows of a model shape)."""
+    tokens and reserved control tokens up to vocab_size (the embedding rows of a model shape).
+    reserved_type 1 makes the reserved tokens normal ones, which decode to their text: a random
+    model's output then streams as text (benchmarks/bench_serve.py times the first piece)."""
     from .tokenizer import BYTE_ALPHABET
 
     byte_tok = [BYTE_ALPHABET[b] for b in range(256)]
@@ -169,7 +171,7 @@ def byte_bpe_vocab(vocab_size: int, pre: str = "llama-bpe") -> Callable:
 
     def add(writer) -> int:
         tokens = base + [f"<|reserved_special_token_{i}|>" for i in range(vocab_size - len(base))]
-        types = [1] * (len(base) - 2) + [3] * (vocab_size - len(base) + 2)  # 1 normal, 3 control
+        types = [1] * (len(base) - 2) + [3, 3] + [reserved_type] * (vocab_size - len(base))  # 1 normal, 3 control
         writer.add_tokenizer_model("gpt2")
         writer.add_tokenizer_pre(pre)
         writer.add_token_list(tokens)

@@ -97,6 +97,7 @@ class CudaInfo:
         "embedding", "rms_norm", "add_rms_norm", "linear", "linear_qkv", "linear_swiglu", "swiglu",
         "rope_qkv_store", "attention", "last_row", "add", "mul", "silu", "rope", "rope_store", "kv_store",
         "gelu", "scale", "softcap",
+        "rope_rows", "kv_store_rows", "attention_rows",  # the batched decode step (edgellm.session.SlotPool)
     })
 
     @staticmethod

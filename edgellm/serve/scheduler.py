@@ -8,10 +8,11 @@ in chunk-sized parts over several steps), then one decode step for every running
 Requests thus join and leave the running set between steps, and prompts delay the running
 sequences by at most one chunk of prefill per step.
 
-A decode step is one batched program over every running sequence (SlotPool.decode: the linear
-layers one matrix product over the rows, attention over each row's own slot and length) where
-the backend has the row-wise ops (cpu today); elsewhere (cuda today) each sequence's
-single-token program runs in turn, with the same step structure.
+A decode step is one batched program over every running sequence (SlotPool.decode_tokens: the
+linear layers one matrix product over the rows, attention over each row's own slot and length;
+greedy rows read back only their token, the argmax taken on the device) where the backend has
+the row-wise ops (cpu, cuda); elsewhere each sequence's single-token program runs in turn, with
+the same step structure.
 
 Each request brings its own sampling parameters (and seed), stop strings and max_tokens; its
 events (text pieces, then a final Done or Failed) go to a callback, called on this thread.
@@ -221,15 +222,22 @@ class Scheduler:
                 if logits is not None:
                     self._sample(run, logits)
             return
+        # greedy rows without a repetition penalty or logprobs take the argmax computed on the
+        # device; only the others' logits are read back
+        need = [not (r.req.params.greedy and r.req.params.repetition_penalty == 1.0 and r.req.logprobs is None)
+                for r in runs]
         try:
-            logits = self.pool.decode([(r.slot, r.last, r.pos) for r in runs])
+            tokens, logits = self.pool.decode_tokens([(r.slot, r.last, r.pos) for r in runs], need)
         except Exception as e:
             for run in runs:
                 self._fail(run, f"{type(e).__name__}: {e}" if not isinstance(e, EdgeLLMError) else str(e))
             return
-        for run, row in zip(runs, logits):
+        for i, run in enumerate(runs):
             run.pos += 1
-            self._sample(run, row)
+            if i in logits:
+                self._sample(run, logits[i])
+            else:
+                self._accept(run, int(tokens[i]), None)
 
     def _forward(self, run: _Running, ids: list[int]) -> np.ndarray | None:
         try:
@@ -241,8 +249,12 @@ class Scheduler:
         return logits
 
     def _sample(self, run: _Running, logits: np.ndarray) -> None:
+        self._accept(run, run.sampler(logits, run.history), logits)
+
+    def _accept(self, run: _Running, token: int, logits: np.ndarray | None) -> None:
+        """The token chosen for a running request (logits: its distribution, needed only for
+        logprobs)."""
         req = run.req
-        token = run.sampler(logits, run.history)
         run.generated += 1
         if token in self._stop_ids and not req.ignore_eos:
             self._emit(run, run.text.flush(), [], None)

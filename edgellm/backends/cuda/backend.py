@@ -196,16 +196,27 @@ class CudaProgram:
                               for n in graph.inputs if graph.tensors[n].dtype == "f32"}
         self.start = torch.zeros(1, dtype=torch.int32, device=self.dev)
         self.seq_len = torch.zeros(1, dtype=torch.int32, device=self.dev)
+        # a rows program (the model's 'rows' graph: one decode token of each of several sequences,
+        # row i at its own position pos[i] in its own KV slot at cache rows base[i]..) reads them here
+        self.rows_mode = "pos" in graph.inputs and "base" in graph.inputs
+        self.row_pos = torch.full((max_seq,), -1, dtype=torch.int32, device=self.dev)
+        self.row_base = torch.zeros(max_seq, dtype=torch.int32, device=self.dev)
+        self._rows_fused: dict[str, tuple[Op, Op, Op]] = {}  # rope_rows(q) -> (rope_rows(k), store k, store v)
+        self._rows_qkv: dict[str, tuple[Op, Op, Op]] = {}  # linear q -> its (q, k, v) linears, one product
+        self._rows_qkv_of: dict[str, str] = {}  # rope_rows(q) -> the linear q whose q|k|v buffer it reads
         self._host_positions = False
         self.delegated: list[str] = []
-        # decode-stage fusions across ops (see _plan_decode_fusions)
-        self.decode_stage = max_seq <= self.K.configs.DECODE_MAX_TOKENS
+        # decode-stage fusions across ops (see _plan_decode_fusions); a rows program is a decode
+        # step whatever its size (its steps of up to DECODE_MAX_TOKENS rows take the GEMV kernels)
+        self.decode_stage = max_seq <= self.K.configs.DECODE_MAX_TOKENS or self.rows_mode
         self._rope_into_gemv: dict[str, Op] = {}  # linear_qkv op name -> the rope_qkv_store it absorbs
         self._absorbed: set[str] = set()  # ops whose work another op's kernel does
         self._xq_for: dict[str, object] = {}  # norm output -> int8 copy written by the norm kernel
         self._own_buffers: dict[str, torch.Tensor] = {}  # tensors kept out of the arena (see below)
         self._norm_tail: dict[str, tuple[Op, str, torch.Tensor]] = {}  # linear -> (norm, residual, counter)
         self._aliases: dict[str, str] = {}  # tensor -> the tensor whose buffer it is (no op writes it)
+        if self.rows_mode:  # first: the decode fusions below see which projections it stacks
+            self._plan_rows_fusions()
         self._plan_decode_fusions()
         # attention splits of the current step (from the host's sequence length, see _set_context)
         self._splits = 1
@@ -284,7 +295,7 @@ class CudaProgram:
                     self._own_buffers[q.name] = self._private_buffer(int(q.shape[-1]))
         W = self.backend.weights
         for op in self.graph.ops:
-            if op.kind not in ("linear", "linear_qkv", "linear_swiglu"):
+            if op.kind not in ("linear", "linear_qkv", "linear_swiglu") or op.name in self._absorbed:
                 continue
             src = producer.get(op.inputs[0])
             if src is None or src.kind not in ("rms_norm", "add_rms_norm") or src.kind not in self.backend.SUPPORTED_OPS:
@@ -341,6 +352,59 @@ class CudaProgram:
             self._norm_tail[lin.name] = (norm, residual, self._norm_counters[i:i + 1])
             self._absorbed.add(name)
 
+    def _plan_rows_fusions(self) -> None:
+        """A layer of the rows graph rotates q and k (rope_rows) and stores k and v (kv_store_rows)
+        in four ops; where they have the usual shape (q read only by its attention, rotated k only
+        by its store, one RoPE for both) one launch of the fused rope + KV-store kernel in rows mode
+        does all four, at the place of the q rotation (q, k and v are all computed by then)."""
+        if os.environ.get("EDGELLM_DECODE_FUSION", "1") == "0":
+            return
+        ops = self.graph.ops
+        order = {op.name: i for i, op in enumerate(ops)}
+        producer: dict[str, Op] = {}
+        readers: dict[str, list[Op]] = {}
+        for op in ops:
+            for t in op.outputs:
+                producer[t] = op
+            for t in op.inputs:
+                readers.setdefault(t, []).append(op)
+        supported = self.backend.SUPPORTED_OPS
+        for att in ops:
+            if att.kind != "attention_rows":
+                continue
+            rq, sk, sv = (producer.get(t) for t in att.inputs[:3])
+            if not (rq and sk and sv and rq.kind == "rope_rows" and sk.kind == "kv_store_rows"
+                    and sv.kind == "kv_store_rows"):
+                continue
+            rk = producer.get(sk.inputs[1])
+            if rk is None or rk.kind != "rope_rows" or readers.get(rk.outputs[0]) != [sk]:
+                continue
+            if readers.get(rq.outputs[0]) != [att] or {rq.kind, sk.kind} - set(supported):
+                continue
+            same = ("head_dim", "rope_dim", "theta", "style", "pos_scale", "mscale")
+            if any(rq.attrs.get(k) != rk.attrs.get(k) for k in same) or rq.inputs[2:] != rk.inputs[2:]:
+                continue
+            first = order[rq.name]
+            if min(order[rk.name], order[sk.name], order[sv.name]) < first:
+                continue
+            srcs = (rq.inputs[0], rk.inputs[0], sv.inputs[1])
+            if any(t in producer and order[producer[t].name] >= first for t in srcs):
+                continue
+            self._rows_fused[rq.name] = (rk, sk, sv)
+            self._absorbed.update({rk.name, sk.name, sv.name})
+            # the q, k and v projections of one input (read only by this group): one product over
+            # the stacked weights into a q|k|v buffer of its own, which the fused kernel reads
+            lins = [producer.get(t) for t in srcs]
+            if (all(l is not None and l.kind == "linear" and not l.attrs.get("has_residual") for l in lins)
+                    and len({l.inputs[0] for l in lins}) == 1
+                    and len({bool(l.attrs.get("has_bias")) for l in lins}) == 1
+                    and [readers.get(l.outputs[0]) for l in lins] == [[rq], [rk], [sv]]):
+                first_lin = min(lins, key=lambda l: order[l.name])
+                if first_lin is lins[0]:  # launched where the q projection was
+                    self._rows_qkv[lins[0].name] = tuple(lins)
+                    self._rows_qkv_of[rq.name] = lins[0].name
+                    self._absorbed.update({lins[1].name, lins[2].name})
+
     def _private_buffer(self, width: int) -> torch.Tensor:
         return self.backend.shared_buffer(("q", self.max_seq, width), lambda: torch.empty(
             (self.max_seq, width), dtype=torch.float16, device=self.dev))
@@ -363,6 +427,8 @@ class CudaProgram:
 
     def _linear_weight(self, op: Op, W):
         wname = self._wname
+        if op.name in self._rows_qkv:  # a rows layer's q projection, stacked with its k and v
+            return W.packed(*(wname(l.inputs[1]) for l in self._rows_qkv[op.name]))
         if op.kind == "linear_qkv":
             return W.packed(*(wname(t) for t in op.inputs[1:4]))
         if op.kind == "linear_swiglu":
@@ -416,6 +482,8 @@ class CudaProgram:
             return lambda env, s, c: K.rms_norm(env[ins[0]], w, a["eps"], residual=env[ins[1]],
                                                 out=env[outs[1]], residual_out=env[outs[0]],
                                                 xq=None if xq is None else self._xq_rows(xq, s))
+        if op.name in self._rows_qkv:
+            return self._lower_rows_qkv(op)
         if kind in ("linear", "linear_qkv", "linear_swiglu"):
             return self._lower_linear(op)
         if kind == "swiglu":
@@ -478,6 +546,8 @@ class CudaProgram:
                     K.attention_prefill(q, kc, vc, self.start, a["n_heads"], a["n_kv_heads"], a["scale"], out=out,
                                         head_dim=a["head_dim"], window=window)
             return run_attention
+        if kind in ("rope_rows", "kv_store_rows", "attention_rows"):
+            return self._lower_rows(op)
         if kind == "last_row":  # the last real token's row (prefill may run padded, see run)
             return lambda env, s, c: torch.index_select(env[ins[0]], 0, self.last_index, out=env[outs[0]])
         if kind in ("add", "mul"):
@@ -505,6 +575,65 @@ class CudaProgram:
             return run_unfused
         raise GraphError(f"cuda: no kernel for op '{op.name}' ({kind})")
 
+    def _lower_rows(self, op: Op) -> Callable:
+        """The row-wise ops of a rows program: positions and slot bases come from the program's
+        device tensors row_pos / row_base (set by run), so a captured graph replays any of them."""
+        K, W, a = self.K, self.backend.weights, op.attrs
+        ins, outs = op.inputs, op.outputs
+        if op.kind == "rope_rows":
+            if a.get("mscale", 1.0) != 1.0:
+                raise GraphError(f"cuda: op '{op.name}' uses a long-RoPE attention factor, which the rope kernel lacks")
+            freqs = W.vector(self._wname(ins[2])) if len(ins) > 2 else None
+            rope = dict(theta=a["theta"], style=a["style"], freq_factors=freqs, n_rot=a.get("rope_dim", a["head_dim"]),
+                        pos_scale=a.get("pos_scale", 1.0))
+            fused = self._rows_fused.get(op.name)
+            if fused is None:
+                return lambda env, s, c: K.rope_rows(env[ins[0]], self.row_pos, a["n_heads"], a["head_dim"],
+                                                     out=env[outs[0]], **rope)
+            rk, sk, sv = fused
+            lin_q = self._rows_qkv_of.get(op.name)
+            if lin_q is not None:  # q | k | v side by side in the stacked product's buffer
+                buf = self._qkv_buffer(lin_q)
+                return lambda env, s, c: K.rope_qkv_cache(
+                    buf[:s], None, None, env[sk.inputs[0]], env[sv.inputs[0]], 0, a["n_heads"], rk.attrs["n_heads"],
+                    a["head_dim"], q_out=env[outs[0]], positions=self.row_pos, bases=self.row_base, **rope)
+            return lambda env, s, c: K.rope_qkv_cache(
+                env[ins[0]], env[rk.inputs[0]], env[sv.inputs[1]], env[sk.inputs[0]], env[sv.inputs[0]], 0,
+                a["n_heads"], rk.attrs["n_heads"], a["head_dim"], q_out=env[outs[0]], positions=self.row_pos,
+                bases=self.row_base, **rope)
+        if op.kind == "kv_store_rows":
+            return lambda env, s, c: K.kv_store_rows(env[ins[0]], env[ins[1]], self.row_base, self.row_pos)
+        ws: dict[tuple[int, int], tuple] = {}
+        window = int(a.get("window", 0))
+
+        def run_attention_rows(env, s, c):
+            n = self._splits
+            if n > 1 and (s, n) not in ws:
+                ws[s, n] = K.decode_workspace(s, a["n_heads"], a["head_dim"], n, self.dev)
+            K.attention_rows(env[ins[0]], env[ins[1]], env[ins[2]], self.row_pos, self.row_base, a["n_heads"],
+                             a["n_kv_heads"], a["scale"], out=env[outs[0]], head_dim=a["head_dim"], window=window,
+                             n_splits=n, workspace=ws.get((s, n)))
+        return run_attention_rows
+
+    def _qkv_buffer(self, lin_q: str) -> torch.Tensor:
+        """The q|k|v product of a rows layer: outside the arena (the memory plan knows three
+        tensors, not this one), one buffer for all layers (each is read before the next is written)."""
+        width = sum(int(self.graph.tensors[l.outputs[0]].shape[-1]) for l in self._rows_qkv[lin_q])
+        return self.backend.shared_buffer(("qkv", self.max_seq, width), lambda: torch.empty(
+            (self.max_seq, width), dtype=torch.float16, device=self.dev))
+
+    def _lower_rows_qkv(self, op: Op) -> Callable:
+        """The q, k and v projections of a rows layer as one product over their stacked weights."""
+        K, W = self.K, self.backend.weights
+        lins = self._rows_qkv[op.name]
+        w = self._linear_weight(op, W)
+        bias = W.vector(*(self._wname(l.inputs[2]) for l in lins)) if op.attrs.get("has_bias") else None
+        i8 = self._linear_uses_int8(op, W)
+        xq = self._xq_for.get(op.inputs[0]) if i8 else None
+        buf = self._qkv_buffer(op.name)
+        return lambda env, s, c: K.linear(env[op.inputs[0]], w, bias=bias, out=buf[:s], act_int8=i8,
+                                          xq=None if xq is None else self._xq_rows(xq, s))
+
     def _lower_linear(self, op: Op) -> Callable:
         K, W, a = self.K, self.backend.weights, op.attrs
         ins, outs, kind = op.inputs, op.outputs, op.kind
@@ -512,7 +641,8 @@ class CudaProgram:
         w = self._linear_weight(op, W)
         i8 = self._linear_uses_int8(op, W)
         xq = self._xq_for.get(ins[0]) if i8 else None
-        cfg = self._tuned_gemv(op, w, i8) if self.decode_stage else None
+        # (tuned GEMV tiles are for the single-token program: a rows step may take the GEMM kernel)
+        cfg = self._tuned_gemv(op, w, i8) if self.decode_stage and not self.rows_mode else None
         if kind == "linear_swiglu":
             act = a.get("act", "silu")
             return lambda env, s, c: K.linear_silu_mul(env[ins[0]], w, out=env[outs[0]], act_int8=i8, config=cfg,
@@ -687,29 +817,10 @@ class CudaProgram:
         padded = min(-(-seq // self.prefill_pad) * self.prefill_pad, self.max_seq)
         return padded if start + padded <= ctx else seq
 
-    def run(self, inputs: dict[str, object]) -> dict[str, torch.Tensor]:
-        """One step over the given tokens at start_pos. On a GPU the second step of the same shape
-        (decode: context bucket; prefill: padded token count) is captured into a CUDA graph and
-        later ones replay it (the first runs outside a capture, so that kernels compile there).
-        The returned tensors are the program's own buffers, valid until its next run."""
-        ids = np.asarray(inputs["tokens"], dtype=np.int32).reshape(-1)
-        seq, start = int(ids.size), int(inputs["start_pos"])
-        if seq > self.max_seq:
-            raise GraphError(f"cuda program '{self.graph.name}' was compiled for {self.max_seq} tokens, got {seq}")
-        ctx = next(iter(self.states.values())).shape[0]
-        padded = self._padded(seq, start, ctx)
-        self._host_start = start
-        self.tokens[:seq].copy_(torch.from_numpy(ids), non_blocking=True)
-        if padded > seq:
-            self.tokens[seq:padded].zero_()
-        for n, buf in self._float_inputs.items():
-            buf[:seq].copy_(inputs[n].to(self.dev, non_blocking=True))
-            if padded > seq:
-                buf[seq:padded].zero_()
-        self.last_index.fill_(seq - 1)
-        self.start.fill_(start)
-        self.seq_len.fill_(start + padded)
-        key = (padded, self._set_context(start + padded))
+    def _execute(self, key: tuple, padded: int, ctx: int) -> dict:
+        """Run every op for `padded` rows; on a GPU the second step of a key (rows or tokens,
+        context bucket) is captured into a CUDA graph and later ones replay it (the first runs
+        outside a capture, so that kernels compile there). Returns the environment of buffers."""
         if self.use_cuda_graph:
             env = self._graph_envs.get(padded)
             if env is None:
@@ -734,12 +845,81 @@ class CudaProgram:
         else:
             env = self._env(padded, ctx)
             self._launch_all(env, padded, ctx)
+        return env
+
+    def run(self, inputs: dict[str, object]) -> dict[str, torch.Tensor]:
+        """One step over the given tokens at start_pos. On a GPU the second step of the same shape
+        (decode: context bucket; prefill: padded token count) is captured into a CUDA graph and
+        later ones replay it (the first runs outside a capture, so that kernels compile there).
+        The returned tensors are the program's own buffers, valid until its next run."""
+        if self.rows_mode:
+            return self._run_rows(inputs)
+        ids = np.asarray(inputs["tokens"], dtype=np.int32).reshape(-1)
+        seq, start = int(ids.size), int(inputs["start_pos"])
+        if seq > self.max_seq:
+            raise GraphError(f"cuda program '{self.graph.name}' was compiled for {self.max_seq} tokens, got {seq}")
+        ctx = next(iter(self.states.values())).shape[0]
+        padded = self._padded(seq, start, ctx)
+        self._host_start = start
+        self.tokens[:seq].copy_(torch.from_numpy(ids), non_blocking=True)
+        if padded > seq:
+            self.tokens[seq:padded].zero_()
+        for n, buf in self._float_inputs.items():
+            buf[:seq].copy_(inputs[n].to(self.dev, non_blocking=True))
+            if padded > seq:
+                buf[seq:padded].zero_()
+        self.last_index.fill_(seq - 1)
+        self.start.fill_(start)
+        self.seq_len.fill_(start + padded)
+        env = self._execute((padded, self._set_context(start + padded)), padded, ctx)
+        return self._outputs(env, seq, ctx)
+
+    def _outputs(self, env: dict, seq: int, ctx: int) -> dict[str, torch.Tensor]:
         out = {}
         for name in self.graph.outputs:
             t = env[name]
             rows = self._shape_fn[name]({"seq": seq, "ctx": ctx})[0] if name in self._shape_fn else t.shape[0]
             out[name] = t[:rows] if t.shape[0] != rows else t
         return out
+
+    def row_bucket(self, n: int) -> int:
+        """The row count a rows step of n sequences runs with: the next power of two (within the
+        program's size), so that a CUDA graph per bucket serves every count."""
+        return min(1 << max(0, n - 1).bit_length(), self.max_seq)
+
+    def _run_rows(self, inputs: dict[str, object]) -> dict[str, torch.Tensor]:
+        """One decode step of several sequences (rows program): tokens, pos and base per row. The
+        step runs padded to row_bucket(rows); padding rows have position -1, which the row-wise
+        kernels treat as 'no sequence' (no KV write, attention output 0), and their logits are
+        dropped. Attention splits follow the longest row (a graph per (bucket, splits))."""
+        ids = np.asarray(inputs["tokens"], dtype=np.int32).reshape(-1)
+        pos = np.asarray(inputs["pos"], dtype=np.int32).reshape(-1)
+        base = np.asarray(inputs["base"], dtype=np.int32).reshape(-1)
+        seq = int(ids.size)
+        if not seq or pos.size != seq or base.size != seq:
+            raise GraphError(f"cuda program '{self.graph.name}': a rows step needs one token, position and base "
+                             f"per row, got {ids.size}, {pos.size}, {base.size}")
+        if seq > self.max_seq:
+            raise GraphError(f"cuda program '{self.graph.name}' was compiled for {self.max_seq} rows, got {seq}")
+        ctx = next(iter(self.states.values())).shape[0]
+        if (pos < 0).any() or (base < 0).any() or (base + pos >= ctx).any():
+            raise GraphError(f"cuda program '{self.graph.name}': rows base+pos {(base + pos).tolist()} outside "
+                             f"the cache's {ctx} rows")
+        padded = self.row_bucket(seq)
+        pad = padded - seq
+        host = np.concatenate([ids, np.zeros(pad, np.int32), pos, np.full(pad, -1, np.int32),
+                               base, np.zeros(pad, np.int32)])
+        dev = torch.from_numpy(host).to(self.dev, non_blocking=True)
+        self.tokens[:padded].copy_(dev[:padded])
+        self.row_pos[:padded].copy_(dev[padded:2 * padded])
+        self.row_base[:padded].copy_(dev[2 * padded:])
+        self._splits = self._row_splits(padded, int(pos.max()) + 1)
+        env = self._execute((padded, self._splits), padded, ctx)
+        return self._outputs(env, seq, ctx)
+
+    def _row_splits(self, rows: int, max_keys: int) -> int:
+        hkv = next((int(op.attrs["n_kv_heads"]) for op in self.graph.ops if op.kind == "attention_rows"), 1)
+        return self.K.rows_splits(self.tokens, rows, hkv, max_keys)
 
 
 class CudaBackend(CudaInfo):

@@ -17,14 +17,15 @@ GPU and prints registers, spills and the instruction mix of each.
 """
 
 from ._common import INTERPRET, USE_DP4A, set_pdl
-from .attention import attention_decode, attention_prefill, decode_workspace, default_decode_splits
+from .attention import (attention_decode, attention_prefill, attention_rows, decode_workspace, default_decode_splits,
+                        rows_splits)
 from .elementwise import silu_mul, unary
 from .embedding import embedding
 from .linear import QuantizedActivations, linear, linear_silu_mul, quantize_activations
 from .norm import NormTail, head_rms_norm, rms_norm
 from .packing import (PACKED_FORMATS, SUPPORTED_FORMATS, PackedWeight, UnsupportedFormatError, can_repack,
                       concat_packed, dequantize, pack_float, repack)
-from .rope import RopeStore, rope_qkv_cache
+from .rope import RopeStore, kv_store_rows, rope_qkv_cache, rope_rows
 from .sampling import argmax, sample
 
 __all__ = [
@@ -32,5 +33,5 @@ __all__ = [
     "NormTail", "QuantizedActivations", "RopeStore", "argmax", "attention_decode", "attention_prefill", "can_repack",
     "concat_packed", "decode_workspace", "default_decode_splits", "dequantize", "embedding", "linear",
     "linear_silu_mul", "pack_float", "quantize_activations", "repack", "rms_norm", "rope_qkv_cache", "sample", "set_pdl", "silu_mul",
-    "unary", "head_rms_norm",
+    "unary", "head_rms_norm", "attention_rows", "kv_store_rows", "rope_rows", "rows_splits",
 ]

@@ -265,3 +265,111 @@ def attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                                BLOCK_N=cfg["BLOCK_N"], POS_FROM_PTR=from_ptr, HAS_WINDOW=window > 0,
                                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl())
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# rows: one decode token of each of several sequences (the attention_rows op)
+# ---------------------------------------------------------------------------------------------
+
+@jit
+def _attn_rows_kernel(q_ptr, stride_q, kc_ptr, vc_ptr, stride_c, out_ptr, stride_o, po_ptr, pml_ptr,
+                      pos_ptr, base_ptr, H, scale_log2, window,
+                      G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, N_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, PDL: tl.constexpr):
+    """Program (row, kv head, split): the G query heads of one row over its split of the row's own
+    keys, cache rows base..base+pos. One split writes the normalised output; several write
+    partials that _attn_decode_reduce_kernel combines (a split with no keys writes m = -inf,
+    l = 0, which the combine weighs 0). A padding row (pos < 0) has no keys: output 0."""
+    pdl_prologue(PDL)
+    row = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    pos = tl.load(pos_ptr + row).to(tl.int32)
+    base = tl.load(base_ptr + row).to(tl.int64)
+    n_keys = tl.maximum(pos + 1, 0)
+    r = tl.arange(0, BLOCK_M)  # query head within the group
+    rmask = r < G
+    h = kvh * G + r
+    d = tl.arange(0, BLOCK_D)
+    dm = d < HEAD_DIM
+    qmask = rmask[:, None] & dm[None, :]
+    row64 = row.to(tl.int64)
+    q = tl.load(q_ptr + row64 * stride_q + h[:, None] * HEAD_DIM + d[None, :], mask=qmask,
+                other=0.0).to(kc_ptr.dtype.element_ty)
+    chunk = tl.cdiv(tl.cdiv(n_keys, N_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, n_keys)
+    if HAS_WINDOW:
+        lo = tl.maximum(lo, pos - window + 1)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    qpos = tl.zeros([BLOCK_M], dtype=tl.int32) + pos
+    acc, m_i, l_i = _attn_tiles(q, kc_ptr + base * stride_c, vc_ptr + base * stride_c, stride_c, kvh, lo, hi, qpos,
+                                scale_log2, window, acc, m_i, l_i, HEAD_DIM, BLOCK_D, BLOCK_N, HAS_WINDOW)
+    if N_SPLITS == 1:
+        res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + row64 * stride_o + h[:, None] * HEAD_DIM + d[None, :],
+                 res.to(out_ptr.dtype.element_ty), mask=qmask)
+    else:
+        part = ((row64 * H + h) * N_SPLITS + split).to(tl.int64)  # partial of (row, head, split)
+        tl.store(po_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=qmask)
+        tl.store(pml_ptr + part * 2, m_i, mask=rmask)
+        tl.store(pml_ptr + part * 2 + 1, l_i, mask=rmask)
+
+
+def rows_splits(q: torch.Tensor, n_rows: int, n_kv_heads: int, max_keys: int, config: dict | None = None) -> int:
+    """Context splits of an attention_rows step whose longest row attends to max_keys keys: one
+    per ATTN_DECODE_KEYS_PER_SPLIT keys, but no more than fills about two programs per SM
+    (rows x kv heads x splits). A CUDA graph is captured per (rows, splits)."""
+    cfg = {**configs.ATTN_DECODE_DEFAULT, **(config or {})}
+    if cfg.get("n_splits"):
+        return int(cfg["n_splits"])
+    want = triton.cdiv(max(int(max_keys), 1), configs.ATTN_DECODE_KEYS_PER_SPLIT)
+    cap = max(1, triton.cdiv(2 * device_sm_count(q), max(1, n_rows * n_kv_heads)))
+    return max(1, min(want, cap, 128))
+
+
+def attention_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
+                   bases: torch.Tensor, n_heads: int, n_kv_heads: int, scale: float | None = None,
+                   out: torch.Tensor | None = None, *, head_dim: int | None = None, window: int = 0,
+                   n_splits: int = 1, workspace=None, config: dict | None = None) -> torch.Tensor:
+    """Decode attention of T rows, each a different sequence (the attention_rows op): q row t
+    (q [T, n_heads*head_dim]) attends to cache rows bases[t] .. bases[t] + positions[t] (its own
+    slot, up to and including its own position; window > 0: only the last `window` of them).
+    positions and bases are int32/int64 device tensors of at least T entries (read by the kernel,
+    so a CUDA graph replays any values); a row with positions[t] < 0 is padding and gets zeros.
+    n_splits > 1 cuts each row's keys into that many chunks (flash-decoding) and needs a
+    workspace from decode_workspace(T, n_heads, head_dim, n_splits)."""
+    from .rope import _check_rows
+
+    H, HKV, D = _check_attn(q, k_cache, v_cache, n_heads, n_kv_heads, head_dim)
+    T = q.shape[0]
+    G = H // HKV
+    _check_rows(T, q, positions=positions, bases=bases)
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    out = out_buffer(out, (T, H * D), q.dtype, q.device)
+    n_splits = max(1, int(n_splits))
+    if T == 0:
+        return out
+    cfg = {**configs.ATTN_DECODE_DEFAULT, **(config or {})}
+    block_d = max(16, next_pow2(D))
+    if n_splits > 1:
+        po, pml = workspace if workspace is not None else decode_workspace(T, H, D, n_splits, q.device)
+        if po.numel() < T * H * n_splits * D or pml.numel() < T * H * n_splits * 2:
+            raise ValueError("attention_rows workspace is too small; make it with decode_workspace()")
+    else:
+        po = pml = out
+    _attn_rows_kernel[(T, HKV, n_splits)](q, q.stride(0), k_cache, v_cache, k_cache.stride(0), out, out.stride(0),
+                                          po, pml, positions, bases, H, scale * _LOG2E, int(window),
+                                          G=G, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=max(16, next_pow2(G)),
+                                          BLOCK_N=cfg["BLOCK_N"], N_SPLITS=n_splits, HAS_WINDOW=window > 0,
+                                          num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl())
+    if n_splits > 1:
+        # every split wrote its partial (empty ones m = -inf): combine all of them, which the
+        # reduce kernel does for a "sequence length" of n_splits tiles
+        _attn_decode_reduce_kernel[(T * H,)](po, pml, out, out.stride(0), out, n_splits * cfg["BLOCK_N"], H,
+                                             HEAD_DIM=D, BLOCK_D=block_d, BLOCK_N=cfg["BLOCK_N"], N_SPLITS=n_splits,
+                                             SPLITS_PAD=next_pow2(n_splits), SEQ_FROM_PTR=False,
+                                             num_warps=max(1, min(4, block_d // 32)), **pdl())
+    return out

@@ -139,6 +139,19 @@ def _cases():
     yield "softcap", lambda: unary(torch.empty(1, 128256, dtype=h16), "softcap", 30.0)
     yield "embedding", lambda: embedding(torch.empty(1, dtype=torch.int32), pw("Q8_0", 128256, 4096))
     yield "argmax", lambda: argmax(torch.empty(1, 128256, dtype=h16))
+    # the batched decode step of 32 sequences (rows program): per-row positions and KV slots
+    from . import attention_rows, decode_workspace, kv_store_rows, rope_rows
+
+    rows = torch.empty(32, dtype=torch.int32)
+    q32, k32 = torch.empty(32, 4096, dtype=h16), torch.empty(32, 1024, dtype=h16)
+    yield "rope-rows", lambda: rope_rows(q32, rows, 32, 128, theta=5e5)
+    yield "rope-store-rows", lambda: rope_qkv_cache(q32, k32, k32, kc, kc, 0, 32, 8, 128, theta=5e5, positions=rows,
+                                                    bases=rows)
+    yield "kv-store-rows", lambda: kv_store_rows(kc, k32, rows, rows)
+    yield "attn-rows", lambda: attention_rows(q32, kc, kc, rows, rows, 32, 8)
+    yield "attn-rows-split", lambda: attention_rows(q32, kc, kc, rows, rows, 32, 8, n_splits=4,
+                                                    workspace=decode_workspace(32, 32, 128, 4, "cpu"))
+    yield "attn-rows-window", lambda: attention_rows(q32, kc, kc, rows, rows, 32, 8, window=512)
 
 
 def main(argv=None) -> int:

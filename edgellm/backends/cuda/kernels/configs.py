@@ -124,12 +124,31 @@ GEMM_DEFAULT = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages
 GEMM_DEFAULT_LARGE_M = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)  # M >= 128
 
 
-def gemm_default(M: int) -> dict:
+# A skinny product (M <= SKINNY_M rows: a batched decode step of that many sequences) streams the
+# weights once for all rows and is bound by that stream: it needs enough programs in flight to
+# fill the GPU, and with 128-row weight tiles a 2048-wide projection has only 16. Its weight tile
+# shrinks (BLOCK_N 128 -> 64 -> 32) until the grid has SKINNY_PROGRAMS_PER_SM programs per SM or
+# the tile is 32 rows. Not yet timed on a GPU: `benchmarks/bench_rows.py --gemm-sweep` measures
+# the candidates.
+SKINNY_M = 32
+SKINNY_PROGRAMS_PER_SM = 2
+
+
+def gemm_default(M: int, N: int = 0, sms: int = 0) -> dict:
     """Per token count: dequantizing a weight tile costs the same whatever BLOCK_M, so larger
-    token tiles amortise it (compile_check: ~5 instructions per weight per K-step)."""
+    token tiles amortise it (compile_check: ~5 instructions per weight per K-step). With the
+    output width N and the device's SM count, skinny products (M <= SKINNY_M) take smaller weight
+    tiles (see above)."""
     if M >= 128:
         return dict(GEMM_DEFAULT_LARGE_M)
-    return dict(GEMM_DEFAULT, BLOCK_M=max(16, min(64, 1 << (M - 1).bit_length())))
+    cfg = dict(GEMM_DEFAULT, BLOCK_M=max(16, min(64, 1 << (M - 1).bit_length())))
+    if M <= SKINNY_M and N and sms:
+        m_blocks = -(-M // cfg["BLOCK_M"])
+        while cfg["BLOCK_N"] > 32 and m_blocks * -(-N // cfg["BLOCK_N"]) < SKINNY_PROGRAMS_PER_SM * sms:
+            cfg["BLOCK_N"] //= 2
+        if cfg["BLOCK_N"] < 64:
+            cfg["num_warps"] = 2
+    return cfg
 
 
 def gemm_candidates(fmt: str) -> list[dict]:

@@ -32,7 +32,8 @@ import triton
 import triton.language as tl
 
 from . import configs
-from ._common import USE_DP4A, check_2d, dp4a, int_or_tensor, jit, or_under_one, out_buffer, pdl, pdl_prologue
+from ._common import (USE_DP4A, check_2d, device_sm_count, dp4a, int_or_tensor, jit, or_under_one, out_buffer, pdl,
+                      pdl_prologue)
 from .elementwise import ACT_CODES, gate_act
 from .norm import NormTail, norm_tail_epilogue
 from .packing import PackedWeight
@@ -538,7 +539,7 @@ def _launch_gemv(x, wa, wb, b_offset, bias, out, glu, act_int8, xq, config, rope
 def _launch_gemm(x, w, bias, out, config):
     M, K = x.shape
     N = out.shape[1]
-    cfg = {**configs.gemm_default(M), **(config or {})}
+    cfg = {**configs.gemm_default(M, N, device_sm_count(x)), **(config or {})}
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     if bk % 32:
         raise ValueError(f"BLOCK_K={bk} must be a multiple of 32")

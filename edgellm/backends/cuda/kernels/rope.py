@@ -1,5 +1,9 @@
 """RoPE on Q and K fused with the KV-cache write: one launch reads q, k, v once, writes the rotated
-q and writes rotated k and v straight into their rows of the preallocated caches."""
+q and writes rotated k and v straight into their rows of the preallocated caches.
+
+The same kernel serves the batched decode step of several sequences (rows mode, `positions` and
+`bases` given): row t is its own sequence, rotated at positions[t] and stored at cache row
+bases[t] + positions[t]; a row with a negative position is padding (its K/V are not stored)."""
 
 from __future__ import annotations
 
@@ -16,20 +20,22 @@ from ._common import check_2d, int_or_tensor, jit, next_pow2, out_buffer, pdl, p
 @jit
 def _rope_kernel(q_ptr, k_ptr, v_ptr, stride_q, stride_k, stride_v, qo_ptr, stride_qo,
                  kc_ptr, vc_ptr, stride_c, pos_ptr, start_pos, ff_ptr, log2_theta,
-                 H,
+                 H, base_ptr, pos_scale,
                  HEAD_DIM: tl.constexpr, N_ROT: tl.constexpr, HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr,
                  D_PAD: tl.constexpr, NEOX: tl.constexpr, POS_FROM_PTR: tl.constexpr, HAS_FF: tl.constexpr,
-                 PDL: tl.constexpr):
+                 ROWS: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)  # 0..H-1: query heads; H..H+HKV-1: key/value heads
-    if POS_FROM_PTR:
+    if ROWS:  # row t is its own sequence: its own position and cache slot (base)
+        pos = tl.load(pos_ptr + t).to(tl.int32)
+    elif POS_FROM_PTR:
         pos = tl.load(pos_ptr).to(tl.int32) + t
     else:
         pos = start_pos + t
     i = tl.arange(0, HALF_PAD)
     im = i < N_ROT // 2
-    cs, sn = rope_cos_sin(pos, i, im, ff_ptr, log2_theta, N_ROT, HAS_FF)
+    cs, sn = rope_cos_sin(pos.to(tl.float32) * pos_scale, i, im, ff_ptr, log2_theta, N_ROT, HAS_FF)
     if NEOX:
         o1 = i
         o2 = i + N_ROT // 2
@@ -40,14 +46,19 @@ def _rope_kernel(q_ptr, k_ptr, v_ptr, stride_q, stride_k, stride_v, qo_ptr, stri
     # two calls rather than one call on selected pointers: q and the cache may differ in dtype
     if h < H:
         _rotate_head(q_ptr + t64 * stride_q + h * HEAD_DIM, qo_ptr + t64 * stride_qo + h * HEAD_DIM,
-                     cs, sn, o1, o2, im, HEAD_DIM, N_ROT, REST_PAD)
+                     cs, sn, o1, o2, im, t >= 0, HEAD_DIM, N_ROT, REST_PAD)
     else:
         kvh = h - H
-        row = pos.to(tl.int64) * stride_c + kvh * HEAD_DIM
+        if ROWS:  # a padding row (pos < 0) stores nothing
+            keep = pos >= 0
+            row = (tl.load(base_ptr + t).to(tl.int64) + tl.maximum(pos, 0)) * stride_c + kvh * HEAD_DIM
+        else:
+            keep = t >= 0
+            row = pos.to(tl.int64) * stride_c + kvh * HEAD_DIM
         _rotate_head(k_ptr + t64 * stride_k + kvh * HEAD_DIM, kc_ptr + row,
-                     cs, sn, o1, o2, im, HEAD_DIM, N_ROT, REST_PAD)
+                     cs, sn, o1, o2, im & keep, keep, HEAD_DIM, N_ROT, REST_PAD)
         dd = tl.arange(0, D_PAD)
-        dm = dd < HEAD_DIM
+        dm = (dd < HEAD_DIM) & keep
         vv = tl.load(v_ptr + t64 * stride_v + kvh * HEAD_DIM + dd, mask=dm, other=0.0)
         tl.store(vc_ptr + row + dd, vv.to(vc_ptr.dtype.element_ty), mask=dm)
 
@@ -68,14 +79,15 @@ def rope_cos_sin(pos, i, im, ff_ptr, log2_theta, N_ROT: tl.constexpr, HAS_FF: tl
 
 
 @jit
-def _rotate_head(src, dst, cs, sn, o1, o2, im, HEAD_DIM: tl.constexpr, N_ROT: tl.constexpr, REST_PAD: tl.constexpr):
+def _rotate_head(src, dst, cs, sn, o1, o2, im, keep, HEAD_DIM: tl.constexpr, N_ROT: tl.constexpr,
+                 REST_PAD: tl.constexpr):
     x1 = tl.load(src + o1, mask=im, other=0.0).to(tl.float32)
     x2 = tl.load(src + o2, mask=im, other=0.0).to(tl.float32)
     tl.store(dst + o1, (x1 * cs - x2 * sn).to(dst.dtype.element_ty), mask=im)
     tl.store(dst + o2, (x2 * cs + x1 * sn).to(dst.dtype.element_ty), mask=im)
     if N_ROT < HEAD_DIM:  # partial rotary: the remaining dimensions pass through
         r = N_ROT + tl.arange(0, REST_PAD)
-        rm = r < HEAD_DIM
+        rm = (r < HEAD_DIM) & keep
         tl.store(dst + r, tl.load(src + r, mask=rm, other=0.0).to(dst.dtype.element_ty), mask=rm)
 
 
@@ -83,7 +95,9 @@ def rope_qkv_cache(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | No
                    k_cache: torch.Tensor, v_cache: torch.Tensor, start_pos,
                    n_heads: int, n_kv_heads: int, head_dim: int, *, theta: float = 10000.0, style: str = "norm",
                    freq_factors: torch.Tensor | None = None, n_rot: int | None = None,
-                   q_out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+                   q_out: torch.Tensor | None = None, config: dict | None = None,
+                   positions: torch.Tensor | None = None, bases: torch.Tensor | None = None,
+                   pos_scale: float = 1.0) -> torch.Tensor:
     """Rotate Q and K of T tokens at positions start_pos..start_pos+T-1 and store K, V in the caches.
 
     q [T, n_heads*head_dim], k and v [T, n_kv_heads*head_dim]; or k = v = None and q the fused
@@ -91,9 +105,14 @@ def rope_qkv_cache(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | No
     [ctx, n_kv_heads*head_dim]; rows start_pos.. are written in place. start_pos is an int or a
     one-element int tensor on the device (read by the kernel, so a CUDA graph can replay it).
     style "norm": rotate pairs (x[2i], x[2i+1]) (llama GGUF); "neox": pairs (x[i], x[i+n_rot/2]).
-    Frequencies are theta^(-2i/n_rot), divided by freq_factors[i] when given (llama 3 scaling).
+    Frequencies are theta^(-2i/n_rot), divided by freq_factors[i] when given (llama 3 scaling);
+    positions are multiplied by pos_scale (linear RoPE scaling).
     Only the first n_rot (default head_dim) dimensions rotate. Returns the rotated q
     (q_out, or a new [T, n_heads*head_dim] tensor; q_out may be q itself to rotate in place).
+
+    Rows mode (positions and bases, int32 device tensors of at least T entries; start_pos unused):
+    each row t is a different sequence, rotated at positions[t], its K and V stored at cache row
+    bases[t] + positions[t]; rows with positions[t] < 0 are padding and store nothing.
     """
     H, HKV, D = int(n_heads), int(n_kv_heads), int(head_dim)
     check_2d(q, "q")
@@ -125,9 +144,14 @@ def rope_qkv_cache(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | No
         raise ValueError(f"rope style must be 'norm' or 'neox', got {style!r}")
     if freq_factors is not None and freq_factors.numel() != n_rot // 2:
         raise ValueError(f"freq_factors has {freq_factors.numel()} elements, expected n_rot/2 = {n_rot // 2}")
-    pos_ptr, pos_val, from_ptr = int_or_tensor(start_pos, q, "start_pos")
-    if not from_ptr and not 0 <= pos_val <= k_cache.shape[0] - T:
-        raise ValueError(f"tokens {pos_val}..{pos_val + T - 1} do not fit in a KV cache of {k_cache.shape[0]} rows")
+    rows = positions is not None
+    if rows:
+        _check_rows(T, q, positions=positions, bases=bases)
+        pos_ptr, pos_val, from_ptr = positions, 0, True
+    else:
+        pos_ptr, pos_val, from_ptr = int_or_tensor(start_pos, q, "start_pos")
+        if not from_ptr and not 0 <= pos_val <= k_cache.shape[0] - T:
+            raise ValueError(f"tokens {pos_val}..{pos_val + T - 1} do not fit in a KV cache of {k_cache.shape[0]} rows")
     q_out = out_buffer(q_out, (T, H * D), q.dtype, q.device, "q_out")
     if T == 0:
         return q_out
@@ -136,10 +160,55 @@ def rope_qkv_cache(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | No
     _rope_kernel[(T, H + HKV)](
         q, k, v, q.stride(0), k.stride(0), v.stride(0), q_out, q_out.stride(0),
         k_cache, v_cache, k_cache.stride(0), pos_ptr, pos_val, ff, math.log2(theta), H,
+        bases if rows else pos_ptr, float(pos_scale),
         HEAD_DIM=D, N_ROT=n_rot, HALF_PAD=next_pow2(n_rot // 2), REST_PAD=next_pow2(max(1, D - n_rot)),
         D_PAD=next_pow2(D), NEOX=style == "neox", POS_FROM_PTR=from_ptr, HAS_FF=freq_factors is not None,
-        num_warps=cfg["num_warps"], **pdl())
+        ROWS=rows, num_warps=cfg["num_warps"], **pdl())
     return q_out
+
+
+def _check_rows(T: int, like: torch.Tensor, **index) -> None:
+    """Per-row index tensors (positions, bases) of a rows-mode launch: int32/int64 on like's device,
+    at least T entries."""
+    for name, t in index.items():
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be a 1-D int32/int64 tensor, got "
+                             f"{type(t).__name__ if not isinstance(t, torch.Tensor) else (t.dtype, tuple(t.shape))}")
+        if t.numel() < T or t.device != like.device:
+            raise ValueError(f"{name} has {t.numel()} entries on {t.device}, expected at least {T} on {like.device}")
+
+
+def rope_rows(x: torch.Tensor, positions: torch.Tensor, n_heads: int, head_dim: int, *, theta: float = 10000.0,
+              style: str = "norm", freq_factors: torch.Tensor | None = None, n_rot: int | None = None,
+              out: torch.Tensor | None = None, config: dict | None = None, pos_scale: float = 1.0) -> torch.Tensor:
+    """RoPE of x [T, n_heads*head_dim], row t at its own position positions[t] (the rope_rows op:
+    each row a different sequence's decode token). Arguments as rope_qkv_cache; nothing is stored."""
+    H, D = int(n_heads), int(head_dim)
+    check_2d(x, "x")
+    T = x.shape[0]
+    if x.shape[1] != H * D:
+        raise ValueError(f"x has width {x.shape[1]}, expected n_heads*head_dim = {H * D}")
+    n_rot = D if n_rot is None else int(n_rot)
+    if n_rot % 2 or not 0 < n_rot <= D:
+        raise ValueError(f"n_rot={n_rot} must be even and in (0, head_dim={D}]")
+    if style not in ("norm", "neox"):
+        raise ValueError(f"rope style must be 'norm' or 'neox', got {style!r}")
+    if freq_factors is not None and freq_factors.numel() != n_rot // 2:
+        raise ValueError(f"freq_factors has {freq_factors.numel()} elements, expected n_rot/2 = {n_rot // 2}")
+    _check_rows(T, x, positions=positions)
+    out = out_buffer(out, (T, H * D), x.dtype, x.device)
+    if T == 0:
+        return out
+    cfg = {**configs.ROPE_DEFAULT, **(config or {})}
+    ff = freq_factors if freq_factors is not None else x
+    # query heads only (no key/value heads: grid axis 1 is H), so the caches are never touched
+    _rope_kernel[(T, H)](
+        x, x, x, x.stride(0), x.stride(0), x.stride(0), out, out.stride(0),
+        out, out, 0, positions, 0, ff, math.log2(theta), H, positions, float(pos_scale),
+        HEAD_DIM=D, N_ROT=n_rot, HALF_PAD=next_pow2(n_rot // 2), REST_PAD=next_pow2(max(1, D - n_rot)),
+        D_PAD=next_pow2(D), NEOX=style == "neox", POS_FROM_PTR=True, HAS_FF=freq_factors is not None,
+        ROWS=True, num_warps=cfg["num_warps"], **pdl())
+    return out
 
 
 @dataclass
@@ -189,3 +258,32 @@ class RopeStore:
         return rope_qkv_cache(qkv, None, None, self.k_cache, self.v_cache, self.start_pos, self.n_heads,
                               self.n_kv_heads, self.head_dim, theta=self.theta, style=self.style,
                               freq_factors=self.freq_factors, n_rot=self.n_rot, q_out=self.q_out)
+
+
+@jit
+def _store_rows_kernel(x_ptr, stride_x, c_ptr, stride_c, pos_ptr, base_ptr, F, BLOCK: tl.constexpr,
+                       PDL: tl.constexpr):
+    pdl_prologue(PDL)
+    t = tl.program_id(0)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    dst = c_ptr + (tl.load(base_ptr + t).to(tl.int64) + tl.maximum(pos, 0)) * stride_c
+    src = x_ptr + t.to(tl.int64) * stride_x
+    for f0 in range(0, F, BLOCK):
+        f = f0 + tl.arange(0, BLOCK)
+        fm = (f < F) & (pos >= 0)  # a padding row (pos < 0) stores nothing
+        tl.store(dst + f, tl.load(src + f, mask=fm, other=0.0).to(c_ptr.dtype.element_ty), mask=fm)
+
+
+def kv_store_rows(cache: torch.Tensor, x: torch.Tensor, bases: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The kv_store_rows op: cache row bases[t] + positions[t] := x[t] for each row t of x [T, F]
+    (rows with positions[t] < 0 are padding and store nothing). Returns the cache."""
+    check_2d(cache, "cache")
+    check_2d(x, "x")
+    T, F = x.shape
+    if cache.shape[1] != F:
+        raise ValueError(f"x has {F} features, the cache {cache.shape[1]}")
+    _check_rows(T, x, positions=positions, bases=bases)
+    if T:
+        _store_rows_kernel[(T,)](x, x.stride(0), cache, cache.stride(0), positions, bases, F,
+                                 BLOCK=min(1024, next_pow2(F)), num_warps=1, **pdl())
+    return cache

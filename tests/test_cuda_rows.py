@@ -1,0 +1,258 @@
+"""Batched decode on the cuda backend: the row-wise kernels (rope_rows, kv_store_rows,
+attention_rows; each row a different sequence with its own KV slot and position) against the cpu
+backend's reference ops, and SlotPool.decode on cuda against the cpu backend and against each
+sequence run alone. Without a GPU the kernels run in Triton's interpreter (tiny shapes)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("triton was imported without TRITON_INTERPRET=1", allow_module_level=True)
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from edgellm.backends.cpu import CPU_KERNELS  # noqa: E402
+from edgellm.backends.cuda import kernels as K  # noqa: E402
+from edgellm.graph.ir import Op  # noqa: E402
+
+DEV = torch.device("cuda" if CUDA else "cpu")
+
+
+@pytest.fixture
+def rng(request):
+    seed = zlib.crc32(request.node.name.encode())
+    torch.manual_seed(seed)
+    return np.random.default_rng(seed)
+
+
+def rand(rng, *shape):
+    return torch.from_numpy(rng.standard_normal(shape).astype(np.float16)).to(DEV)
+
+
+def poisoned(shape):
+    return torch.full(shape, float("nan"), dtype=torch.float16, device=DEV)
+
+
+def ref(kind, inputs, **attrs):
+    """The cpu backend's reference op on float32 copies of the inputs."""
+    args = [t.float().cpu() if isinstance(t, torch.Tensor) and t.is_floating_point() else
+            (t.cpu() if isinstance(t, torch.Tensor) else t) for t in inputs]
+    return CPU_KERNELS[kind](Op("ref", kind, (), ("out",), attrs), args)
+
+
+def close(got, want, tol, what):
+    got = got.float().cpu()
+    assert torch.isfinite(got).all(), f"{what}: {int((~torch.isfinite(got)).sum())} elements not written"
+    err = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
+    assert err < tol, f"{what}: worst relative error {err:.2e} (tol {tol})"
+
+
+def ints(values):
+    return torch.tensor(values, dtype=torch.int32, device=DEV)
+
+
+# slots of 37 rows (not a tile multiple); rows in no slot order, lengths 1..37
+CTX, SLOTS = 37, 4
+BASES = [2 * CTX, 0, 3 * CTX, CTX, 2 * CTX + 0]
+POS = [36, 0, 13, 20, -1]  # the last row is padding (negative position): nothing stored, output 0
+
+
+@pytest.mark.parametrize("style,D,H,n_rot,ff", [("norm", 32, 3, None, True), ("neox", 24, 2, 16, False)])
+def test_rope_rows_matches_reference(rng, style, D, H, n_rot, ff):
+    pos = [5, 0, 4090, 17, 33]
+    x = rand(rng, len(pos), H * D)
+    factors = torch.from_numpy(rng.uniform(1, 4, (n_rot or D) // 2).astype(np.float32)).to(DEV) if ff else None
+    out = poisoned(tuple(x.shape))
+    K.rope_rows(x, ints(pos), H, D, theta=1e4, style=style, freq_factors=factors, n_rot=n_rot, out=out)
+    attrs = dict(n_heads=H, head_dim=D, rope_dim=n_rot or D, theta=1e4, style=style)
+    want = ref("rope_rows", [x, ints(pos)] + ([factors] if ff else []), **attrs)
+    close(out, want, 3e-3, "rope_rows")
+
+
+def test_kv_store_rows_writes_only_its_rows(rng):
+    F = 40
+    cache = poisoned((SLOTS * CTX, F))
+    x = rand(rng, len(POS), F)
+    K.kv_store_rows(cache, x, ints(BASES), ints(POS))
+    want = ref("kv_store_rows", [torch.full((SLOTS * CTX, F), float("nan")), x[:-1], ints(BASES[:-1]),
+                                 ints(POS[:-1])])
+    got = cache.float().cpu()
+    written = ~torch.isnan(want[:, 0])
+    assert torch.equal(~torch.isnan(got[:, 0]), written), "rows written other than base + pos of the real rows"
+    assert torch.equal(got[written], want[written])
+
+
+def test_rope_qkv_cache_rows_mode(rng):
+    """The fused rope + K/V store of a rows step (what the backend launches for a layer)."""
+    H, HKV, D = 4, 2, 16
+    T = len(POS)
+    q, k, v = rand(rng, T, H * D), rand(rng, T, HKV * D), rand(rng, T, HKV * D)
+    kc, vc = poisoned((SLOTS * CTX, HKV * D)), poisoned((SLOTS * CTX, HKV * D))
+    qo = poisoned((T, H * D))
+    K.rope_qkv_cache(q, k, v, kc, vc, 0, H, HKV, D, theta=1e4, q_out=qo, positions=ints(POS), bases=ints(BASES))
+    attrs = dict(head_dim=D, rope_dim=D, theta=1e4, style="norm")
+    close(qo, ref("rope_rows", [q, ints(POS)], n_heads=H, **attrs), 3e-3, "q")
+    krot = ref("rope_rows", [k, ints(POS)], n_heads=HKV, **attrs)
+    nan = torch.full((SLOTS * CTX, HKV * D), float("nan"))
+    want_k = ref("kv_store_rows", [nan.clone(), krot[:-1], ints(BASES[:-1]), ints(POS[:-1])])
+    want_v = ref("kv_store_rows", [nan.clone(), v[:-1], ints(BASES[:-1]), ints(POS[:-1])])
+    for got, want, what in ((kc, want_k, "k cache"), (vc, want_v, "v cache")):
+        got = got.float().cpu()
+        written = ~torch.isnan(want[:, 0])
+        assert torch.equal(~torch.isnan(got[:, 0]), written), f"{what}: rows written other than base + pos"
+        close(got[written], want[written], 3e-3, what)
+
+
+@pytest.mark.parametrize("H,HKV,D,window,splits", [(4, 2, 16, 0, 1), (6, 2, 24, 0, 3), (4, 1, 16, 9, 2),
+                                                    (3, 3, 16, 5, 1)])
+def test_attention_rows_matches_reference(rng, H, HKV, D, window, splits):
+    T = len(POS)
+    kc, vc = rand(rng, SLOTS * CTX, HKV * D), rand(rng, SLOTS * CTX, HKV * D)
+    q = rand(rng, T, H * D)
+    out = poisoned((T, H * D))
+    ws = K.decode_workspace(T, H, D, splits, DEV) if splits > 1 else None
+    K.attention_rows(q, kc, vc, ints(POS), ints(BASES), H, HKV, 0.3, out=out, head_dim=D, window=window,
+                     n_splits=splits, workspace=ws)
+    attrs = dict(n_heads=H, n_kv_heads=HKV, head_dim=D, scale=0.3, **({"window": window} if window else {}))
+    want = ref("attention_rows", [q[:-1], kc, vc, ints(BASES[:-1]), ints(POS[:-1])], **attrs)
+    close(out[:-1], want, 3e-3, "attention_rows")
+    assert torch.equal(out[-1].float().cpu(), torch.zeros(H * D)), "a padding row's output is not zero"
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0", "F16"])
+@pytest.mark.parametrize("M", [13, 32])
+def test_skinny_linear_default_config(rng, fmt, M):
+    """A batched decode step's linear layers: M rows (9..32, past the GEMV's 8) take the GEMM
+    kernel with the skinny default tile (configs.gemm_default with N and the SM count)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gg_dequantize
+    from gguf.quants import quantize as gg_quantize
+
+    n_out, n_in = 70, 96
+    w = rng.standard_normal((n_out, n_in)).astype(np.float32)
+    if fmt == "F16":
+        raw, want_w = w.astype(np.float16), w.astype(np.float16).astype(np.float64)
+    else:
+        raw = gg_quantize(w, GGMLQuantizationType[fmt])
+        want_w = gg_dequantize(raw, GGMLQuantizationType[fmt]).astype(np.float64)
+    pw = K.repack(raw, fmt, (n_out, n_in), device=DEV)
+    x = rand(rng, M, n_in)
+    out = poisoned((M, n_out))
+    K.linear(x, pw, out=out)
+    want = torch.from_numpy(x.double().cpu().numpy() @ want_w.T)
+    close(out, want, 3e-3, f"{fmt} M={M}")
+
+
+# -- the rows program of a tiny model on the cuda backend -----------------------------------------
+import edgellm  # noqa: E402
+from edgellm.sampling import SamplingParams  # noqa: E402
+from edgellm.session import SlotPool  # noqa: E402
+from edgellm.synthetic import SyntheticSpec, write_synthetic_gguf  # noqa: E402
+
+# F16 weights: the interpreter runs the quantized GEMVs far slower, and the row-wise ops do not
+# depend on the weight format (the linear kernels have tests of their own)
+MODELS = {
+    "llama-gqa-rope-freqs": SyntheticSpec(n_layers=1, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64,
+                                          weight_type="F16", rope_freqs=True, std=0.1, seed=31),
+    "qwen2-mqa-bias-untied-linear-rope": SyntheticSpec(arch="qwen2", n_layers=1, d_model=32, n_heads=2, n_kv_heads=1,
+                                                       ffn_dim=64, vocab_size=64, weight_type="F16", tied=False,
+                                                       rope_linear_factor=2.0, std=0.1, seed=32),
+}
+MODEL_CTX = 24
+
+
+@pytest.fixture(autouse=True)
+def _cuda_device(monkeypatch):
+    if not CUDA:
+        monkeypatch.setenv("EDGELLM_CUDA_DEVICE", "cpu")
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_slot_pool_decode_on_cuda_matches_cpu_and_each_sequence_alone(name, tmp_path, rng):
+    spec = MODELS[name]
+    path = write_synthetic_gguf(tmp_path / "m.gguf", spec)
+    cpu = edgellm.load(path, backend="cpu", ctx=MODEL_CTX)
+    cu = edgellm.load(path, backend="cuda", ctx=MODEL_CTX, prefill_chunk=8)
+    pc, pg = SlotPool(cpu, 5), SlotPool(cu, 5)
+    assert pg.batch is not None and pg.batch.rows_mode, "the cuda backend should compile the rows program"
+    seqs = [rng.integers(0, spec.vocab_size, n).tolist() for n in (4, 2, 6, 1, 5)]
+    for pool, m in ((pc, cpu), (pg, cu)):
+        for slot, ids in zip(pool.slots, seqs):
+            m.forward(ids, 0, all_logits=False, slot=slot)
+    # rows in no slot order; 3 rows run as a bucket of 4, 5 as 8 (padding rows), 1 alone; the
+    # bucket of 4 twice (on a GPU: captured, then replayed with other positions)
+    last = {}
+    for rows in ([3, 0, 4], [1, 2, 0, 4, 3], [1], [4, 2, 0]):
+        steps_ids = {s: int(rng.integers(0, spec.vocab_size)) for s in rows}
+        want = pc.decode([(pc.slots[s], t, len(seqs[s])) for s, t in steps_ids.items()])
+        got = pg.decode([(pg.slots[s], t, len(seqs[s])) for s, t in steps_ids.items()])
+        assert got.shape == want.shape and np.isfinite(got).all()
+        assert np.abs(got - want).max() <= 5e-3 * np.abs(want).max(), f"rows {rows}"
+        for s, t in steps_ids.items():
+            seqs[s].append(t)
+            last[s] = got[rows.index(s)]
+        assert all(pg.slots[s].tokens == seqs[s] for s in rows)
+    # each sequence alone, from an empty cache, on the single-sequence programs: the same logits
+    for s, ids in enumerate(seqs):
+        alone = cu.forward(ids, 0, all_logits=False)[-1]
+        assert np.abs(alone - last[s]).max() <= 5e-3 * np.abs(alone).max(), f"slot {s}"
+    # decode_tokens: the argmax of every row on the device, logits only where asked
+    steps = [(pg.slots[s], 5, len(seqs[s])) for s in (2, 4)]
+    tokens, logits = pg.decode_tokens(steps, [False, True])
+    full = pg.decode(steps)  # the same step again: the same cache rows, the same logits
+    assert tokens.tolist() == full.argmax(-1).tolist() and list(logits) == [1]
+    np.testing.assert_allclose(logits[1], full[1], rtol=0, atol=1e-6)
+
+
+def test_scheduler_on_cuda_batches_greedy_requests_like_each_alone(tmp_path):
+    """The server's scheduler on the cuda backend: concurrent greedy requests share batched steps
+    (argmax on the device; the one asking for logprobs reads its logits) and each gets the
+    tokens it gets alone."""
+    import threading
+
+    from edgellm.serve.scheduler import Done, Piece, Request, Scheduler
+    from edgellm.synthetic import byte_bpe_vocab
+
+    spec = SyntheticSpec(n_layers=1, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=416,
+                         weight_type="F16", std=0.1, seed=33)
+    path = write_synthetic_gguf(tmp_path / "m.gguf", spec, byte_bpe_vocab(416))
+    m = edgellm.load(path, backend="cuda", ctx=MODEL_CTX, prefill_chunk=8)
+    s = Scheduler(m, 3, chunk=32)
+    rows_seen = []
+    decode_tokens = s.pool.decode_tokens
+    s.pool.decode_tokens = lambda steps, need: rows_seen.append((len(steps), sum(need))) or decode_tokens(steps, need)
+    prompts = [m.tokenizer.encode(t) for t in ("the sea", "a robot", "one")]
+    events = [[] for _ in prompts]
+    done = [threading.Event() for _ in prompts]
+
+    def listener(i):
+        def on(ev):
+            events[i].append(ev)
+            if not isinstance(ev, Piece):
+                done[i].set()
+        return on
+    for i, ids in enumerate(prompts):  # queued before the loop starts: they run together
+        s.submit(Request(ids, 4, SamplingParams(temperature=0), ignore_eos=True, logprobs=0 if i == 1 else None,
+                         on_event=listener(i)))
+    s.start()
+    try:
+        assert all(d.wait(300) for d in done)
+    finally:
+        s.stop()
+    assert (3, 1) in rows_seen, f"no batched step of all three (steps: {rows_seen})"
+    for ids, evs in zip(prompts, events):
+        assert isinstance(evs[-1], Done) and evs[-1].completion_tokens == 4
+        got = [t for e in evs if isinstance(e, Piece) for t in e.tokens]
+        want = [int(np.argmax(m.forward(ids, 0, all_logits=False)[-1]))]
+        for k in range(3):
+            want.append(int(np.argmax(m.forward(want[-1:], len(ids) + k, all_logits=False)[-1])))
+        assert got == want
