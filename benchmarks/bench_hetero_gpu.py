@@ -110,6 +110,7 @@ def main() -> None:
         plan = plan_split(path, gpu_memory=str(cap), devices="cuda:0,cpu", ctx=a.ctx, prefill=a.p, profile=prof)
         placement = {u: ("cuda" if d.startswith("cuda") else "cpu") for u, d in plan["placement"].items()}
         n_gpu = sum(1 for u, d in placement.items() if u.startswith("blk.") and d == "cuda")
+        print(f"cap {cap_gib:g} GiB: {n_gpu} of {cfg.n_layers} layers on the GPU", flush=True)
         m = load_split(path, placement, ctx=a.ctx, prefill_chunk=a.p)
         used = torch.cuda.max_memory_allocated() / 2**30
         rng = np.random.default_rng(0)
@@ -133,6 +134,9 @@ def main() -> None:
         ll = llama_bench_ngl(a.llama_bench, path, ngl, a.p, a.n, a.r, threads) if a.llama_bench else {"error": "no --llama-bench"}
         rows.append((cap_gib, n_gpu, used, statistics.median(pp), statistics.median(tg), ngl, ll,
                      plan["predicted_decode_s"], plan["predicted_prefill_s"]))
+        print(json.dumps({"cap_GiB": cap_gib, "edgellm_gpu_layers": n_gpu, "gpu_GiB": round(used, 2),
+                          "edgellm_pp": rows[-1][3], "edgellm_tg": rows[-1][4], "llama_ngl": ngl, "llama": ll,
+                          "predicted_decode_ms": plan["predicted_decode_s"] * 1e3}), flush=True)
 
     print(f"\n{time.strftime('%Y-%m-%d')}, {torch.cuda.get_device_name()}, {threads} CPU threads, "
           f"{os.path.basename(path)} ({os.path.getsize(path) / 1e9:.2f} GB), ctx {a.ctx}, pp{a.p} tg{a.n}, median of {a.r}\n")
