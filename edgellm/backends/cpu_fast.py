@@ -23,6 +23,7 @@ reference (`cpu`) stays the ground truth that tests compare against.
 from __future__ import annotations
 
 import os
+import platform
 
 import numpy as np
 import torch
@@ -119,11 +120,50 @@ class PackedLinear:
             y = torch.nn.functional.linear(xb, self.w)
         return y.float()
 
+    _TENSORS = {"int4": ("packed", "scales_zeros", "zero_resid"), "int8": ("q", "scales"), "bf16": ("w",)}
+
     @property
     def nbytes(self) -> int:
-        ts = {"int4": ("packed", "scales_zeros"), "int8": ("q", "scales"), "bf16": ("w",)}[self.kind]
-        ts = [getattr(self, a) for a in ts]
-        return sum(t.numel() * t.element_size() for t in ts)
+        ts = [getattr(self, a) for a in self._TENSORS[self.kind]]
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+    # -- the program cache's form: a few numbers and the tensors as numpy arrays ------------------
+    def to_arrays(self) -> tuple[dict, dict[str, np.ndarray]]:
+        meta = {"kind": self.kind, "n": self.n, "k": self.k, "type": self.type_name,
+                "group": getattr(self, "group", None), "n_out": getattr(self, "n_out", None), "dtypes": {}}
+        arrays = {}
+        for a in self._TENSORS[self.kind]:
+            t = getattr(self, a)
+            if t is not None:
+                meta["dtypes"][a] = str(t.dtype).removeprefix("torch.")
+                arrays[a] = _as_numpy(t)
+        return meta, arrays
+
+    @classmethod
+    def from_arrays(cls, meta: dict, arrays: dict[str, np.ndarray]) -> "PackedLinear":
+        p = cls.__new__(cls)
+        p.kind, p.n, p.k, p.type_name = meta["kind"], meta["n"], meta["k"], meta["type"]
+        if meta["kind"] not in cls._TENSORS or set(arrays) != set(meta["dtypes"]):
+            raise ValueError("not a packed matrix")
+        if p.kind == "int4":
+            p.group, p.n_out, p.zero_resid = meta["group"], meta["n_out"], None
+        for a, dt in meta["dtypes"].items():
+            setattr(p, a, _as_tensor(arrays[a], dt))
+        return p
+
+
+def _as_numpy(t: torch.Tensor) -> np.ndarray:
+    """A tensor's bytes as a numpy array (bf16, which numpy lacks, as int16)."""
+    t = t.contiguous()
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+
+
+def _as_tensor(a: np.ndarray, dtype: str) -> torch.Tensor:
+    t = torch.from_numpy(a)
+    want = getattr(torch, dtype, None)
+    if not isinstance(want, torch.dtype) or want.itemsize != t.element_size():
+        raise ValueError(f"dtype {dtype} does not match the stored {a.dtype}")
+    return t.view(want) if t.dtype != want else t
 
 
 class WeightRef:
@@ -145,6 +185,7 @@ class CpuFastWeights:
         self._refs: dict[str, WeightRef] = {}
         self._packs: dict[tuple, PackedLinear] = {}
         self._biases: dict[tuple, torch.Tensor] = {}
+        self.built = 0  # packs built (not restored from the cache) since the last restore or save
 
     def get(self, name: str):
         src = self.file.tensors[name]
@@ -179,8 +220,30 @@ class CpuFastWeights:
             if rows is not None:
                 raw, n = raw[rows[0]:rows[1]], rows[1] - rows[0]
             p = self._packs[key] = PackedLinear(raw, type_name, (n, next(iter(ks))))
+            self.built += 1
             self.file.release_pages()  # the pages just read are not needed again: keep the peak low
         return p
+
+    # -- the program cache: packs built at one load are mapped back at the next ------------------
+    def restore(self, meta: dict, arrays: dict[str, np.ndarray]) -> int:
+        """Adopt packs from a cache artifact (save's form); returns how many were adopted."""
+        packs = {}
+        for i, entry in enumerate(meta["packs"]):
+            names, rows = tuple(entry["names"]), entry["rows"]
+            prefix = f"{i}."
+            mine = {a[len(prefix):]: v for a, v in arrays.items() if a.startswith(prefix)}
+            packs[(names, tuple(rows) if rows is not None else None)] = PackedLinear.from_arrays(entry, mine)
+        self._packs.update(packs)
+        self.built = 0
+        return len(packs)
+
+    def save(self) -> tuple[dict, dict[str, np.ndarray]]:
+        entries, arrays = [], {}
+        for i, ((names, rows), p) in enumerate(self._packs.items()):
+            meta, arrs = p.to_arrays()
+            entries.append({**meta, "names": list(names), "rows": list(rows) if rows is not None else None})
+            arrays.update({f"{i}.{a}": v for a, v in arrs.items()})
+        return {"packs": entries}, arrays
 
     def bias(self, names: tuple[str, ...]) -> torch.Tensor:
         b = self._biases.get(names)
@@ -328,6 +391,36 @@ class CpuFastBackend(CpuFastInfo, CpuBackend):
         if self._rope is None or self._rope.ctx < ctx:
             self._rope = RopeTables(ctx)
         return self.program_cls(graph, self.weights, states, plan, arena, self._rope)
+
+    # -- the program cache (Model calls these around compiling its programs) ---------------------
+    def _weights_key(self, fingerprint: str) -> str:
+        from ..cache import program_key
+
+        # the int4 pack layout is torch's own, per version and machine architecture
+        return program_key(model=fingerprint, artifact="cpu-fast-weights", torch=torch.__version__,
+                           machine=platform.machine())
+
+    def load_weight_cache(self, cache, fingerprint: str) -> bool:
+        """Map the packs a previous load of this file built; True when they were found intact."""
+        key = self._weights_key(fingerprint)
+        self._weight_cache = (cache, key)
+        found = cache.get_arrays(key, "weights.bin")
+        if found is None:
+            return False
+        try:
+            return self.weights.restore(*found) > 0
+        except (ValueError, KeyError, TypeError):  # written by another layout: rebuilt and rewritten
+            self.weights._packs.clear()
+            return False
+
+    def save_weight_cache(self) -> None:
+        """Write the packs when this load built any (a miss, or products the entry lacked)."""
+        wc = getattr(self, "_weight_cache", None)
+        if wc is not None and self.weights.built:
+            cache, key = wc
+            meta, arrays = self.weights.save()
+            cache.put_arrays(key, "weights.bin", arrays, meta)
+            self.weights.built = 0
 
     def allocate_states(self, graph, ctx: int) -> dict[str, torch.Tensor]:
         # torch.empty: pages of a large fresh allocation become resident only when a position is

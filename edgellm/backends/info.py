@@ -69,7 +69,8 @@ class CpuFastInfo(CpuInfo):
             return 0  # looked up row by row in the memory-mapped file
         g = int4_group(t.type_name)
         if g is not None and t.shape[-1] % g[0] == 0:
-            return t.n_elements // 2 + t.n_elements // g[0] * 4  # codes + bf16 scale and offset per group
+            # codes + bf16 scale and offset per group (+ the offset's float32 rounding residue when it has one)
+            return t.n_elements // 2 + t.n_elements // g[0] * (4 if g[1] else 8)
         if t.type_name == "Q8_PC":
             return t.n_elements + 2 * t.shape[0]
         return 2 * t.n_elements
