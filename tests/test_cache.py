@@ -189,7 +189,7 @@ def test_cpu_fast_packed_weights_are_cached_and_mapped(tmp_path, cache_dir):
     assert sorted(second.cache_hits) == ["compiled", "tokenizer", "weights"]
     assert second.backend.weights.built == 0  # nothing was repacked
     kinds = {p.kind for p in second.backend.weights._packs.values()}
-    assert kinds == {"int4", "bf16"}
+    assert kinds == {"int4", "int4x2"}
     np.testing.assert_array_equal(first.logits(IDS), ref)
     np.testing.assert_array_equal(second.logits(IDS), ref)
     assert entry.exists()
