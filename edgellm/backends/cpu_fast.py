@@ -484,7 +484,11 @@ class CpuFastBackend(CpuFastInfo, CpuBackend):
                            machine=platform.machine())
 
     def load_weight_cache(self, cache, fingerprint: str) -> bool:
-        """Map the packs a previous load of this file built; True when they were found intact."""
+        """Map the packs a previous load of this file built; True when they were found intact.
+        Backends whose programs pack other rows (a tensor-parallel rank's share, whose ranks would
+        overwrite one another's entry) build their packs at every load."""
+        if self.program_cls is not CpuFastProgram:
+            return False
         key = self._weights_key(fingerprint)
         self._weight_cache = (cache, key)
         found = cache.get_arrays(key, "weights.bin")
