@@ -332,7 +332,7 @@ class CpuFastProgram(CpuProgram):
             y = self.product((i[1].name,), i[0])
             if op.attrs.get("has_bias"):
                 y = y + i[2]
-            return y + i[-1] if op.attrs.get("has_residual") else y
+            return y.add_(i[-1]) if op.attrs.get("has_residual") else y  # y is the product's own new tensor
 
         def linear_qkv(op, i):
             y = self.product((i[1].name, i[2].name, i[3].name), i[0])
@@ -341,7 +341,7 @@ class CpuFastProgram(CpuProgram):
         def linear_swiglu(op, i):
             gu = self.product((i[1].name, i[2].name), i[0])
             h = gu.shape[1] // 2
-            return torch.nn.functional.silu(gu[:, :h]) * gu[:, h:]
+            return torch.nn.functional.silu(gu[:, :h]).mul_(gu[:, h:])
 
         def embedding(op, i):
             return w.embedding_rows(i[0].name, i[1])
