@@ -193,22 +193,27 @@ class ProgramCache:
             offset += a.nbytes
         head = json.dumps({"meta": meta, "arrays": index}, separators=(",", ":")).encode()
         start = -(-(_HEADER.size + 8 + len(head)) // _ALIGN) * _ALIGN  # array offsets count from here
-        payload = bytearray(start - _HEADER.size + offset)
-        struct.pack_into("<Q", payload, 0, len(head))
-        payload[8:8 + len(head)] = head
-        body = start - _HEADER.size
-        for n, a in arrays.items():
-            o = body + index[n][2]
-            payload[o:o + a.nbytes] = memoryview(np.ascontiguousarray(a)).cast("B")
+        total = start + offset
         d = self.programs / key
         tmp = d / f".{name}.{os.getpid()}.{time.monotonic_ns()}.tmp"
         try:
             d.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "wb") as f:
-                f.write(_HEADER.pack(ARRAYS_MAGIC, FORMAT, len(payload), _tree_digest(payload)))
-                f.write(payload)
+            # the arrays go straight to the file (no second copy of them in memory); the digest is
+            # taken from the written file, then the header written in front
+            with open(tmp, "w+b") as f:
+                f.truncate(total)
+                f.seek(_HEADER.size)
+                f.write(struct.pack("<Q", len(head)) + head)
+                for n, a in arrays.items():
+                    f.seek(start + index[n][2])
+                    f.write(memoryview(np.ascontiguousarray(a)).cast("B"))
+                f.flush()
+                with mmap.mmap(f.fileno(), total, access=mmap.ACCESS_READ) as mm:
+                    digest = _tree_digest(memoryview(mm)[_HEADER.size:])
+                f.seek(0)
+                f.write(_HEADER.pack(ARRAYS_MAGIC, FORMAT, total - _HEADER.size, digest))
             os.replace(tmp, d / name)
-        except OSError:
+        except (OSError, ValueError, BufferError):
             tmp.unlink(missing_ok=True)
             return
         self.trim()
