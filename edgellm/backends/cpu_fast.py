@@ -18,6 +18,10 @@ the table is not held twice when it is also the output projection.
 Projections a fused op reads together (q|k|v, gate|up) are concatenated at load: their stored
 rows are concatenated before packing (rows of any block format are independent).
 
+The packs of a model are built at its first load and kept in the program cache (edgellm.cache,
+`weights.bin` of the model's cpu-fast entry); later loads map them back from the file instead of
+repacking (0.5 s of the default model's load on the 2-core machine).
+
 This is the default cpu path of `edgellm run` (`--backend auto` without a GPU). The float32
 reference (`cpu`) stays the ground truth that tests compare against.
 """
