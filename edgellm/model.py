@@ -83,9 +83,15 @@ class Model:
         stages = {"all": ("all", chunk), "last": ("last", chunk), "decode": ("last", 1)}
         self.compiled = self._compile_stages(stages)
         t2 = time.perf_counter()
+        # backends that repack weights at load keep the packs in the program cache
+        weight_cache = self.program_cache is not None and hasattr(self.backend, "load_weight_cache")
+        if weight_cache and self.backend.load_weight_cache(self.program_cache, self.fingerprint):
+            self.cache_hits.append("weights")
         self.states = self.backend.allocate_states(self.compiled["decode"].graph, self.ctx)
         self.programs = {name: self.backend.compile(c.graph, self.states, c.plan, max_seq=c.sizes["seq"])
                          for name, c in self.compiled.items()}
+        if weight_cache:
+            self.backend.save_weight_cache()
         t3 = time.perf_counter()
         self.load_phases.update({"backend": t1 - t0, "compile": t2 - t1, "weights": t3 - t2})
 

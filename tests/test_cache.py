@@ -169,3 +169,69 @@ def test_a_cached_load_imports_neither_sympy_nor_graph_libraries(tmp_path, cache
     assert [r.returncode for r in runs] == [0, 0], runs[-1].stderr[-500:]
     assert runs[0].stdout.split("]")[0] == "["  # the first load compiled
     assert runs[1].stdout.strip() == "['compiled', 'tokenizer'] []"
+
+
+def _q4_model(path: Path) -> Path:
+    # Q4_1 projections (cpu-fast's int4 packs, with the offset residue) and a Q8_0 embedding that is
+    # also the output projection (its bf16 pack)
+    spec = SyntheticSpec(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, ffn_dim=96, weight_type="Q4_1",
+                         embed_type="Q8_0", seed=3)
+    return write_synthetic_gguf(path, spec, tokenizer=byte_bpe_vocab(512))
+
+
+def test_cpu_fast_packed_weights_are_cached_and_mapped(tmp_path, cache_dir):
+    path = _q4_model(tmp_path / "m.gguf")
+    ref = edgellm.load(path, backend="cpu-fast", ctx=64, cache=False).logits(IDS)
+    first = edgellm.load(path, backend="cpu-fast", ctx=64)
+    assert "weights" not in first.cache_hits
+    (entry,) = list((cache_dir / "programs").rglob("weights.bin"))
+    second = edgellm.load(path, backend="cpu-fast", ctx=64)
+    assert sorted(second.cache_hits) == ["compiled", "tokenizer", "weights"]
+    assert second.backend.weights.built == 0  # nothing was repacked
+    kinds = {p.kind for p in second.backend.weights._packs.values()}
+    assert kinds == {"int4", "int4x2"}
+    np.testing.assert_array_equal(first.logits(IDS), ref)
+    np.testing.assert_array_equal(second.logits(IDS), ref)
+    assert entry.exists()
+    # the cpu backend keeps float32 weights: it neither reads nor writes the packs
+    assert "weights" not in edgellm.load(path, ctx=64).cache_hits
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "garbage", "empty"])
+def test_corrupt_packed_weights_are_rebuilt_with_identical_logits(tmp_path, cache_dir, damage):
+    path = _q4_model(tmp_path / "m.gguf")
+    ref = edgellm.load(path, backend="cpu-fast", ctx=64, cache=False).logits(IDS)
+    edgellm.load(path, backend="cpu-fast", ctx=64)
+    (f,) = list((cache_dir / "programs").rglob("weights.bin"))
+    data = bytearray(f.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) * 2 // 3]
+    elif damage == "flip":
+        data[len(data) - 100] ^= 0x01  # one bit of the last pack's data
+    elif damage == "garbage":
+        data = bytearray(os.urandom(len(data)))
+    else:
+        data = bytearray()
+    f.write_bytes(bytes(data))
+    m = edgellm.load(path, backend="cpu-fast", ctx=64)
+    assert "weights" not in m.cache_hits
+    np.testing.assert_array_equal(m.logits(IDS), ref)
+    again = edgellm.load(path, backend="cpu-fast", ctx=64)  # rewritten by the load that found it damaged
+    assert "weights" in again.cache_hits
+    np.testing.assert_array_equal(again.logits(IDS), ref)
+
+
+def test_array_artifacts_round_trip(tmp_path, cache_dir):
+    pc = cache_mod.ProgramCache()
+    rng = np.random.default_rng(0)
+    arrays = {"a": rng.standard_normal((3, 5)).astype(np.float32), "b": rng.integers(0, 255, 17, dtype=np.uint8),
+              "c": rng.integers(-9, 9, (2, 2, 3)).astype(np.int16)}
+    pc.put_arrays("k", "x.bin", arrays, {"note": [1, 2]})
+    meta, got = pc.get_arrays("k", "x.bin")
+    assert meta == {"note": [1, 2]} and set(got) == set(arrays)
+    for k, a in arrays.items():
+        assert got[k].dtype == a.dtype and got[k].ctypes.data % 64 == 0
+        np.testing.assert_array_equal(got[k], a)
+    got["a"][0, 0] = 7.0  # mapped copy-on-write: the file keeps its bytes
+    np.testing.assert_array_equal(pc.get_arrays("k", "x.bin")[1]["a"], arrays["a"])
+    assert pc.get_arrays("k", "absent.bin") is None

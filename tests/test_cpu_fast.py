@@ -18,7 +18,7 @@ BF16_REL = 2.0**-7
 
 
 @pytest.mark.parametrize("fmt,kind", [("Q4_0", "int4"), ("Q4_1", "int4"), ("Q4_G64", "int4"),
-                                      ("Q4_G128_SYM", "int4"), ("Q8_PC", "int8"), ("Q8_0", "bf16"),
+                                      ("Q4_G128_SYM", "int4"), ("Q8_PC", "int8"), ("Q8_0", "int4x2"),
                                       ("Q6_K", "bf16"), ("F16", "bf16")])
 def test_packed_linear_matches_dequantized_product(fmt, kind):
     rng = np.random.default_rng(abs(hash(fmt)) % 2**32)
@@ -65,7 +65,7 @@ def test_default_model_holds_packed_weights(default_model_path, fast_default):
     assert held == pytest.approx(get_backend_info("cpu-fast").resident_weight_bytes(f), rel=0.01)
     assert held < 0.3 * get_backend_info("cpu").resident_weight_bytes(f)
     kinds = {p.kind for p in fast_default.backend.weights._packs.values()}
-    assert kinds == {"int4", "bf16"}  # Q4_1 projections; the Q8_0 tied output as bf16
+    assert kinds == {"int4", "int4x2"}  # Q4_1 projections; the Q8_0 tied output as two nibble planes
 
 
 @pytest.mark.parametrize("spec", [

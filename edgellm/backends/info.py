@@ -54,8 +54,8 @@ def int4_group(type_name: str) -> tuple[int, bool] | None:
 
 
 class CpuFastInfo(CpuInfo):
-    """The cpu-fast backend (backends/cpu_fast.py): 4-bit group formats as int4 packs, Q8_PC as
-    int8, other matrices as bf16, vectors as float32; the embedding table is read from the file."""
+    """The cpu-fast backend (backends/cpu_fast.py): 4-bit group formats as int4 packs, Q8_0 as
+    two int4 packs, Q8_PC as int8, other matrices as bf16, vectors as float32; the embedding table is read from the file."""
 
     name = "cpu-fast"
 
@@ -69,7 +69,10 @@ class CpuFastInfo(CpuInfo):
             return 0  # looked up row by row in the memory-mapped file
         g = int4_group(t.type_name)
         if g is not None and t.shape[-1] % g[0] == 0:
-            return t.n_elements // 2 + t.n_elements // g[0] * 4  # codes + bf16 scale and offset per group
+            # codes + bf16 scale and offset per group (+ the offset's float32 rounding residue when it has one)
+            return t.n_elements // 2 + t.n_elements // g[0] * (4 if g[1] else 8)
+        if t.type_name == "Q8_0" and t.shape[-1] % 32 == 0:
+            return t.n_elements + t.n_elements // 32 * 8  # two nibble planes, bf16 scale and offset each
         if t.type_name == "Q8_PC":
             return t.n_elements + 2 * t.shape[0]
         return 2 * t.n_elements

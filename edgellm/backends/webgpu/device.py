@@ -12,7 +12,9 @@ for tests, and for `--backend webgpu` when asked for by name.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ...errors import BackendUnavailableError
 
@@ -90,8 +92,20 @@ def list_adapters() -> list[AdapterInfo]:
         return []
 
 
+def _gpu_device_nodes_absent() -> bool:
+    """On Linux a hardware adapter needs a GPU device node (/dev/dri/renderD*: Mesa and AMD/Intel
+    drivers; /dev/nvidia*: NVIDIA's; /dev/dxg: WSL2). Without one only software adapters can
+    exist, so `auto` need not load wgpu and enumerate them (about 0.9 s on a 2-core machine)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    dev = Path("/dev")
+    return not (any(dev.glob("dri/renderD*")) or any(dev.glob("nvidia[0-9]*")) or (dev / "dxg").exists())
+
+
 def hardware_adapter_available() -> bool:
     """For `auto`: a GPU adapter (not a software one) exists."""
+    if _gpu_device_nodes_absent():
+        return False
     return any(not a.software for a in list_adapters())
 
 
