@@ -25,12 +25,29 @@ class KVSlot:
     programs: dict = field(repr=False)
     tokens: list[int] = field(default_factory=list)
     index: int = 0
+    # (window, rows) of the sliding-window layers whose cache is a ring (ModelConfig.kv_rings), and
+    # per ring the oldest position whose row still holds it: later writes overwrite earlier rows
+    rings: tuple[tuple[int, int], ...] = ()
+    ring_from: dict = field(default_factory=dict, repr=False)
 
     def reusable_prefix(self, ids: list[int]) -> int:
         """How many leading ids can be skipped: their K/V rows are already in the cache. At least
-        one id is always left to run, since its logits are what comes next."""
+        one id is always left to run, since its logits are what comes next. With ring caches the
+        prefix is reused only when every ring still holds the window before its end (a rewind to
+        a point whose window has been overwritten runs from the start)."""
         n = common_prefix(self.tokens, ids)
-        return min(n, len(ids) - 1) if ids else 0
+        n = min(n, len(ids) - 1) if ids else 0
+        for window, rows in self.rings:
+            if n > 0 and max(0, n - window + 1) < self.ring_from.get(rows, 0):
+                return 0
+        return n
+
+    def wrote(self, start: int, end: int) -> None:
+        """Positions start..end-1 were written (runs write in order, at most a ring's worth at once):
+        in a ring of `rows` rows they overwrote the rows of positions before end - rows, and what
+        was kept before start stays only from where it was still held."""
+        for _, rows in self.rings:
+            self.ring_from[rows] = max(min(self.ring_from.get(rows, 0), start), end - rows)
 
     def reset(self) -> None:
         self.tokens = []

@@ -609,7 +609,7 @@ class CudaProgram:
         costs one replay and one 4-byte read. Yields n tokens after first_token at position start."""
         if self.max_seq != 1:
             raise GraphError("greedy_tokens runs on the single-token decode program")
-        ctx = next(iter(self.states.values())).shape[0]
+        ctx = max(t.shape[0] for t in self.states.values())  # the context (ring caches are shorter)
         if start + n > ctx:
             raise GraphError(f"{start + n} tokens exceed the context of {ctx}")
         self.run({"tokens": [first_token], "start_pos": start})  # warm-up / compile outside the capture
@@ -670,7 +670,7 @@ class CudaProgram:
         seq, start = int(ids.size), int(inputs["start_pos"])
         if seq > self.max_seq:
             raise GraphError(f"cuda program '{self.graph.name}' was compiled for {self.max_seq} tokens, got {seq}")
-        ctx = next(iter(self.states.values())).shape[0]
+        ctx = max(t.shape[0] for t in self.states.values())  # the context (ring caches are shorter)
         padded = self._padded(seq, start, ctx)
         self._host_start = start
         self.tokens[:seq].copy_(torch.from_numpy(ids), non_blocking=True)
