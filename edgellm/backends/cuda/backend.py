@@ -247,7 +247,7 @@ class CudaProgram:
                 rd = readers.get(op.outputs[0], [])
                 if (len(rd) == 1 and rd[0].kind == "rope_qkv_store" and rd[0].attrs.get("style") == "norm"
                         and rd[0].attrs.get("pos_scale", 1.0) == 1.0 and rd[0].attrs.get("mscale", 1.0) == 1.0
-                        and "qk_norm_eps" not in rd[0].attrs
+                        and "qk_norm_eps" not in rd[0].attrs and not rd[0].attrs.get("ring")
                         and rd[0].inputs[0] == op.outputs[0]):
                     self._rope_into_gemv[op.name] = rd[0]
                     self._absorbed.add(rd[0].name)
@@ -401,10 +401,10 @@ class CudaProgram:
             param = a.get("factor", a.get("cap", 0.0))
             return lambda env, s, c: K.unary(env[ins[0]], kind, param, out=env[outs[0]])
         if kind == "rope_qkv_store":
-            if a.get("pos_scale", 1.0) != 1.0 or a.get("mscale", 1.0) != 1.0:
-                raise GraphError(f"cuda: op '{op.name}' uses linear rope scaling or a long-RoPE attention factor, "
-                                 "which the rope kernel lacks")
             from ..cpu import rope_qkv_extras
+
+            # ring caches (sliding-window layers), linear position scaling, long-RoPE's attention factor
+            extra = dict(ring=bool(a.get("ring")), pos_scale=a.get("pos_scale", 1.0), mscale=a.get("mscale", 1.0))
 
             f_name, n_names = rope_qkv_extras(op, list(ins))
             freqs = W.vector(wname(f_name)) if f_name else None
@@ -418,12 +418,13 @@ class CudaProgram:
                     K.head_rms_norm(qkv[:, nq:nq + nkv], kn, a["qk_norm_eps"], out=qkv[:, nq:nq + nkv])
                     K.rope_qkv_cache(qkv, None, None, env[ins[2]], env[ins[3]], self.start, a["n_heads"],
                                      a["n_kv_heads"], a["head_dim"], theta=a["theta"], style=a["style"],
-                                     freq_factors=freqs, n_rot=a.get("rope_dim", a["head_dim"]), q_out=env[outs[0]])
+                                     freq_factors=freqs, n_rot=a.get("rope_dim", a["head_dim"]), q_out=env[outs[0]],
+                                     **extra)
                 return run_norm_rope
             return lambda env, s, c: K.rope_qkv_cache(
                 env[ins[0]], None, None, env[ins[2]], env[ins[3]], self.start, a["n_heads"], a["n_kv_heads"],
                 a["head_dim"], theta=a["theta"], style=a["style"], freq_factors=freqs,
-                n_rot=a.get("rope_dim", a["head_dim"]), q_out=env[outs[0]])
+                n_rot=a.get("rope_dim", a["head_dim"]), q_out=env[outs[0]], **extra)
         if kind == "attention":
             ws, caps = {}, {}
             G = a["n_heads"] // a["n_kv_heads"]
@@ -465,16 +466,23 @@ class CudaProgram:
             n_fixed = {"rope": 2, "rope_store": 3, "kv_store": 3}[kind]
             freqs = W.vector(wname(ins[n_fixed])) if len(ins) > n_fixed else None
 
+            def store(cache, start, s, x):
+                if a.get("ring"):  # a sliding-window layer's ring: position p in row p mod rows
+                    rows = torch.arange(start, start + s, device=cache.device) % cache.shape[0]
+                    cache.index_copy_(0, rows, x)
+                else:
+                    cache[start:start + s].copy_(x)
+
             def run_unfused(env, s, c):
                 start = int(self._host_start)
                 if kind == "kv_store":
-                    env[ins[0]][start:start + s].copy_(env[ins[1]])
+                    store(env[ins[0]], start, s, env[ins[1]])
                     return
                 r = _rope(env[ins[0]].float(), start, freqs, a).to(torch.float16)
                 if kind == "rope":
                     env[outs[0]].copy_(r)
                 else:
-                    env[ins[2]][start:start + s].copy_(r)
+                    store(env[ins[2]], start, s, r)
             self._host_positions = True
             return run_unfused
         raise GraphError(f"cuda: no kernel for op '{op.name}' ({kind})")
