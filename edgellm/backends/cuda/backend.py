@@ -798,17 +798,15 @@ class CudaBackend(CudaInfo):
         return self._arena
 
     def allocate_states(self, graph: Graph, ctx: int) -> dict[str, torch.Tensor]:
-        from ...models import config_from_gguf
-
-        cfg = config_from_gguf(self.file)
-        need = self.resident_weight_bytes(self.file) + self.kv_cache_bytes(cfg, ctx)
+        kv = 2 * sum(t.numel(ctx=ctx) for t in graph.states())  # fp16, the graph's own caches (rings included)
+        need = self.resident_weight_bytes(self.file) + kv
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             if need > free:
                 raise DeviceMemoryError(
                     f"{self.file.path.name} needs about {need / 2**30:.2f} GiB of GPU memory at context {ctx} "
                     f"(weights {self.resident_weight_bytes(self.file) / 2**30:.2f} GiB + KV cache "
-                    f"{self.kv_cache_bytes(cfg, ctx) / 2**30:.2f} GiB) but only {free / 2**30:.2f} of "
+                    f"{kv / 2**30:.2f} GiB) but only {free / 2**30:.2f} of "
                     f"{total / 2**30:.2f} GiB are free; lower --ctx or use a smaller quantization")
         return {t.name: torch.zeros(t.concrete_shape(ctx=ctx), dtype=torch.float16, device=self.device)
                 for t in graph.states()}
