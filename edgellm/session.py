@@ -137,11 +137,22 @@ class SlotPool:
     def __init__(self, model, n: int):
         from .compiler.compile import compile_graph
         from .models import build_graph
+        from .models.blocks import rows_stage_unsupported
 
         if n < 1:
             raise EdgeLLMError(f"a slot pool needs at least one slot, got {n}")
         self.model, self.n, self.ctx = model, n, model.ctx
         backend = model.backend
+        self.batch = None
+        rings = model.config.kv_rings(self.ctx, model.kv_chunk)
+        if rows_stage_unsupported(model.config):
+            # no row-wise graph for this model: each slot gets caches of its own (ring layers their
+            # rings) and sequences decode one at a time (edgellm.serve.scheduler's round robin)
+            self.states = None
+            self.slots = [KVSlot(*model.bind_programs(backend.allocate_states(model.compiled["decode"].graph,
+                                                                              self.ctx)), index=s, rings=rings)
+                          for s in range(n)]
+            return
         graph = build_graph(model.config, model.file, "rows")
         self.states = backend.allocate_states(graph, n * self.ctx)
         self.slots = []
@@ -149,7 +160,6 @@ class SlotPool:
             view = {k: t[s * self.ctx:(s + 1) * self.ctx] for k, t in self.states.items()}
             self.slots.append(KVSlot(*model.bind_programs(view), index=s))
         supported = getattr(backend, "SUPPORTED_OPS", None)
-        self.batch = None
         if supported is None or ROW_OPS <= set(supported):
             c = compile_graph(graph, supported_ops=supported, backend=backend.name, seq=n, ctx=n * self.ctx,
                               fuse=model.fuse)
@@ -160,8 +170,12 @@ class SlotPool:
         Returns float32 logits [len(steps), vocab], row i for steps[i]."""
         import numpy as np
 
+        from .models.blocks import rows_stage_unsupported
+
         if self.batch is None:
-            raise EdgeLLMError(f"the {self.model.backend.name} backend has no row-wise decode ops")
+            why = rows_stage_unsupported(self.model.config)
+            raise EdgeLLMError(f"no batched decode step for {why}: decode each slot alone" if why else
+                               f"the {self.model.backend.name} backend has no row-wise decode ops")
         if len({id(s) for s, _, _ in steps}) != len(steps):
             raise EdgeLLMError("a decode step takes each slot at most once")
         vocab = self.model.config.vocab_size

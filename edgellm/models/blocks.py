@@ -94,9 +94,9 @@ class Builder:
             rope["mscale"] = cfg.rope_mscale
         extra = (rope_freqs,) if rope_freqs else ()
         if self.by_rows:  # each row its own sequence: its own position, its own KV slot
-            if window or cfg.rope_mscale != 1.0:
-                raise GraphError(f"{cfg.arch}: batched decode of sliding-window or scaled-RoPE layers is not "
-                                 "supported yet (serve it with --parallel 1)")
+            why = rows_stage_unsupported(cfg)
+            if why:
+                raise GraphError(f"{cfg.arch}: batched decode of {why} is not supported yet (serve it with --parallel 1)")
             rope_kind, at, where, suffix = "rope_rows", (self.pos,), (self.base, self.pos), "_rows"
         else:
             rope_kind, at, where, suffix = "rope", (self.start,), (self.start,), ""
@@ -160,6 +160,18 @@ class Builder:
         g.output(out)
         g.validate()
         return g
+
+
+def rows_stage_unsupported(cfg: ModelConfig) -> str:
+    """Why the 'rows' stage (one decode step of several sequences) cannot be built for this model,
+    or '' when it can. Sliding-window layers would need the row-wise ops to read each slot's ring
+    (slot s's rows of a ring layer: s*rows .. s*rows + rows - 1, position p at row p mod rows);
+    scaled RoPE, the attention factor in rope_rows."""
+    if any(cfg.window(i) for i in range(cfg.n_layers)):
+        return "sliding-window layers"
+    if cfg.rope_mscale != 1.0:
+        return "scaled-RoPE layers"
+    return ""
 
 
 def build_decoder(cfg: ModelConfig, f: GGUFFile, logits: str = "all", kv_chunk: int | None = None) -> Graph:
