@@ -157,3 +157,15 @@ def test_server_slots_keep_their_own_rings(path, ids):
     finally:
         s.stop()
     assert got == [greedy(p, 20) for p in prompts]
+
+
+def test_webgpu_refuses_sliding_window_files(path):
+    """The WGSL attention reads every cached row: a sliding-window file is refused with a one-line
+    error rather than answered wrongly."""
+    pytest.importorskip("wgpu")
+    from edgellm.backends.webgpu.backend import WebgpuBackend
+
+    if not WebgpuBackend.available():
+        pytest.skip("no WebGPU adapter")
+    with pytest.raises(edgellm.errors.EdgeLLMError, match="sliding-window attention layer.*--backend cpu"):
+        edgellm.load(path, backend="webgpu", ctx=CTX, prefill_chunk=5, cache=False)
