@@ -164,6 +164,10 @@ class Model:
         if bad.any():
             raise EdgeLLMError(f"token id {int(ids[bad][0])} is outside the vocabulary [0, {self.config.vocab_size})")
         slot = slot if slot is not None else self.default_slot
+        if not slot.holds_window_before(start_pos):
+            raise EdgeLLMError(f"position {start_pos}: the sliding-window layers' ring caches no longer hold the "
+                               f"window before it (later positions overwrote it); run the tokens from an earlier "
+                               f"position (KVSlot.reusable_prefix says which are reusable)")
         programs = slot.programs
         # rows from start_pos on are about to change: until the run completes, trust only those before
         del slot.tokens[start_pos:]
@@ -180,7 +184,7 @@ class Model:
         """At most how many rows past n tokens a run may write (the cuda backend pads prefill chunks
         to a multiple of its prefill_pad for CUDA-graph reuse; the padding rows hold junk)."""
         pad = max((getattr(p, "prefill_pad", 0) for p in self.programs.values()), default=0)
-        return pad - 1 if pad and n > 1 else 0
+        return min(pad - 1, self.kv_chunk - 1) if pad and n > 1 else 0  # a chunk pads up to the chunk size
 
     def _run_programs(self, programs: dict, ids: np.ndarray, start_pos: int, all_logits: bool) -> np.ndarray:
         if ids.size == 1 and not all_logits:

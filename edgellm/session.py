@@ -37,10 +37,12 @@ class KVSlot:
         a point whose window has been overwritten runs from the start)."""
         n = common_prefix(self.tokens, ids)
         n = min(n, len(ids) - 1) if ids else 0
-        for window, rows in self.rings:
-            if n > 0 and max(0, n - window + 1) < self.ring_from.get(rows, 0):
-                return 0
-        return n
+        return n if self.holds_window_before(n) else 0
+
+    def holds_window_before(self, pos: int) -> bool:
+        """Whether every ring still holds the positions a query at pos reads before it (its window)."""
+        return pos == 0 or all(max(0, pos - window + 1) >= self.ring_from.get(rows, 0)
+                               for window, rows in self.rings)
 
     def wrote(self, start: int, end: int) -> None:
         """Positions start..end-1 were written (runs write in order, at most a ring's worth at once):

@@ -97,15 +97,17 @@ def test_prefix_reuse_after_rewind_is_exact(path, ids, full):
     n = slot.reusable_prefix(new)
     assert n == 38
     close(m.forward(new[n:], n, all_logits=True), _full_logits(path, new)[n:])
-    # a rewind to 30 needs positions 23..29, which the later ones overwrote: nothing is reused...
-    m.forward(ids[38:40], 38, all_logits=False)
+    # a rewind to 30 needs positions 23..29, which later ones (up to 45) overwrote: nothing is reused...
     new = ids[:30] + other
     assert slot.reusable_prefix(new) == 0
     ref = _full_logits(path, new)
-    # ...for reusing them would be wrong (the check matters), and running from the start is right
+    # ...and a run from there is refused: what it would read is gone (the rows hold later positions)
+    with pytest.raises(edgellm.errors.EdgeLLMError, match="no longer hold the window"):
+        m.forward(new[30:], 30, all_logits=True)
+    slot.ring_from.clear()  # pretend they were still held: the answer would be wrong
     stale = m.forward(new[30:], 30, all_logits=True)
     assert np.abs(stale - ref[30:]).max() > 100 * TOL * np.abs(ref).max()
-    close(m.forward(new, 0, all_logits=True), ref)
+    close(m.forward(new, 0, all_logits=True), ref)  # from the start: right
     # a chat turn on the slot goes the same way: generate_tokens reuses only what the rings hold
     m.forward(ids[:40], 0, all_logits=False)
     stats = edgellm.model.GenerationStats()
