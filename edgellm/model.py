@@ -98,7 +98,13 @@ class Model:
     @property
     def graphs(self) -> dict:
         """The builder's graphs per logits stage ("all", "last"), before any pass."""
-        return {stage: build_graph(self.config, self.file, stage) for stage in ("all", "last")}
+        return {stage: build_graph(self.config, self.file, stage, kv_chunk=self.kv_chunk) for stage in ("all", "last")}
+
+    @property
+    def kv_chunk(self) -> int:
+        """The most tokens one program writes into the KV cache: the prefill chunk. Sliding-window
+        layers keep rings of window + kv_chunk - 1 rows (ModelConfig.kv_rows)."""
+        return min(self.prefill_chunk, self.ctx)
 
     def _compile_stages(self, stages: dict) -> dict:
         """The compiled graph of each stage: from the program cache when this model, engine,
@@ -140,7 +146,7 @@ class Model:
     def default_slot(self) -> KVSlot:
         """The KV cache allocated at load, as a slot: forward, generate and chat run on it."""
         if getattr(self, "_default_slot", None) is None:
-            self._default_slot = KVSlot(self.states, self.programs)
+            self._default_slot = KVSlot(self.states, self.programs, rings=self.config.kv_rings(self.ctx, self.kv_chunk))
         return self._default_slot
 
     def bind_programs(self, states: dict) -> tuple[dict, dict]:
@@ -164,14 +170,27 @@ class Model:
         if bad.any():
             raise EdgeLLMError(f"token id {int(ids[bad][0])} is outside the vocabulary [0, {self.config.vocab_size})")
         slot = slot if slot is not None else self.default_slot
+        if not slot.holds_window_before(start_pos):
+            raise EdgeLLMError(f"position {start_pos}: the sliding-window layers' ring caches no longer hold the "
+                               f"window before it (later positions overwrote it); run the tokens from an earlier "
+                               f"position (KVSlot.reusable_prefix says which are reusable)")
         programs = slot.programs
         # rows from start_pos on are about to change: until the run completes, trust only those before
         del slot.tokens[start_pos:]
         known = len(slot.tokens) == start_pos
-        out = self._run_programs(programs, ids, start_pos, all_logits)
+        try:
+            out = self._run_programs(programs, ids, start_pos, all_logits)
+        finally:  # ring caches: which rows the run overwrote (a backend may pad a chunk past its tokens)
+            slot.wrote(start_pos, start_pos + ids.size + self.backend_pad(ids.size))
         if known:
             slot.tokens.extend(int(t) for t in ids)
         return out
+
+    def backend_pad(self, n: int) -> int:
+        """At most how many rows past n tokens a run may write (the cuda backend pads prefill chunks
+        to a multiple of its prefill_pad for CUDA-graph reuse; the padding rows hold junk)."""
+        pad = max((getattr(p, "prefill_pad", 0) for p in self.programs.values()), default=0)
+        return min(pad - 1, self.kv_chunk - 1) if pad and n > 1 else 0  # a chunk pads up to the chunk size
 
     def _run_programs(self, programs: dict, ids: np.ndarray, start_pos: int, all_logits: bool) -> np.ndarray:
         if ids.size == 1 and not all_logits:
@@ -334,6 +353,7 @@ class Model:
                     sampler.params.repetition_penalty == 1.0:
                 # greedy on a backend that can loop on the device: no logits leave it
                 n = min(max_tokens - 1, self.ctx - pos)
+                slot.wrote(pos, pos + n)  # rows it may write (ring caches lose what they overwrite)
                 t0, once0 = time.perf_counter(), self._one_time_s()
                 for token in device_greedy(step_in[0], pos, n):
                     stats.generated_tokens += 1

@@ -25,12 +25,31 @@ class KVSlot:
     programs: dict = field(repr=False)
     tokens: list[int] = field(default_factory=list)
     index: int = 0
+    # (window, rows) of the sliding-window layers whose cache is a ring (ModelConfig.kv_rings), and
+    # per ring the oldest position whose row still holds it: later writes overwrite earlier rows
+    rings: tuple[tuple[int, int], ...] = ()
+    ring_from: dict = field(default_factory=dict, repr=False)
 
     def reusable_prefix(self, ids: list[int]) -> int:
         """How many leading ids can be skipped: their K/V rows are already in the cache. At least
-        one id is always left to run, since its logits are what comes next."""
+        one id is always left to run, since its logits are what comes next. With ring caches the
+        prefix is reused only when every ring still holds the window before its end (a rewind to
+        a point whose window has been overwritten runs from the start)."""
         n = common_prefix(self.tokens, ids)
-        return min(n, len(ids) - 1) if ids else 0
+        n = min(n, len(ids) - 1) if ids else 0
+        return n if self.holds_window_before(n) else 0
+
+    def holds_window_before(self, pos: int) -> bool:
+        """Whether every ring still holds the positions a query at pos reads before it (its window)."""
+        return pos == 0 or all(max(0, pos - window + 1) >= self.ring_from.get(rows, 0)
+                               for window, rows in self.rings)
+
+    def wrote(self, start: int, end: int) -> None:
+        """Positions start..end-1 were written (runs write in order, at most a ring's worth at once):
+        in a ring of `rows` rows they overwrote the rows of positions before end - rows, and what
+        was kept before start stays only from where it was still held."""
+        for _, rows in self.rings:
+            self.ring_from[rows] = max(min(self.ring_from.get(rows, 0), start), end - rows)
 
     def reset(self) -> None:
         self.tokens = []
@@ -120,11 +139,22 @@ class SlotPool:
     def __init__(self, model, n: int):
         from .compiler.compile import compile_graph
         from .models import build_graph
+        from .models.blocks import rows_stage_unsupported
 
         if n < 1:
             raise EdgeLLMError(f"a slot pool needs at least one slot, got {n}")
         self.model, self.n, self.ctx = model, n, model.ctx
         backend = model.backend
+        self.batch = None
+        rings = model.config.kv_rings(self.ctx, model.kv_chunk)
+        if rows_stage_unsupported(model.config):
+            # no row-wise graph for this model: each slot gets caches of its own (ring layers their
+            # rings) and sequences decode one at a time (edgellm.serve.scheduler's round robin)
+            self.states = None
+            self.slots = [KVSlot(*model.bind_programs(backend.allocate_states(model.compiled["decode"].graph,
+                                                                              self.ctx)), index=s, rings=rings)
+                          for s in range(n)]
+            return
         graph = build_graph(model.config, model.file, "rows")
         self.states = backend.allocate_states(graph, n * self.ctx)
         self.slots = []
@@ -132,7 +162,6 @@ class SlotPool:
             view = {k: t[s * self.ctx:(s + 1) * self.ctx] for k, t in self.states.items()}
             self.slots.append(KVSlot(*model.bind_programs(view), index=s))
         supported = getattr(backend, "SUPPORTED_OPS", None)
-        self.batch = None
         if supported is None or ROW_OPS <= set(supported):
             c = compile_graph(graph, supported_ops=supported, backend=backend.name, seq=n, ctx=n * self.ctx,
                               fuse=model.fuse)
@@ -161,8 +190,12 @@ class SlotPool:
         """The rows program over the steps; its logits as the backend's tensor [len(steps), vocab]."""
         import numpy as np
 
+        from .models.blocks import rows_stage_unsupported
+
         if self.batch is None:
-            raise EdgeLLMError(f"the {self.model.backend.name} backend has no row-wise decode ops")
+            why = rows_stage_unsupported(self.model.config)
+            raise EdgeLLMError(f"no batched decode step for {why}: decode each slot alone" if why else
+                               f"the {self.model.backend.name} backend has no row-wise decode ops")
         if len({id(s) for s, _, _ in steps}) != len(steps):
             raise EdgeLLMError("a decode step takes each slot at most once")
         vocab = self.model.config.vocab_size

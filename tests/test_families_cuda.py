@@ -31,6 +31,10 @@ MODELS = {
                                                  weight_type="F16", embed_type="Q8_0", std=0.2, seed=42),
     "phi3-f16-mqa": SyntheticSpec(arch="phi3", n_layers=1, d_model=32, n_heads=2, n_kv_heads=1, ffn_dim=32,
                                   vocab_size=128, weight_type="F16", std=0.2, seed=43),
+    # long-RoPE: per-frequency factors and the attention factor on cos/sin (the rope kernel's mscale)
+    "phi3-longrope-f16": SyntheticSpec(arch="phi3", n_layers=1, d_model=32, n_heads=2, n_kv_heads=1, ffn_dim=32,
+                                       vocab_size=128, tied=False, rope_factors=True, weight_type="F16", std=0.2,
+                                       seed=46),  # seed 45 has a near-tied top-2 pair (4e-4 of the scale)
 }
 
 

@@ -84,17 +84,26 @@ def _attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, start: int, 
     h, g, d = a["n_heads"], a["n_kv_heads"], a["head_dim"]
     r = h // g
     n = start + s
+    w = a.get("window", 0)
+    # keys at positions lo..n-1; a sliding window starts at the first query's window, and reads
+    # position p from row p mod rows (a ring cache holds the last `rows` positions written)
+    lo = max(0, start - w + 1) if w else 0
+    if n - lo > kc.shape[0]:
+        raise GraphError(f"attention: queries at {start}..{n - 1} read keys {lo}..{n - 1}, more than the "
+                         f"cache's {kc.shape[0]} rows hold (a ring cache sized for a smaller chunk?)")
+    rows = torch.arange(lo, n) % kc.shape[0] if w else slice(0, n)
+    m = n - lo
     qh = q.view(s, g, r, d).permute(1, 2, 0, 3).reshape(g, r * s, d)
-    k = kc[:n].view(n, g, d).transpose(0, 1)  # [G, n, d]
-    v = vc[:n].view(n, g, d).transpose(0, 1)
-    scores = torch.bmm(qh, k.transpose(1, 2)).view(g, r, s, n) * a["scale"]
+    k = kc[rows].view(m, g, d).transpose(0, 1)  # [G, m, d]
+    v = vc[rows].view(m, g, d).transpose(0, 1)
+    scores = torch.bmm(qh, k.transpose(1, 2)).view(g, r, s, m) * a["scale"]
     qpos = torch.arange(start, n)[:, None]
-    kpos = torch.arange(n)[None, :]
+    kpos = torch.arange(lo, n)[None, :]
     hidden = kpos > qpos
-    if a.get("window"):  # sliding window: only the last `window` positions (the query's own included)
-        hidden |= kpos <= qpos - a["window"]
+    if w:  # sliding window: only the last `window` positions (the query's own included)
+        hidden |= kpos <= qpos - w
     scores = scores.masked_fill(hidden, float("-inf"))
-    p = torch.softmax(scores, dim=-1).view(g, r * s, n)
+    p = torch.softmax(scores, dim=-1).view(g, r * s, m)
     o = torch.bmm(p, v).view(g, r, s, d)
     return o.permute(2, 0, 1, 3).reshape(s, h * d)
 
@@ -159,6 +168,11 @@ def _rope_qkv_store(op: Op, i: list) -> tuple[torch.Tensor, torch.Tensor, torch.
 
 def _kv_store(op: Op, i: list) -> torch.Tensor:
     cache, x, start = i[0], i[1], int(i[2])
+    if op.attrs.get("ring"):  # a sliding-window layer's ring: position p in row p mod rows
+        if x.shape[0] > cache.shape[0]:
+            raise GraphError(f"op '{op.name}': {x.shape[0]} rows do not fit the ring cache's {cache.shape[0]}")
+        cache.index_copy_(0, torch.arange(start, start + x.shape[0]) % cache.shape[0], x)
+        return cache
     if start + x.shape[0] > cache.shape[0]:
         raise GraphError(f"op '{op.name}': rows {start}..{start + x.shape[0]} exceed the cache's {cache.shape[0]}")
     cache[start : start + x.shape[0]] = x
@@ -252,7 +266,7 @@ class CpuProgram:
             env[t.name] = self.weights.get(t.source or t.name)
         env.update(self.states)
         seq = int(np.asarray(inputs["tokens"]).shape[0]) if "tokens" in inputs else 1
-        ctx = next(iter(self.states.values())).shape[0] if self.states else 1
+        ctx = max(t.shape[0] for t in self.states.values()) if self.states else 1  # rings are shorter
         with torch.inference_mode():
             for op, free in zip(self.graph.ops, self._free_after):
                 result = self._kernels[op.kind](op, [env[i] for i in op.inputs])

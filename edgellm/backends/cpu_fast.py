@@ -38,7 +38,7 @@ from ..errors import GraphError
 from ..gguf_file import GGUFFile
 from ..graph.ir import Op
 from ..quant import dequantize
-from .cpu import CPU_KERNELS, CpuBackend, CpuProgram, _attention, _kv_store, rotate
+from .cpu import CPU_KERNELS, GATE_ACTS, CpuBackend, CpuProgram, _attention, _kv_store, _rms_norm, rope_qkv_extras, rotate
 from .info import CpuFastInfo, int4_group
 
 def physical_cores() -> int:
@@ -308,7 +308,7 @@ class CpuFastProgram(CpuProgram):
 
     def __init__(self, graph, weights: CpuFastWeights, states, plan=None, arena=None, rope_tables=None):
         super().__init__(graph, weights, states, plan, arena)
-        ctx = next(iter(states.values())).shape[0] if states else 1
+        ctx = max(t.shape[0] for t in states.values()) if states else 1  # rings are shorter
         self._rope_tables = rope_tables or RopeTables(ctx)
         self._kernels = {**CPU_KERNELS, **self._fast_kernels(weights)}
         for op in graph.ops:  # pack every product's weights now, not at the first token
@@ -345,7 +345,7 @@ class CpuFastProgram(CpuProgram):
         def linear_swiglu(op, i):
             gu = self.product((i[1].name, i[2].name), i[0])
             h = gu.shape[1] // 2
-            return torch.nn.functional.silu(gu[:, :h]).mul_(gu[:, h:])
+            return GATE_ACTS[op.attrs.get("act", "silu")](gu[:, :h]).mul_(gu[:, h:])  # SwiGLU, or Gemma's GeGLU
 
         def embedding(op, i):
             return w.embedding_rows(i[0].name, i[1])
@@ -354,12 +354,16 @@ class CpuFastProgram(CpuProgram):
 
         def rope_qkv_store(op, i):
             qkv, start, kc, vc = i[0], int(i[1]), i[2], i[3]
-            freqs = i[4] if len(i) > 4 else None
+            freqs, norms = rope_qkv_extras(op, i)
             a = op.attrs
             nq, nkv = a["n_heads"] * a["head_dim"], a["n_kv_heads"] * a["head_dim"]
+            qk = qkv[:, :nq + nkv]
+            if norms:  # per-head q/k RMSNorm (qwen3, gemma3), as the reference
+                qk = torch.cat([_rms_norm(qk[:, :nq], norms[0], a["qk_norm_eps"]),
+                                _rms_norm(qk[:, nq:], norms[1], a["qk_norm_eps"])], 1)
             # q and k heads rotate by the same angles: one rotation over both (elementwise, so each
             # value is computed as in two calls)
-            qk = rope(qkv[:, :nq + nkv], start, freqs, a, a["n_heads"] + a["n_kv_heads"])
+            qk = rope(qk, start, freqs, a, a["n_heads"] + a["n_kv_heads"])
             q = qk[:, :nq] if qk.shape[0] == 1 else qk[:, :nq].contiguous()
             return q, _kv_store(op, [kc, qk[:, nq:], start]), _kv_store(op, [vc, qkv[:, nq + nkv:], start])
 
@@ -404,7 +408,8 @@ class RopeTables:
 
     def _table(self, freqs, a: dict):
         r = a.get("rope_dim", a["head_dim"])
-        key = (a["theta"], r, a.get("pos_scale", 1.0), id(freqs))
+        m = a.get("mscale", 1.0)  # long-RoPE attention factor on cos and sin, as the reference
+        key = (a["theta"], r, a.get("pos_scale", 1.0), m, id(freqs))
         t = self._tables.get(key)
         if t is None:
             inv = a["theta"] ** (-torch.arange(0, r, 2, dtype=torch.float64) / r)
@@ -412,7 +417,7 @@ class RopeTables:
                 inv = inv / freqs.to(torch.float64)
             pos = torch.arange(0, self.ctx, dtype=torch.float64) * a.get("pos_scale", 1.0)
             ang = pos[:, None] * inv[None, :]
-            t = self._tables[key] = (ang.cos().float(), ang.sin().float())
+            t = self._tables[key] = ((ang.cos() * m).float(), (ang.sin() * m).float())
         return t
 
     def _full_table(self, freqs, a: dict):
@@ -474,7 +479,7 @@ class CpuFastBackend(CpuFastInfo, CpuBackend):
             if self._arena is None or self._arena.numel() < plan.total_bytes:
                 self._arena = torch.empty(plan.total_bytes, dtype=torch.uint8)
             arena = self._arena
-        ctx = next(iter(states.values())).shape[0] if states else 1
+        ctx = max(t.shape[0] for t in states.values()) if states else 1  # rings are shorter
         if self._rope is None or self._rope.ctx < ctx:
             self._rope = RopeTables(ctx)
         return self.program_cls(graph, self.weights, states, plan, arena, self._rope)

@@ -19,8 +19,10 @@ class CpuInfo:
         return sum(t.n_elements * 4 for t in f.tensors.values())
 
     @staticmethod
-    def kv_cache_bytes(cfg, ctx: int) -> int:
-        return 2 * cfg.n_layers * ctx * cfg.kv_dim * 4
+    def kv_cache_bytes(cfg, ctx: int, chunk: int | None = None) -> int:
+        """K and V caches at context ctx; with chunk (the prefill chunk), sliding-window layers hold
+        rings of ModelConfig.kv_rows rows instead of ctx."""
+        return 2 * cfg.kv_cache_rows(ctx, chunk) * cfg.kv_dim * 4
 
     @staticmethod
     def output_bytes(cfg, prefill: int) -> int:
@@ -114,8 +116,8 @@ class CudaInfo:
         return sum(cls.tensor_bytes(f, n) for n in f.tensors)
 
     @staticmethod
-    def kv_cache_bytes(cfg, ctx: int) -> int:
-        return 2 * cfg.n_layers * ctx * cfg.kv_dim * 2  # fp16
+    def kv_cache_bytes(cfg, ctx: int, chunk: int | None = None) -> int:
+        return 2 * cfg.kv_cache_rows(ctx, chunk) * cfg.kv_dim * 2  # fp16 (rings: see CpuInfo)
 
     @staticmethod
     def output_bytes(cfg, prefill: int) -> int:
@@ -147,8 +149,9 @@ class WebgpuInfo:
                    for t in f.tensors.values())
 
     @staticmethod
-    def kv_cache_bytes(cfg, ctx: int) -> int:
-        return 2 * cfg.n_layers * ctx * cfg.kv_dim * 2  # fp16 (float32 on adapters without shader-f16)
+    def kv_cache_bytes(cfg, ctx: int, chunk: int | None = None) -> int:
+        # fp16 (float32 on adapters without shader-f16); rings: see CpuInfo
+        return 2 * cfg.kv_cache_rows(ctx, chunk) * cfg.kv_dim * 2
 
     @staticmethod
     def output_bytes(cfg, prefill: int) -> int:

@@ -9,12 +9,14 @@ their semantics (the cpu backend implements each as the composition it replaces)
   linear_swiglu(x, wg, wu; act)       -> act(x @ wg.T) * (x @ wu.T)                   gate/up + activation·mul
   linear(x, w, bias?, residual?; has_bias, has_residual)
                                       -> x @ w.T (+ bias) (+ residual)                element-wise into producer
-  rope_store(x, start, cache, freqs?) -> cache with rows start.. = rope(x)           RoPE + layout + KV write
+  rope_store(x, start, cache, freqs?; ring?) -> cache with rows start.. = rope(x)   RoPE + layout + KV write
+                                         (ring: as kv_store's, positions wrap around the cache)
   linear_qkv(x, wq, wk, wv, bq?, bk?, bv?; has_bias)
                                       -> [S, (H + 2G) d]: the q | k | v projections side by side
   rope_qkv_store(qkv, start, kc, vc, freqs?, qnorm?, knorm?; n_heads, n_kv_heads, ..., qk_norm_eps?)
                                       -> (q, kc, vc): q rotated; rotated k and v written to the caches
-                                         (with qk_norm_eps: q and k per-head RMSNormed first)
+                                         (with qk_norm_eps: q and k per-head RMSNormed first; with ring,
+                                         both caches are rings as kv_store's)
 """
 
 from __future__ import annotations
@@ -226,8 +228,11 @@ def fuse_rope_store(g: Graph) -> Graph:
             continue
         st = g.ops[j]
         freqs = op.inputs[2:]
+        attrs = dict(op.attrs)
+        if st.attrs.get("ring"):  # the store's own attribute: the cache is a ring
+            attrs["ring"] = True
         g.ops[j] = Op(st.name + "+rope", "rope_store", (op.inputs[0], op.inputs[1], st.inputs[0], *freqs),
-                      st.outputs, dict(op.attrs))
+                      st.outputs, attrs)
         drop.add(i)
     g.ops = [op for k, op in enumerate(g.ops) if k not in drop]
     _drop_unused_tensors(g)
@@ -281,6 +286,8 @@ def fuse_qkv(g: Graph) -> Graph:
         q_pre, q_norm = head_norm(rq.inputs[0])
         if (q_norm is None) != (k_norm is None):
             continue
+        if bool(op.attrs.get("ring")) != bool(g.ops[v_st].attrs.get("ring")):
+            continue
         norms: tuple[str, ...] = ()
         if q_norm is not None:
             qn, kn = g.ops[q_norm], g.ops[k_norm]
@@ -310,6 +317,8 @@ def fuse_qkv(g: Graph) -> Graph:
                             {"has_bias": bool(biases)})]
         attrs = dict(rq.attrs)
         attrs["n_kv_heads"] = op.attrs["n_heads"]
+        if op.attrs.get("ring"):  # both caches are rings
+            attrs["ring"] = True
         if norms:
             attrs["qk_norm_eps"] = g.ops[q_norm].attrs["eps"]
         new_at[last] = [Op(rq.name + "+store", "rope_qkv_store",

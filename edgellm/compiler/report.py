@@ -57,7 +57,7 @@ def plan_model(path: str, *, backend: str = "cpu", ctx: int | None = None, prefi
     prefill = min(prefill, ctx)
     backend_cls = get_backend_info(backend)
     supported = getattr(backend_cls, "SUPPORTED_OPS", None)
-    graphs = {s: build_graph(cfg, f, s) for s in ("all", "last")}
+    graphs = {s: build_graph(cfg, f, s, kv_chunk=prefill) for s in ("all", "last")}  # as Model builds them
     stages = [
         StagePlan("prefill", prefill, compile_graph(graphs["last"], supported_ops=supported, backend=backend_cls.name,
                                                     seq=prefill, ctx=ctx, fuse=fuse)),
@@ -72,7 +72,8 @@ def plan_model(path: str, *, backend: str = "cpu", ctx: int | None = None, prefi
         row[2] += t.nbytes
     file_weight_bytes = sum(r[2] for r in by_format.values())
     resident = backend_cls.resident_weight_bytes(f)
-    kv = backend_cls.kv_cache_bytes(cfg, ctx)
+    kv = backend_cls.kv_cache_bytes(cfg, ctx, prefill)  # sliding-window layers: rings (ModelConfig.kv_rows)
+    kv_full = backend_cls.kv_cache_bytes(cfg, ctx)  # every layer at the whole context
     arena = max(s.compiled.plan.total_bytes for s in stages)
     outputs = backend_cls.output_bytes(cfg, prefill)
     overhead = backend_cls.runtime_overhead_bytes(f, cfg)
@@ -91,6 +92,10 @@ def plan_model(path: str, *, backend: str = "cpu", ctx: int | None = None, prefi
         "weight_bytes_file": file_weight_bytes,
         "weight_bytes_resident": resident,
         "kv_cache_bytes": kv,
+        "kv_cache_bytes_full_context": kv_full,
+        "kv_rings": [{"window": w, "rows": r, "layers": sum(1 for i in range(cfg.n_layers)
+                                                            if cfg.kv_rows(i, ctx, prefill) == r and cfg.window(i) == w)}
+                     for w, r in cfg.kv_rings(ctx, prefill)],
         "arena_bytes": arena,
         "output_bytes": outputs,
         "runtime_overhead_bytes": overhead,
@@ -176,6 +181,12 @@ def render_plan(p: dict) -> str:
         t.add_row(label, _fmt(p[key]))
     t.add_row("[bold]total[/bold]", f"[bold]{_fmt(p['estimated_peak_bytes'])}[/bold]")
     con.print(t)
+    if p.get("kv_rings"):
+        rings = ", ".join(f"{r['layers']} layers with window {r['window']}: {r['rows']} rows" for r in p["kv_rings"])
+        saved = p["kv_cache_bytes_full_context"] - p["kv_cache_bytes"]
+        con.print(f"KV cache: sliding-window layers keep ring caches ({rings}) instead of {p['ctx']} rows: "
+                  f"{_fmt(p['kv_cache_bytes'])} instead of {_fmt(p['kv_cache_bytes_full_context'])} "
+                  f"({_fmt(saved)} saved)")
     con.print(f"arithmetic: {p['flops_prefill_per_token'] / 1e9:.3f} GFLOP per prefill token, "
               f"{p['flops_decode_per_token_at_half_ctx'] / 1e9:.3f} GFLOP per decode token at half context")
     return buf.getvalue()

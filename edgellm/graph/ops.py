@@ -15,11 +15,15 @@ Semantics (every backend implements these exactly; the cpu backend is the refere
                                               style 'norm' rotates pairs (2i, 2i+1), 'neox' pairs (i, i+r/2);
                                               frequency i is theta^(-2i/r) / freqs[i] (freqs optional);
                                               mscale (default 1) multiplies cos and sin (long-RoPE attn_factor)
-  kv_store(cache[C,F], x[S,F], start_pos[]) -> cache, rows start_pos.. overwritten in place (alias)
+  kv_store(cache[C,F], x[S,F], start_pos[]; ring=False)
+                                           -> cache, rows start_pos.. overwritten in place (alias); with ring
+                                              (a sliding-window layer's cache) position p goes to row p mod C
   attention(q[S,H*d], k[C,G*d], v[C,G*d], start_pos[]; n_heads, n_kv_heads, head_dim, scale, window=0)
-                                           -> [S,H*d]; query i (position p = start_pos+i) attends to cache rows
-                                              0..p, and with window > 0 only to rows p-window+1..p (sliding
-                                              window); query head h reads kv head h // (H/G)
+                                           -> [S,H*d]; query i (position p = start_pos+i) attends to the keys
+                                              of positions 0..p, and with window > 0 only to p-window+1..p
+                                              (sliding window), key position j read from row j mod C (a ring
+                                              when C is less than the positions: it holds the last C written);
+                                              query head h reads kv head h // (H/G)
   last_row(x[S,D])                         -> [1,D]   the last row
 Row-wise forms, for one decode step of several sequences (row i: its own KV slot and position):
   rope_rows(x[S,H*d], pos[S], (freqs); as rope) -> row i rotated at position pos[i]

@@ -112,7 +112,7 @@ class SplitProgram:
             sub_plan = None
             if proc.name == "cuda":  # the cuda backend lays out activations by a memory plan of its own
                 sizes = max_seq or 1
-                ctx = next(iter(states.values())).shape[0]
+                ctx = max(t.shape[0] for t in states.values())  # the context (sliding-window rings are shorter)
                 sub_plan = compile_graph(sub, supported_ops=proc.SUPPORTED_OPS, backend="cuda", seq=sizes,
                                          ctx=ctx, fuse=False).plan
             prog = proc.compile(sub, st, sub_plan, max_seq=max_seq)

@@ -23,12 +23,14 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
     return read_config(f, FAMILIES[arch])
 
 
-def build_graph(cfg: ModelConfig, f: GGUFFile, logits: str = "all") -> Graph:
+def build_graph(cfg: ModelConfig, f: GGUFFile, logits: str = "all", kv_chunk: int | None = None) -> Graph:
+    """kv_chunk: the prefill chunk the programs run with; given, sliding-window layers get ring
+    caches of ModelConfig.kv_rows rows instead of the whole context."""
     # the shared decoder (and with it sympy) is imported when a graph is built: a program read
     # back from the cache builds none
     from .blocks import build_decoder
 
-    return build_decoder(cfg, f, logits)
+    return build_decoder(cfg, f, logits, kv_chunk)
 
 
 __all__ = ["FAMILIES", "SUPPORTED_ARCHITECTURES", "ModelConfig", "build_graph", "config_from_gguf"]

@@ -13,6 +13,8 @@ softcap are present only where the family has them.
 
 from __future__ import annotations
 
+import sympy
+
 from ..errors import GraphError
 from ..gguf_file import GGUFFile
 from ..graph.ir import CTX, SEQ, Graph, row_slice
@@ -27,10 +29,12 @@ STAGES = ("all", "last", "rows")
 class Builder:
     """A Graph under construction for one model file: weights by name, the shared blocks."""
 
-    def __init__(self, cfg: ModelConfig, f: GGUFFile, logits: str):
+    def __init__(self, cfg: ModelConfig, f: GGUFFile, logits: str, kv_chunk: int | None = None):
         if logits not in STAGES:
             raise ValueError(f"logits must be one of {STAGES}, got {logits!r}")
-        self.cfg, self.f = cfg, f
+        if kv_chunk is not None and (isinstance(kv_chunk, bool) or not isinstance(kv_chunk, int) or kv_chunk < 1):
+            raise ValueError(f"kv_chunk must be a positive number of tokens, got {kv_chunk!r}")
+        self.cfg, self.f, self.kv_chunk = cfg, f, kv_chunk
         self.g = Graph(f"{cfg.arch}-{logits}", meta={"arch": cfg.arch, "logits": logits})
         self.tokens = self.g.input("tokens", (SEQ,), "i32")
         self.by_rows = logits == "rows"
@@ -90,18 +94,23 @@ class Builder:
             rope["mscale"] = cfg.rope_mscale
         extra = (rope_freqs,) if rope_freqs else ()
         if self.by_rows:  # each row its own sequence: its own position, its own KV slot
-            if window or cfg.rope_mscale != 1.0:
-                raise GraphError(f"{cfg.arch}: batched decode of sliding-window or scaled-RoPE layers is not "
-                                 "supported yet (serve it with --parallel 1)")
+            why = rows_stage_unsupported(cfg)
+            if why:
+                raise GraphError(f"{cfg.arch}: batched decode of {why} is not supported yet (serve it with --parallel 1)")
             rope_kind, at, where, suffix = "rope_rows", (self.pos,), (self.base, self.pos), "_rows"
         else:
             rope_kind, at, where, suffix = "rope", (self.start,), (self.start,), ""
         q = g.op(rope_kind, proj["q"], *at, *extra, name=b + "rope_q", n_heads=cfg.n_heads, **rope)
         k = g.op(rope_kind, proj["k"], *at, *extra, name=b + "rope_k", n_heads=cfg.n_kv_heads, **rope)
-        kc = g.state(f"cache.k.{i}", (CTX, cfg.kv_dim))
-        vc = g.state(f"cache.v.{i}", (CTX, cfg.kv_dim))
-        kc = g.op("kv_store" + suffix, kc, k, *where, name=b + "store_k")
-        vc = g.op("kv_store" + suffix, vc, proj["v"], *where, name=b + "store_v")
+        # a sliding-window layer's cache is a ring of ModelConfig.kv_rows rows (when the programs'
+        # largest chunk is known): position p in row p mod rows, the attention reading it the same way
+        ring = bool(window and self.kv_chunk)
+        rows = sympy.Min(CTX, window + self.kv_chunk - 1) if ring else CTX
+        kc = g.state(f"cache.k.{i}", (rows, cfg.kv_dim))
+        vc = g.state(f"cache.v.{i}", (rows, cfg.kv_dim))
+        store = {"ring": True} if ring else {}
+        kc = g.op("kv_store" + suffix, kc, k, *where, name=b + "store_k", **store)
+        vc = g.op("kv_store" + suffix, vc, proj["v"], *where, name=b + "store_v", **store)
         attrs = dict(n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, scale=cfg.softmax_scale)
         if window:
             attrs["window"] = window
@@ -153,5 +162,19 @@ class Builder:
         return g
 
 
-def build_decoder(cfg: ModelConfig, f: GGUFFile, logits: str = "all") -> Graph:
-    return Builder(cfg, f, logits).build()
+def rows_stage_unsupported(cfg: ModelConfig) -> str:
+    """Why the 'rows' stage (one decode step of several sequences) cannot be built for this model,
+    or '' when it can. Sliding-window layers would need the row-wise ops to read each slot's ring
+    (slot s's rows of a ring layer: s*rows .. s*rows + rows - 1, position p at row p mod rows);
+    scaled RoPE, the attention factor in rope_rows."""
+    if any(cfg.window(i) for i in range(cfg.n_layers)):
+        return "sliding-window layers"
+    if cfg.rope_mscale != 1.0:
+        return "scaled-RoPE layers"
+    return ""
+
+
+def build_decoder(cfg: ModelConfig, f: GGUFFile, logits: str = "all", kv_chunk: int | None = None) -> Graph:
+    """kv_chunk: the most tokens one program of the model writes into the cache at once (its
+    prefill chunk); given, sliding-window layers get ring caches (ModelConfig.kv_rows)."""
+    return Builder(cfg, f, logits, kv_chunk).build()

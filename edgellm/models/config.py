@@ -61,6 +61,24 @@ class ModelConfig:
     def window(self, layer: int) -> int:
         return self.layer_window[layer] if self.layer_window else 0
 
+    def kv_rows(self, layer: int, ctx: int, chunk: int | None) -> int:
+        """Rows of a layer's K/V cache. A global layer keeps every position (ctx rows). A sliding-
+        window layer keeps a ring: position p lives in row p mod rows, and rows = window + chunk - 1
+        hold what one program needs at once, chunk being the most tokens a program writes (its
+        first query reads back window - 1 positions before the chunk; its last writes chunk - 1
+        after it). chunk None: no ring (ctx rows everywhere)."""
+        w = self.window(layer)
+        return min(ctx, w + chunk - 1) if w and chunk else ctx
+
+    def kv_cache_rows(self, ctx: int, chunk: int | None) -> int:
+        """Cache rows over all layers (K and V each): what kv_cache_bytes multiplies by kv_dim."""
+        return sum(self.kv_rows(i, ctx, chunk) for i in range(self.n_layers))
+
+    def kv_rings(self, ctx: int, chunk: int | None) -> tuple[tuple[int, int], ...]:
+        """The distinct (window, rows) of the layers whose cache is a ring (rows < ctx)."""
+        return tuple(sorted({(self.window(i), self.kv_rows(i, ctx, chunk)) for i in range(self.n_layers)
+                             if self.kv_rows(i, ctx, chunk) < ctx}))
+
     @property
     def rope_factor_tensor(self) -> str | None:
         return "rope_freqs.weight" if self.has_rope_freqs else self.rope_factors

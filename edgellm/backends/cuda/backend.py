@@ -284,7 +284,7 @@ class CudaProgram:
                 rd = readers.get(op.outputs[0], [])
                 if (len(rd) == 1 and rd[0].kind == "rope_qkv_store" and rd[0].attrs.get("style") == "norm"
                         and rd[0].attrs.get("pos_scale", 1.0) == 1.0 and rd[0].attrs.get("mscale", 1.0) == 1.0
-                        and "qk_norm_eps" not in rd[0].attrs
+                        and "qk_norm_eps" not in rd[0].attrs and not rd[0].attrs.get("ring")
                         and rd[0].inputs[0] == op.outputs[0]):
                     self._rope_into_gemv[op.name] = rd[0]
                     self._absorbed.add(rd[0].name)
@@ -495,10 +495,10 @@ class CudaProgram:
             param = a.get("factor", a.get("cap", 0.0))
             return lambda env, s, c: K.unary(env[ins[0]], kind, param, out=env[outs[0]])
         if kind == "rope_qkv_store":
-            if a.get("pos_scale", 1.0) != 1.0 or a.get("mscale", 1.0) != 1.0:
-                raise GraphError(f"cuda: op '{op.name}' uses linear rope scaling or a long-RoPE attention factor, "
-                                 "which the rope kernel lacks")
             from ..cpu import rope_qkv_extras
+
+            # ring caches (sliding-window layers), linear position scaling, long-RoPE's attention factor
+            extra = dict(ring=bool(a.get("ring")), pos_scale=a.get("pos_scale", 1.0), mscale=a.get("mscale", 1.0))
 
             f_name, n_names = rope_qkv_extras(op, list(ins))
             freqs = W.vector(wname(f_name)) if f_name else None
@@ -512,12 +512,13 @@ class CudaProgram:
                     K.head_rms_norm(qkv[:, nq:nq + nkv], kn, a["qk_norm_eps"], out=qkv[:, nq:nq + nkv])
                     K.rope_qkv_cache(qkv, None, None, env[ins[2]], env[ins[3]], self.start, a["n_heads"],
                                      a["n_kv_heads"], a["head_dim"], theta=a["theta"], style=a["style"],
-                                     freq_factors=freqs, n_rot=a.get("rope_dim", a["head_dim"]), q_out=env[outs[0]])
+                                     freq_factors=freqs, n_rot=a.get("rope_dim", a["head_dim"]), q_out=env[outs[0]],
+                                     **extra)
                 return run_norm_rope
             return lambda env, s, c: K.rope_qkv_cache(
                 env[ins[0]], None, None, env[ins[2]], env[ins[3]], self.start, a["n_heads"], a["n_kv_heads"],
                 a["head_dim"], theta=a["theta"], style=a["style"], freq_factors=freqs,
-                n_rot=a.get("rope_dim", a["head_dim"]), q_out=env[outs[0]])
+                n_rot=a.get("rope_dim", a["head_dim"]), q_out=env[outs[0]], **extra)
         if kind == "attention":
             ws, caps = {}, {}
             G = a["n_heads"] // a["n_kv_heads"]
@@ -561,16 +562,23 @@ class CudaProgram:
             n_fixed = {"rope": 2, "rope_store": 3, "kv_store": 3}[kind]
             freqs = W.vector(wname(ins[n_fixed])) if len(ins) > n_fixed else None
 
+            def store(cache, start, s, x):
+                if a.get("ring"):  # a sliding-window layer's ring: position p in row p mod rows
+                    rows = torch.arange(start, start + s, device=cache.device) % cache.shape[0]
+                    cache.index_copy_(0, rows, x)
+                else:
+                    cache[start:start + s].copy_(x)
+
             def run_unfused(env, s, c):
                 start = int(self._host_start)
                 if kind == "kv_store":
-                    env[ins[0]][start:start + s].copy_(env[ins[1]])
+                    store(env[ins[0]], start, s, env[ins[1]])
                     return
                 r = _rope(env[ins[0]].float(), start, freqs, a).to(torch.float16)
                 if kind == "rope":
                     env[outs[0]].copy_(r)
                 else:
-                    env[ins[2]][start:start + s].copy_(r)
+                    store(env[ins[2]], start, s, r)
             self._host_positions = True
             return run_unfused
         raise GraphError(f"cuda: no kernel for op '{op.name}' ({kind})")
@@ -765,7 +773,7 @@ class CudaProgram:
         costs one replay and one 4-byte read. Yields n tokens after first_token at position start."""
         if self.max_seq != 1:
             raise GraphError("greedy_tokens runs on the single-token decode program")
-        ctx = next(iter(self.states.values())).shape[0]
+        ctx = max(t.shape[0] for t in self.states.values())  # the context (ring caches are shorter)
         if start + n > ctx:
             raise GraphError(f"{start + n} tokens exceed the context of {ctx}")
         self.run({"tokens": [first_token], "start_pos": start})  # warm-up / compile outside the capture
@@ -858,7 +866,7 @@ class CudaProgram:
         seq, start = int(ids.size), int(inputs["start_pos"])
         if seq > self.max_seq:
             raise GraphError(f"cuda program '{self.graph.name}' was compiled for {self.max_seq} tokens, got {seq}")
-        ctx = next(iter(self.states.values())).shape[0]
+        ctx = max(t.shape[0] for t in self.states.values())  # the context (ring caches are shorter)
         padded = self._padded(seq, start, ctx)
         self._host_start = start
         self.tokens[:seq].copy_(torch.from_numpy(ids), non_blocking=True)
@@ -996,17 +1004,15 @@ class CudaBackend(CudaInfo):
         return self._arena
 
     def allocate_states(self, graph: Graph, ctx: int) -> dict[str, torch.Tensor]:
-        from ...models import config_from_gguf
-
-        cfg = config_from_gguf(self.file)
-        need = self.resident_weight_bytes(self.file) + self.kv_cache_bytes(cfg, ctx)
+        kv = 2 * sum(t.numel(ctx=ctx) for t in graph.states())  # fp16, the graph's own caches (rings included)
+        need = self.resident_weight_bytes(self.file) + kv
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             if need > free:
                 raise DeviceMemoryError(
                     f"{self.file.path.name} needs about {need / 2**30:.2f} GiB of GPU memory at context {ctx} "
                     f"(weights {self.resident_weight_bytes(self.file) / 2**30:.2f} GiB + KV cache "
-                    f"{self.kv_cache_bytes(cfg, ctx) / 2**30:.2f} GiB) but only {free / 2**30:.2f} of "
+                    f"{kv / 2**30:.2f} GiB) but only {free / 2**30:.2f} of "
                     f"{total / 2**30:.2f} GiB are free; lower --ctx or use a smaller quantization")
         return {t.name: torch.zeros(t.concrete_shape(ctx=ctx), dtype=torch.float16, device=self.device)
                 for t in graph.states()}

@@ -323,6 +323,11 @@ class WebgpuProgram:
         return self.graph.tensors[t].source or t
 
     def _lower(self, op: Op) -> list:
+        if op.attrs.get("window") or op.attrs.get("ring"):
+            # the WGSL attention reads every cached row: a sliding window (and its ring cache) would
+            # be silently ignored, so such files are refused rather than answered wrongly
+            raise GraphError(f"webgpu: op '{op.name}' ({op.kind}) belongs to a sliding-window attention layer, which the webgpu "
+                             "kernels do not support yet; run this model with --backend cpu, cpu-fast or cuda")
         if op.kind not in self.backend.SUPPORTED_OPS:
             return [self._delegate(op)]
         dev, a, ins, outs = self.dev, op.attrs, op.inputs, op.outputs

@@ -10,8 +10,10 @@ them. The grid depends only on n_splits (fixed per device and model), never on t
 length: the chunk length is computed on the device from seq_len, which may be read from a device
 tensor, so one captured CUDA graph serves every step. Splits past seq_len do no work.
 
-Causality: query t of T attends to cache rows 0..pos(t), pos(t) = start + t, where start is
-start_pos (prefill) or seq_len - T (decode). window > 0 limits that to the last `window` rows.
+Causality: query t of T attends to the keys of positions 0..pos(t), pos(t) = start + t, where
+start is start_pos (prefill) or seq_len - T (decode). window > 0 limits that to the last `window`
+positions, and the key of position j is read from row j mod (cache rows): a sliding-window layer's
+cache may be a ring shorter than the context (ModelConfig.kv_rows), holding the last rows written.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ _LOG2E = 1.4426950408889634
 
 @jit
 def _attn_tiles(q, kc_ptr, vc_ptr, stride_c, kvh, lo, hi, pos, scale_log2, window, acc, m_i, l_i,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr):
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                ring_rows=1, RING: tl.constexpr = False):
     d = tl.arange(0, BLOCK_D)
     dm = d < HEAD_DIM
     kbase = kc_ptr + kvh * HEAD_DIM
@@ -38,7 +41,10 @@ def _attn_tiles(q, kc_ptr, vc_ptr, stride_c, kvh, lo, hi, pos, scale_log2, windo
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         nm = n < hi
-        n64 = n.to(tl.int64)
+        if RING:  # position n lives in row n mod ring_rows
+            n64 = (n % ring_rows).to(tl.int64)
+        else:
+            n64 = n.to(tl.int64)
         kt = tl.load(kbase + n64[None, :] * stride_c + d[:, None], mask=dm[:, None] & nm[None, :], other=0.0)
         s = tl.dot(q, kt) * scale_log2
         vis = nm[None, :] & (n[None, :] <= pos[:, None])
@@ -58,7 +64,7 @@ def _attn_tiles(q, kc_ptr, vc_ptr, stride_c, kvh, lo, hi, pos, scale_log2, windo
 
 @jit
 def _attn_decode_split_kernel(q_ptr, stride_q, kc_ptr, vc_ptr, stride_c, po_ptr, pml_ptr,
-                              seq_ptr, seq_val, T, H, scale_log2, window,
+                              seq_ptr, seq_val, T, H, scale_log2, window, ring_rows,
                               G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_SPLITS: tl.constexpr,
                               SEQ_FROM_PTR: tl.constexpr, HAS_WINDOW: tl.constexpr, PDL: tl.constexpr):
@@ -88,7 +94,7 @@ def _attn_decode_split_kernel(q_ptr, stride_q, kc_ptr, vc_ptr, stride_c, po_ptr,
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc, m_i, l_i = _attn_tiles(q, kc_ptr, vc_ptr, stride_c, kvh, lo, hi, pos, scale_log2, window, acc, m_i, l_i,
-                                HEAD_DIM, BLOCK_D, BLOCK_N, HAS_WINDOW)
+                                HEAD_DIM, BLOCK_D, BLOCK_N, HAS_WINDOW, ring_rows, HAS_WINDOW)
     part = ((t * H + h) * N_SPLITS + split).to(tl.int64)  # partial index of (token, head, split)
     tl.store(po_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=rmask[:, None] & dm[None, :])
     tl.store(pml_ptr + part * 2, m_i, mask=rmask)
@@ -128,7 +134,7 @@ def _attn_decode_reduce_kernel(po_ptr, pml_ptr, out_ptr, stride_o, seq_ptr, seq_
 
 @jit
 def _attn_prefill_kernel(q_ptr, stride_q, kc_ptr, vc_ptr, stride_c, out_ptr, stride_o,
-                         pos_ptr, pos_val, T, scale_log2, window,
+                         pos_ptr, pos_val, T, scale_log2, window, ring_rows,
                          G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          POS_FROM_PTR: tl.constexpr, HAS_WINDOW: tl.constexpr, PDL: tl.constexpr):
@@ -159,7 +165,7 @@ def _attn_prefill_kernel(q_ptr, stride_q, kc_ptr, vc_ptr, stride_c, out_ptr, str
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc, m_i, l_i = _attn_tiles(q, kc_ptr, vc_ptr, stride_c, kvh, lo, hi, pos, scale_log2, window, acc, m_i, l_i,
-                                HEAD_DIM, BLOCK_D, BLOCK_N, HAS_WINDOW)
+                                HEAD_DIM, BLOCK_D, BLOCK_N, HAS_WINDOW, ring_rows, HAS_WINDOW)
     res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_o + h[:, None] * HEAD_DIM + d[None, :],
              res.to(out_ptr.dtype.element_ty), mask=qmask)
@@ -182,6 +188,22 @@ def _check_attn(q, k_cache, v_cache, n_heads, n_kv_heads, head_dim):
     if k_cache.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"KV caches must be fp16 or bf16, got {k_cache.dtype}")
     return H, HKV, D
+
+
+def _check_rows(start: int | None, T: int, rows: int, window: int) -> None:
+    """Queries at start..start+T-1 (start None: read on the device, unchecked) read keys the cache
+    holds: every position up to theirs, or with a window, the window before the first query and the
+    T positions after it, position j in row j mod rows (a ring)."""
+    if start is None:
+        if window and T + window - 1 > rows:
+            raise ValueError(f"{T} queries with a window of {window} need {T + window - 1} cache rows, "
+                             f"the cache has {rows}")
+        return
+    if start < 0:
+        raise ValueError(f"start position {start} is negative")
+    need = min(start, window - 1) + T if window else start + T
+    if need > rows:
+        raise ValueError(f"tokens {start}..{start + T - 1} read {need} keys; the KV cache has {rows} rows")
 
 
 def default_decode_splits(q: torch.Tensor, n_kv_heads: int, ctx: int, T: int = 1, n_heads: int | None = None,
@@ -215,8 +237,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     out = out_buffer(out, (T, H * D), q.dtype, q.device)
     seq_ptr, seq_val, from_ptr = int_or_tensor(seq_len, q, "seq_len")
-    if not from_ptr and not T <= seq_val <= k_cache.shape[0]:
-        raise ValueError(f"seq_len={seq_val} must be in [T={T}, cache rows={k_cache.shape[0]}]")
+    _check_rows(seq_val - T if not from_ptr else None, T, k_cache.shape[0], window)
     if T == 0:
         return out
     cfg = {**configs.ATTN_DECODE_DEFAULT, **(config or {})}
@@ -230,7 +251,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError("attention_decode workspace is too small; make it with decode_workspace()")
     grid = (triton.cdiv(T * G, block_m), HKV, n_splits)
     _attn_decode_split_kernel[grid](q, q.stride(0), k_cache, v_cache, k_cache.stride(0), po, pml,
-                                    seq_ptr, seq_val, T, H, scale * _LOG2E, int(window),
+                                    seq_ptr, seq_val, T, H, scale * _LOG2E, int(window), k_cache.shape[0],
                                     G=G, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"],
                                     N_SPLITS=n_splits, SEQ_FROM_PTR=from_ptr, HAS_WINDOW=window > 0,
                                     num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl())
@@ -252,15 +273,14 @@ def attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     out = out_buffer(out, (T, H * D), q.dtype, q.device)
     pos_ptr, pos_val, from_ptr = int_or_tensor(start_pos, q, "start_pos")
-    if not from_ptr and not 0 <= pos_val <= k_cache.shape[0] - T:
-        raise ValueError(f"tokens {pos_val}..{pos_val + T - 1} do not fit in a KV cache of {k_cache.shape[0]} rows")
+    _check_rows(pos_val if not from_ptr else None, T, k_cache.shape[0], window)
     if T == 0:
         return out
     cfg = {**configs.ATTN_PREFILL_DEFAULT, **(config or {})}
     block_m = cfg["BLOCK_M"]
     grid = (triton.cdiv(T * G, block_m), HKV)
     _attn_prefill_kernel[grid](q, q.stride(0), k_cache, v_cache, k_cache.stride(0), out, out.stride(0),
-                               pos_ptr, pos_val, T, scale * _LOG2E, int(window),
+                               pos_ptr, pos_val, T, scale * _LOG2E, int(window), k_cache.shape[0],
                                G=G, HEAD_DIM=D, BLOCK_D=max(16, next_pow2(D)), BLOCK_M=block_m,
                                BLOCK_N=cfg["BLOCK_N"], POS_FROM_PTR=from_ptr, HAS_WINDOW=window > 0,
                                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl())

@@ -135,6 +135,12 @@ def _cases():
     yield "gelu_mul", lambda: silu_mul(torch.empty(1, 4096, dtype=h16), act="gelu_tanh")
     yield "glu-gelu Q8_0", lambda: linear_silu_mul(x1, pw("Q8_0", 2 * 2048, 4096), act="gelu_tanh")
     yield "attn-decode-window", lambda: attention_decode(q, kc, kc, seq, 32, 8, window=512)
+    # sliding-window layers' ring caches (window 512 + chunk 512 - 1 rows), long-RoPE's factor
+    ring = torch.empty(1023, 1024, dtype=h16)
+    yield "attn-prefill-window-ring", lambda: attention_prefill(torch.empty(512, 4096, dtype=h16), ring, ring, seq,
+                                                                32, 8, window=512)
+    yield "rope-ring-scaled", lambda: rope_qkv_cache(torch.empty(1, 6144, dtype=h16), None, None, ring, ring, seq,
+                                                     32, 8, 128, theta=1e4, ring=True, pos_scale=0.125, mscale=1.19)
     yield "head_rms_norm", lambda: head_rms_norm(torch.empty(1, 6144, dtype=h16)[:, :4096], torch.empty(128), 1e-6)
     yield "softcap", lambda: unary(torch.empty(1, 128256, dtype=h16), "softcap", 30.0)
     yield "embedding", lambda: embedding(torch.empty(1, dtype=torch.int32), pw("Q8_0", 128256, 4096))

@@ -20,10 +20,10 @@ from ._common import check_2d, int_or_tensor, jit, next_pow2, out_buffer, pdl, p
 @jit
 def _rope_kernel(q_ptr, k_ptr, v_ptr, stride_q, stride_k, stride_v, qo_ptr, stride_qo,
                  kc_ptr, vc_ptr, stride_c, pos_ptr, start_pos, ff_ptr, log2_theta,
-                 H, base_ptr, pos_scale,
+                 H, base_ptr, ring_rows, pos_scale, mscale,
                  HEAD_DIM: tl.constexpr, N_ROT: tl.constexpr, HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr,
                  D_PAD: tl.constexpr, NEOX: tl.constexpr, POS_FROM_PTR: tl.constexpr, HAS_FF: tl.constexpr,
-                 ROWS: tl.constexpr, PDL: tl.constexpr):
+                 ROWS: tl.constexpr, RING: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)  # 0..H-1: query heads; H..H+HKV-1: key/value heads
@@ -35,7 +35,11 @@ def _rope_kernel(q_ptr, k_ptr, v_ptr, stride_q, stride_k, stride_v, qo_ptr, stri
         pos = start_pos + t
     i = tl.arange(0, HALF_PAD)
     im = i < N_ROT // 2
-    cs, sn = rope_cos_sin(pos.to(tl.float32) * pos_scale, i, im, ff_ptr, log2_theta, N_ROT, HAS_FF)
+    if SCALED:  # linear position scaling, and long-RoPE's attention factor on cos and sin
+        cs, sn = rope_cos_sin(pos.to(tl.float32) * pos_scale, i, im, ff_ptr, log2_theta, N_ROT, HAS_FF)
+        cs, sn = cs * mscale, sn * mscale
+    else:
+        cs, sn = rope_cos_sin(pos, i, im, ff_ptr, log2_theta, N_ROT, HAS_FF)
     if NEOX:
         o1 = i
         o2 = i + N_ROT // 2
@@ -52,6 +56,9 @@ def _rope_kernel(q_ptr, k_ptr, v_ptr, stride_q, stride_k, stride_v, qo_ptr, stri
         if ROWS:  # a padding row (pos < 0) stores nothing
             keep = pos >= 0
             row = (tl.load(base_ptr + t).to(tl.int64) + tl.maximum(pos, 0)) * stride_c + kvh * HEAD_DIM
+        elif RING:  # a sliding-window layer's ring cache: position p in row p mod ring_rows
+            keep = t >= 0
+            row = (pos % ring_rows).to(tl.int64) * stride_c + kvh * HEAD_DIM
         else:
             keep = t >= 0
             row = pos.to(tl.int64) * stride_c + kvh * HEAD_DIM
@@ -97,7 +104,7 @@ def rope_qkv_cache(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | No
                    freq_factors: torch.Tensor | None = None, n_rot: int | None = None,
                    q_out: torch.Tensor | None = None, config: dict | None = None,
                    positions: torch.Tensor | None = None, bases: torch.Tensor | None = None,
-                   pos_scale: float = 1.0) -> torch.Tensor:
+                   ring: bool = False, pos_scale: float = 1.0, mscale: float = 1.0) -> torch.Tensor:
     """Rotate Q and K of T tokens at positions start_pos..start_pos+T-1 and store K, V in the caches.
 
     q [T, n_heads*head_dim], k and v [T, n_kv_heads*head_dim]; or k = v = None and q the fused
@@ -105,9 +112,10 @@ def rope_qkv_cache(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | No
     [ctx, n_kv_heads*head_dim]; rows start_pos.. are written in place. start_pos is an int or a
     one-element int tensor on the device (read by the kernel, so a CUDA graph can replay it).
     style "norm": rotate pairs (x[2i], x[2i+1]) (llama GGUF); "neox": pairs (x[i], x[i+n_rot/2]).
-    Frequencies are theta^(-2i/n_rot), divided by freq_factors[i] when given (llama 3 scaling);
-    positions are multiplied by pos_scale (linear RoPE scaling).
-    Only the first n_rot (default head_dim) dimensions rotate. Returns the rotated q
+    Frequencies are theta^(-2i/n_rot), divided by freq_factors[i] when given (llama 3 scaling).
+    Positions are multiplied by pos_scale (linear scaling) and cos/sin by mscale (long-RoPE's
+    attention factor). ring: the caches are rings (a sliding-window layer's), position p written
+    to row p mod their rows. Only the first n_rot (default head_dim) dimensions rotate. Returns the rotated q
     (q_out, or a new [T, n_heads*head_dim] tensor; q_out may be q itself to rotate in place).
 
     Rows mode (positions and bases, int32 device tensors of at least T entries; start_pos unused):
@@ -146,11 +154,15 @@ def rope_qkv_cache(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | No
         raise ValueError(f"freq_factors has {freq_factors.numel()} elements, expected n_rot/2 = {n_rot // 2}")
     rows = positions is not None
     if rows:
+        if ring:
+            raise ValueError("rows mode does not take ring caches")
         _check_rows(T, q, positions=positions, bases=bases)
         pos_ptr, pos_val, from_ptr = positions, 0, True
     else:
         pos_ptr, pos_val, from_ptr = int_or_tensor(start_pos, q, "start_pos")
-        if not from_ptr and not 0 <= pos_val <= k_cache.shape[0] - T:
+        if ring and T > k_cache.shape[0]:
+            raise ValueError(f"{T} tokens do not fit in a ring KV cache of {k_cache.shape[0]} rows")
+        if not ring and not from_ptr and not 0 <= pos_val <= k_cache.shape[0] - T:
             raise ValueError(f"tokens {pos_val}..{pos_val + T - 1} do not fit in a KV cache of {k_cache.shape[0]} rows")
     q_out = out_buffer(q_out, (T, H * D), q.dtype, q.device, "q_out")
     if T == 0:
@@ -160,10 +172,10 @@ def rope_qkv_cache(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | No
     _rope_kernel[(T, H + HKV)](
         q, k, v, q.stride(0), k.stride(0), v.stride(0), q_out, q_out.stride(0),
         k_cache, v_cache, k_cache.stride(0), pos_ptr, pos_val, ff, math.log2(theta), H,
-        bases if rows else pos_ptr, float(pos_scale),
+        bases if rows else pos_ptr, k_cache.shape[0], float(pos_scale), float(mscale),
         HEAD_DIM=D, N_ROT=n_rot, HALF_PAD=next_pow2(n_rot // 2), REST_PAD=next_pow2(max(1, D - n_rot)),
         D_PAD=next_pow2(D), NEOX=style == "neox", POS_FROM_PTR=from_ptr, HAS_FF=freq_factors is not None,
-        ROWS=rows, num_warps=cfg["num_warps"], **pdl())
+        ROWS=rows, RING=bool(ring), SCALED=pos_scale != 1.0 or mscale != 1.0, num_warps=cfg["num_warps"], **pdl())
     return q_out
 
 
@@ -204,10 +216,10 @@ def rope_rows(x: torch.Tensor, positions: torch.Tensor, n_heads: int, head_dim: 
     # query heads only (no key/value heads: grid axis 1 is H), so the caches are never touched
     _rope_kernel[(T, H)](
         x, x, x, x.stride(0), x.stride(0), x.stride(0), out, out.stride(0),
-        out, out, 0, positions, 0, ff, math.log2(theta), H, positions, float(pos_scale),
+        out, out, 0, positions, 0, ff, math.log2(theta), H, positions, 1, float(pos_scale), 1.0,
         HEAD_DIM=D, N_ROT=n_rot, HALF_PAD=next_pow2(n_rot // 2), REST_PAD=next_pow2(max(1, D - n_rot)),
         D_PAD=next_pow2(D), NEOX=style == "neox", POS_FROM_PTR=True, HAS_FF=freq_factors is not None,
-        ROWS=True, num_warps=cfg["num_warps"], **pdl())
+        ROWS=True, RING=False, SCALED=pos_scale != 1.0, num_warps=cfg["num_warps"], **pdl())
     return out
 
 
