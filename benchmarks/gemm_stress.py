@@ -2,7 +2,8 @@
 configuration run repeatedly on Q8_0 and Q4_0 weights of 131,072 x 640 at M = 384 and 512, every
 output element compared with a float32 product of the dequantized weights.
 
-    python benchmarks/gemm_stress.py
+    python benchmarks/gemm_stress.py   (each configuration: Q8_0, Q4_0, Q4_1, F16 weights of
+    131,072 and 16,384 rows x 640, M = 64, 384, 512, six runs each)
 
 2026-11-24, H100 (triton 3.6.0): intermittent wrong or unwritten tiles. Failures of 16 runs per
 format: default (128x128x64, 8 warps, 3 stages) Q8_0 12; 2 stages Q4_0 4; 4 warps 0; 64x128x64 with
@@ -21,26 +22,31 @@ from edgellm.quant import dequantize  # noqa: E402
 from edgellm.synthetic import random_blocks  # noqa: E402
 
 rng = np.random.default_rng(0)
+CONFIGS = [("default", None)] + [
+    (f"{bm}x{bn}x{bk} w{w} s{st}", dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st))
+    for bm, bn, bk, w, st in [(128, 128, 64, 8, 3), (128, 128, 64, 4, 3), (128, 64, 64, 8, 3), (128, 64, 64, 4, 3),
+                              (64, 128, 64, 4, 3), (64, 64, 64, 4, 3), (64, 128, 64, 4, 2), (32, 64, 64, 4, 3),
+                              (16, 64, 64, 4, 3), (16, 32, 64, 2, 3), (32, 32, 64, 2, 3)]]
 cases = []
-for fmt in ("Q8_0", "Q4_0"):
-    N = 131072
-    raw = random_blocks(fmt, (N, 640), rng, 0.02)
-    w = repack(raw, fmt, (N, 640), device="cuda")
-    wf = torch.from_numpy(np.asarray(dequantize(raw, fmt, (N, 640)), dtype=np.float32)).cuda()
-    x = torch.randn(512, 640, device="cuda").half()
-    cases.append((fmt, w, x, (x.float() @ wf.T)))
-    del wf
-for name, cfg in [("default", None), ("stages2", dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=2)),
-                  ("w4", dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3)),
-                  ("bm64w4", dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3)),
-                  ("bn64", dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3))]:
+for fmt in ("Q8_0", "Q4_0", "Q4_1", "F16"):
+    for N in (131072, 16384):
+        raw = random_blocks(fmt, (N, 640), rng, 0.02) if fmt != "F16" else \
+            (0.02 * rng.standard_normal((N, 640))).astype(np.float16).view(np.uint8)
+        w = repack(raw, fmt, (N, 640), device="cuda")
+        wf = torch.from_numpy(np.asarray(dequantize(raw, fmt, (N, 640)), dtype=np.float32)).cuda()
+        x = torch.randn(512, 640, device="cuda").half()
+        cases.append((fmt, N, w, x, x.float() @ wf.T))
+        del wf
+print("config | failed runs of", len(cases) * 3 * 6, "| which (format, N, M)")
+for name, cfg in CONFIGS:
     fails = {}
-    for fmt, w, x, ref in cases:
-        for M in (384, 512):
-            for _ in range(8):
-                out = torch.full((M, w.out_features), float("nan"), device="cuda")
+    for fmt, N, w, x, ref in cases:
+        for M in ((16, 32) if cfg and cfg["BLOCK_N"] == 32 else (64, 384, 512)):
+            for _ in range(6):
+                out = torch.full((M, N), float("nan"), device="cuda")
                 K.linear(x[:M], w, out=out, config=cfg)
                 torch.cuda.synchronize()
                 if (~torch.isclose(out, ref[:M], rtol=1e-2, atol=1e-2)).any():
-                    fails[fmt] = fails.get(fmt, 0) + 1
-    print(name, "failures of 16 per format:", fails, flush=True)
+                    fails[(fmt, N, M)] = fails.get((fmt, N, M), 0) + 1
+                del out
+    print(name, "|", sum(fails.values()), "|", fails, flush=True)
