@@ -145,13 +145,7 @@ def rope_qkv_cache(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | No
             raise ValueError(f"{name} has width {c.shape[1]}, expected n_kv_heads*head_dim = {HKV * D}")
     if k_cache.shape != v_cache.shape or k_cache.stride(0) != v_cache.stride(0):
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ in layout")
-    n_rot = D if n_rot is None else int(n_rot)
-    if n_rot % 2 or not 0 < n_rot <= D:
-        raise ValueError(f"n_rot={n_rot} must be even and in (0, head_dim={D}]")
-    if style not in ("norm", "neox"):
-        raise ValueError(f"rope style must be 'norm' or 'neox', got {style!r}")
-    if freq_factors is not None and freq_factors.numel() != n_rot // 2:
-        raise ValueError(f"freq_factors has {freq_factors.numel()} elements, expected n_rot/2 = {n_rot // 2}")
+    n_rot = _rope_args(D, n_rot, style, freq_factors)
     rows = positions is not None
     if rows:
         if ring:
@@ -179,6 +173,19 @@ def rope_qkv_cache(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | No
     return q_out
 
 
+def _rope_args(D: int, n_rot, style: str, freq_factors) -> int:
+    """The rotated dimensions (n_rot, default head_dim D), with the style and frequency factors
+    checked against them."""
+    n_rot = D if n_rot is None else int(n_rot)
+    if n_rot % 2 or not 0 < n_rot <= D:
+        raise ValueError(f"n_rot={n_rot} must be even and in (0, head_dim={D}]")
+    if style not in ("norm", "neox"):
+        raise ValueError(f"rope style must be 'norm' or 'neox', got {style!r}")
+    if freq_factors is not None and freq_factors.numel() != n_rot // 2:
+        raise ValueError(f"freq_factors has {freq_factors.numel()} elements, expected n_rot/2 = {n_rot // 2}")
+    return n_rot
+
+
 def _check_rows(T: int, like: torch.Tensor, **index) -> None:
     """Per-row index tensors (positions, bases) of a rows-mode launch: int32/int64 on like's device,
     at least T entries."""
@@ -200,13 +207,7 @@ def rope_rows(x: torch.Tensor, positions: torch.Tensor, n_heads: int, head_dim: 
     T = x.shape[0]
     if x.shape[1] != H * D:
         raise ValueError(f"x has width {x.shape[1]}, expected n_heads*head_dim = {H * D}")
-    n_rot = D if n_rot is None else int(n_rot)
-    if n_rot % 2 or not 0 < n_rot <= D:
-        raise ValueError(f"n_rot={n_rot} must be even and in (0, head_dim={D}]")
-    if style not in ("norm", "neox"):
-        raise ValueError(f"rope style must be 'norm' or 'neox', got {style!r}")
-    if freq_factors is not None and freq_factors.numel() != n_rot // 2:
-        raise ValueError(f"freq_factors has {freq_factors.numel()} elements, expected n_rot/2 = {n_rot // 2}")
+    n_rot = _rope_args(D, n_rot, style, freq_factors)
     _check_rows(T, x, positions=positions)
     out = out_buffer(out, (T, H * D), x.dtype, x.device)
     if T == 0:
