@@ -9,6 +9,7 @@ Ctrl-C stops the current answer (what was said so far stays in the history), Ctr
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from .errors import EdgeLLMError
@@ -53,6 +54,9 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:
         pass
+    # Ctrl-C stops an answer even where the chat was started with SIGINT ignored (a process
+    # launched in the background by a non-interactive shell inherits that, and Python then keeps it)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     console = Console(highlight=False)
     m = load(args.model, backend=args.backend, ctx=args.ctx)
     if m.tokenizer is None or m.tokenizer.chat_template is None:
