@@ -145,12 +145,12 @@ def gemv_section(formats: list[str], shapes: list[tuple[int, int]], bw: float, t
                 bufs = [{**{k: b for k, (b, _, _) in w.resources().items()}, "X": x, "Y": y} for w in ws]
 
                 def timed(cfg):
-                    k = kernels.gemv(ws[0].desc(), n_out, "step.seq", **cfg)
+                    k = kernels.decode_gemv(ws[0].desc(), n_out, "step.seq", cfg)
                     L = Launch(dev, k, bufs)
                     L.set_step(seq=1)
                     return L.time((*_grid2(-(-n_out // cfg["rows_per_wg"]), dev.max_groups), 1), repeat=4 * copies)
 
-                default = tuning.default_gemv_config(dev)
+                default = tuning.default_gemv_config(dev, n_in)
                 t = timed(default)
                 row.update(bytes=p.nbytes, default=default, us=t * 1e6, GBps=p.nbytes / t / 1e9,
                            pct=100 * p.nbytes / t / bw)

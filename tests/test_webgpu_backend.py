@@ -182,7 +182,7 @@ def test_tuning_cached_per_adapter(models, monkeypatch, tmp_path):
     monkeypatch.setattr(tuning, "gemv_candidates", lambda dev: [{"wg": 64, "rows_per_wg": 16, "subgroup": False}])
     _compare(models["Q8_0"], steps=1)
     files = list((tmp_path / "tune").glob("webgpu_*.json"))
-    assert len(files) == 1 and "webgpu_gemv_v1|Q8_0" in files[0].read_text()
+    assert len(files) == 1 and "webgpu_gemv_v2|Q8_0" in files[0].read_text()
     timed = []
     monkeypatch.setattr(tuning, "_TUNERS", {})
     monkeypatch.setattr(tuning, "_time_gemv", lambda *a: timed.append(a) or 1.0)

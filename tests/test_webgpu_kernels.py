@@ -121,6 +121,41 @@ def test_gemv(dev, rng, fmt, subgroup, nr):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("subgroup,rows_per_warp", [(False, 1), (True, 1), (True, 3), (False, 2)])
+def test_gemv_warp(dev, rng, fmt, subgroup, rows_per_warp):
+    """The subgroup-per-rows GEMV: 77 features are not a multiple of any workgroup's rows (the
+    last warps compute rows past the end and must not store them); 1,056 inputs are 33 blocks,
+    so the lanes' last stride along a row is partial."""
+    if subgroup and not dev.has_subgroups:
+        pytest.skip("the adapter has no subgroups")
+    rows, n_out, k = 3, 77, 1056
+    w, bufs, want = _linear_case(dev, rng, fmt, rows, n_out, k, bias=True, residual=True)
+    sg = min(32, dev.info.subgroup_min) if subgroup else 8
+    kern = kernels.gemv_warp(w.desc(), n_out, "step.seq", bias=True, residual=True, rows_per_warp=rows_per_warp,
+                             wg=4 * sg, sg=sg, subgroup=subgroup)
+    L = Launch(dev, kern, bufs)
+    L.set_step(seq=rows)
+    L.run((-(-n_out // kern.rows_per_group), 1, rows))
+    check(read_f32(dev, bufs["Y"], rows * n_out), want)
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_1"])
+def test_gemv_warp_swiglu_split_weight(dev, rng, fmt):
+    """glu through decode_gemv's warp configuration, the weight split over binding parts."""
+    from edgellm.backends.webgpu import tuning
+
+    rows, n_out, k = 2, 40, 128
+    w, bufs, want = _linear_case(dev, rng, fmt, rows, n_out, k, glu=True, parts=4096)
+    assert len(w.part_rows) > 1
+    cfg = tuning.warp_config(dev, rows_per_warp=2, wg=64)
+    kern = kernels.decode_gemv(w.desc(), n_out, "step.seq", cfg, glu=True)
+    L = Launch(dev, kern, bufs)
+    L.set_step(seq=rows)
+    L.run((-(-n_out // cfg["rows_per_wg"]), 1, rows))
+    check(read_f32(dev, bufs["Y"], rows * n_out), want)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_gemv_swiglu_split_weight(dev, rng, fmt):
     """gate|up stacked, the weight split by rows across bindings (a small binding limit)."""
     rows, n_out, k = 2, 45, 64

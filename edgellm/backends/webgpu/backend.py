@@ -399,7 +399,9 @@ class WebgpuProgram:
         opts = dict(bias=bool(bias), residual=res_in is not None, glu=glu)
         cfg = self.backend.gemv_config(w, n_out, glu)
         x_vec = 4 if w.cols % 4 == 0 else 1
-        gv = _Dispatch(self, kernels.gemv(w.desc(), n_out, rows_expr, x_vec=x_vec, **cfg, **opts, dtypes=_dtypes(res)), res,
+        if cfg.get("kind", "block") == "block":
+            cfg = {**cfg, "x_vec": x_vec}
+        gv = _Dispatch(self, kernels.decode_gemv(w.desc(), n_out, rows_expr, cfg, **opts, dtypes=_dtypes(res)), res,
                        lambda s, n: (*_grid2(-(-n_out // cfg["rows_per_wg"]), self.dev.max_groups), rows(s)))
         if (self.max_seq <= GEMV_MAX_ROWS or self.graph.tensors[outs[0]].shape[0] != SEQ
                 or not self.backend.prefill_tiled):
@@ -682,7 +684,7 @@ class WebgpuBackend(WebgpuInfo):
         return t
 
     def gemv_config(self, w: DeviceWeight, n_out: int, glu: bool) -> dict:
-        """Workgroup size, rows per workgroup, subgroup reduction of the decode GEMV: the adapter's
+        """The decode GEMV's kernel and launch configuration (kernels.decode_gemv): the adapter's
         default, or with EDGELLM_TUNE=1 the fastest candidate timed here and cached (tuning.py)."""
         from .tuning import gemv_config
 

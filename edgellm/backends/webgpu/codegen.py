@@ -62,14 +62,15 @@ fn h2(w: u32) -> vec2<f32> { return unpack2x16float(w); }
 
 @dataclass(frozen=True)
 class Binding:
-    """One `@binding` of a kernel: name, WGSL type, 'storage' or 'uniform'."""
+    """One `@binding` of a kernel: name, WGSL type, and kind: 'storage' (read-write), 'read'
+    (read-only storage: lets the driver use the GPU's read-only caches for it) or 'uniform'."""
 
     name: str
     wgsl_type: str
     kind: str = "storage"
 
     def decl(self, index: int) -> str:
-        space = "uniform" if self.kind == "uniform" else "storage, read_write"
+        space = {"uniform": "uniform", "read": "storage, read"}.get(self.kind, "storage, read_write")
         return f"@group(0) @binding({index}) var<{space}> {self.name}: {self.wgsl_type};"
 
 
@@ -134,7 +135,7 @@ class WeightDesc:
         out = []
         for p in range(len(self.part_rows)):
             for a in self.arrays:
-                out.append(Binding(f"{self.name}_{a}{p}", "array<vec4<u32>>" if a == "qs" else "array<u32>"))
+                out.append(Binding(f"{self.name}_{a}{p}", "array<vec4<u32>>" if a == "qs" else "array<u32>", "read"))
         return out
 
     # -- accessors ------------------------------------------------------------------------------

@@ -178,6 +178,36 @@ class Device:
         self.has_timestamps = "timestamp-query" in self.features
         self._pipelines: dict[str, object] = {}
         self._layouts: dict[tuple, object] = {}
+        self.subgroup_size = self._subgroup_size() if self.has_subgroups else 0
+
+    def _subgroup_size(self) -> int:
+        """The subgroup size compute shaders run with, read from a one-thread-group probe kernel:
+        adapters often report only the API's bounds (wgpu: 4..128), while the kernels that
+        reduce across a subgroup need the real width (NVIDIA 32). 0 when it varies within the
+        workgroup or cannot be read (kernels then reduce in workgroup memory)."""
+        import numpy as np
+
+        src = ("@group(0) @binding(0) var<storage, read_write> O: array<u32>;\n"
+               "@compute @workgroup_size(128)\n"
+               "fn main(@builtin(local_invocation_index) i: u32, @builtin(subgroup_size) n: u32) { O[i] = n; }\n")
+        try:
+            buf = self.buffer(4 * 128)
+            lay = self.layout(("storage",))
+            pipe = self.pipeline(src, lay)
+            bg = self.device.create_bind_group(layout=lay, entries=[{"binding": 0, "resource": {"buffer": buf, "offset": 0,
+                                                                                                 "size": buf.size}}])
+            enc = self.device.create_command_encoder()
+            cp = enc.begin_compute_pass()
+            cp.set_pipeline(pipe)
+            cp.set_bind_group(0, bg)
+            cp.dispatch_workgroups(1)
+            cp.end()
+            self.queue.submit([enc.finish()])
+            sizes = set(np.frombuffer(self.read(buf, 0, 4 * 128), np.uint32).tolist())
+        except Exception:  # noqa: BLE001 - a driver without the builtin: no subgroup kernels
+            return 0
+        n = sizes.pop() if len(sizes) == 1 else 0
+        return n if n >= 4 and n & (n - 1) == 0 else 0
 
     # -- buffers -----------------------------------------------------------------------------
     def buffer(self, nbytes: int, *, uniform: bool = False):
@@ -205,13 +235,14 @@ class Device:
 
     # -- pipelines -----------------------------------------------------------------------------
     def layout(self, kinds: tuple[str, ...]):
-        """The bind group layout of a kernel's bindings ('uniform' or 'storage', in binding order),
+        """The bind group layout of a kernel's bindings ('uniform', 'read' or 'storage', in binding order),
         one object per distinct tuple so bind groups are shared by every kernel variant over them."""
         lay = self._layouts.get(kinds)
         if lay is None:
             T = self.wgpu.BufferBindingType
             entries = [{"binding": i, "visibility": self.wgpu.ShaderStage.COMPUTE,
-                        "buffer": {"type": T.uniform if k == "uniform" else T.storage}} for i, k in enumerate(kinds)]
+                        "buffer": {"type": {"uniform": T.uniform, "read": T.read_only_storage}.get(k, T.storage)}}
+                       for i, k in enumerate(kinds)]
             lay = self._layouts[kinds] = self.device.create_bind_group_layout(entries=entries)
         return lay
 
@@ -227,7 +258,7 @@ class Device:
         return p
 
     def describe(self) -> str:
-        extras = [f for f, ok in (("f16", self.has_f16), ("subgroups", self.has_subgroups),
+        extras = [f for f, ok in (("f16", self.has_f16), (f"subgroups of {self.subgroup_size}", self.has_subgroups),
                                   ("timestamps", self.has_timestamps)) if ok]
         return f"{self.info.line()}; {', '.join(extras) or 'no optional features'}"
 

@@ -140,6 +140,137 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
                    GLU_DOT="acc[NR + r] += W_dotv(col + N, b, xv);" if glu else "", dtypes=dtypes)
 
 
+@dataclass(frozen=True)
+class WarpKernel(Kernel):
+    rows_per_group: int = 1  # output features per workgroup (warps x rows per warp)
+
+
+_UNIT_ELEMS = {"F16": 8, "Q8_0": 16, "Q4_0": 32, "Q4_1": 32}  # weights in one 16-byte unit of quants
+
+
+def _unit_dot(fmt: str, q: str, x: str, d: str, m: str) -> str:
+    """WGSL expression: one 16-byte unit `q` (vec4<u32>) of quants dotted with the x vec4s named
+    x + "0".. (its scale `d`, Q4_1's minimum `m` times the x sum `x + "s"`)."""
+    if fmt == "F16":
+        return f"dot(vec4<f32>(h2({q}.x), h2({q}.y)), {x}0) + dot(vec4<f32>(h2({q}.z), h2({q}.w)), {x}1)"
+    if fmt == "Q8_0":
+        s = " + ".join(f"dot(i8x4({q}.{c}), {x}{i})" for i, c in enumerate("xyzw"))
+        return f"({s}) * {d}"
+    off = "8388616.0" if fmt == "Q4_0" else "8388608.0"
+    s = " + ".join(f"dot(lo4({q}.{c}, {off}), {x}{i}) + dot(hi4({q}.{c}, {off}), {x}{i + 4})" for i, c in enumerate("xyzw"))
+    return f"({s}) * {d}" if fmt == "Q4_0" else f"({s}) * {d} + {x}s * {m}"
+
+
+def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, wg: int = 256, sg: int = 32,
+              unroll: int = 4, subgroup: bool = True, bias: bool = False, residual: bool = False, glu: bool = False,
+              rows_per_wg: int | None = None, dtypes: dict | None = None) -> WarpKernel:
+    """The decode GEMV as one subgroup (sg lanes, a GPU's warp) per `rows_per_warp` output features:
+    the lanes stride along the rows in 16-byte units of quants (a warp reads 16 * sg contiguous
+    bytes per row per unit: coalesced), each lane issuing the loads of `unroll` units (and their
+    scales) for all its rows before any arithmetic, so that that many loads per lane are in flight
+    (the loop's trip count is not known to the driver's compiler, which does not pipeline it:
+    H100 through Vulkan, 4096x14336 F16, one unit per step 6.6% of copy bandwidth); x is read per
+    unit once for all the lane's rows; the partial sums are reduced across the subgroup by
+    shuffles (or, without subgroups, in workgroup memory). Code generated unrolled: no arrays in
+    function scope. glu: silu(W[c] x) * (W[c + n_out] x). Grid (features / rows_per_group, 1, rows)."""
+    R, U = rows_per_warp, unroll
+    if wg % sg or (rows_per_wg is not None and rows_per_wg != wg // sg * R):
+        raise ValueError(f"gemv_warp: workgroup {wg}, subgroup {sg}, {R} rows per warp, rows_per_wg {rows_per_wg}")
+    parts = [(w, "X"), (ActDesc("X", vec=4), None), (ActDesc("Y"), None)]
+    if bias:
+        parts.append((ActDesc("B"), None))
+    if residual:
+        parts.append((ActDesc("R"), None))
+    fmt = w.fmt
+    per = _UNIT_ELEMS[fmt] // 4  # x vec4s per unit
+    # (accumulator, row expression) pairs: the features, then the up halves of glu
+    rws = [(f"a{r}", f"min(row0 + {r}u, N - 1u)") for r in range(R)]
+    if glu:
+        rws += [(f"g{r}", f"min(row0 + {r}u, N - 1u) + N") for r in range(R)]
+    accs = [a for a, _ in rws]
+    body_l = [f"            let rw{j} = {e};" for j, (_, e) in enumerate(rws)]
+    for u in range(U):  # loads first
+        body_l.append(f"            let v{u} = min(v + {u * sg}u, UNITS - 1u);")
+        for j in range(len(rws)):
+            body_l.append(f"            let q{j}_{u} = W_qs(rw{j}, v{u});")
+            if fmt == "Q8_0":
+                body_l.append(f"            let d{j}_{u} = W_d(rw{j}, v{u} >> 1u);")
+            elif fmt in ("Q4_0", "Q4_1"):
+                body_l.append(f"            let d{j}_{u} = W_d(rw{j}, v{u});")
+            if fmt == "Q4_1":
+                body_l.append(f"            let m{j}_{u} = W_m(rw{j}, v{u});")
+    for u in range(U):  # then the arithmetic, unit by unit
+        body_l.append(f"            if (v + {u * sg}u < UNITS) {{")
+        body_l += [f"                let x{u}_{i} = X_ld4(xb + v{u} * {per}u + {i}u);" for i in range(per)]
+        if fmt == "Q4_1":
+            body_l.append(f"                let x{u}_v = " + " + ".join(f"x{u}_{i}" for i in range(per)) + ";")
+            body_l.append(f"                let x{u}_s = x{u}_v.x + x{u}_v.y + x{u}_v.z + x{u}_v.w;")
+        for j, (acc, _) in enumerate(rws):
+            body_l.append(f"                {acc} += {_unit_dot(fmt, f'q{j}_{u}', f'x{u}_', f'd{j}_{u}', f'm{j}_{u}')};")
+        body_l.append("            }")
+    if subgroup:
+        red = "\n".join(f"    for (var s = {sg // 2}u; s > 0u; s = s >> 1u) {{ {a} += subgroupShuffleXor({a}, s); }}" for a in accs)
+        decl = ""
+    else:
+        red = []
+        for j, a in enumerate(accs):
+            red.append(f"    red[{j}u * WG + lid] = {a};")
+        red.append("    workgroupBarrier();")
+        red.append(f"    for (var s = {sg // 2}u; s > 0u; s = s >> 1u) {{")
+        red.append("        if (lane < s) {")
+        red += [f"            red[{j}u * WG + lid] += red[{j}u * WG + lid + s];" for j in range(len(accs))]
+        red.append("        }\n        workgroupBarrier();\n    }")
+        red += [f"    {a} = red[{j}u * WG + lid];" for j, a in enumerate(accs)]
+        red = "\n".join(red)
+        decl = f"var<workgroup> red: array<f32, {wg * len(accs)}>;"
+    stores = []
+    for r in range(R):
+        e = f"var y = a{r};"
+        if glu:
+            e += f" y = y / (1.0 + exp(-y)) * g{r};"
+        if bias:
+            e += " y += B_ld(col);"
+        if residual:
+            e += " y += R_ld(t * N + col);"
+        stores.append(f"        {{ let col = row0 + {r}u; if (col < N) {{ {e} Y_st(t * N + col, y); }} }}")
+    body = """
+const N: u32 = ${N}u; const K: u32 = ${K}u; const UNITS: u32 = ${UNITS}u; const SG: u32 = ${SG}u;
+const WG: u32 = ${WG}u; const WARPS: u32 = WG / SG;
+${DECL}
+@compute @workgroup_size(${WG})
+fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>,
+        @builtin(num_workgroups) nwg: vec3<u32>) {
+    let t = wid.z;
+    let lane = lid % SG;
+    let row0 = ((wid.x + wid.y * nwg.x) * WARPS + lid / SG) * ${R}u;
+    ${ACCS}
+    if (row0 < N && t < ${ROWS_EXPR}) {
+        let xb = t * (K / 4u);
+        for (var v = lane; v < UNITS; v += ${STEP}u) {
+${BODY}
+        }
+    }
+${RED}
+    if (lane == 0u && t < ${ROWS_EXPR}) {
+${STORES}
+    }
+}
+"""
+    k = _render("gemv_warp", parts, body, wg, N=n_out, K=w.cols, UNITS=w.row_vec4, SG=sg, R=R, ROWS_EXPR=rows,
+                ACCS=" ".join(f"var {a} = 0.0;" for a in accs), BODY="\n".join(body_l), STEP=sg * U, RED=red,
+                DECL=decl, STORES="\n".join(stores), dtypes=dtypes)
+    return WarpKernel(k.name, k.source, k.bindings, wg, rows_per_group=wg // sg * R)
+
+
+def decode_gemv(w: WeightDesc, n_out: int, rows: str, cfg: dict, **opts) -> Kernel:
+    """The decode GEMV a launch configuration names: cfg["kind"] "warp" (gemv_warp) or "block"
+    (gemv, the default); either way cfg["rows_per_wg"] output features per workgroup."""
+    c = dict(cfg)
+    if c.pop("kind", "block") == "warp":
+        return gemv_warp(w, n_out, rows, **c, **opts)
+    return gemv(w, n_out, rows, **c, **opts)
+
+
 def gemm(w: WeightDesc, n_out: int, rows: str, *, bias: bool = False, residual: bool = False, glu: bool = False,
          tm: int = 64, tn: int = 64, tk: int = 32, dtypes: dict | None = None) -> Kernel:
     """The prefill matrix product: a TM x TN tile of y per workgroup of 256 threads (16 x 16, each

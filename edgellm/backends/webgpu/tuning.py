@@ -9,31 +9,49 @@ import os
 from .device import Device
 
 
-def default_gemv_config(dev: Device) -> dict:
-    """Threads per output feature (TPR) as one subgroup's share where the adapter has subgroups
-    (the reduction is then register shuffles), else 32 threads reducing in workgroup memory.
-    On a software adapter, 2 threads per feature: lavapipe runs a workgroup barrier as a switch
-    between all its SIMD batches, and fewer threads per feature mean fewer reduction steps
-    (1536x576 Q8_0 GEMV, 2 cores: 32 threads per feature with barriers 14.8 ms, 2 per feature 0.9 ms)."""
+def warp_config(dev: Device, rows_per_warp: int = 1, wg: int = 256, unroll: int = 2) -> dict:
+    """kernels.gemv_warp's configuration: one subgroup per `rows_per_warp` features (32 lanes
+    reducing in workgroup memory where the adapter's subgroup size is unknown)."""
+    sub = getattr(dev, "subgroup_size", 0)
+    sg = min(32, sub) if sub else 32
+    return {"kind": "warp", "wg": wg, "sg": sg, "rows_per_warp": rows_per_warp, "subgroup": bool(sub),
+            "rows_per_wg": wg // sg * rows_per_warp, "unroll": unroll}
+
+
+def default_gemv_config(dev: Device, cols: int | None = None) -> dict:
+    """On a GPU: kernels.gemv_warp (a subgroup strides each row in 16-byte units; x read once
+    for its rows). EDGELLM_WEBGPU_GEMV=block|warp:ROWS:WG:UNROLL overrides (benchmarks compare them).
+    On a software adapter, kernels.gemv with 2 threads per feature: lavapipe runs a workgroup
+    barrier as a switch between all its SIMD batches, and fewer threads per feature mean fewer
+    reduction steps (1536x576 Q8_0 GEMV, 2 cores: 32 threads per feature with barriers 14.8 ms,
+    2 per feature 0.9 ms). Rows of a length not a multiple of 4 take kernels.gemv (x read one
+    element at a time)."""
+    want = os.environ.get("EDGELLM_WEBGPU_GEMV", "")
+    if dev.info.software and not want:
+        return {"wg": 64, "rows_per_wg": 32, "subgroup": bool(getattr(dev, "subgroup_size", 0))}
+    if want.startswith("warp:") and (cols is None or cols % 4 == 0):
+        _, r, wg, u = want.split(":")
+        return warp_config(dev, int(r), int(wg), int(u))
+    if want != "block" and (cols is None or cols % 4 == 0):
+        return warp_config(dev)
     wg = 128
-    if dev.info.software:
-        return {"wg": 64, "rows_per_wg": 32, "subgroup": dev.has_subgroups}
-    if dev.has_subgroups:
-        tpr = min(32, dev.info.subgroup_min)
+    if getattr(dev, "subgroup_size", 0):
+        tpr = min(32, dev.subgroup_size)
         return {"wg": wg, "rows_per_wg": wg // tpr, "subgroup": True}
     return {"wg": wg, "rows_per_wg": 4, "subgroup": False}
 
 
 def gemv_candidates(dev: Device) -> list[dict]:
-    """Workgroup size x threads per feature group (TPR) x features per thread (each thread reads a
-    block of x once for that many features): 30 configurations."""
-    out = []
+    """kernels.gemv_warp with 1, 2 or 4 rows per subgroup and 1, 2 or 4 units loaded ahead, then
+    kernels.gemv: workgroup size x threads per feature group (TPR) x features per thread (each
+    thread reads a block of x once for that many features): 39 configurations."""
+    out = [warp_config(dev, r, 256, u) for r in (1, 2, 4) for u in (1, 2, 4)]
     for wg in (64, 128, 256):
         for tpr in (4, 8, 16, 32, 64):
             for nr in (1, 2, 4):
                 if tpr > wg or (nr > 1 and tpr < 16) or (wg == 64 and nr == 4):
                     continue
-                sub = dev.has_subgroups and tpr <= dev.info.subgroup_min
+                sub = tpr <= getattr(dev, "subgroup_size", 0)
                 out.append({"wg": wg, "rows_per_wg": wg * nr // tpr, "subgroup": sub, "rows_per_thread": nr})
     return out
 
@@ -46,12 +64,13 @@ def gemv_config(dev: Device, w, n_out: int, glu: bool = False) -> dict:
     of the default and gemv_candidates, timed on this adapter at first load (timestamp queries
     where the adapter has them, see launch.py) and cached per adapter and driver in
     <cache dir>/tune/webgpu_<adapter>.json by the cuda backend's Tuner."""
-    default = default_gemv_config(dev)
+    default = default_gemv_config(dev, w.cols)
     if os.environ.get("EDGELLM_TUNE", "0") != "1":
         return default
     key = (w.fmt, n_out, w.cols, "glu" if glu else "plain")
     tuner = _tuner(dev)
-    return tuner.pick("webgpu_gemv_v1", key, gemv_candidates(dev), default, lambda cfg: _time_gemv(dev, w, n_out, glu, cfg))
+    cands = [c for c in gemv_candidates(dev) if c.get("kind") != "warp" or w.cols % 4 == 0]
+    return tuner.pick("webgpu_gemv_v2", key, cands, default, lambda cfg: _time_gemv(dev, w, n_out, glu, cfg))
 
 
 def _time_gemv(dev: Device, w, n_out: int, glu: bool, cfg: dict) -> float:
@@ -65,7 +84,7 @@ def _time_gemv(dev: Device, w, n_out: int, glu: bool, cfg: dict) -> float:
     bufs = {k: b for k, (b, _, _) in w.resources().items()}
     bufs["X"] = upload_f32(dev, np.random.default_rng(0).standard_normal(w.cols).astype(np.float32))
     bufs["Y"] = dev.buffer(4 * n_out)
-    k = kernels.gemv(w.desc(), n_out, "1u", glu=glu, **cfg)
+    k = kernels.decode_gemv(w.desc(), n_out, "1u", cfg, glu=glu)
     L = Launch(dev, k, bufs)
     L.set_step(seq=1)
     return 1e6 * L.time((*_grid2(-(-n_out // cfg["rows_per_wg"]), dev.max_groups), 1), repeat=10)
