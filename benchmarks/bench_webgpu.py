@@ -150,7 +150,7 @@ def gemv_section(formats: list[str], shapes: list[tuple[int, int]], bw: float, t
                     L.set_step(seq=1)
                     return L.time((*_grid2(-(-n_out // cfg["rows_per_wg"]), dev.max_groups), 1), repeat=4 * copies)
 
-                default = tuning.default_gemv_config(dev, n_in)
+                default = tuning.default_gemv_config(dev, n_in, fmt)
                 t = timed(default)
                 row.update(bytes=p.nbytes, default=default, us=t * 1e6, GBps=p.nbytes / t / 1e9,
                            pct=100 * p.nbytes / t / bw)

@@ -85,6 +85,10 @@ def _variant(k, what: str):
                 binds[i] = replace(b, kind="read")
     elif what == "nox":
         src = re.sub(r"let x(\d+)_(\d+) = X_ld4\([^;]*\);", r"let x\1_\2 = vec4<f32>(f32(v) * 1e-3, 1.0, 0.5, 0.25);", src)
+    elif what == "u8":  # nibbles through unpack4xU8 and a float conversion instead of the mantissa trick
+        src = re.sub(r"fn lo4\(.*?\n}\n", "fn lo4(w: u32, off: f32) -> vec4<f32> { return vec4<f32>(unpack4xU8(w & 0x0F0F0F0Fu)) - vec4<f32>(off - 8388608.0); }\n", src, flags=re.S)
+        src = re.sub(r"fn hi4\(.*?\n}\n", "fn hi4(w: u32, off: f32) -> vec4<f32> { return vec4<f32>(unpack4xU8((w >> 4u) & 0x0F0F0F0Fu)) - vec4<f32>(off - 8388608.0); }\n", src, flags=re.S)
+        src = re.sub(r"fn i8x4\(.*?\n}\n", "fn i8x4(w: u32) -> vec4<f32> { return vec4<f32>(unpack4xI8(w)); }\n", src, flags=re.S)
     elif what == "now":
         src = re.sub(r"let q(\d+)_(\d+) = W_qs\(rw\d+, (v\d+)\);", r"let q\1_\2 = vec4<u32>(\3 * 2654435761u, \3, \3 ^ 5u, \3 + 7u);", src)
     return kernels.WarpKernel(k.name, src, tuple(binds), k.workgroup, rows_per_group=k.rows_per_group)
@@ -101,7 +105,9 @@ def main() -> None:
     ap.add_argument("--sg", type=int, default=32, help="gemv_warp lanes per row (the adapter's subgroup size or less)")
     ap.add_argument("--unrolls", default="4", help="gemv_warp units loaded ahead per lane")
     ap.add_argument("--diag-rows", default="", help="rows per warp of the diagnostic variants (xro, nox, now)")
+    ap.add_argument("--diags", default="xro,nox,now,u8", help="diagnostic variants")
     args = ap.parse_args()
+    args.diags = args.diags.split(",")
     args.rows, args.wgs, args.unrolls, args.diag_rows = ([int(v) for v in a.split(",") if v] for a in (
         args.rows, args.wgs, args.unrolls, args.diag_rows))
 
@@ -140,7 +146,7 @@ def main() -> None:
                         g = (*_grid2(-(-n_out // kw.rows_per_group), dev.max_groups), 1)
                         variants.append((f"warp_r{r}_wg{wg}_u{u}", kw, g))
                         if wg == args.wgs[0] and u == args.unrolls[0] and r in args.diag_rows:
-                            variants += [(f"warp_r{r}_{v}", _variant(kw, v), g) for v in ("xro", "nox", "now")]
+                            variants += [(f"warp_r{r}_{v}", _variant(kw, v), g) for v in args.diags]
             for name, k, grid in variants:
                 row = {"fmt": fmt, "shape": shape, "kernel": name}
                 try:

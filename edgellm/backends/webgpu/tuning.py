@@ -18,9 +18,11 @@ def warp_config(dev: Device, rows_per_warp: int = 1, wg: int = 256, unroll: int 
             "rows_per_wg": wg // sg * rows_per_warp, "unroll": unroll}
 
 
-def default_gemv_config(dev: Device, cols: int | None = None) -> dict:
+def default_gemv_config(dev: Device, cols: int | None = None, fmt: str | None = None) -> dict:
     """On a GPU: kernels.gemv_warp (a subgroup strides each row in 16-byte units; x read once
-    for its rows). EDGELLM_WEBGPU_GEMV=block|warp:ROWS:WG:UNROLL overrides (benchmarks compare them).
+    for its rows), 4 rows per subgroup for the 4-bit formats (their x traffic per weight byte is
+    the largest), 2 for the others (the tuner's picks on the H100, 2026-11-24:
+    benchmarks/bench_webgpu.py gemv section). EDGELLM_WEBGPU_GEMV=block|warp:ROWS:WG:UNROLL overrides (benchmarks compare them).
     On a software adapter, kernels.gemv with 2 threads per feature: lavapipe runs a workgroup
     barrier as a switch between all its SIMD batches, and fewer threads per feature mean fewer
     reduction steps (1536x576 Q8_0 GEMV, 2 cores: 32 threads per feature with barriers 14.8 ms,
@@ -33,7 +35,8 @@ def default_gemv_config(dev: Device, cols: int | None = None) -> dict:
         _, r, wg, u = want.split(":")
         return warp_config(dev, int(r), int(wg), int(u))
     if want != "block" and (cols is None or cols % 4 == 0):
-        return warp_config(dev)
+        four_bit = fmt in ("Q4_0", "Q4_1")
+        return warp_config(dev, 4 if four_bit else 2, 256, 2 if four_bit else 1)
     wg = 128
     if getattr(dev, "subgroup_size", 0):
         tpr = min(32, dev.subgroup_size)
@@ -64,7 +67,7 @@ def gemv_config(dev: Device, w, n_out: int, glu: bool = False) -> dict:
     of the default and gemv_candidates, timed on this adapter at first load (timestamp queries
     where the adapter has them, see launch.py) and cached per adapter and driver in
     <cache dir>/tune/webgpu_<adapter>.json by the cuda backend's Tuner."""
-    default = default_gemv_config(dev, w.cols)
+    default = default_gemv_config(dev, w.cols, w.fmt)
     if os.environ.get("EDGELLM_TUNE", "0") != "1":
         return default
     key = (w.fmt, n_out, w.cols, "glu" if glu else "plain")

@@ -1,0 +1,93 @@
+"""Where a webgpu decode token's time goes: host encoding or the GPU.
+
+    python benchmarks/webgpu_decode_profile.py FILE.gguf [-n 64]
+
+For the single-token decode program: dispatches per token (kinds counted), the host's time to
+record and submit one token's commands (`_record`, the GPU not waited for), the GPU's time per
+token (timestamp queries at the start and end of each token's compute pass, where the adapter has
+them), and the wall time per token of greedy decoding (which overlaps the host's recording of
+the next token with the GPU's work on this one). Wall ~ host: the host is the bound; wall ~ GPU:
+the kernels and the barriers between them are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("-n", type=int, default=64)
+    args = ap.parse_args()
+
+    import edgellm
+
+    m = edgellm.load(args.model, backend="webgpu", ctx=args.n * 2 + 64)
+    dec = m.programs["decode"]
+    dev = dec.dev
+    gen = dec.greedy_tokens(1, 0, args.n)
+    for _ in gen:  # pipelines and bind groups made; the KV cache holds n rows
+        pass
+    kinds = collections.Counter()
+    for st in dec._steps:
+        k = getattr(st, "kernel", None)
+        if k is None and hasattr(st, "variants"):
+            k = st.pick(1).kernel if not st.splits else st.variants[0].kernel
+        kinds[k.name if k is not None else type(st).__name__] += 1
+    print("dispatches per token:", sum(kinds.values()), dict(kinds.most_common()))
+
+    # host: record + submit n tokens without waiting, then wait once
+    t = []
+    for j in range(args.n):
+        t0 = time.perf_counter()
+        dec._record(1, dec._write_step(1, args.n + j, hist=j), with_argmax=True)
+        t.append(time.perf_counter() - t0)
+    dev.read(dec.hist_buf, 0, 4)
+    print(f"host record+submit per token: median {1e3 * statistics.median(t):.3f} ms, min {1e3 * min(t):.3f} ms")
+
+    # GPU: one token's pass between two timestamps
+    if dev.has_timestamps:
+        wgpu = dev.wgpu
+        qs = dev.device.create_query_set(type=wgpu.QueryType.timestamp, count=2)
+        res = dev.device.create_buffer(size=16, usage=wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC)
+        gpu = []
+        for j in range(8):
+            splits = dec._write_step(1, args.n + j, hist=j)
+            for st in dec._steps:
+                st.prepare()
+            enc = dev.device.create_command_encoder()
+            cpass = enc.begin_compute_pass(timestamp_writes={"query_set": qs, "beginning_of_pass_write_index": 0,
+                                                             "end_of_pass_write_index": 1})
+            for st in dec._steps:
+                st.encode(cpass, 1, splits)
+            cpass.end()
+            enc.resolve_query_set(qs, 0, 2, res, 0)
+            dev.queue.submit([enc.finish()])
+            ts = np.frombuffer(dev.read(res, 0, 16), np.uint64)
+            gpu.append(float(ts[1] - ts[0]) * 1e-6)
+        print(f"GPU per token (one pass): median {statistics.median(gpu):.3f} ms, min {min(gpu):.3f} ms")
+
+    walls = []
+    for _ in range(3):
+        gen = dec.greedy_tokens(1, 0, args.n)
+        next(gen)
+        t0 = time.perf_counter()
+        got = sum(1 for _ in gen)
+        walls.append((time.perf_counter() - t0) / got)
+    print(f"greedy wall per token: median {1e3 * statistics.median(walls):.3f} ms ({1 / statistics.median(walls):.0f} tok/s); "
+          f"weights {dec.matrix_bytes / 1e6:.0f} MB per token")
+
+
+if __name__ == "__main__":
+    main()
