@@ -113,12 +113,13 @@ class Model:
         from .compiler.serialize import compiled_from_data, compiled_to_data
 
         supported = getattr(self.backend, "SUPPORTED_OPS", None)
+        skip = frozenset(getattr(self.backend, "SKIP_PASSES", ()))
         cache = self.program_cache
         key = None
         if cache is not None:
             key = program_key(model=self.fingerprint, backend=self.backend.name,
                               ops=sorted(supported) if supported is not None else None,
-                              ctx=self.ctx, stages=stages, fuse=self.fuse)
+                              ctx=self.ctx, stages=stages, fuse=self.fuse, skip=sorted(skip))
             data = cache.get_json(key, "compiled.json")
             if isinstance(data, dict) and set(data) == set(stages):
                 try:
@@ -131,7 +132,7 @@ class Model:
 
         graphs = self.graphs
         out = {name: compile_graph(graphs[g], supported_ops=supported, backend=self.backend.name, seq=seq,
-                                   ctx=self.ctx, fuse=self.fuse, planner="greedy_by_size")
+                                   ctx=self.ctx, fuse=self.fuse, planner="greedy_by_size", skip_passes=skip)
                for name, (g, seq) in stages.items()}
         if cache is not None:
             try:

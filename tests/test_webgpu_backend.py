@@ -74,6 +74,24 @@ def test_synthetic_models_match_cpu(models, name):
     _compare(models[name])
 
 
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_1", "qwen2"])
+def test_norm_folded_into_decode_gemv(models, monkeypatch, name):
+    """The warp GEMV (forced on the software adapter) with every RMSNorm before a projection
+    folded into it: decode logits still match the cpu backend's, and the norms' dispatches are
+    gone (qwen2's biased q|k|v projection keeps its norm)."""
+    monkeypatch.setenv("EDGELLM_WEBGPU_GEMV", "warp:2:64:2")
+    g = _compare(models[name])
+    dec = g.programs["decode"]
+    kinds = [op.kind for op in dec.graph.ops]
+    folds = dec._folds
+    assert folds and all(n.kind in ("rms_norm", "add_rms_norm") for n in folds.values())
+    n_norms = kinds.count("rms_norm") + kinds.count("add_rms_norm")
+    names = [getattr(getattr(st, "kernel", None), "name", "") for st in dec._steps]
+    assert names.count("rms_norm") + names.count("add_rms_norm") == n_norms - len(folds)
+    if name == "qwen2":
+        assert all(dec.graph.ops[[o.name for o in dec.graph.ops].index(k)].kind != "linear_qkv" for k in folds)
+
+
 def test_unfused_graph(models):
     """Without fusion: separate rope, kv_store, add, mul and silu kernels."""
     g = _compare(models["qwen2"], fuse=False)
@@ -98,6 +116,7 @@ def test_delegation_to_cpu(models, monkeypatch):
     from edgellm.backends.webgpu.backend import WebgpuBackend
 
     monkeypatch.setattr(backend, "_RAW", None)
+    monkeypatch.setattr(WebgpuBackend, "SKIP_PASSES", frozenset())  # add_rms_norm made, then delegated
     monkeypatch.setattr(WebgpuBackend, "SUPPORTED_OPS", WebgpuBackend.SUPPORTED_OPS - {"add_rms_norm", "swiglu",
                                                                                       "linear_swiglu"})
     g = _compare(models["Q8_0"])

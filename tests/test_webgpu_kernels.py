@@ -139,6 +139,38 @@ def test_gemv_warp(dev, rng, fmt, subgroup, rows_per_warp):
     check(read_f32(dev, bufs["Y"], rows * n_out), want)
 
 
+@pytest.mark.parametrize("fmt,norm,glu", [("Q8_0", "rms", False), ("Q4_0", "add_rms", False), ("F16", "add_rms", True),
+                                          ("Q4_1", "rms", True)])
+def test_gemv_warp_folded_norm(dev, rng, fmt, norm, glu):
+    """RMSNorm (of A, or of A + B with the sum written to S) folded into the GEMV's prologue,
+    against the cpu backend's rms_norm then linear on the same values."""
+    if not dev.subgroup_size:
+        pytest.skip("the adapter's subgroup size is unknown")
+    rows, n_out, k = 3, 45, 544
+    raw, dense = quantized(rng, 2 * n_out if glu else n_out, k, fmt)
+    w = DeviceWeight(codegen.repack(raw, fmt, dense.shape), dev)
+    a = rng.standard_normal((rows, k)).astype(np.float32)
+    b = rng.standard_normal((rows, k)).astype(np.float32)
+    g = (1.0 + 0.3 * rng.standard_normal(k)).astype(np.float32)
+    bufs = {kk: bb for kk, (bb, _, _) in w.resources().items()}
+    bufs.update(A=upload_f32(dev, a), G=upload_f32(dev, g), Y=nan_buffer(dev, rows * n_out))
+    if norm == "add_rms":
+        bufs.update(B=upload_f32(dev, b), S=nan_buffer(dev, rows * k))
+    x = torch.from_numpy(a + b if norm == "add_rms" else a)
+    normed = ref("rms_norm", [x, torch.from_numpy(g)], eps=1e-5)
+    D = torch.from_numpy(dense)
+    want = ref("linear_swiglu", [normed, D[:n_out], D[n_out:]]) if glu else ref("linear", [normed, D])
+    sg = min(32, dev.subgroup_size)
+    kern = kernels.gemv_warp(w.desc(), n_out, "step.seq", rows_per_warp=2, wg=4 * sg, sg=sg, unroll=2, glu=glu,
+                             norm=norm, eps=1e-5)
+    L = Launch(dev, kern, bufs)
+    L.set_step(seq=rows)
+    L.run((-(-n_out // kern.rows_per_group), 1, rows))
+    check(read_f32(dev, bufs["Y"], rows * n_out), want)
+    if norm == "add_rms":
+        check(read_f32(dev, bufs["S"], rows * k), a + b)
+
+
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q4_1"])
 def test_gemv_warp_swiglu_split_weight(dev, rng, fmt):
     """glu through decode_gemv's warp configuration, the weight split over binding parts."""

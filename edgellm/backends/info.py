@@ -141,6 +141,10 @@ class WebgpuInfo:
         "embedding", "rms_norm", "add_rms_norm", "linear", "linear_qkv", "linear_swiglu", "swiglu",
         "rope_qkv_store", "attention", "last_row", "add", "mul", "silu", "rope", "rope_store", "kv_store",
     })
+    # the residual add stays in the projection's epilogue and the RMSNorm apart (the same number of
+    # dispatches), so that a decode program folds the norm into the next projection's GEMV: two
+    # dispatches (and barriers) fewer per layer (WebgpuProgram._fold_norms)
+    SKIP_PASSES = frozenset({"fuse_add_rms_norm"})
 
     @staticmethod
     def resident_weight_bytes(f: GGUFFile) -> int:

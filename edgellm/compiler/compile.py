@@ -91,14 +91,16 @@ def partition(graph: Graph, supported: set[str], backend: str) -> list[Segment]:
 
 def compile_graph(graph: Graph, *, supported_ops: set[str] | None = None, backend: str = "cpu",
                   seq: int = 512, ctx: int = 4096, fuse: bool = True, alignment: int = 256,
-                  planner: str = "all", sizes: dict[str, int] | None = None) -> CompiledGraph:
+                  planner: str = "all", sizes: dict[str, int] | None = None,
+                  skip_passes: frozenset = frozenset()) -> CompiledGraph:
     """planner: "all" runs every memory planner and keeps the smallest plan (what `edgellm plan`
     reports); a strategy name (memory.STRATEGIES) runs only that one, as a model's load does:
     the min-cost-flow planner alone took 1.5 s of a 135M model's load and its plan is not used.
-    sizes: values of further symbols (an imported network's batch, height, ...) for the plan."""
+    sizes: values of further symbols (an imported network's batch, height, ...) for the plan.
+    skip_passes: fusion passes the backend does without (its SKIP_PASSES)."""
     check_graph(graph)
     original = len(graph.ops)
-    g, reports = run_passes(graph, fuse=fuse)
+    g, reports = run_passes(graph, fuse=fuse, skip=frozenset(skip_passes))
     check_graph(g)
     supported = ALL_OPS if supported_ops is None else set(supported_ops)
     segments = partition(g, supported, backend)

@@ -424,9 +424,12 @@ FUSION: list[tuple[str, Callable[[Graph], Graph]]] = [
 ]
 
 
-def run_passes(g: Graph, passes=None, *, fuse: bool = True) -> tuple[Graph, list[PassReport]]:
-    """Cleanup then (optionally) fusion; returns the new graph and one report per pass."""
+def run_passes(g: Graph, passes=None, *, fuse: bool = True, skip: frozenset = frozenset()) -> tuple[Graph, list[PassReport]]:
+    """Cleanup then (optionally) fusion, without the passes named in `skip` (a backend's choice:
+    e.g. webgpu keeps the residual add in the projection's epilogue and the RMSNorm apart, to fold
+    the norm into the next projection); returns the new graph and one report per pass."""
     passes = passes if passes is not None else CLEANUP + (FUSION if fuse else [])
+    passes = [(name, fn) for name, fn in passes if name not in skip]
     reports = []
     for name, fn in passes:
         before = len(g.ops)

@@ -57,12 +57,13 @@ def plan_model(path: str, *, backend: str = "cpu", ctx: int | None = None, prefi
     prefill = min(prefill, ctx)
     backend_cls = get_backend_info(backend)
     supported = getattr(backend_cls, "SUPPORTED_OPS", None)
+    skip = frozenset(getattr(backend_cls, "SKIP_PASSES", ()))
     graphs = {s: build_graph(cfg, f, s, kv_chunk=prefill) for s in ("all", "last")}  # as Model builds them
     stages = [
         StagePlan("prefill", prefill, compile_graph(graphs["last"], supported_ops=supported, backend=backend_cls.name,
-                                                    seq=prefill, ctx=ctx, fuse=fuse)),
+                                                    seq=prefill, ctx=ctx, fuse=fuse, skip_passes=skip)),
         StagePlan("decode", 1, compile_graph(graphs["last"], supported_ops=supported, backend=backend_cls.name,
-                                             seq=1, ctx=ctx, fuse=fuse)),
+                                             seq=1, ctx=ctx, fuse=fuse, skip_passes=skip)),
     ]
     by_format: dict[str, list[int]] = {}
     for t in f.tensors.values():

@@ -259,8 +259,11 @@ class WebgpuProgram:
         self.delegated: list[str] = []
         self.matrix_bytes = 0  # bytes of the weight matrices one step reads (a decode token's traffic)
         self._steps: list = []
+        self._folds = self._fold_norms()  # linear op name -> the RMSNorm op folded into its GEMV
+        folded = {n.name for n in self._folds.values()}
         for op in graph.ops:
-            self._steps.extend(self._lower(op))
+            if op.name not in folded:
+                self._steps.extend(self._lower(op))
         self._argmax = None
         if self.max_seq == 1 and "logits" in graph.outputs:
             n = self.shape("logits", 1)[-1]
@@ -374,9 +377,56 @@ class WebgpuProgram:
             return self._lower_attention(op)
         raise GraphError(f"webgpu: no kernel for op '{op.name}' ({kind})")
 
+    def _fold_norms(self) -> dict[str, Op]:
+        """RMSNorms (plain, or add + RMSNorm) to fold into the decode GEMV that alone reads their
+        output (kernels.gemv_warp's norm prologue): a decode program (GEMVs only), the warp GEMV
+        configured, a norm over the GEMV's whole input row, no bias on the projection, and the
+        norm's inputs stored apart from what the GEMV writes (its output, and for add + RMSNorm
+        the residual sum, which the first workgroup writes while the others still read the
+        addends). Each fold saves one dispatch and the barrier before it. EDGELLM_WEBGPU_FOLD=0 keeps every norm its own dispatch."""
+        if self.max_seq > GEMV_MAX_ROWS or os.environ.get("EDGELLM_WEBGPU_FOLD", "1") == "0":
+            return {}
+        readers: dict[str, list[Op]] = {}
+        for op in self.graph.ops:
+            for t in op.inputs:
+                readers.setdefault(t, []).append(op)
+        W, out = self.backend.weights, {}
+        for op in self.graph.ops:
+            if op.kind not in ("rms_norm", "add_rms_norm") or set(op.attrs) - {"eps"}:
+                continue
+            normed = op.outputs[-1]
+            users = readers.get(normed, [])
+            if len(users) != 1 or normed in self.graph.outputs or normed not in self.offsets:
+                continue
+            lin = users[0]
+            if lin.kind not in ("linear", "linear_qkv", "linear_swiglu") or lin.inputs[0] != normed or lin.attrs.get("has_bias"):
+                continue
+            names = [self._wname(t) for t in (lin.inputs[1:4] if lin.kind == "linear_qkv" else
+                                              lin.inputs[1:3] if lin.kind == "linear_swiglu" else lin.inputs[1:2])]
+            w = W.matrix(*names)
+            glu = lin.kind == "linear_swiglu"
+            gamma = self.graph.tensors[op.inputs[-1]]
+            n_bind = len(w.desc().bindings()) + 5 + (3 if op.kind == "add_rms_norm" else 0) + bool(lin.attrs.get("has_residual"))
+            if self.backend.gemv_config(w, w.rows // 2 if glu else w.rows, glu).get("kind") != "warp" or \
+                    w.cols % 4 or tuple(gamma.shape)[-1:] != (w.cols,) or n_bind > self.dev.max_storage_buffers:
+                continue
+            # the memory plan was made for the norm running first: its addends may share storage
+            # with what the GEMV now writes while other workgroups still read them
+            reads = list(op.inputs[:-1])
+            writes = list(lin.outputs) + (list(op.outputs[:1]) if op.kind == "add_rms_norm" else [])
+            if any(t not in self.offsets for t in reads):
+                continue
+            writes = [t for t in writes if t in self.offsets]  # the others have buffers of their own
+            span = {t: (self.offsets[t], self.offsets[t] + 4 * math.prod(self.shape(t, self.max_seq))) for t in reads + writes}
+            if any(span[r][0] < span[w_][1] and span[w_][0] < span[r][1] for r in reads for w_ in writes):
+                continue
+            out[lin.name] = op
+        return out
+
     def _lower_linear(self, op: Op):
         W, R, a, ins, outs = self.backend.weights, self._res, op.attrs, op.inputs, op.outputs
         glu = op.kind == "linear_swiglu"
+        norm_op = self._folds.get(op.name)
         if op.kind == "linear_qkv":
             w = W.matrix(*(self._wname(t) for t in ins[1:4]))
             bias = ins[4:7] if a.get("has_bias") else ()
@@ -391,12 +441,19 @@ class WebgpuProgram:
         n_out = w.rows // 2 if glu else w.rows
         rows_expr, rows = self._rows_expr(outs[0]), self._rows(outs[0])
         res = {**_const(w.resources()), "X": R(ins[0]), "Y": R(outs[0])}
+        if norm_op is not None:  # x = rms_norm(A [+ B]) * G, computed in the GEMV (_fold_norms)
+            del res["X"]
+            res.update(A=R(norm_op.inputs[0]), G=R(norm_op.inputs[-1]))
+            if norm_op.kind == "add_rms_norm":
+                res.update(B=R(norm_op.inputs[1]), S=R(norm_op.outputs[0]))
         if bias:
             names = tuple(self._wname(t) for t in bias)
             res["B"] = lambda: (lambda b: (b, 0, b.size))(W.vector(*names))
         if res_in is not None:
             res["R"] = R(res_in)
         opts = dict(bias=bool(bias), residual=res_in is not None, glu=glu)
+        if norm_op is not None:
+            opts.update(norm="add_rms" if norm_op.kind == "add_rms_norm" else "rms", eps=norm_op.attrs["eps"])
         cfg = self.backend.gemv_config(w, n_out, glu)
         x_vec = 4 if w.cols % 4 == 0 else 1
         if cfg.get("kind", "block") == "block":

@@ -163,7 +163,8 @@ def _unit_dot(fmt: str, q: str, x: str, d: str, m: str) -> str:
 
 def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, wg: int = 256, sg: int = 32,
               unroll: int = 4, subgroup: bool = True, bias: bool = False, residual: bool = False, glu: bool = False,
-              rows_per_wg: int | None = None, dtypes: dict | None = None) -> WarpKernel:
+              norm: str | None = None, eps: float = 1e-6, rows_per_wg: int | None = None,
+              dtypes: dict | None = None) -> WarpKernel:
     """The decode GEMV as one subgroup (sg lanes, a GPU's warp) per `rows_per_warp` output features:
     the lanes stride along the rows in 16-byte units of quants (a warp reads 16 * sg contiguous
     bytes per row per unit: coalesced), each lane issuing the loads of `unroll` units (and their
@@ -172,17 +173,54 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
     H100 through Vulkan, 4096x14336 F16, one unit per step 6.6% of copy bandwidth); x is read per
     unit once for all the lane's rows; the partial sums are reduced across the subgroup by
     shuffles (or, without subgroups, in workgroup memory). Code generated unrolled: no arrays in
-    function scope. glu: silu(W[c] x) * (W[c + n_out] x). Grid (features / rows_per_group, 1, rows)."""
+    function scope. glu: silu(W[c] x) * (W[c + n_out] x). Grid (features / rows_per_group, 1, rows).
+
+    norm "rms": x = rms_norm(A) * G computed here (the RMSNorm before a projection, folded in: one
+    dispatch and one barrier fewer per norm): each workgroup first reduces sum(A^2) of its row
+    (A is a few KiB, in the cache), then scales x as it loads it. norm "add_rms": x =
+    rms_norm(A + B) * G, and the sum A + B (the residual stream) is also written to S by the
+    first workgroup of each row. Bindings A, G (and B, S) instead of X."""
     R, U = rows_per_warp, unroll
     if wg % sg or (rows_per_wg is not None and rows_per_wg != wg // sg * R):
         raise ValueError(f"gemv_warp: workgroup {wg}, subgroup {sg}, {R} rows per warp, rows_per_wg {rows_per_wg}")
-    parts = [(w, "X"), (ActDesc("X", vec=4), None), (ActDesc("Y"), None)]
+    if norm not in (None, "rms", "add_rms"):
+        raise ValueError(f"gemv_warp: norm {norm!r}")
+    if norm and bias:
+        raise ValueError("gemv_warp: a folded norm takes no bias (the bias binding is the norm's second input)")
+    if norm:
+        parts = [(w, "A"), (ActDesc("A", vec=4), None), (ActDesc("G", vec=4), None), (ActDesc("Y"), None)]
+        if norm == "add_rms":
+            parts += [(ActDesc("B", vec=4), None), (ActDesc("S"), None)]
+    else:
+        parts = [(w, "X"), (ActDesc("X", vec=4), None), (ActDesc("Y"), None)]
     if bias:
         parts.append((ActDesc("B"), None))
     if residual:
         parts.append((ActDesc("R"), None))
     fmt = w.fmt
     per = _UNIT_ELEMS[fmt] // 4  # x vec4s per unit
+    if norm:
+        a4 = "(A_ld4(xb + c) + B_ld4(xb + c))" if norm == "add_rms" else "A_ld4(xb + c)"
+        xfn = "let x{n} = " + a4.replace("c)", "({c}))") + " * (G_ld4({c}) * inv);"
+        store_s = ("            if (wid.x + wid.y == 0u) { let k = 4u * c; S_st(t * K + k, a.x); S_st(t * K + k + 1u, a.y); "
+                   "S_st(t * K + k + 2u, a.z); S_st(t * K + k + 3u, a.w); }") if norm == "add_rms" else ""
+        prologue = f"""
+    var ss = 0.0;
+    if (t < ${{ROWS_EXPR}}) {{
+        let xb = t * (K / 4u);
+        for (var c = lid; c < K / 4u; c += WG) {{
+            let a = {a4};
+            ss += dot(a, a);
+{store_s}
+        }}
+    }}
+    nred[lid] = ss;
+    workgroupBarrier();
+    for (var s = WG / 2u; s > 0u; s = s >> 1u) {{ if (lid < s) {{ nred[lid] += nred[lid + s]; }} workgroupBarrier(); }}
+    let inv = inverseSqrt(nred[0] / f32(K) + ${{EPS}});"""
+    else:
+        xfn = "let x{n} = X_ld4(xb + {c});"
+        prologue = ""
     # (accumulator, row expression) pairs: the features, then the up halves of glu
     rws = [(f"a{r}", f"min(row0 + {r}u, N - 1u)") for r in range(R)]
     if glu:
@@ -201,7 +239,7 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
                 body_l.append(f"            let m{j}_{u} = W_m(rw{j}, v{u});")
     for u in range(U):  # then the arithmetic, unit by unit
         body_l.append(f"            if (v + {u * sg}u < UNITS) {{")
-        body_l += [f"                let x{u}_{i} = X_ld4(xb + v{u} * {per}u + {i}u);" for i in range(per)]
+        body_l += ["                " + xfn.format(n=f"{u}_{i}", c=f"v{u} * {per}u + {i}u") for i in range(per)]
         if fmt == "Q4_1":
             body_l.append(f"                let x{u}_v = " + " + ".join(f"x{u}_{i}" for i in range(per)) + ";")
             body_l.append(f"                let x{u}_s = x{u}_v.x + x{u}_v.y + x{u}_v.z + x{u}_v.w;")
@@ -237,12 +275,14 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
 const N: u32 = ${N}u; const K: u32 = ${K}u; const UNITS: u32 = ${UNITS}u; const SG: u32 = ${SG}u;
 const WG: u32 = ${WG}u; const WARPS: u32 = WG / SG;
 ${DECL}
+${NDECL}
 @compute @workgroup_size(${WG})
 fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>,
         @builtin(num_workgroups) nwg: vec3<u32>) {
     let t = wid.z;
     let lane = lid % SG;
     let row0 = ((wid.x + wid.y * nwg.x) * WARPS + lid / SG) * ${R}u;
+${PROLOGUE}
     ${ACCS}
     if (row0 < N && t < ${ROWS_EXPR}) {
         let xb = t * (K / 4u);
@@ -256,9 +296,11 @@ ${STORES}
     }
 }
 """
+    body = body.replace("${PROLOGUE}", prologue)
     k = _render("gemv_warp", parts, body, wg, N=n_out, K=w.cols, UNITS=w.row_vec4, SG=sg, R=R, ROWS_EXPR=rows,
                 ACCS=" ".join(f"var {a} = 0.0;" for a in accs), BODY="\n".join(body_l), STEP=sg * U, RED=red,
-                DECL=decl, STORES="\n".join(stores), dtypes=dtypes)
+                DECL=decl, STORES="\n".join(stores), EPS=_f(eps),
+                NDECL=f"var<workgroup> nred: array<f32, {wg}>;" if norm else "", dtypes=dtypes)
     return WarpKernel(k.name, k.source, k.bindings, wg, rows_per_group=wg // sg * R)
 
 
