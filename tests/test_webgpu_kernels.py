@@ -121,8 +121,9 @@ def test_gemv(dev, rng, fmt, subgroup, nr):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("subgroup,rows_per_warp", [(False, 1), (True, 1), (True, 3), (False, 2)])
-def test_gemv_warp(dev, rng, fmt, subgroup, rows_per_warp):
+@pytest.mark.parametrize("subgroup,rows_per_warp,stage", [(False, 1, False), (True, 1, False), (True, 3, True),
+                                                          (False, 2, True)])
+def test_gemv_warp(dev, rng, fmt, subgroup, rows_per_warp, stage):
     """The subgroup-per-rows GEMV: 77 features are not a multiple of any workgroup's rows (the
     last warps compute rows past the end and must not store them); 1,056 inputs are 33 blocks,
     so the lanes' last stride along a row is partial."""
@@ -132,16 +133,16 @@ def test_gemv_warp(dev, rng, fmt, subgroup, rows_per_warp):
     w, bufs, want = _linear_case(dev, rng, fmt, rows, n_out, k, bias=True, residual=True)
     sg = min(32, dev.info.subgroup_min) if subgroup else 8
     kern = kernels.gemv_warp(w.desc(), n_out, "step.seq", bias=True, residual=True, rows_per_warp=rows_per_warp,
-                             wg=4 * sg, sg=sg, subgroup=subgroup)
+                             wg=4 * sg, sg=sg, subgroup=subgroup, stage=stage)
     L = Launch(dev, kern, bufs)
     L.set_step(seq=rows)
     L.run((-(-n_out // kern.rows_per_group), 1, rows))
     check(read_f32(dev, bufs["Y"], rows * n_out), want)
 
 
-@pytest.mark.parametrize("fmt,norm,glu", [("Q8_0", "rms", False), ("Q4_0", "add_rms", False), ("F16", "add_rms", True),
-                                          ("Q4_1", "rms", True)])
-def test_gemv_warp_folded_norm(dev, rng, fmt, norm, glu):
+@pytest.mark.parametrize("fmt,norm,glu,stage", [("Q8_0", "rms", False, False), ("Q4_0", "add_rms", False, True),
+                                                ("F16", "add_rms", True, False), ("Q4_1", "rms", True, True)])
+def test_gemv_warp_folded_norm(dev, rng, fmt, norm, glu, stage):
     """RMSNorm (of A, or of A + B with the sum written to S) folded into the GEMV's prologue,
     against the cpu backend's rms_norm then linear on the same values."""
     if not dev.subgroup_size:
@@ -162,7 +163,7 @@ def test_gemv_warp_folded_norm(dev, rng, fmt, norm, glu):
     want = ref("linear_swiglu", [normed, D[:n_out], D[n_out:]]) if glu else ref("linear", [normed, D])
     sg = min(32, dev.subgroup_size)
     kern = kernels.gemv_warp(w.desc(), n_out, "step.seq", rows_per_warp=2, wg=4 * sg, sg=sg, unroll=2, glu=glu,
-                             norm=norm, eps=1e-5)
+                             norm=norm, eps=1e-5, stage=stage)
     L = Launch(dev, kern, bufs)
     L.set_step(seq=rows)
     L.run((-(-n_out // kern.rows_per_group), 1, rows))

@@ -163,7 +163,7 @@ def _unit_dot(fmt: str, q: str, x: str, d: str, m: str) -> str:
 
 def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, wg: int = 256, sg: int = 32,
               unroll: int = 4, subgroup: bool = True, bias: bool = False, residual: bool = False, glu: bool = False,
-              norm: str | None = None, eps: float = 1e-6, rows_per_wg: int | None = None,
+              norm: str | None = None, eps: float = 1e-6, stage: bool = False, rows_per_wg: int | None = None,
               dtypes: dict | None = None) -> WarpKernel:
     """The decode GEMV as one subgroup (sg lanes, a GPU's warp) per `rows_per_warp` output features:
     the lanes stride along the rows in 16-byte units of quants (a warp reads 16 * sg contiguous
@@ -179,7 +179,13 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
     dispatch and one barrier fewer per norm): each workgroup first reduces sum(A^2) of its row
     (A is a few KiB, in the cache), then scales x as it loads it. norm "add_rms": x =
     rms_norm(A + B) * G, and the sum A + B (the residual stream) is also written to S by the
-    first workgroup of each row. Bindings A, G (and B, S) instead of X."""
+    first workgroup of each row. Bindings A, G (and B, S) instead of X.
+
+    stage: the workgroup first copies its row of x (normalized where a norm is folded) into
+    workgroup memory (4 * K bytes; K a multiple of 32), and the lanes read x from there instead
+    of from the storage buffer: a 4-bit weight's x traffic is 8 times its own bytes. Positions are
+    XOR-swizzled (vec4 index c at c ^ ((c >> 3) & 7)) so that the 8 lanes of a 128-byte
+    shared-memory phase, each reading the same element of consecutive units, hit distinct banks."""
     R, U = rows_per_warp, unroll
     if wg % sg or (rows_per_wg is not None and rows_per_wg != wg // sg * R):
         raise ValueError(f"gemv_warp: workgroup {wg}, subgroup {sg}, {R} rows per warp, rows_per_wg {rows_per_wg}")
@@ -187,6 +193,8 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
         raise ValueError(f"gemv_warp: norm {norm!r}")
     if norm and bias:
         raise ValueError("gemv_warp: a folded norm takes no bias (the bias binding is the norm's second input)")
+    if stage and w.cols % 32:
+        raise ValueError(f"gemv_warp: staging x needs rows of a multiple of 32 elements, not {w.cols}")
     if norm:
         parts = [(w, "A"), (ActDesc("A", vec=4), None), (ActDesc("G", vec=4), None), (ActDesc("Y"), None)]
         if norm == "add_rms":
@@ -221,6 +229,15 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
     else:
         xfn = "let x{n} = X_ld4(xb + {c});"
         prologue = ""
+    if stage:  # x into workgroup memory once; the lanes read it from there
+        value = xfn.format(n="v_", c="c").replace("let x", "let ", 1)  # "let v_ = <x at c>;"
+        prologue += f"""
+    if (t < ${{ROWS_EXPR}}) {{
+        let xb = t * (K / 4u);
+        for (var c = lid; c < K / 4u; c += WG) {{ {value} xs[c ^ ((c >> 3u) & 7u)] = v_; }}
+    }}
+    workgroupBarrier();"""
+        xfn = "let x{n} = xs[({c}) ^ ((({c}) >> 3u) & 7u)];"
     # (accumulator, row expression) pairs: the features, then the up halves of glu
     rws = [(f"a{r}", f"min(row0 + {r}u, N - 1u)") for r in range(R)]
     if glu:
@@ -300,7 +317,8 @@ ${STORES}
     k = _render("gemv_warp", parts, body, wg, N=n_out, K=w.cols, UNITS=w.row_vec4, SG=sg, R=R, ROWS_EXPR=rows,
                 ACCS=" ".join(f"var {a} = 0.0;" for a in accs), BODY="\n".join(body_l), STEP=sg * U, RED=red,
                 DECL=decl, STORES="\n".join(stores), EPS=_f(eps),
-                NDECL=f"var<workgroup> nred: array<f32, {wg}>;" if norm else "", dtypes=dtypes)
+                NDECL=(f"var<workgroup> nred: array<f32, {wg}>;" if norm else "")
+                + (f"\nvar<workgroup> xs: array<vec4<f32>, {w.cols // 4}>;" if stage else ""), dtypes=dtypes)
     return WarpKernel(k.name, k.source, k.bindings, wg, rows_per_group=wg // sg * R)
 
 

@@ -9,20 +9,27 @@ import os
 from .device import Device
 
 
-def warp_config(dev: Device, rows_per_warp: int = 1, wg: int = 256, unroll: int = 2) -> dict:
+def can_stage(dev: Device, cols: int | None) -> bool:
+    """Whether a GEMV over rows of `cols` can stage x in workgroup memory (gemv_warp's stage)."""
+    return cols is not None and cols % 32 == 0 and 4 * cols + 4096 <= getattr(dev, "max_workgroup_memory", 16384)
+
+
+def warp_config(dev: Device, rows_per_warp: int = 1, wg: int = 256, unroll: int = 2, stage: bool = False) -> dict:
     """kernels.gemv_warp's configuration: one subgroup per `rows_per_warp` features (32 lanes
     reducing in workgroup memory where the adapter's subgroup size is unknown)."""
     sub = getattr(dev, "subgroup_size", 0)
     sg = min(32, sub) if sub else 32
     return {"kind": "warp", "wg": wg, "sg": sg, "rows_per_warp": rows_per_warp, "subgroup": bool(sub),
-            "rows_per_wg": wg // sg * rows_per_warp, "unroll": unroll}
+            "rows_per_wg": wg // sg * rows_per_warp, "unroll": unroll, "stage": stage}
 
 
 def default_gemv_config(dev: Device, cols: int | None = None, fmt: str | None = None) -> dict:
     """On a GPU: kernels.gemv_warp (a subgroup strides each row in 16-byte units; x read once
     for its rows), 4 rows per subgroup for the 4-bit formats (their x traffic per weight byte is
     the largest), 2 for the others (the tuner's picks on the H100, 2026-11-24:
-    benchmarks/bench_webgpu.py gemv section). EDGELLM_WEBGPU_GEMV=block|warp:ROWS:WG:UNROLL overrides (benchmarks compare them).
+    benchmarks/bench_webgpu.py gemv section), x staged in workgroup memory where it fits
+    (EDGELLM_WEBGPU_STAGE=0: read from the storage buffer). EDGELLM_WEBGPU_GEMV=block or
+    warp:ROWS:WG:UNROLL[:stage] overrides (benchmarks compare them).
     On a software adapter, kernels.gemv with 2 threads per feature: lavapipe runs a workgroup
     barrier as a switch between all its SIMD batches, and fewer threads per feature mean fewer
     reduction steps (1536x576 Q8_0 GEMV, 2 cores: 32 threads per feature with barriers 14.8 ms,
@@ -32,11 +39,12 @@ def default_gemv_config(dev: Device, cols: int | None = None, fmt: str | None = 
     if dev.info.software and not want:
         return {"wg": 64, "rows_per_wg": 32, "subgroup": bool(getattr(dev, "subgroup_size", 0))}
     if want.startswith("warp:") and (cols is None or cols % 4 == 0):
-        _, r, wg, u = want.split(":")
-        return warp_config(dev, int(r), int(wg), int(u))
+        _, r, wg, u, *st = want.split(":")
+        return warp_config(dev, int(r), int(wg), int(u), bool(st and st[0] == "stage" and can_stage(dev, cols)))
     if want != "block" and (cols is None or cols % 4 == 0):
         four_bit = fmt in ("Q4_0", "Q4_1")
-        return warp_config(dev, 4 if four_bit else 2, 256, 2 if four_bit else 1)
+        stage = os.environ.get("EDGELLM_WEBGPU_STAGE", "1") == "1" and can_stage(dev, cols)
+        return warp_config(dev, 4 if four_bit else 2, 256, 2 if four_bit else 1, stage)
     wg = 128
     if getattr(dev, "subgroup_size", 0):
         tpr = min(32, dev.subgroup_size)
@@ -47,8 +55,8 @@ def default_gemv_config(dev: Device, cols: int | None = None, fmt: str | None = 
 def gemv_candidates(dev: Device) -> list[dict]:
     """kernels.gemv_warp with 1, 2 or 4 rows per subgroup and 1, 2 or 4 units loaded ahead, then
     kernels.gemv: workgroup size x threads per feature group (TPR) x features per thread (each
-    thread reads a block of x once for that many features): 39 configurations."""
-    out = [warp_config(dev, r, 256, u) for r in (1, 2, 4) for u in (1, 2, 4)]
+    thread reads a block of x once for that many features), x staged or not: 48 configurations."""
+    out = [warp_config(dev, r, 256, u, st) for r in (1, 2, 4) for u in (1, 2, 4) for st in (False, True)]
     for wg in (64, 128, 256):
         for tpr in (4, 8, 16, 32, 64):
             for nr in (1, 2, 4):
@@ -72,7 +80,7 @@ def gemv_config(dev: Device, w, n_out: int, glu: bool = False) -> dict:
         return default
     key = (w.fmt, n_out, w.cols, "glu" if glu else "plain")
     tuner = _tuner(dev)
-    cands = [c for c in gemv_candidates(dev) if c.get("kind") != "warp" or w.cols % 4 == 0]
+    cands = [c for c in gemv_candidates(dev) if c.get("kind") != "warp" or (w.cols % 4 == 0 and (not c["stage"] or can_stage(dev, w.cols)))]
     return tuner.pick("webgpu_gemv_v2", key, cands, default, lambda cfg: _time_gemv(dev, w, n_out, glu, cfg))
 
 
