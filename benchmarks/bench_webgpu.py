@@ -192,7 +192,8 @@ def gemm_section(formats: list[str], shapes: list[tuple[int, int]], rows: int, t
                         "Y": dev.buffer(4 * rows * n_out)}
                 flop = 2.0 * rows * n_out * n_in
                 results = []
-                for cfg in [tuning.DEFAULT_GEMM] + (tuning.GEMM_CANDIDATES if tune else []):
+                default = tuning.gemm_config(dev, w, n_out, False, rows)  # EDGELLM_TUNE unset: the default
+                for cfg in [default] + ([c for c in tuning.GEMM_CANDIDATES if c != default] if tune else []):
                     try:
                         L = Launch(dev, kernels.gemm(w.desc(), n_out, "step.seq", **cfg), bufs)
                         L.set_step(seq=rows)
@@ -200,7 +201,7 @@ def gemm_section(formats: list[str], shapes: list[tuple[int, int]], rows: int, t
                         results.append((t, cfg))
                     except Exception:  # noqa: BLE001 - a tiling the adapter rejects
                         continue
-                t0 = results[0][0] if results and results[0][1] == tuning.DEFAULT_GEMM else float("nan")
+                t0 = results[0][0] if results and results[0][1] == default else float("nan")
                 best = min(results, key=lambda r: r[0])
                 row.update(ms=t0 * 1e3, TFLOPs=flop / t0 / 1e12, best=best[1], best_ms=best[0] * 1e3,
                            best_TFLOPs=flop / best[0] / 1e12)

@@ -201,7 +201,7 @@ def test_gemv_swiglu_split_weight(dev, rng, fmt):
     check(read_f32(dev, bufs["Y"], rows * n_out), want)
 
 
-@pytest.mark.parametrize("fmt,tiles", [(f, (64, 64, 32)) for f in FORMATS] + [("Q4_1", (128, 64, 16)),
+@pytest.mark.parametrize("fmt,tiles", [(f, (64, 64, 32)) for f in FORMATS] + [("Q4_1", (128, 64, 16)), ("F16", (128, 128, 4)),
                                                                               ("Q8_0", (64, 128, 8))])
 @pytest.mark.parametrize("glu", [False, True])
 def test_gemm(dev, rng, fmt, tiles, glu):

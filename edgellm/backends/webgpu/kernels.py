@@ -333,80 +333,95 @@ def decode_gemv(w: WeightDesc, n_out: int, rows: str, cfg: dict, **opts) -> Kern
 
 def gemm(w: WeightDesc, n_out: int, rows: str, *, bias: bool = False, residual: bool = False, glu: bool = False,
          tm: int = 64, tn: int = 64, tk: int = 32, dtypes: dict | None = None) -> Kernel:
-    """The prefill matrix product: a TM x TN tile of y per workgroup of 256 threads (16 x 16, each
-    TM/16 x TN/16 outputs, strided so that neighbouring threads read neighbouring workgroup
-    memory), x and dequantized W tiles staged in workgroup memory TK at a time, k-major.
+    """The prefill matrix product: a TM x TN tile of y per workgroup of 256 threads (16 x 16), each
+    thread a contiguous (TM/16) x (TN/16) block of it held in vec4 registers; x and dequantized W
+    tiles staged in workgroup memory TK at a time, k-major, as vec4s, so that each step of k is
+    TM/64 + TN/64 16-byte workgroup-memory reads per thread for (TM/16) x (TN/16) FMAs (glu: twice
+    the W reads and FMAs). Staging moves 4 x 4 blocks (four rows' W_get4 / X_ld4, transposed in
+    registers). Generated unrolled: no arrays in function scope, which the driver's compiler may
+    put in local memory. tm, tn in (64, 128); tk a multiple of 4.
     W is read four elements at a time through W_get4, so every format is this one template."""
+    if tm not in (64, 128) or tn not in (64, 128) or tk % 4 or tk <= 0:
+        raise ValueError(f"gemm tiles {tm}x{tn}x{tk}: tm and tn must be 64 or 128, tk a multiple of 4")
     parts = [(w, "X"), (ActDesc("X", vec=4), None), (ActDesc("Y"), None)]
     if bias:
         parts.append((ActDesc("B"), None))
     if residual:
         parts.append((ActDesc("R"), None))
     nw = 2 if glu else 1
-    epi = ""
-    if glu:
-        epi += "y = y / (1.0 + exp(-y)) * acc1[i * PN + j];\n"
-    if bias:
-        epi += "                y += B_ld(n);\n"
-    if residual:
-        epi += "                y += R_ld(m * N + n);\n"
+    pm, pn = tm // 16, tn // 16
+    # staging: 4x4 blocks of x (rows x k) and of each W half (features x k)
+    stage = []
+    stage.append("        for (var i = lid; i < (TM / 4u) * (TK / 4u); i += 256u) {")
+    stage.append("            let mq = i / (TK / 4u); let kq = i % (TK / 4u); let m = m0 + 4u * mq; let k = k0 + 4u * kq;")
+    for r in range(4):
+        stage.append(f"            var r{r} = vec4<f32>(0.0); if (m + {r}u < rows && k < K) {{ r{r} = X_ld4(((m + {r}u) * K + k) >> 2u); }}")
+    for e, c in enumerate("xyzw"):
+        stage.append(f"            xs[(4u * kq + {e}u) * (TM / 4u) + mq] = vec4<f32>(r0.{c}, r1.{c}, r2.{c}, r3.{c});")
+    stage.append("        }")
+    stage.append("        for (var i = lid; i < NW * (TN / 4u) * (TK / 4u); i += 256u) {")
+    stage.append("            let half = i / ((TN / 4u) * (TK / 4u)); let j = i % ((TN / 4u) * (TK / 4u));")
+    stage.append("            let nq = j / (TK / 4u); let kq = j % (TK / 4u); let n = n0 + 4u * nq; let k = k0 + 4u * kq;")
+    for r in range(4):
+        stage.append(f"            var r{r} = vec4<f32>(0.0); if (n + {r}u < N && k < K) {{ r{r} = W_get4(n + {r}u + half * N, k); }}")
+    for e, c in enumerate("xyzw"):
+        stage.append(f"            ws[half * TK * (TN / 4u) + (4u * kq + {e}u) * (TN / 4u) + nq] = vec4<f32>(r0.{c}, r1.{c}, r2.{c}, r3.{c});")
+    stage.append("        }")
+    # the k loop: this thread's rows ty*PM.., columns tx*PN..
+    inner = []
+    for q in range(pm // 4):
+        inner.append(f"            let a{q} = xs[k * (TM / 4u) + ty * {pm // 4}u + {q}u];")
+    for q in range(pn // 4):
+        inner.append(f"            let b{q} = ws[k * (TN / 4u) + tx * {pn // 4}u + {q}u];")
+        if glu:
+            inner.append(f"            let g{q} = ws[TK * (TN / 4u) + k * (TN / 4u) + tx * {pn // 4}u + {q}u];")
+    for i in range(pm):
+        xi = f"a{i // 4}.{'xyzw'[i % 4]}"
+        for q in range(pn // 4):
+            inner.append(f"            c{i}_{q} += {xi} * b{q};")
+            if glu:
+                inner.append(f"            u{i}_{q} += {xi} * g{q};")
+    accs = " ".join(f"var c{i}_{q} = vec4<f32>(0.0);" + (f" var u{i}_{q} = vec4<f32>(0.0);" if glu else "")
+                    for i in range(pm) for q in range(pn // 4))
+    stores = []
+    for i in range(pm):
+        stores.append(f"    {{ let m = m0 + ty * {pm}u + {i}u; if (m < rows) {{")
+        for q in range(pn // 4):
+            for e, c in enumerate("xyzw"):
+                y = f"var y = c{i}_{q}.{c};"
+                if glu:
+                    y += f" y = y / (1.0 + exp(-y)) * u{i}_{q}.{c};"
+                if bias:
+                    y += " y += B_ld(n);"
+                if residual:
+                    y += " y += R_ld(m * N + n);"
+                stores.append(f"        {{ let n = n0 + tx * {pn}u + {4 * q + e}u; if (n < N) {{ {y} Y_st(m * N + n, y); }} }}")
+        stores.append("    } }")
     body = """
 const N: u32 = ${N}u; const K: u32 = ${K}u; const TM: u32 = ${TM}u; const TN: u32 = ${TN}u; const TK: u32 = ${TK}u;
-const PM: u32 = TM / 16u; const PN: u32 = TN / 16u; const NW: u32 = ${NW}u;
-var<workgroup> xs: array<f32, ${XS}>;  // [TK][TM]
-var<workgroup> ws: array<f32, ${WS}>;  // [NW][TK][TN]
+const NW: u32 = ${NW}u;
+var<workgroup> xs: array<vec4<f32>, ${XS}>;  // [TK][TM / 4]
+var<workgroup> ws: array<vec4<f32>, ${WS}>;  // [NW][TK][TN / 4]
 @compute @workgroup_size(256)
 fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {
     let rows = ${ROWS_EXPR};
     let m0 = wid.y * TM; let n0 = wid.x * TN;
     let ty = lid / 16u; let tx = lid % 16u;
-    var acc0: array<f32, ${PMN}>; var acc1: array<f32, ${PMN}>;
+    ${ACCS}
     for (var k0 = 0u; k0 < K; k0 += TK) {
-        for (var i = lid; i < TM * TK / 4u; i += 256u) {
-            let m = i / (TK / 4u); let k = (i % (TK / 4u)) * 4u;
-            var v = vec4<f32>(0.0);
-            if (m0 + m < rows && k0 + k < K) { v = X_ld4(((m0 + m) * K + k0 + k) >> 2u); }
-            xs[k * TM + m] = v.x; xs[(k + 1u) * TM + m] = v.y; xs[(k + 2u) * TM + m] = v.z; xs[(k + 3u) * TM + m] = v.w;
-        }
-        for (var i = lid; i < NW * TN * TK / 4u; i += 256u) {
-            let half = i / (TN * TK / 4u); let r = i % (TN * TK / 4u);
-            let n = r / (TK / 4u); let k = (r % (TK / 4u)) * 4u;
-            var v = vec4<f32>(0.0);
-            if (n0 + n < N && k0 + k < K) { v = W_get4(n0 + n + half * N, k0 + k); }
-            let o = half * TK * TN + n;
-            ws[o + k * TN] = v.x; ws[o + (k + 1u) * TN] = v.y; ws[o + (k + 2u) * TN] = v.z; ws[o + (k + 3u) * TN] = v.w;
-        }
+${STAGE}
         workgroupBarrier();
         for (var k = 0u; k < TK; k++) {
-            var xv: array<f32, ${PM}>;
-            for (var i = 0u; i < PM; i++) { xv[i] = xs[k * TM + ty + 16u * i]; }
-            for (var j = 0u; j < PN; j++) {
-                let wv = ws[k * TN + tx + 16u * j];
-                ${GLU_W}
-                for (var i = 0u; i < PM; i++) {
-                    acc0[i * PN + j] += xv[i] * wv;
-                    ${GLU_FMA}
-                }
-            }
+${INNER}
         }
         workgroupBarrier();
     }
-    for (var i = 0u; i < PM; i++) {
-        for (var j = 0u; j < PN; j++) {
-            let m = m0 + ty + 16u * i; let n = n0 + tx + 16u * j;
-            if (m < rows && n < N) {
-                var y = acc0[i * PN + j];
-                ${EPI}
-                Y_st(m * N + n, y);
-            }
-        }
-    }
+${STORES}
 }
 """
-    return _render("gemm", parts, body, 256, N=n_out, K=w.cols, TM=tm, TN=tn, TK=tk, NW=nw, XS=tm * tk,
-                   WS=nw * tn * tk, PM=tm // 16, PMN=(tm // 16) * (tn // 16), EPI=epi, ROWS_EXPR=rows,
-                   GLU_W="let wu = ws[TK * TN + k * TN + tx + 16u * j];" if glu else "",
-                   GLU_FMA="acc1[i * PN + j] += xv[i] * wu;" if glu else "", dtypes=dtypes)
+    return _render("gemm", parts, body, 256, N=n_out, K=w.cols, TM=tm, TN=tn, TK=tk, NW=nw, XS=tm * tk // 4,
+                   WS=nw * tn * tk // 4, ROWS_EXPR=rows, ACCS=accs, STAGE="\n".join(stage), INNER="\n".join(inner),
+                   STORES="\n".join(stores), dtypes=dtypes)
 
 
 # -- row-wise kernels -----------------------------------------------------------------------------

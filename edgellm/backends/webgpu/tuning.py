@@ -110,20 +110,30 @@ def _tuner(dev: Device):
     return t
 
 
-DEFAULT_GEMM = {"tm": 64, "tn": 64, "tk": 32}
-# (tokens x features x k) tiles of 256 threads; workgroup memory (tm + 2 tn) * tk * 4 <= 24 KiB
-GEMM_CANDIDATES = [{"tm": 64, "tn": 64, "tk": 16}, {"tm": 128, "tn": 64, "tk": 16}, {"tm": 64, "tn": 128, "tk": 16},
-                   {"tm": 128, "tn": 128, "tk": 16}, {"tm": 128, "tn": 128, "tk": 8}, {"tm": 32, "tn": 64, "tk": 32}]
+# (tokens x features x k) tiles of 256 threads; workgroup memory (tm + (2 if glu) tn) * tk * 4 bytes.
+# The first that fits is the default: 128x64x32 was the tuner's pick for 4 of 6 Llama projections
+# on the H100 (2026-11-24; 3.4-4.9 TFLOP/s against 2.7-4.2 for 64x64x16)
+DEFAULT_GEMMS = [{"tm": 128, "tn": 64, "tk": 32}, {"tm": 64, "tn": 64, "tk": 16}]
+DEFAULT_GEMM = DEFAULT_GEMMS[-1]  # fits WebGPU's default 16 KiB of workgroup memory
+GEMM_CANDIDATES = [{"tm": 64, "tn": 64, "tk": 32}, {"tm": 128, "tn": 64, "tk": 16}, {"tm": 64, "tn": 128, "tk": 16},
+                   {"tm": 128, "tn": 128, "tk": 16}, {"tm": 128, "tn": 128, "tk": 8}, {"tm": 128, "tn": 64, "tk": 32},
+                   {"tm": 64, "tn": 64, "tk": 16}]
+
+
+def gemm_fits(dev: Device, cfg: dict, glu: bool) -> bool:
+    return (cfg["tm"] + (2 if glu else 1) * cfg["tn"]) * cfg["tk"] * 4 <= getattr(dev, "max_workgroup_memory", 16384)
 
 
 def gemm_config(dev: Device, w, n_out: int, glu: bool, rows: int) -> dict:
-    """The prefill GEMM's tiles for one weight at `rows` tokens: DEFAULT_GEMM, or with EDGELLM_TUNE=1
-    the fastest of it and GEMM_CANDIDATES on this adapter, cached like the GEMV's."""
+    """The prefill GEMM's tiles for one weight at `rows` tokens: the first of DEFAULT_GEMMS that
+    fits the adapter's workgroup memory, or with EDGELLM_TUNE=1 the fastest of it and the
+    GEMM_CANDIDATES that fit, timed on this adapter and cached like the GEMV's."""
+    default = next((c for c in DEFAULT_GEMMS if gemm_fits(dev, c, glu)), DEFAULT_GEMM)
     if os.environ.get("EDGELLM_TUNE", "0") != "1" or dev.info.software:
-        return dict(DEFAULT_GEMM)
+        return dict(default)
     key = (w.fmt, n_out, w.cols, rows, "glu" if glu else "plain")
-    return _tuner(dev).pick("webgpu_gemm_v1", key, GEMM_CANDIDATES, DEFAULT_GEMM,
-                            lambda cfg: _time_gemm(dev, w, n_out, glu, rows, cfg))
+    cands = [c for c in GEMM_CANDIDATES if gemm_fits(dev, c, glu)]
+    return _tuner(dev).pick("webgpu_gemm_v2", key, cands, default, lambda cfg: _time_gemm(dev, w, n_out, glu, rows, cfg))
 
 
 def _time_gemm(dev: Device, w, n_out: int, glu: bool, rows: int, cfg: dict) -> float:
