@@ -25,23 +25,41 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from gpu_check import copy_bandwidth, measure  # noqa: E402
+
+def parse_llama_bench(text: str) -> dict:
+    """llama-bench -o json's output -> {"pp512": tokens/s, "pp512_sd": stddev, "tg128": ..., ...}
+    (a prompt test has n_gen 0, a generation test n_prompt 0; -pg and -d tests are not used here)."""
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"llama-bench output is not JSON ({e}): {text[:120]!r}") from None
+    if not isinstance(rows, list) or not rows:
+        raise ValueError(f"llama-bench JSON: expected a non-empty list of tests, got {text[:120]!r}")
+    res = {}
+    for row in rows:
+        try:
+            key = f"pp{row['n_prompt']}" if row["n_gen"] == 0 else f"tg{row['n_gen']}"
+            res[key], res[key + "_sd"] = float(row["avg_ts"]), float(row["stddev_ts"])
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"llama-bench JSON: a test without n_prompt/n_gen/avg_ts/stddev_ts ({e!r})") from None
+    return res
 
 
-def llama_bench(exe: str, path: str, p: list[int], n: list[int], r: int, fa: int) -> dict:
+def llama_bench(exe: str, path: str, p: list[int], n: list[int], r: int, fa: int, timeout: int = 900) -> dict:
+    """Run llama-bench -ngl 99 on one file (its environment: this process's, e.g. VK_DRIVER_FILES
+    for a Vulkan build); the parsed speeds, or {"error": ...}."""
     cmd = [exe, "-m", path, "-ngl", "99", "-p", ",".join(map(str, p)), "-n", ",".join(map(str, n)),
            "-fa", str(fa), "-r", str(r), "-o", "json"]
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return {"error": "llama-bench timed out after 900 s"}
+        return {"error": f"llama-bench timed out after {timeout} s"}
     if out.returncode:
         return {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"}
-    res = {}
-    for row in json.loads(out.stdout):
-        key = f"pp{row['n_prompt']}" if row["n_gen"] == 0 else f"tg{row['n_gen']}"
-        res[key], res[key + "_sd"] = row["avg_ts"], row["stddev_ts"]
-    return res
+    try:
+        return parse_llama_bench(out.stdout)
+    except ValueError as e:
+        return {"error": str(e)}
 
 
 def synthetic_models(names: str, formats: str, folder: str) -> list[str]:
@@ -83,6 +101,8 @@ def main() -> None:
     ap.add_argument("--fa", type=int, default=1)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
+    from gpu_check import copy_bandwidth, measure  # torch with CUDA
+
     if not os.access(a.llama_bench, os.X_OK):
         ap.error(f"--llama-bench {a.llama_bench}: not an executable file")
     models = list(a.models) + synthetic_models(a.synthetic, a.formats, a.model_dir)

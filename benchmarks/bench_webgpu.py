@@ -2,6 +2,7 @@
 
     python benchmarks/bench_webgpu.py --quick                    # < 5 minutes on an H100
     python benchmarks/bench_webgpu.py --models llama-3.1-8b --formats Q4_0,Q8_0,F16 [--cuda]
+        [--llama-bench PATH/llama-bench [--fa 1]]
     [--model-dir DIR] [-p 512] [-n 128] [-r 3] [--bandwidth 3.0e12] [--timeout 300] [--json OUT.json]
 
 1. device: the adapter, its driver, wgpu's version and the optional features the kernels use.
@@ -18,7 +19,11 @@
    decode tg{n} (greedy on the device) in tokens/s, median of -r runs, and decode bandwidth =
    weight bytes read per token x tokens/s against --bandwidth; with --cuda the cuda backend too.
    Each (file, backend) runs in its own process under --timeout: a failure or hang is recorded
-   in the table and the run goes on.
+   in the table and the run goes on. With --llama-bench (llama.cpp's, built with GGML_VULKAN:
+   benchmarks/gpu_session.sh build_llama_vk) also llama-bench -ngl 99 -fa FA -p P -n N -r R on the
+   same file right after (mean of R after its own warm-up), as backend llama.cpp-vulkan; on a
+   synthetic file its decode bandwidth counts the webgpu row's weight bytes per token (the same
+   matrices, read as stored).
 """
 
 from __future__ import annotations
@@ -283,6 +288,23 @@ def synthetic_file(name: str, fmt: str, folder: str) -> str:
     return path
 
 
+def llama_row(args, path: str, name: str, fmt: str, bw: float, wbytes: float | None) -> dict:
+    """llama-bench (Vulkan) on one file, as a models row of backend llama.cpp-vulkan."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_vs_llamacpp import llama_bench
+
+    row = {"model": name, "fmt": fmt, "backend": "llama.cpp-vulkan"}
+    res = llama_bench(args.llama_bench, path, [args.p], [args.n], args.r, args.fa, timeout=args.timeout)
+    missing = [k for k in (f"pp{args.p}", f"tg{args.n}") if k not in res]
+    if "error" in res or missing:
+        return {**row, "error": res.get("error") or f"llama-bench reported no {', '.join(missing)}"}
+    row.update(res)
+    if wbytes:
+        tg = row[f"tg{args.n}"]
+        row.update(weight_bytes_per_token=wbytes, decode_GBps=wbytes * tg / 1e9, decode_pct_bw=100 * wbytes * tg / bw)
+    return row
+
+
 def models_section(args, bw: float) -> list[dict]:
     rows = []
     backends = ["webgpu"] + (["cuda"] if args.cuda else [])
@@ -313,6 +335,12 @@ def models_section(args, bw: float) -> list[dict]:
                 row["error"] = f"timed out after {args.timeout} s"
             print(f"model {json.dumps(row)}", flush=True)
             rows.append(row)
+        if args.llama_bench:
+            wbytes = None if fmt == "file" else next(  # webgpu converts some formats of other files
+                (r.get("weight_bytes_per_token") for r in rows[::-1]
+                 if r.get("backend") == "webgpu" and r["model"] == name and r["fmt"] == fmt), None)
+            rows.append(llama_row(args, path, name, fmt, bw, wbytes))
+            print(f"model {json.dumps(rows[-1])}", flush=True)
     return rows
 
 
@@ -339,13 +367,17 @@ def print_tables(res: dict, p: int, n: int) -> None:
     print(f"\n## Models (synthetic files; prefill pp{p}, decode tg{n} greedy on the device)")
     print(f"| model | format | backend | pp{p} tok/s | tg{n} tok/s | MB/token | decode GB/s | % of copy bw | load s |")
     print("|---|---|---|---|---|---|---|---|---|")
+
+    def cell(r, key, fmt, scale=1.0, unit=""):
+        return format(r[key] / scale, fmt) + unit if r.get(key) is not None else "-"
+
     for r in res.get("models", []):
         if "error" in r:
             print(f"| {r['model']} | {r['fmt']} | {r.get('backend', '')} | error: {r['error']} |||||")
             continue
         print(f"| {r['model']} | {r['fmt']} | {r['backend']} | {r[f'pp{p}']:.0f} | {r[f'tg{n}']:.1f} | "
-              f"{r['weight_bytes_per_token'] / 1e6:.0f} | {r['decode_GBps']:.0f} | {r['decode_pct_bw']:.0f}% | "
-              f"{r['load_s']:.1f} |")
+              f"{cell(r, 'weight_bytes_per_token', '.0f', 1e6)} | {cell(r, 'decode_GBps', '.0f')} | "
+              f"{cell(r, 'decode_pct_bw', '.0f', unit='%')} | {cell(r, 'load_s', '.1f')} |")
 
 
 def main() -> None:
@@ -367,6 +399,9 @@ def main() -> None:
     ap.add_argument("--set", action="append", metavar="VAR=VALUE",
                     help="environment of the model runs, e.g. EDGELLM_WEBGPU_ACT=f16 (repeatable)")
     ap.add_argument("--cuda", action="store_true", help="also the cuda backend (torch with CUDA and triton)")
+    ap.add_argument("--llama-bench", default=None, metavar="PATH",
+                    help="models: also this llama-bench (a GGML_VULKAN build) on each file, backend llama.cpp-vulkan")
+    ap.add_argument("--fa", type=int, default=1, help="llama-bench -fa (flash attention) with --llama-bench")
     ap.add_argument("--skip", default="", help="sections to skip: check,gemv,gemm,models")
     ap.add_argument("--gemv-shapes", default=None, help="OUTxIN,... instead of the Llama shapes")
     ap.add_argument("--no-tune", action="store_true", help="GEMV: time the default configuration only")
@@ -383,6 +418,8 @@ def main() -> None:
             print(_err(e), file=sys.stderr)
             sys.exit(1)
         return
+    if args.llama_bench and not os.access(args.llama_bench, os.X_OK):
+        ap.error(f"--llama-bench {args.llama_bench}: not an executable file")
     if args.models is None:  # "" (with --file): no synthetic files
         args.models = QUICK_MODELS if args.quick else ALL_MODELS
     args.formats = args.formats or (QUICK_FORMATS if args.quick else ALL_FORMATS)

@@ -1,16 +1,33 @@
 #!/usr/bin/env bash
 # One GPU session's measurements on a lent H100/H200 (the device tool), as steps that fit its
-# 10-minute calls: bash benchmarks/gpu_session.sh STEP [ARGS...]. State lives in /tmp/gpu-session,
-# which survives between calls while the machine stays warm.
+# 10-minute calls: bash benchmarks/gpu_session.sh STEP [ARGS...]. State lives in /tmp/gpu-session
+# (GPU_SESSION_DIR), which survives between calls while the machine stays warm.
 #
 # Carried into the call (ignored by git): .whl/ (wheels the image lacks: gguf) and
 # .llama/llama_trim.tar.gz (llama-cpp-python 0.3.36's sdist without the vendored llama.cpp's
 # models/, docs/, examples/ and backends other than CUDA/CPU: 6 MB instead of 76 MB).
+# For build_llama_vk also (both made by benchmarks/prepare_llama_vk.sh): .llama/llama_vk.tar.gz
+# (the same sdist kept for a Vulkan + CPU build on x86_64: no other backends or CPU architectures,
+# no media, no tools/mtmd audio header; 3 MB) and
+# .vk/*.deb, the Vulkan build tools unpacked into $W/vk (not into /): glslc + libshaderc1 2026.4,
+# libvulkan-dev 1.4.363 (headers), spirv-headers 1.4.363 (Debian sid; glslc needs glibc >= 2.38),
+# libvulkan1 1.3.239 (the loader the webgpu backend uses too, from .gl/); .vk/fallback/ holds
+# glslc 2023.2 (Debian 12, glibc >= 2.34) for an older image: its build lacks llama.cpp's
+# cooperative-matrix and integer-dot shaders, so its prefill is not llama.cpp's best.
 #
 #   setup                 install the carried wheels
 #   build_llama           llama.cpp CUDA (sm_90): llama-bench and libllama.so; the Python bindings
 #                         of the same sdist load that library (run it under setsid: about 5 min)
 #   wait_llama [SECONDS]  wait for build_llama
+#   build_llama_vk        llama.cpp Vulkan (GGML_VULKAN=ON, GGML_CUDA=OFF): llama-bench alone, static
+#                         but for the loader, into $W/lbvk, make -j$JOBS (16); prints which shader
+#                         extensions glslc supports (GL_NV_cooperative_matrix2 expected). Run it under
+#                         setsid: 10.5 min at -j2 on 2 CPU cores, so a few minutes on 16
+#   wait_llama_vk [SECONDS]  wait for build_llama_vk, then list the Vulkan devices llama-bench sees
+#                         (needs the .gl/ debs unpacked into / as for the webgpu backend). Run it as
+#                         VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json \
+#                           /tmp/gpu-session/lbvk/bin/llama-bench -m FILE.gguf -ngl 99 -fa 1 -p 512 -n 128
+#                         or through benchmarks/bench_webgpu.py --llama-bench (same files, same run)
 #   build_llama_py        llama-cpp-python itself with CUDA, as a user installs it
 #                         (CMAKE_ARGS=-DGGML_CUDA=on pip install), into the session's site folder
 #                         (run it under setsid: about 5 min); wait_llama_py [SECONDS] waits for it
@@ -31,7 +48,7 @@
 #                         (issue 5's GPU report)
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-W=/tmp/gpu-session
+W=${GPU_SESSION_DIR:-/tmp/gpu-session}
 OUT=${OUT:-$W/out}
 mkdir -p "$W/models" "$OUT"
 export PYTHONPATH="$ROOT:$W/site:$W/lpy"
@@ -72,6 +89,34 @@ build_llama)
 wait_llama)
   wait_done "$W/llama.done" "${1:-400}" "$W/build.log" "$W/cmake.log"
   ls "$W/lb/bin"
+  ;;
+build_llama_vk)
+  rm -f "$W/llama_vk.done"
+  P=$W/vk
+  lib=$P/usr/lib/x86_64-linux-gnu
+  rm -rf "$P" "$W/vksrc" && mkdir -p "$P" "$W/vksrc"
+  for d in "$ROOT"/.vk/*.deb; do dpkg -x "$d" "$P" || exit 1; done
+  printf '#!/bin/sh\nLD_LIBRARY_PATH=%s${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} exec %s "$@"\n' "$lib" "$P/usr/bin/glslc" >"$P/glslc"
+  chmod +x "$P/glslc"
+  if ! "$P/glslc" --version >/dev/null 2>&1; then
+    echo "glslc $(basename "$ROOT"/.vk/glslc_*.deb) does not run here: falling back to .vk/fallback (no cooperative-matrix shaders)"
+    for d in "$ROOT"/.vk/fallback/*.deb; do dpkg -x "$d" "$P" || exit 1; done
+  fi
+  "$P/glslc" --version | head -3
+  tar xzf "$ROOT/.llama/llama_vk.tar.gz" -C "$W/vksrc"
+  cmake -S "$W/vksrc/llama_cpp_python-0.3.36/vendor/llama.cpp" -B "$W/lbvk" -DCMAKE_BUILD_TYPE=Release \
+    -DGGML_VULKAN=ON -DGGML_CUDA=OFF -DBUILD_SHARED_LIBS=OFF -DCMAKE_PREFIX_PATH="$P/usr" \
+    -DVulkan_INCLUDE_DIR="$P/usr/include" -DVulkan_LIBRARY="$lib/libvulkan.so" -DVulkan_GLSLC_EXECUTABLE="$P/glslc" \
+    -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+    -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF >"$W/cmake_vk.log" 2>&1 || { tail -20 "$W/cmake_vk.log"; exit 1; }
+  grep 'by glslc' "$W/cmake_vk.log"
+  cmake --build "$W/lbvk" -j"${JOBS:-16}" --target llama-bench >"$W/build_vk.log" 2>&1 || { tail -30 "$W/build_vk.log"; exit 1; }
+  touch "$W/llama_vk.done"
+  ;;
+wait_llama_vk)
+  wait_done "$W/llama_vk.done" "${1:-400}" "$W/build_vk.log" "$W/cmake_vk.log"
+  VK_DRIVER_FILES=${VK_DRIVER_FILES:-/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json} \
+    "$W/lbvk/bin/llama-bench" --list-devices
   ;;
 build_llama_py)
   rm -f "$W/llama_py.done"
