@@ -88,17 +88,39 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if not _is_loopback(args.host) and not args.api_key:
         print(f"edgellm serve: warning: listening on {args.host} without --api-key: anyone who can reach it may use it",
               file=sys.stderr)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_grace, access_log=args.log_level in ("info", "debug"))
-    server = _server_class()(config)
     print(f"edgellm serve: {model_id} on http://{args.host}:{args.port}/v1 ({args.parallel} slots x {m.ctx} tokens; "
           f"{m.backend.describe()}; load {m.load_s:.1f} s)", file=sys.stderr, flush=True)
-    try:
-        server.run()  # returns after Ctrl-C / SIGTERM: running requests had shutdown-grace seconds to finish
-    finally:
-        sched.stop()
+    run_server(app, sched, host=args.host, port=args.port, log_level=args.log_level,
+               shutdown_grace=args.shutdown_grace)
     print("edgellm serve: stopped", file=sys.stderr)
     return 0
+
+
+def run_server(app, sched, *, host: str, port: int, log_level: str = "warning", shutdown_grace: float = 5.0,
+               loop_hook=None) -> None:
+    """Serve app with uvicorn until Ctrl-C / SIGTERM (running requests get shutdown_grace seconds
+    to finish), then stop the scheduler. loop_hook(loop), when given, sees the event loop before
+    the server starts (benchmarks/bench_serve_stack.py counts its busy time)."""
+    import asyncio
+
+    import uvicorn
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=shutdown_grace, access_log=log_level in ("info", "debug"))
+    server = _server_class()(config)
+
+    async def serve():
+        loop_hook(asyncio.get_running_loop())
+        await server.serve()
+
+    try:
+        if loop_hook is None:
+            server.run()
+        else:  # as server.run() (Python 3.11+), plus the hook
+            with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:
+                runner.run(serve())
+    finally:
+        sched.stop()
 
 
 def _server_class():

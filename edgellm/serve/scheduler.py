@@ -100,7 +100,10 @@ class _Running:
 
 
 class Scheduler:
-    def __init__(self, model, parallel: int = 1, *, max_queue: int = 64, chunk: int = 256):
+    def __init__(self, model, parallel: int = 1, *, max_queue: int = 64, chunk: int = 256,
+                 pool: SlotPool | None = None):
+        """pool: the slots and decode step over model (default SlotPool(model, parallel); a stand-in
+        with the same slots / batch / decode_tokens measures the serving stack without a model)."""
         if parallel < 1:
             raise EdgeLLMError(f"parallel must be at least 1, got {parallel}")
         if max_queue < 0:
@@ -109,7 +112,7 @@ class Scheduler:
         self.ctx = model.ctx
         self.chunk = max(1, int(chunk))
         self.max_queue = max_queue
-        self.pool = SlotPool(model, parallel)
+        self.pool = SlotPool(model, parallel) if pool is None else pool
         self.slots: list[KVSlot] = list(self.pool.slots)
         self.batched = self.pool.batch is not None
         self._free: list[KVSlot] = list(self.slots)
