@@ -96,11 +96,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+# While serving, two threads share the GIL: the model thread (which releases it at every torch
+# call and in the wait for the GPU) and the event loop's. A thread that wants the GIL back waits
+# until the holder releases it or the switch interval (Python's default 5 ms) forces it to: with
+# the loop busy, each release in a decode step could cost the model thread up to 5 ms.
+SWITCH_INTERVAL_S = 0.0005
+
+
 def run_server(app, sched, *, host: str, port: int, log_level: str = "warning", shutdown_grace: float = 5.0,
-               loop_hook=None) -> None:
+               switch_interval: float | None = SWITCH_INTERVAL_S, loop_hook=None) -> None:
     """Serve app with uvicorn until Ctrl-C / SIGTERM (running requests get shutdown_grace seconds
-    to finish), then stop the scheduler. loop_hook(loop), when given, sees the event loop before
-    the server starts (benchmarks/bench_serve_stack.py counts its busy time)."""
+    to finish), then stop the scheduler. switch_interval: sys.setswitchinterval while serving
+    (None: Python's as it is). loop_hook(loop), when given, sees the event loop before the server
+    starts (benchmarks/bench_serve_stack.py counts its busy time)."""
     import asyncio
 
     import uvicorn
@@ -113,6 +121,9 @@ def run_server(app, sched, *, host: str, port: int, log_level: str = "warning", 
         loop_hook(asyncio.get_running_loop())
         await server.serve()
 
+    old_interval = sys.getswitchinterval()
+    if switch_interval is not None:
+        sys.setswitchinterval(switch_interval)
     try:
         if loop_hook is None:
             server.run()
@@ -121,6 +132,7 @@ def run_server(app, sched, *, host: str, port: int, log_level: str = "warning", 
                 runner.run(serve())
     finally:
         sched.stop()
+        sys.setswitchinterval(old_interval)
 
 
 def _server_class():
