@@ -95,7 +95,8 @@ class StandInPool:
     release; taking it back can then wait for that thread (up to the switch interval).
     Records, per step, the step's own time and the scheduler thread's time since the last step."""
 
-    def __init__(self, model: StandInModel, n: int, step_ms: float, host_ms: float, releases: int):
+    def __init__(self, model: StandInModel, n: int, step_ms: float, host_ms: float, releases: int,
+                 overlaps: bool = True):
         from edgellm.session import KVSlot
 
         self.model, self.n = model, n
@@ -103,30 +104,48 @@ class StandInPool:
         self.batch = self  # not None: the scheduler runs batched steps
         self.step_s, self.host_s = step_ms / 1e3, min(host_ms, step_ms) / 1e3
         self.releases = max(1, releases)
+        self.overlaps = overlaps  # as SlotPool on a CUDA device: the step runs while the host goes on
         self.reset()
 
     def reset(self):
         self.steps = self.rows = 0
         self.in_step = self.between = self.between_cpu = 0.0
         self._last = None  # (wall, thread cpu) at the end of the previous step
+        self.own_cpu = 0.0  # the stand-in's own CPU time (its host part)
+        self.cpu_first = self.cpu_last = None  # the scheduler thread's CPU clock at the first and last step
 
-    def step(self):
-        t0 = time.perf_counter()
+    def launch(self) -> float:
+        """The host part; returns when the device part ends."""
+        t0, c0 = time.perf_counter(), time.thread_time()
         for k in range(1, self.releases + 1):  # each torch call releases the GIL and takes it again
             end = t0 + self.host_s * k / self.releases
             while time.perf_counter() < end:
                 pass
             time.sleep(0)
-        rest = t0 + self.step_s - time.perf_counter()
+        self.own_cpu += time.thread_time() - c0
+        return t0 + self.step_s
+
+    @staticmethod
+    def wait_until(end: float) -> None:
+        rest = end - time.perf_counter()
         if rest > 0:
             time.sleep(rest)
 
+    def step(self):
+        self.wait_until(self.launch())
+
     def decode_tokens(self, steps, need_logits):
+        return self.decode_start(steps, need_logits)()
+
+    def decode_start(self, steps, need_logits):
         t0, c0 = time.perf_counter(), time.thread_time()
+        if self.cpu_first is None:
+            self.cpu_first, self.own_cpu = c0, 0.0
+        self.cpu_last = c0
         if self._last is not None and t0 - self._last[0] < 0.05:  # not across an idle gap
             self.between += t0 - self._last[0]
             self.between_cpu += c0 - self._last[1]
-        self.step()
+        device_end = self.launch()
         tokens = np.empty(len(steps), np.int64)
         for i, (slot, token, pos) in enumerate(steps):
             del slot.tokens[pos:]
@@ -142,8 +161,16 @@ class StandInPool:
         self.steps += 1
         self.rows += len(steps)
         self.in_step += t1 - t0
-        self._last = (t1, time.thread_time())
-        return tokens, logits
+
+        def wait():
+            t2 = time.perf_counter()
+            self.wait_until(device_end)
+            t3 = time.perf_counter()
+            self.in_step += t3 - t2
+            self._last = (t3, time.thread_time())
+            return tokens, logits
+
+        return wait
 
 
 class LoopClock:
@@ -152,8 +179,9 @@ class LoopClock:
     def __init__(self):
         self.reset()
 
-    def reset(self):
+    def reset(self):  # on the loop's thread
         self.t0, self.idle, self.iterations = time.perf_counter(), 0.0, 0
+        self.cpu0 = time.thread_time()
 
     def hook(self, loop):
         sel = loop._selector
@@ -171,7 +199,8 @@ class LoopClock:
 
     def read(self) -> dict:
         wall = time.perf_counter() - self.t0
-        return {"wall_s": wall, "busy_s": wall - self.idle, "iterations": self.iterations}
+        return {"wall_s": wall, "busy_s": wall - self.idle, "iterations": self.iterations,
+                "cpu_s": time.thread_time() - self.cpu0}
 
 
 def serve_main(args) -> None:
@@ -180,7 +209,7 @@ def serve_main(args) -> None:
     from edgellm.serve.scheduler import Scheduler
 
     model = StandInModel(args.ctx, args.prefill_ms)
-    pool = StandInPool(model, args.parallel, args.step_ms, args.host_ms, args.gil_releases)
+    pool = StandInPool(model, args.parallel, args.step_ms, args.host_ms, args.gil_releases, not args.no_overlap)
     sched = Scheduler(model, args.parallel, max_queue=args.parallel * 4, pool=pool)
     profs = {}
     if args.profile:
@@ -203,7 +232,9 @@ def serve_main(args) -> None:
 
     @app.get("/bench/stats")
     async def _stats():
+        sched_cpu = (pool.cpu_last - pool.cpu_first - pool.own_cpu) if pool.cpu_first is not None else 0.0
         return {"steps": pool.steps, "rows": pool.rows, "in_step_s": pool.in_step, "between_s": pool.between,
+                "sched_cpu_s": sched_cpu,
                 "between_cpu_s": pool.between_cpu, "loop": clock.read(),
                 "switch_interval_s": sys.getswitchinterval()}
 
@@ -214,7 +245,8 @@ def serve_main(args) -> None:
             p.enable()
 
     try:
-        run_server(app, sched, host="127.0.0.1", port=args.port, loop_hook=hook)
+        kw = {} if args.switch_interval is None else {"switch_interval": args.switch_interval / 1e3}
+        run_server(app, sched, host="127.0.0.1", port=args.port, loop_hook=hook, **kw)
     finally:
         if "loop" in profs:
             profs["loop"].disable()
@@ -304,7 +336,11 @@ def main(argv=None) -> int:
     p.add_argument("--gil-releases", type=int, default=8,
                    help="GIL releases in the host part (torch calls per step: input copies, graph replay, "
                         "argmax, readback; default 8)")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="the stand-in's step does not run while the scheduler goes on (as on a CPU backend)")
     p.add_argument("--prefill-ms", type=float, default=0.01, help="stand-in prefill, ms per prompt token")
+    p.add_argument("--switch-interval", type=float, default=None, metavar="MS",
+                   help="sys.setswitchinterval while serving (default: edgellm serve's own)")
     p.add_argument("--ctx", type=int, default=1024, help="context per slot (default 1024)")
     p.add_argument("--profile", default=None, metavar="PREFIX",
                    help="cProfile the scheduler thread and the event loop thread: PREFIX.scheduler.prof, "
@@ -324,8 +360,10 @@ def main(argv=None) -> int:
     port = _free_port()
     cmd = [sys.executable, __file__, "--serve", "--port", str(port), "--parallel", str(max(args.clients)),
            "--step-ms", str(args.step_ms), "--host-ms", str(args.host_ms),
-           "--gil-releases", str(args.gil_releases), "--prefill-ms", str(args.prefill_ms),
-           "--ctx", str(args.ctx)] + (["--profile", args.profile] if args.profile else [])
+           "--gil-releases", str(args.gil_releases),
+           *(["--no-overlap"] if args.no_overlap else []), "--prefill-ms", str(args.prefill_ms),
+           "--ctx", str(args.ctx)] + (["--switch-interval", str(args.switch_interval)]
+                                      if args.switch_interval is not None else []) + (["--profile", args.profile] if args.profile else [])
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen(cmd, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -367,27 +405,27 @@ def main(argv=None) -> int:
             proc.kill()
     interval = rows[0]["server"]["switch_interval_s"] if rows else float("nan")
     print(f"serving stack ceiling: stand-in decode step {args.step_ms} ms ({args.host_ms} ms holding the GIL, "
-          f"released {args.gil_releases} times), "
+          f"released {args.gil_releases} times; {'no overlap' if args.no_overlap else 'overlapping'}), "
           f"{rate:.0f} steps/s alone; {args.tokens} tokens x {args.requests} request(s) per client, "
           f"median of {args.repeat} rounds; "
           f"switch interval {interval * 1e3:g} ms; {os.cpu_count()} CPUs")
     print(f"{'clients':>7} {'ok/req':>7} {'agg tok/s':>10} {'of ceiling':>10} {'stream tok/s':>12} {'of ceiling':>10} "
-          f"{'TTFT p50 ms':>11} {'steps':>6} {'rows/step':>9} {'step ms':>8} {'sched cpu':>9} {'sched wait':>10} "
-          f"{'loop busy':>9} {'client cpu':>10}")
+          f"{'TTFT p50 ms':>11} {'rows/step':>9} {'step ms':>8} {'between ms':>10} {'sched us/tok':>12} "
+          f"{'loop us/tok':>11} {'loop busy':>9} {'client cpu':>10}")
     for r in rows:
         s = r["server"]
-        steps = max(1, s["steps"])
-        per = 1e3 / steps  # ms per step
+        steps, tokens = max(1, s["steps"]), max(1, s["rows"])
         line = (f"{r['clients']:>7} {str(r['ok']) + '/' + str(r['requests']):>7} {r['aggregate_tps']:>10.0f} "
-                f"{r['aggregate_tps'] / (rate * r['clients']):>10.2f} {r['stream_tps']:>12.0f} {r['stream_tps'] / rate:>10.2f} "
-                f"{r['ttft_p50_ms']:>11.1f} {s['steps']:>6} {s['rows'] / steps:>9.1f} "
-                f"{s['in_step_s'] * per:>8.3f} {s['between_cpu_s'] * per:>9.3f} "
-                f"{(s['between_s'] - s['between_cpu_s']) * per:>10.3f} "
+                f"{r['aggregate_tps'] / (rate * r['clients']):>10.2f} {r['stream_tps']:>12.0f} "
+                f"{r['stream_tps'] / rate:>10.2f} {r['ttft_p50_ms']:>11.1f} {s['rows'] / steps:>9.1f} "
+                f"{1e3 * s['in_step_s'] / steps:>8.3f} {1e3 * s['between_s'] / steps:>10.3f} "
+                f"{1e6 * s['sched_cpu_s'] / tokens:>12.1f} {1e6 * s['loop']['cpu_s'] / tokens:>11.1f} "
                 f"{s['loop']['busy_s'] / max(1e-9, s['loop']['wall_s']):>9.2f} {r['client_cpu_s'] / r['wall_s']:>10.2f}")
         print(line + (f"  errors: {r['errors']}" if r["errors"] else ""))
-    print("step ms: the stand-in step; sched cpu / sched wait: the scheduler thread's CPU time and other time "
-          "(waiting for the GIL) between steps, ms per step; loop busy: the event loop's busy fraction; "
-          "client cpu: the client process's CPU / wall")
+    print("step ms: the stand-in step as the scheduler saw it (launch to result); between ms: the scheduler "
+          "thread's wall time from one step's result to the next launch; sched / loop us/tok: CPU time of the "
+          "scheduler thread (less the stand-in's own) and of the event-loop thread per generated token; loop "
+          "busy: the event loop's busy fraction; client cpu: the client process's CPU / wall")
     if args.profile:
         for name in ("scheduler", "loop"):
             path = f"{args.profile}.{name}.prof"
