@@ -221,7 +221,7 @@ def serve_main(args) -> None:
 
         sched._thread = threading.Thread(target=profiled_loop, name="edgellm-scheduler", daemon=True)
     sched.start()
-    app = create_app(model, sched, ServeConfig(model_id="stand-in"))
+    app = create_app(model, sched, ServeConfig(model_id="stand-in", stream_interval=args.stream_interval / 1e3))
     clock = LoopClock()
 
     @app.post("/bench/reset")
@@ -341,6 +341,8 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-ms", type=float, default=0.01, help="stand-in prefill, ms per prompt token")
     p.add_argument("--switch-interval", type=float, default=None, metavar="MS",
                    help="sys.setswitchinterval while serving (default: edgellm serve's own)")
+    p.add_argument("--stream-interval", type=float, default=0.0, metavar="MS",
+                   help="edgellm serve --stream-interval: ms between hand-overs of events to the streams (default 0)")
     p.add_argument("--ctx", type=int, default=1024, help="context per slot (default 1024)")
     p.add_argument("--profile", default=None, metavar="PREFIX",
                    help="cProfile the scheduler thread and the event loop thread: PREFIX.scheduler.prof, "
@@ -361,6 +363,7 @@ def main(argv=None) -> int:
     cmd = [sys.executable, __file__, "--serve", "--port", str(port), "--parallel", str(max(args.clients)),
            "--step-ms", str(args.step_ms), "--host-ms", str(args.host_ms),
            "--gil-releases", str(args.gil_releases),
+           "--stream-interval", str(args.stream_interval),
            *(["--no-overlap"] if args.no_overlap else []), "--prefill-ms", str(args.prefill_ms),
            "--ctx", str(args.ctx)] + (["--switch-interval", str(args.switch_interval)]
                                       if args.switch_interval is not None else []) + (["--profile", args.profile] if args.profile else [])
@@ -408,7 +411,7 @@ def main(argv=None) -> int:
           f"released {args.gil_releases} times; {'no overlap' if args.no_overlap else 'overlapping'}), "
           f"{rate:.0f} steps/s alone; {args.tokens} tokens x {args.requests} request(s) per client, "
           f"median of {args.repeat} rounds; "
-          f"switch interval {interval * 1e3:g} ms; {os.cpu_count()} CPUs")
+          f"switch interval {interval * 1e3:g} ms; stream interval {args.stream_interval:g} ms; {os.cpu_count()} CPUs")
     print(f"{'clients':>7} {'ok/req':>7} {'agg tok/s':>10} {'of ceiling':>10} {'stream tok/s':>12} {'of ceiling':>10} "
           f"{'TTFT p50 ms':>11} {'rows/step':>9} {'step ms':>8} {'between ms':>10} {'sched us/tok':>12} "
           f"{'loop us/tok':>11} {'loop busy':>9} {'client cpu':>10}")

@@ -54,6 +54,9 @@ class ServeConfig:
     api_key: str | None = None
     max_body: int = DEFAULT_MAX_BODY
     max_tokens_limit: int | None = None  # default: the context
+    # seconds between two hand-overs of the model's events to the streams (0: each as soon as the
+    # loop runs); tokens that arrive within it go out as one chunk per stream
+    stream_interval: float = 0.0
 
 
 class _Guard:
@@ -220,7 +223,7 @@ def create_app(model, scheduler: sch.Scheduler, cfg: ServeConfig) -> FastAPI:
 
     async def _respond(request: Request, req: sch.Request, body, chat: bool):
         loop = asyncio.get_running_loop()
-        outbox = outboxes.get(loop) or outboxes.setdefault(loop, _Outbox(loop))
+        outbox = outboxes.get(loop) or outboxes.setdefault(loop, _Outbox(loop, cfg.stream_interval))
         queue: asyncio.Queue = asyncio.Queue()
         req.on_event = functools.partial(outbox.put, queue)
         try:
@@ -307,21 +310,31 @@ def create_app(model, scheduler: sch.Scheduler, cfg: ServeConfig) -> FastAPI:
 class _Outbox:
     """Events from the model thread to one event loop's request queues. Each call_soon_threadsafe
     wakes the loop (a write to its self-pipe, then a turn of the loop): the events that arrive
-    before the loop runs share one wake-up, not one each."""
+    before the loop runs share one wake-up, not one each. With an interval, hand-overs are at
+    least that far apart (the events of several steps, one chunk per stream)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
+    def __init__(self, loop: asyncio.AbstractEventLoop, interval: float = 0.0):
+        self.loop, self.interval = loop, interval
         self._items: collections.deque = collections.deque()
         self._scheduled = False
+        self._last = -float("inf")  # loop time of the last hand-over
 
     def put(self, queue: asyncio.Queue, ev) -> None:
         """From any thread: ev for queue."""
         self._items.append((queue, ev))
         if not self._scheduled:  # a drain that has not started yet will take it
             self._scheduled = True
-            self.loop.call_soon_threadsafe(self._drain)
+            self.loop.call_soon_threadsafe(self._wake)
+
+    def _wake(self) -> None:
+        wait = self._last + self.interval - self.loop.time()
+        if wait > 0:
+            self.loop.call_later(wait, self._drain)
+        else:
+            self._drain()
 
     def _drain(self) -> None:
+        self._last = self.loop.time()
         self._scheduled = False  # first: an event added from here on schedules the next drain
         items = self._items
         while items:

@@ -34,6 +34,10 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--max-body", type=int, default=1 << 20, help="largest request body in bytes (default 1 MiB)")
     s.add_argument("--max-tokens-limit", type=int, default=None,
                    help="largest max_tokens a request may ask for (default: the context)")
+    s.add_argument("--stream-interval", type=float, default=0.0, metavar="MS",
+                   help="least milliseconds between two hand-overs of tokens to the streams; the tokens of "
+                        "several steps then go out as one chunk per stream, fewer writes for the event loop "
+                        "(default 0: each step's tokens as soon as the loop runs)")
     s.add_argument("--shutdown-grace", type=float, default=5.0,
                    help="seconds Ctrl-C/SIGTERM lets running requests finish before cancelling them (default 5)")
     s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
@@ -50,6 +54,7 @@ def _check_args(args: argparse.Namespace) -> None:
         ("--max-body", args.max_body >= 1024, ">= 1024"),
         ("--max-tokens-limit", args.max_tokens_limit is None or args.max_tokens_limit >= 1, ">= 1"),
         ("--shutdown-grace", args.shutdown_grace >= 0, ">= 0"),
+        ("--stream-interval", args.stream_interval >= 0, ">= 0"),
     ]
     for name, ok, want in checks:
         if not ok:
@@ -84,7 +89,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     model_id = args.alias or os.path.basename(m.path).removesuffix(".gguf")
     sched = Scheduler(m, args.parallel, max_queue=args.max_queue, chunk=args.chunk).start()
     app = create_app(m, sched, ServeConfig(model_id=model_id, api_key=args.api_key, max_body=args.max_body,
-                                          max_tokens_limit=args.max_tokens_limit))
+                                          max_tokens_limit=args.max_tokens_limit,
+                                          stream_interval=args.stream_interval / 1e3))
     if not _is_loopback(args.host) and not args.api_key:
         print(f"edgellm serve: warning: listening on {args.host} without --api-key: anyone who can reach it may use it",
               file=sys.stderr)
