@@ -256,7 +256,8 @@ def serve_main(args) -> None:
 
 # -- the clients (driver side) ------------------------------------------------------------------------
 async def one_request(client, url: str, i: int, tokens: int, words: int, stop) -> dict:
-    prompt = f"Request {i}: " + " ".join(TEXT.split()[:max(1, words)])
+    text = TEXT.split() * (1 + words // len(TEXT.split()))
+    prompt = f"Request {i}: " + " ".join(text[:max(1, words)])
     body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True}}
     if stop:
