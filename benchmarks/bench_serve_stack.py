@@ -8,14 +8,17 @@ else is the real thing: Scheduler, TextStream with the default model's tokenizer
 over loopback, and streaming httpx clients in another process.
 
 Per N concurrent clients (each streams --requests completions of --tokens tokens, ignore_eos):
-aggregate tokens/s, per-stream tokens/s (the median of --repeat rounds), and both as a fraction of the ceiling, the stand-in's
-own step rate (per stream: steps/s; aggregate: N x steps/s) measured in a tight loop. Also where
-the time per step goes, read from the server: the scheduler thread's step period split into the
-stand-in step, its own CPU work and waiting (for the GIL, mostly), and the event loop's busy
-fraction. --profile writes cProfile tables of the scheduler thread and the event-loop thread.
+aggregate and per-stream tokens/s (the median of --repeat rounds), each also as a fraction of the
+ceiling, the stand-in's own step rate measured in a tight loop (per stream: steps/s; aggregate: N
+x steps/s). Also where the time per step goes, read from the server: the stand-in step as the
+scheduler saw it, the scheduler thread's time between steps, the CPU time per token of the
+scheduler and event-loop threads, and the event loop's busy fraction. The stand-in's step runs
+while the scheduler goes on, as a step queued on a GPU does (--no-overlap: as on a CPU backend).
+--profile writes cProfile tables of the scheduler thread and the event-loop thread.
 
   python benchmarks/bench_serve_stack.py                        # N = 1, 4, 16, 32; 0.7 ms steps
   python benchmarks/bench_serve_stack.py --clients 1 16 --step-ms 0.5 --profile /tmp/prof
+  python benchmarks/bench_serve_stack.py --requests 1 --prompt-words 270 --prefill-ms 0.015  # bench_serve's H100 shape
 """
 
 from __future__ import annotations

@@ -14,6 +14,13 @@ greedy rows read back only their token, the argmax taken on the device) where th
 the row-wise ops (cpu, cuda); elsewhere each sequence's single-token program runs in turn, with
 the same step structure.
 
+Where the step runs on a GPU (SlotPool.overlaps), it is queued before the previous step's tokens
+are delivered (their text, stop strings and events), so that this host work runs while the GPU
+steps; what decides the next step (the token fed next, end-of-turn tokens, max_tokens) is settled
+before it is queued. A stop string found in the delivered text ends a request that has already
+run one more step: that token is dropped, so the answer and its usage are those of the
+step-by-step order.
+
 Each request brings its own sampling parameters (and seed), stop strings and max_tokens; its
 events (text pieces, then a final Done or Failed) go to a callback, called on this thread.
 """
@@ -105,7 +112,8 @@ class Scheduler:
     def __init__(self, model, parallel: int = 1, *, max_queue: int = 64, chunk: int = 256,
                  pool: SlotPool | None = None):
         """pool: the slots and decode step over model (default SlotPool(model, parallel); a stand-in
-        with the same slots / batch / decode_tokens measures the serving stack without a model)."""
+        with the same slots / batch / decode_start / overlaps measures the serving stack without a
+        model: benchmarks/bench_serve_stack.py)."""
         if parallel < 1:
             raise EdgeLLMError(f"parallel must be at least 1, got {parallel}")
         if max_queue < 0:
