@@ -180,6 +180,7 @@ class LoopClock:
     """The event loop's busy time: wall time minus the time it waits in select()."""
 
     def __init__(self):
+        self.blind = False
         self.reset()
 
     def reset(self):  # on the loop's thread
@@ -187,7 +188,10 @@ class LoopClock:
         self.cpu0 = time.thread_time()
 
     def hook(self, loop):
-        sel = loop._selector
+        sel = getattr(loop, "_selector", None)
+        if sel is None:  # not asyncio's own loop (uvloop): its busy time is not known
+            self.blind = True
+            return
         select = sel.select
 
         def timed(timeout=None):
@@ -202,7 +206,7 @@ class LoopClock:
 
     def read(self) -> dict:
         wall = time.perf_counter() - self.t0
-        return {"wall_s": wall, "busy_s": wall - self.idle, "iterations": self.iterations,
+        return {"wall_s": wall, "busy_s": None if self.blind else wall - self.idle, "iterations": self.iterations,
                 "cpu_s": time.thread_time() - self.cpu0}
 
 
@@ -422,12 +426,13 @@ def main(argv=None) -> int:
     for r in rows:
         s = r["server"]
         steps, tokens = max(1, s["steps"]), max(1, s["rows"])
+        busy = "-" if s["loop"]["busy_s"] is None else f"{s['loop']['busy_s'] / max(1e-9, s['loop']['wall_s']):.2f}"
         line = (f"{r['clients']:>7} {str(r['ok']) + '/' + str(r['requests']):>7} {r['aggregate_tps']:>10.0f} "
                 f"{r['aggregate_tps'] / (rate * r['clients']):>10.2f} {r['stream_tps']:>12.0f} "
                 f"{r['stream_tps'] / rate:>10.2f} {r['ttft_p50_ms']:>11.1f} {s['rows'] / steps:>9.1f} "
                 f"{1e3 * s['in_step_s'] / steps:>8.3f} {1e3 * s['between_s'] / steps:>10.3f} "
                 f"{1e6 * s['sched_cpu_s'] / tokens:>12.1f} {1e6 * s['loop']['cpu_s'] / tokens:>11.1f} "
-                f"{s['loop']['busy_s'] / max(1e-9, s['loop']['wall_s']):>9.2f} {r['client_cpu_s'] / r['wall_s']:>10.2f}")
+                f"{busy:>9} {r['client_cpu_s'] / r['wall_s']:>10.2f}")
         print(line + (f"  errors: {r['errors']}" if r["errors"] else ""))
     print("step ms: the stand-in step as the scheduler saw it (launch to result); between ms: the scheduler "
           "thread's wall time from one step's result to the next launch; sched / loop us/tok: CPU time of the "
