@@ -146,6 +146,7 @@ class SlotPool:
         self.model, self.n, self.ctx = model, n, model.ctx
         backend = model.backend
         self.batch = None
+        self.overlaps = False
         rings = model.config.kv_rings(self.ctx, model.kv_chunk)
         if rows_stage_unsupported(model.config):
             # no row-wise graph for this model: each slot gets caches of its own (ring layers their
@@ -166,6 +167,8 @@ class SlotPool:
             c = compile_graph(graph, supported_ops=supported, backend=backend.name, seq=n, ctx=n * self.ctx,
                               fuse=model.fuse)
             self.batch = backend.compile(c.graph, self.states, c.plan, max_seq=n)
+            # a step queued on a CUDA device runs while the host goes on (decode_start)
+            self.overlaps = getattr(getattr(self.batch, "dev", None), "type", None) == "cuda"
 
     def decode(self, steps: list[tuple[KVSlot, int, int]]):
         """One decode step of several sequences: (slot, token, position) each, distinct slots.
@@ -178,13 +181,25 @@ class SlotPool:
         (on the GPU for cuda), {i: float32 logits of row i} for the rows with need_logits[i]).
         A greedy sequence needs only its token: a step then copies len(steps) ids, not
         len(steps) x vocab floats."""
+        return self.decode_start(steps, need_logits)()
+
+    def decode_start(self, steps: list[tuple[KVSlot, int, int]], need_logits: list[bool]):
+        """decode_tokens in two halves: this call does the step's host work and queues its device
+        work; the function it returns waits for the step and returns what decode_tokens does. On
+        a GPU (`overlaps`) the step runs while the caller does other host work in between (the
+        scheduler: the previous step's text and events)."""
         import numpy as np
 
         logits = self._run(steps)
-        tokens = logits.argmax(dim=-1).cpu().numpy().astype(np.int64)  # first maximum, as np.argmax
+        argmax = logits.argmax(dim=-1)  # first maximum, as np.argmax
         want = [i for i, need in enumerate(need_logits) if need]
-        rows = self.model.backend.to_numpy(logits[want]) if want else None
-        return tokens, {i: rows[k] for k, i in enumerate(want)}
+
+        def wait():
+            tokens = argmax.cpu().numpy().astype(np.int64)
+            rows = self.model.backend.to_numpy(logits[want]) if want else None
+            return tokens, {i: rows[k] for k, i in enumerate(want)}
+
+        return wait
 
     def _run(self, steps: list[tuple[KVSlot, int, int]]):
         """The rows program over the steps; its logits as the backend's tensor [len(steps), vocab]."""

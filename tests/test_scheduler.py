@@ -91,3 +91,50 @@ def test_bounded_queue_cancellation_and_shutdown(default_model):
     assert s.counts()["busy"] == 0
     with pytest.raises(ShuttingDownError):
         s.submit(Request(ids, 1))
+
+
+def _serve_all(m, requests, overlap: bool):
+    """Run requests (Request kwargs each) together through a 3-slot scheduler; their events."""
+    from edgellm.session import SlotPool
+
+    pool = SlotPool(m, 3)
+    pool.overlaps = overlap  # the cpu backend's steps are done when queued; the step order is what is tested
+    s = Scheduler(m, 3, pool=pool).start()
+    assert s.overlap is overlap
+    try:
+        outs = [Collect() for _ in requests]
+        for kw, out in zip(requests, outs):
+            s.submit(Request(on_event=out, **kw))
+        for out in outs:
+            assert out.done.wait(120)
+        assert s.counts()["busy"] == 0
+        return outs
+    finally:
+        s.stop()
+
+
+def test_overlapped_steps_deliver_the_same_answers(default_model):
+    """With overlap the next decode step is queued before the previous step's tokens are delivered:
+    a stop string found in them ends a request that already ran one step more; that token is
+    dropped, so text, tokens, finish reasons and usage are those of the step-by-step scheduler."""
+    m = default_model
+    ids = m.tokenizer.encode("Once upon a time, in a land far away,")
+    ref = _greedy_alone(m, ids, 12)
+    text = m.tokenizer.decode(ref)
+    stop = text.strip().split()[3]  # a word in the middle of the greedy answer
+    greedy = SamplingParams(temperature=0)
+    requests = [dict(prompt=ids, max_tokens=12, params=greedy, ignore_eos=True),
+                dict(prompt=ids, max_tokens=12, params=greedy, stops=(stop,), ignore_eos=True),
+                dict(prompt=m.tokenizer.encode("1, 2, 3,"), max_tokens=5, params=greedy, logprobs=2)]
+    plain = _serve_all(m, requests, overlap=False)
+    overlapped = _serve_all(m, requests, overlap=True)
+    assert plain[0].tokens() == ref
+    assert stop in text and plain[1].text() == text[:text.index(stop)]
+    assert plain[1].events[-1].finish_reason == "stop" and plain[1].events[-1].completion_tokens < 12
+    for a, b in zip(plain, overlapped):
+        assert b.text() == a.text() and b.tokens() == a.tokens()
+        da, db = a.events[-1], b.events[-1]
+        assert (db.finish_reason, db.completion_tokens) == (da.finish_reason, da.completion_tokens)
+        lps = lambda out: [lp for e in out.events if isinstance(e, Piece) for lp in (e.logprobs or [])]
+        assert [(t, k) for t, _, k in lps(b)] == [(t, k) for t, _, k in lps(a)]
+        assert np.allclose([v for _, v, _ in lps(b)], [v for _, v, _ in lps(a)])

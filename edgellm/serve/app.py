@@ -16,7 +16,9 @@ frees its slot before the next model step.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import functools
 import hmac
 import json
 import time
@@ -52,6 +54,9 @@ class ServeConfig:
     api_key: str | None = None
     max_body: int = DEFAULT_MAX_BODY
     max_tokens_limit: int | None = None  # default: the context
+    # seconds between two hand-overs of the model's events to the streams (0: each as soon as the
+    # loop runs); tokens that arrive within it go out as one chunk per stream
+    stream_interval: float = 0.0
 
 
 class _Guard:
@@ -214,14 +219,13 @@ def create_app(model, scheduler: sch.Scheduler, cfg: ServeConfig) -> FastAPI:
         req = _common(body, prompt, body.stops(), body.logprobs)
         return await _respond(request, req, body, chat=False)
 
+    outboxes: dict = {}  # event loop -> its _Outbox (one loop in `edgellm serve`)
+
     async def _respond(request: Request, req: sch.Request, body, chat: bool):
         loop = asyncio.get_running_loop()
+        outbox = outboxes.get(loop) or outboxes.setdefault(loop, _Outbox(loop, cfg.stream_interval))
         queue: asyncio.Queue = asyncio.Queue()
-
-        def on_event(ev):
-            loop.call_soon_threadsafe(queue.put_nowait, ev)
-
-        req.on_event = on_event
+        req.on_event = functools.partial(outbox.put, queue)
         try:
             scheduler.submit(req)
         except sch.QueueFullError as e:
@@ -238,7 +242,7 @@ def create_app(model, scheduler: sch.Scheduler, cfg: ServeConfig) -> FastAPI:
         try:
             while done is None:
                 try:
-                    ev = await asyncio.wait_for(queue.get(), timeout=0.25)
+                    ev = queue.get_nowait() if not queue.empty() else await asyncio.wait_for(queue.get(), timeout=0.25)
                 except asyncio.TimeoutError:
                     if await request.is_disconnected():
                         req.cancel()
@@ -259,32 +263,83 @@ def create_app(model, scheduler: sch.Scheduler, cfg: ServeConfig) -> FastAPI:
         return fmt.full("".join(text), lps if req.logprobs is not None else None, done)
 
     async def _sse(req: sch.Request, queue: asyncio.Queue, fmt: "_Format", include_usage: bool):
+        """The stream's SSE events. The events waiting in the queue are taken together: their
+        pieces become one chunk (text joined, logprobs in order) and one write, so a stream that
+        fell behind the model catches up in one write, not one per token."""
+        want_lps = req.logprobs is not None
         try:
             if fmt.chat:
                 yield _data(fmt.chunk({"role": "assistant", "content": ""}, None, None))
-            while True:
-                ev = await queue.get()
-                if isinstance(ev, sch.Piece):
-                    if ev.text or (req.logprobs is not None and ev.logprobs):
-                        yield _data(fmt.chunk(ev.text, ev.logprobs if req.logprobs is not None else None, None))
-                elif isinstance(ev, sch.Failed):
-                    yield _data(APIError(500, f"generation failed: {ev.message}", "server_error").body())
-                    break
-                else:
-                    if ev.finish_reason == "cancelled":
-                        yield _data(APIError(503, "the request was cancelled: the server is shutting down",
-                                             "server_error", code="shutting_down").body())
-                        break
-                    yield _data(fmt.chunk("" if not fmt.chat else {}, None, ev.finish_reason, usage=_usage(ev)))
-                    if include_usage:
-                        yield _data({**fmt.head("chat.completion.chunk" if fmt.chat else "text_completion"),
-                                     "choices": [], "usage": _usage(ev)})
-                    break
-            yield "data: [DONE]\n\n"
+            end = False
+            while not end:
+                evs = [await queue.get()]
+                while not queue.empty():
+                    evs.append(queue.get_nowait())
+                out, text, lps = [], [], []
+                for ev in evs:
+                    if isinstance(ev, sch.Piece):
+                        text.append(ev.text)
+                        if want_lps and ev.logprobs:
+                            lps.extend(ev.logprobs)
+                        continue
+                    end = True
+                    if isinstance(ev, sch.Failed):
+                        out.append(_data(APIError(500, f"generation failed: {ev.message}", "server_error").body()))
+                    elif ev.finish_reason == "cancelled":
+                        out.append(_data(APIError(503, "the request was cancelled: the server is shutting down",
+                                                  "server_error", code="shutting_down").body()))
+                    else:
+                        out.append(_data(fmt.chunk("" if not fmt.chat else {}, None, ev.finish_reason,
+                                                   usage=_usage(ev))))
+                        if include_usage:
+                            out.append(_data({**fmt.head("chat.completion.chunk" if fmt.chat else "text_completion"),
+                                              "choices": [], "usage": _usage(ev)}))
+                        out.append("data: [DONE]\n\n")
+                    break  # nothing follows a final event
+                joined = "".join(text)
+                if joined or lps:
+                    out.insert(0, fmt.piece(joined) if not lps else _data(fmt.chunk(joined, lps, None)))
+                if out:
+                    yield "".join(out)
         finally:
             req.cancel()  # the client went away (or we are done): the slot is free before the next step
 
     return app
+
+
+class _Outbox:
+    """Events from the model thread to one event loop's request queues. Each call_soon_threadsafe
+    wakes the loop (a write to its self-pipe, then a turn of the loop): the events that arrive
+    before the loop runs share one wake-up, not one each. With an interval, hand-overs are at
+    least that far apart (the events of several steps, one chunk per stream)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, interval: float = 0.0):
+        self.loop, self.interval = loop, interval
+        self._items: collections.deque = collections.deque()
+        self._scheduled = False
+        self._last = -float("inf")  # loop time of the last hand-over
+
+    def put(self, queue: asyncio.Queue, ev) -> None:
+        """From any thread: ev for queue."""
+        self._items.append((queue, ev))
+        if not self._scheduled:  # a drain that has not started yet will take it
+            self._scheduled = True
+            self.loop.call_soon_threadsafe(self._wake)
+
+    def _wake(self) -> None:
+        wait = self._last + self.interval - self.loop.time()
+        if wait > 0:
+            self.loop.call_later(wait, self._drain)
+        else:
+            self._drain()
+
+    def _drain(self) -> None:
+        self._last = self.loop.time()
+        self._scheduled = False  # first: an event added from here on schedules the next drain
+        items = self._items
+        while items:
+            queue, ev = items.popleft()
+            queue.put_nowait(ev)
 
 
 def _data(obj) -> str:
@@ -304,6 +359,16 @@ class _Format:
         self.rid, self.model_id, self.chat, self.tok = rid, model_id, chat, tok
         self.created = int(time.time())
         self.offset = 0
+        # a text piece without logprobs is the chunk of a placeholder with the text put in its place
+        mark = "\x00piece\x00"
+        whole, quoted = _data(self.chunk(mark, None, None)), json.dumps(mark)
+        at = whole.index(quoted)
+        self._piece = (whole[:at], whole[at + len(quoted):])
+
+    def piece(self, text: str) -> str:
+        """The SSE event of a text piece without logprobs: _data(self.chunk(text, None, None))."""
+        head, tail = self._piece
+        return head + json.dumps(text, ensure_ascii=False) + tail
 
     def head(self, obj: str) -> dict:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model_id,

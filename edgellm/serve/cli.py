@@ -34,6 +34,10 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--max-body", type=int, default=1 << 20, help="largest request body in bytes (default 1 MiB)")
     s.add_argument("--max-tokens-limit", type=int, default=None,
                    help="largest max_tokens a request may ask for (default: the context)")
+    s.add_argument("--stream-interval", type=float, default=0.0, metavar="MS",
+                   help="least milliseconds between two hand-overs of tokens to the streams; the tokens of "
+                        "several steps then go out as one chunk per stream, fewer writes for the event loop "
+                        "(default 0: each step's tokens as soon as the loop runs)")
     s.add_argument("--shutdown-grace", type=float, default=5.0,
                    help="seconds Ctrl-C/SIGTERM lets running requests finish before cancelling them (default 5)")
     s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
@@ -50,6 +54,7 @@ def _check_args(args: argparse.Namespace) -> None:
         ("--max-body", args.max_body >= 1024, ">= 1024"),
         ("--max-tokens-limit", args.max_tokens_limit is None or args.max_tokens_limit >= 1, ">= 1"),
         ("--shutdown-grace", args.shutdown_grace >= 0, ">= 0"),
+        ("--stream-interval", args.stream_interval >= 0, ">= 0"),
     ]
     for name, ok, want in checks:
         if not ok:
@@ -84,21 +89,56 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     model_id = args.alias or os.path.basename(m.path).removesuffix(".gguf")
     sched = Scheduler(m, args.parallel, max_queue=args.max_queue, chunk=args.chunk).start()
     app = create_app(m, sched, ServeConfig(model_id=model_id, api_key=args.api_key, max_body=args.max_body,
-                                          max_tokens_limit=args.max_tokens_limit))
+                                          max_tokens_limit=args.max_tokens_limit,
+                                          stream_interval=args.stream_interval / 1e3))
     if not _is_loopback(args.host) and not args.api_key:
         print(f"edgellm serve: warning: listening on {args.host} without --api-key: anyone who can reach it may use it",
               file=sys.stderr)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_grace, access_log=args.log_level in ("info", "debug"))
-    server = _server_class()(config)
     print(f"edgellm serve: {model_id} on http://{args.host}:{args.port}/v1 ({args.parallel} slots x {m.ctx} tokens; "
           f"{m.backend.describe()}; load {m.load_s:.1f} s)", file=sys.stderr, flush=True)
-    try:
-        server.run()  # returns after Ctrl-C / SIGTERM: running requests had shutdown-grace seconds to finish
-    finally:
-        sched.stop()
+    run_server(app, sched, host=args.host, port=args.port, log_level=args.log_level,
+               shutdown_grace=args.shutdown_grace)
     print("edgellm serve: stopped", file=sys.stderr)
     return 0
+
+
+# While serving, two threads share the GIL: the model thread (which releases it at every torch
+# call and in the wait for the GPU) and the event loop's. A thread that wants the GIL back waits
+# until the holder releases it or the switch interval (Python's default 5 ms) forces it to: with
+# the loop busy, each release in a decode step could cost the model thread up to 5 ms.
+SWITCH_INTERVAL_S = 0.0005
+
+
+def run_server(app, sched, *, host: str, port: int, log_level: str = "warning", shutdown_grace: float = 5.0,
+               switch_interval: float | None = SWITCH_INTERVAL_S, loop_hook=None) -> None:
+    """Serve app with uvicorn until Ctrl-C / SIGTERM (running requests get shutdown_grace seconds
+    to finish), then stop the scheduler. switch_interval: sys.setswitchinterval while serving
+    (None: Python's as it is). loop_hook(loop), when given, sees the event loop before the server
+    starts (benchmarks/bench_serve_stack.py counts its busy time)."""
+    import asyncio
+
+    import uvicorn
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=shutdown_grace, access_log=log_level in ("info", "debug"))
+    server = _server_class()(config)
+
+    async def serve():
+        loop_hook(asyncio.get_running_loop())
+        await server.serve()
+
+    old_interval = sys.getswitchinterval()
+    if switch_interval is not None:
+        sys.setswitchinterval(switch_interval)
+    try:
+        if loop_hook is None:
+            server.run()
+        else:  # as server.run() (Python 3.11+), plus the hook
+            with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:
+                runner.run(serve())
+    finally:
+        sched.stop()
+        sys.setswitchinterval(old_interval)
 
 
 def _server_class():

@@ -14,6 +14,13 @@ greedy rows read back only their token, the argmax taken on the device) where th
 the row-wise ops (cpu, cuda); elsewhere each sequence's single-token program runs in turn, with
 the same step structure.
 
+Where the step runs on a GPU (SlotPool.overlaps), it is queued before the previous step's tokens
+are delivered (their text, stop strings and events), so that this host work runs while the GPU
+steps; what decides the next step (the token fed next, end-of-turn tokens, max_tokens) is settled
+before it is queued. A stop string found in the delivered text ends a request that has already
+run one more step: that token is dropped, so the answer and its usage are those of the
+step-by-step order.
+
 Each request brings its own sampling parameters (and seed), stop strings and max_tokens; its
 events (text pieces, then a final Done or Failed) go to a callback, called on this thread.
 """
@@ -97,10 +104,16 @@ class _Running:
     generated: int = 0
     cached: int = 0
     ttft: float = 0.0
+    ending: str | None = None  # its last token is taken ('stop' or 'length'); delivering it ends the request
+    done: bool = False  # finished, cancelled or failed: its slot is free
 
 
 class Scheduler:
-    def __init__(self, model, parallel: int = 1, *, max_queue: int = 64, chunk: int = 256):
+    def __init__(self, model, parallel: int = 1, *, max_queue: int = 64, chunk: int = 256,
+                 pool: SlotPool | None = None):
+        """pool: the slots and decode step over model (default SlotPool(model, parallel); a stand-in
+        with the same slots / batch / decode_start / overlaps measures the serving stack without a
+        model: benchmarks/bench_serve_stack.py)."""
         if parallel < 1:
             raise EdgeLLMError(f"parallel must be at least 1, got {parallel}")
         if max_queue < 0:
@@ -109,9 +122,12 @@ class Scheduler:
         self.ctx = model.ctx
         self.chunk = max(1, int(chunk))
         self.max_queue = max_queue
-        self.pool = SlotPool(model, parallel)
+        self.pool = SlotPool(model, parallel) if pool is None else pool
         self.slots: list[KVSlot] = list(self.pool.slots)
         self.batched = self.pool.batch is not None
+        # a decode step's device work runs while this thread delivers the previous step's tokens
+        self.overlap = self.batched and bool(getattr(self.pool, "overlaps", False))
+        self._deliveries: list[tuple[_Running, int | None, object]] = []
         self._free: list[KVSlot] = list(self.slots)
         self._waiting: collections.deque[Request] = collections.deque()
         self._running: list[_Running] = []
@@ -198,9 +214,12 @@ class Scheduler:
 
     def _prefill(self) -> None:
         """Pending prefills, oldest first, up to `chunk` tokens in all this step; a prompt's last
-        part yields its first token."""
+        part yields its first token (delivered at once)."""
         budget = self.chunk
-        for run in [r for r in self._running if r.todo]:
+        prefills = [r for r in self._running if r.todo]
+        if prefills:
+            self._deliver()  # the previous step's tokens do not wait for the prefill
+        for run in prefills:
             if budget <= 0:
                 break
             if run.req.cancelled:
@@ -211,33 +230,48 @@ class Scheduler:
             if logits is not None and not run.todo:
                 run.ttft = time.perf_counter() - run.t0
                 self._sample(run, logits)
+                self._deliver()
 
     def _decode(self) -> None:
-        runs = [r for r in self._running if not r.todo and r.last is not None and not r.req.cancelled]
+        """One decode step of the running sequences. With overlap the step is queued on the device
+        first and the previous step's tokens are delivered while it runs: a sequence that a stop
+        string in those ends has run one step more, whose token is dropped (it is done)."""
+        runs = [r for r in self._running if not r.todo and r.last is not None and not r.req.cancelled
+                and r.ending is None]
         if not runs:
+            self._deliver()
             return
         if not self.batched:  # round-robin single-sequence steps (see the module docstring)
             for run in runs:
                 logits = self._forward(run, [run.last])
                 if logits is not None:
                     self._sample(run, logits)
+                    self._deliver()
             return
         # greedy rows without a repetition penalty or logprobs take the argmax computed on the
         # device; only the others' logits are read back
         need = [not (r.req.params.greedy and r.req.params.repetition_penalty == 1.0 and r.req.logprobs is None)
                 for r in runs]
         try:
-            tokens, logits = self.pool.decode_tokens([(r.slot, r.last, r.pos) for r in runs], need)
+            wait = self.pool.decode_start([(r.slot, r.last, r.pos) for r in runs], need)
+            self._deliver()  # the previous step's tokens, while the device runs this step
+            tokens, logits = wait()
         except Exception as e:
+            self._deliver()
             for run in runs:
-                self._fail(run, f"{type(e).__name__}: {e}" if not isinstance(e, EdgeLLMError) else str(e))
+                if not run.done:
+                    self._fail(run, f"{type(e).__name__}: {e}" if not isinstance(e, EdgeLLMError) else str(e))
             return
         for i, run in enumerate(runs):
+            if run.done:  # a stop string in the tokens delivered above ended it
+                continue
             run.pos += 1
             if i in logits:
                 self._sample(run, logits[i])
             else:
                 self._accept(run, int(tokens[i]), None)
+        if not self.overlap:
+            self._deliver()
 
     def _forward(self, run: _Running, ids: list[int]) -> np.ndarray | None:
         try:
@@ -253,22 +287,38 @@ class Scheduler:
 
     def _accept(self, run: _Running, token: int, logits: np.ndarray | None) -> None:
         """The token chosen for a running request (logits: its distribution, needed only for
-        logprobs)."""
+        logprobs): what decides the next step (the token fed next, whether the request ends by an
+        end-of-turn token or its length) now; its text and events in _deliver."""
         req = run.req
         run.generated += 1
         if token in self._stop_ids and not req.ignore_eos:
-            self._emit(run, run.text.flush(), [], None)
-            self._finish(run, "stop")
+            run.ending = "stop"
+            self._deliveries.append((run, None, None))
             return
         run.history.append(token)
         run.last = token
         lp = _logprobs(logits, token, req.logprobs, self.model.tokenizer) if req.logprobs is not None else None
-        self._emit(run, run.text.push(token), [token], lp)
-        if run.text.stopped:
-            self._finish(run, "stop")
-        elif run.generated >= req.max_tokens or run.pos >= self.ctx:
-            self._emit(run, run.text.flush(), [], None)
-            self._finish(run, "length")
+        if run.generated >= req.max_tokens or run.pos >= self.ctx:
+            run.ending = "length"
+        self._deliveries.append((run, token, lp))
+
+    def _deliver(self) -> None:
+        """The accepted tokens' text (stop strings cut it and end the request) and events, in order;
+        a request that ended meanwhile (cancelled, failed) gets nothing more."""
+        items, self._deliveries = self._deliveries, []
+        for run, token, lp in items:
+            if run.done:
+                continue
+            if token is None:  # an end-of-turn token
+                self._emit(run, run.text.flush(), [], None)
+                self._finish(run, "stop")
+                continue
+            self._emit(run, run.text.push(token), [token], lp)
+            if run.text.stopped:
+                self._finish(run, "stop")
+            elif run.ending == "length":
+                self._emit(run, run.text.flush(), [], None)
+                self._finish(run, "length")
 
     def _emit(self, run: _Running, text: str, tokens: list[int], lp) -> None:
         if text or tokens:
@@ -285,6 +335,7 @@ class Scheduler:
         _send(run.req, Failed(message))
 
     def _release(self, run: _Running) -> None:
+        run.done = True
         with self._cv:
             if run in self._running:
                 self._running.remove(run)
