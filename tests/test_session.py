@@ -131,3 +131,23 @@ def test_batched_decode_step_equals_each_sequence_alone(default_model, pool):
         pool.decode([(order[0], 1, 5), (order[0], 1, 6)])
     with pytest.raises(EdgeLLMError, match="outside slot"):
         pool.decode([(order[0], 1, m.ctx)])
+
+
+def test_warmup_runs_every_row_count_and_leaves_no_trusted_rows(default_model, pool):
+    """SlotPool.warmup (edgellm serve on a GPU): a step at each row count, then every slot's record
+    is empty, so the garbage it wrote is never reused as a prompt prefix, and a sequence run
+    afterwards gets a fresh run's logits."""
+    m = default_model
+    counts = []
+    orig = pool.decode_tokens
+    pool.decode_tokens = lambda steps, need: (counts.append(len(steps)), orig(steps, need))[1]
+    try:
+        n = pool.warmup()
+    finally:
+        del pool.decode_tokens
+    assert sorted(set(counts)) == [1, 2, 3] and n == len(counts)
+    assert all(s.tokens == [] for s in pool.slots)
+    ids = m.tokenizer.encode("The capital of France is")
+    assert pool.slots[1].reusable_prefix(ids) == 0
+    got = m.forward(ids, 0, all_logits=False, slot=pool.slots[1])[-1]
+    np.testing.assert_allclose(got, m.forward(ids, 0, all_logits=False)[-1], rtol=0, atol=2e-4)

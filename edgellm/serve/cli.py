@@ -87,7 +87,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if m.tokenizer is None:
         raise EdgeLLMError(f"{os.path.basename(m.path)} has no vocabulary; the server needs text")
     model_id = args.alias or os.path.basename(m.path).removesuffix(".gguf")
-    sched = Scheduler(m, args.parallel, max_queue=args.max_queue, chunk=args.chunk).start()
+    sched = Scheduler(m, args.parallel, max_queue=args.max_queue, chunk=args.chunk)
+    if sched.pool.overlaps:  # a GPU: compile and capture every batched step now, not in the first requests
+        import time
+
+        t0 = time.perf_counter()
+        print("edgellm serve: preparing the batched decode steps...", file=sys.stderr, flush=True)
+        n = sched.pool.warmup()
+        print(f"edgellm serve: {n} decode steps prepared in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    sched.start()
     app = create_app(m, sched, ServeConfig(model_id=model_id, api_key=args.api_key, max_body=args.max_body,
                                           max_tokens_limit=args.max_tokens_limit,
                                           stream_interval=args.stream_interval / 1e3))
