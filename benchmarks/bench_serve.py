@@ -52,6 +52,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, who: str, poll: float = 0.5) -> None:
+    """Wait until the server at url answers /health (exit with a message if it dies or times out)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            sys.exit(f"{who}: the server exited" + (f": {proc.stderr.read()}" if proc.stderr else ""))
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            sys.exit(f"{who}: the server did not come up in {timeout} s")
+        time.sleep(poll)
+
+
 def start_server(args) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     cmd = [sys.executable, "-m", "edgellm", "serve", "--host", "127.0.0.1", "--port", str(port),
@@ -62,19 +79,7 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + args.startup_timeout
-    while True:
-        if proc.poll() is not None:
-            sys.exit(f"bench_serve: the server exited: {proc.stderr.read()}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            sys.exit(f"bench_serve: the server did not come up in {args.startup_timeout} s")
-        time.sleep(0.5)
+    wait_healthy(proc, url, args.startup_timeout, "bench_serve")
     print(proc.stderr.readline().strip(), file=sys.stderr)
     return proc, url
 

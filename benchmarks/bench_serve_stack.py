@@ -31,7 +31,6 @@ import json
 import os
 import pstats
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -49,6 +48,8 @@ except ImportError:
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_serve import _free_port, wait_healthy  # noqa: E402  (one way to start and wait, both benchmarks)
 
 TEXT = ("The old lighthouse keeper climbed the stairs every evening, counting the steps as his father had "
         "done before him. Out on the water the fishing boats turned for home, their lamps small against "
@@ -324,12 +325,6 @@ def ceiling(args) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 32], help="concurrency levels")
@@ -378,19 +373,7 @@ def main(argv=None) -> int:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen(cmd, env=env)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        if proc.poll() is not None:
-            sys.exit("bench_serve_stack: the server exited")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            sys.exit("bench_serve_stack: the server did not come up in 120 s")
-        time.sleep(0.2)
+    wait_healthy(proc, url, 120, "bench_serve_stack", poll=0.2)
     rows = []
     try:
         asyncio.run(round_(url, 1, 1, 8, args.prompt_words, args.stop, args.timeout))  # warm-up
