@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 from ..errors import EdgeLLMError
 
@@ -89,8 +90,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     model_id = args.alias or os.path.basename(m.path).removesuffix(".gguf")
     sched = Scheduler(m, args.parallel, max_queue=args.max_queue, chunk=args.chunk)
     if sched.pool.overlaps:  # a GPU: compile and capture every batched step now, not in the first requests
-        import time
-
         t0 = time.perf_counter()
         print("edgellm serve: preparing the batched decode steps...", file=sys.stderr, flush=True)
         n = sched.pool.warmup()

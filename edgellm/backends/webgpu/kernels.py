@@ -280,13 +280,7 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
         decl = f"var<workgroup> red: array<f32, {wg * len(accs)}>;"
     stores = []
     for r in range(R):
-        e = f"var y = a{r};"
-        if glu:
-            e += f" y = y / (1.0 + exp(-y)) * g{r};"
-        if bias:
-            e += " y += B_ld(col);"
-        if residual:
-            e += " y += R_ld(t * N + col);"
+        e = _epilogue(f"a{r}", f"g{r}" if glu else None, bias, residual, "col", "t * N + col")
         stores.append(f"        {{ let col = row0 + {r}u; if (col < N) {{ {e} Y_st(t * N + col, y); }} }}")
     body = """
 const N: u32 = ${N}u; const K: u32 = ${K}u; const UNITS: u32 = ${UNITS}u; const SG: u32 = ${SG}u;
@@ -331,6 +325,32 @@ def decode_gemv(w: WeightDesc, n_out: int, rows: str, cfg: dict, **opts) -> Kern
     return gemv(w, n_out, rows, **c, **opts)
 
 
+def _epilogue(acc: str, up: str | None, bias: bool, residual: bool, col: str, flat: str) -> str:
+    """WGSL statements making y of one output: the accumulator, silu-gated by `up` (glu), plus
+    the bias at column `col`, plus the residual at flat index `flat`."""
+    y = f"var y = {acc};"
+    if up is not None:
+        y += f" y = y / (1.0 + exp(-y)) * {up};"
+    if bias:
+        y += f" y += B_ld({col});"
+    if residual:
+        y += f" y += R_ld({flat});"
+    return y
+
+
+def _stage_4x4(count: str, index: str, row_ok: str, load: str, store: str) -> list[str]:
+    """WGSL lines staging `count` 4x4 blocks into workgroup memory, k-major: four rows' vec4 loads
+    (`load`, rows past `row_ok` and k past K read as 0) transposed in registers into four vec4
+    stores (`store`). index: the statements that set the block's coordinates from i, ending with
+    the row variable used in row_ok/load, and kq (the k block); {r} is the row, {e} the k offset."""
+    lines = [f"        for (var i = lid; i < {count}; i += 256u) {{",
+             f"            {index} let k = k0 + 4u * kq;"]
+    lines += [f"            var r{r} = vec4<f32>(0.0); if ({row_ok.format(r=r)} && k < K) {{ r{r} = {load.format(r=r)}; }}"
+              for r in range(4)]
+    lines += [f"            {store.format(e=e)} = vec4<f32>(r0.{c}, r1.{c}, r2.{c}, r3.{c});" for e, c in enumerate("xyzw")]
+    return lines + ["        }"]
+
+
 def gemm(w: WeightDesc, n_out: int, rows: str, *, bias: bool = False, residual: bool = False, glu: bool = False,
          tm: int = 64, tn: int = 64, tk: int = 32, dtypes: dict | None = None) -> Kernel:
     """The prefill matrix product: a TM x TN tile of y per workgroup of 256 threads (16 x 16), each
@@ -351,22 +371,13 @@ def gemm(w: WeightDesc, n_out: int, rows: str, *, bias: bool = False, residual: 
     nw = 2 if glu else 1
     pm, pn = tm // 16, tn // 16
     # staging: 4x4 blocks of x (rows x k) and of each W half (features x k)
-    stage = []
-    stage.append("        for (var i = lid; i < (TM / 4u) * (TK / 4u); i += 256u) {")
-    stage.append("            let mq = i / (TK / 4u); let kq = i % (TK / 4u); let m = m0 + 4u * mq; let k = k0 + 4u * kq;")
-    for r in range(4):
-        stage.append(f"            var r{r} = vec4<f32>(0.0); if (m + {r}u < rows && k < K) {{ r{r} = X_ld4(((m + {r}u) * K + k) >> 2u); }}")
-    for e, c in enumerate("xyzw"):
-        stage.append(f"            xs[(4u * kq + {e}u) * (TM / 4u) + mq] = vec4<f32>(r0.{c}, r1.{c}, r2.{c}, r3.{c});")
-    stage.append("        }")
-    stage.append("        for (var i = lid; i < NW * (TN / 4u) * (TK / 4u); i += 256u) {")
-    stage.append("            let half = i / ((TN / 4u) * (TK / 4u)); let j = i % ((TN / 4u) * (TK / 4u));")
-    stage.append("            let nq = j / (TK / 4u); let kq = j % (TK / 4u); let n = n0 + 4u * nq; let k = k0 + 4u * kq;")
-    for r in range(4):
-        stage.append(f"            var r{r} = vec4<f32>(0.0); if (n + {r}u < N && k < K) {{ r{r} = W_get4(n + {r}u + half * N, k); }}")
-    for e, c in enumerate("xyzw"):
-        stage.append(f"            ws[half * TK * (TN / 4u) + (4u * kq + {e}u) * (TN / 4u) + nq] = vec4<f32>(r0.{c}, r1.{c}, r2.{c}, r3.{c});")
-    stage.append("        }")
+    stage = _stage_4x4("(TM / 4u) * (TK / 4u)", "let mq = i / (TK / 4u); let kq = i % (TK / 4u); let m = m0 + 4u * mq;",
+                       "m + {r}u < rows", "X_ld4(((m + {r}u) * K + k) >> 2u)", "xs[(4u * kq + {e}u) * (TM / 4u) + mq]")
+    stage += _stage_4x4("NW * (TN / 4u) * (TK / 4u)",
+                        "let half = i / ((TN / 4u) * (TK / 4u)); let j = i % ((TN / 4u) * (TK / 4u)); "
+                        "let nq = j / (TK / 4u); let kq = j % (TK / 4u); let n = n0 + 4u * nq;",
+                        "n + {r}u < N", "W_get4(n + {r}u + half * N, k)",
+                        "ws[half * TK * (TN / 4u) + (4u * kq + {e}u) * (TN / 4u) + nq]")
     # the k loop: this thread's rows ty*PM.., columns tx*PN..
     inner = []
     for q in range(pm // 4):
@@ -388,13 +399,7 @@ def gemm(w: WeightDesc, n_out: int, rows: str, *, bias: bool = False, residual: 
         stores.append(f"    {{ let m = m0 + ty * {pm}u + {i}u; if (m < rows) {{")
         for q in range(pn // 4):
             for e, c in enumerate("xyzw"):
-                y = f"var y = c{i}_{q}.{c};"
-                if glu:
-                    y += f" y = y / (1.0 + exp(-y)) * u{i}_{q}.{c};"
-                if bias:
-                    y += " y += B_ld(n);"
-                if residual:
-                    y += " y += R_ld(m * N + n);"
+                y = _epilogue(f"c{i}_{q}.{c}", f"u{i}_{q}.{c}" if glu else None, bias, residual, "n", "m * N + n")
                 stores.append(f"        {{ let n = n0 + tx * {pn}u + {4 * q + e}u; if (n < N) {{ {y} Y_st(m * N + n, y); }} }}")
         stores.append("    } }")
     body = """

@@ -11,13 +11,13 @@ from .device import Device
 
 def can_stage(dev: Device, cols: int | None) -> bool:
     """Whether a GEMV over rows of `cols` can stage x in workgroup memory (gemv_warp's stage)."""
-    return cols is not None and cols % 32 == 0 and 4 * cols + 4096 <= getattr(dev, "max_workgroup_memory", 16384)
+    return cols is not None and cols % 32 == 0 and 4 * cols + 4096 <= dev.max_workgroup_memory
 
 
 def warp_config(dev: Device, rows_per_warp: int = 1, wg: int = 256, unroll: int = 2, stage: bool = False) -> dict:
     """kernels.gemv_warp's configuration: one subgroup per `rows_per_warp` features (32 lanes
     reducing in workgroup memory where the adapter's subgroup size is unknown)."""
-    sub = getattr(dev, "subgroup_size", 0)
+    sub = dev.subgroup_size
     sg = min(32, sub) if sub else 32
     return {"kind": "warp", "wg": wg, "sg": sg, "rows_per_warp": rows_per_warp, "subgroup": bool(sub),
             "rows_per_wg": wg // sg * rows_per_warp, "unroll": unroll, "stage": stage}
@@ -37,7 +37,7 @@ def default_gemv_config(dev: Device, cols: int | None = None, fmt: str | None = 
     element at a time)."""
     want = os.environ.get("EDGELLM_WEBGPU_GEMV", "")
     if dev.info.software and not want:
-        return {"wg": 64, "rows_per_wg": 32, "subgroup": bool(getattr(dev, "subgroup_size", 0))}
+        return {"wg": 64, "rows_per_wg": 32, "subgroup": bool(dev.subgroup_size)}
     if want.startswith("warp:") and (cols is None or cols % 4 == 0):
         _, r, wg, u, *st = want.split(":")
         return warp_config(dev, int(r), int(wg), int(u), bool(st and st[0] == "stage" and can_stage(dev, cols)))
@@ -46,7 +46,7 @@ def default_gemv_config(dev: Device, cols: int | None = None, fmt: str | None = 
         stage = os.environ.get("EDGELLM_WEBGPU_STAGE", "1") == "1" and can_stage(dev, cols)
         return warp_config(dev, 4 if four_bit else 2, 256, 2 if four_bit else 1, stage)
     wg = 128
-    if getattr(dev, "subgroup_size", 0):
+    if dev.subgroup_size:
         tpr = min(32, dev.subgroup_size)
         return {"wg": wg, "rows_per_wg": wg // tpr, "subgroup": True}
     return {"wg": wg, "rows_per_wg": 4, "subgroup": False}
@@ -62,7 +62,7 @@ def gemv_candidates(dev: Device) -> list[dict]:
             for nr in (1, 2, 4):
                 if tpr > wg or (nr > 1 and tpr < 16) or (wg == 64 and nr == 4):
                     continue
-                sub = tpr <= getattr(dev, "subgroup_size", 0)
+                sub = tpr <= dev.subgroup_size
                 out.append({"wg": wg, "rows_per_wg": wg * nr // tpr, "subgroup": sub, "rows_per_thread": nr})
     return out
 
@@ -121,7 +121,7 @@ GEMM_CANDIDATES = [{"tm": 64, "tn": 64, "tk": 32}, {"tm": 128, "tn": 64, "tk": 1
 
 
 def gemm_fits(dev: Device, cfg: dict, glu: bool) -> bool:
-    return (cfg["tm"] + (2 if glu else 1) * cfg["tn"]) * cfg["tk"] * 4 <= getattr(dev, "max_workgroup_memory", 16384)
+    return (cfg["tm"] + (2 if glu else 1) * cfg["tn"]) * cfg["tk"] * 4 <= dev.max_workgroup_memory
 
 
 def gemm_config(dev: Device, w, n_out: int, glu: bool, rows: int) -> dict:
