@@ -3,6 +3,7 @@
     python benchmarks/bench_vs_llamacpp.py --llama-bench PATH/llama-bench [MODEL.gguf ...]
         [--synthetic smollm2-135m,llama-3.2-1b,llama-3.1-8b --formats F16,Q8_0,Q4_0 --model-dir DIR]
         [-p 512,1024] [-n 128,256] [-r 5] [--fa 1] [--json OUT.json]
+        [--variant NAME:VAR=VAL[,VAR=VAL...] ...]
 
 --synthetic writes random-weight GGUF files (edgellm.synthetic presets: normal, std 0.02, the
 llama.cpp quantizer's policy for the output projection) into --model-dir, once per shape and
@@ -12,6 +13,11 @@ the same tests (gpu_check.py's `measure`: warm-up, median of R; prefill from an 
 decode from an empty context). The file's runs are adjacent, so drift hits both engines alike.
 Prints one table with both engines' tokens/s and the ratio, plus edgellm's decode MBU against a
 measured copy bandwidth.
+
+--variant measures edgellm once more per file with environment variables set for that load (e.g.
+`--variant tune0:EDGELLM_TUNE=0 --variant tune1:EDGELLM_TUNE=1`); each variant gets its own row,
+all against the same llama-bench run. The JSON keeps, per variant, the decode GEMVs' launch
+configurations and whether they were tuned, read from the tuning cache or defaults.
 """
 
 from __future__ import annotations
@@ -88,6 +94,36 @@ def _ints(text: str) -> list[int]:
     return vals
 
 
+def _variant(text: str) -> tuple[str, dict]:
+    name, _, assigns = text.partition(":")
+    env = {}
+    for item in filter(None, assigns.split(",")):
+        var, eq, val = item.partition("=")
+        if not eq or not var:
+            raise argparse.ArgumentTypeError(f"--variant {text!r}: expected NAME:VAR=VAL[,VAR=VAL...]")
+        env[var] = val
+    if not name:
+        raise argparse.ArgumentTypeError(f"--variant {text!r}: the name before ':' is empty")
+    return name, env
+
+
+def _measure_with(env: dict, *args) -> dict:
+    from gpu_check import measure
+
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return measure(*args)
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"[:200]}
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("models", nargs="*")
@@ -100,8 +136,10 @@ def main() -> None:
     ap.add_argument("-r", type=int, default=5)
     ap.add_argument("--fa", type=int, default=1)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--variant", action="append", default=[], type=_variant,
+                    help="NAME:VAR=VAL[,VAR=VAL]: measure edgellm again with these environment variables")
     a = ap.parse_args()
-    from gpu_check import copy_bandwidth, measure  # torch with CUDA
+    from gpu_check import copy_bandwidth  # torch with CUDA
 
     if not os.access(a.llama_bench, os.X_OK):
         ap.error(f"--llama-bench {a.llama_bench}: not an executable file")
@@ -119,12 +157,11 @@ def main() -> None:
     for path in models:
         name = os.path.basename(path).removesuffix(".gguf")
         lc = llama_bench(a.llama_bench, path, a.p, a.n, a.r, a.fa)
-        try:
-            ours = measure(path, a.p, a.n, a.r, bw)
-        except Exception as e:
-            ours = {"error": f"{type(e).__name__}: {e}"[:200]}
-        rows.append({"model": name, "llama.cpp": lc, "edgellm": ours})
-        print(json.dumps(rows[-1]), flush=True)
+        for label, env in a.variant or [("", {})]:
+            ours = _measure_with(env, path, a.p, a.n, a.r, bw)
+            rows.append({"model": f"{name} [{label}]" if label else name, "variant": label, "env": env,
+                         "llama.cpp": lc, "edgellm": ours})
+            print(json.dumps(rows[-1]), flush=True)
     tests = [f"pp{q}" for q in a.p] + [f"tg{k}" for k in a.n]
     print("\n| model | " + " | ".join(f"{t} llama.cpp | {t} edgellm | ratio" for t in tests) + " | edgellm MBU tg |")
     print("|---|" + "---:|---:|---:|" * len(tests) + "---:|")

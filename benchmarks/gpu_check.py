@@ -155,6 +155,9 @@ def measure(path: str, p, n, reps: int, bw: float) -> dict:
                     f"tg{k}_mbu": (wbytes + kv_read) * tg_med / bw})
     res[f"tg{ns[0]}_host_loop"] = statistics.median([decode_host(ns[0]) for _ in range(reps)])
     res["mbu"] = res[f"tg{ns[0]}_mbu"]
+    tuner = getattr(m.backend, "tuner", None)
+    if tuner is not None:  # which launch configurations the decode GEMVs ran with, and why
+        res["tuning"] = [dict(p, key=list(p["key"])) for p in tuner.report()]
     del m
     torch.cuda.empty_cache()
     return res

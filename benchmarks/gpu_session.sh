@@ -80,7 +80,7 @@ build_llama)
   cmake -S "$S/vendor/llama.cpp" -B "$W/lb" -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
     -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF >"$W/cmake.log" 2>&1 || { tail -20 "$W/cmake.log"; exit 1; }
-  cmake --build "$W/lb" -j16 --target llama-bench llama-batched-bench llama >"$W/build.log" 2>&1 || { tail -30 "$W/build.log"; exit 1; }
+  cmake --build "$W/lb" -j16 --target llama-bench llama-batched-bench llama-quantize llama >"$W/build.log" 2>&1 || { tail -30 "$W/build.log"; exit 1; }
   mkdir -p "$W/lpy/llama_cpp/lib"
   cp -r "$S/llama_cpp/." "$W/lpy/llama_cpp/"
   find "$W/lb" -name 'lib*.so*' -exec ln -sf {} "$W/lpy/llama_cpp/lib/" \;

@@ -325,6 +325,33 @@ def test_rms_norm_writes_int8_activations(rng, D):
                    xq=K.quantize_activations(rand(rng, 3, 96)))
 
 
+@pytest.mark.parametrize("D,quant", [(2048, True), (3072, False)])
+def test_rms_norm_split_rows(rng, D, quant):
+    """Wide rows are normalised by several programs (NORM_SLICE columns each): the same results as
+    one program per row, every element written, int8 copy bit for bit quantize_activations'; an
+    in-place residual update falls back to one program and stays right."""
+    from edgellm.backends.cuda.kernels import norm as N
+    assert D >= N.NORM_SPLIT_MIN_D
+    x, res, w = rand(rng, 2, D), rand(rng, 2, D), rand(rng, D, dtype=torch.float32)
+    h = np64(x) + np64(res)
+    ref = _norm_ref(h, np64(w), 1e-5)
+    xq = K.QuantizedActivations(torch.full((2, D), 99, dtype=torch.int8, device=DEV),
+                                poisoned((2, D // 32), torch.float32), poisoned((2, D // 32), torch.float32)) \
+        if quant else None
+    rout = poisoned((2, D))
+    out = K.rms_norm(x, w, 1e-5, residual=res, out=poisoned((2, D)), residual_out=rout, xq=xq)
+    check(out, ref, 2e-3, "split rms_norm")
+    check(rout, h, 1e-3, "split residual sum")
+    if quant:
+        qref = K.quantize_activations(out)
+        assert torch.equal(xq.xq, qref.xq) and torch.equal(xq.xd, qref.xd) and torch.equal(xq.xs, qref.xs)
+    check(K.rms_norm(x, w, 1e-5, out=poisoned((2, D))), _norm_ref(np64(x), np64(w), 1e-5), 2e-3, "split, no residual")
+    out2 = poisoned((2, D))
+    K.rms_norm(x, w, 1e-5, residual=res, out=out2, residual_out=res)  # in place: one program per row
+    check(res, h, 1e-3, "in-place residual")
+    check(out2, ref, 2e-3, "in-place rms_norm")
+
+
 def test_rms_norm_in_place_residual(rng):
     x, w, res = rand(rng, 2, 64), rand(rng, 64), rand(rng, 2, 64)
     h = np64(x) + np64(res)

@@ -944,18 +944,20 @@ class CudaBackend(CudaInfo):
         self.tuner = self._make_tuner()
 
     def _make_tuner(self):
-        """EDGELLM_TUNE=1: decode GEMV configurations are timed on this device at first load and
-        cached on disk (tuning.py). Off by default: the first H100 run timed single launches (host
-        bound) and its picks slowed decode; the graph-based timer that replaced it has not yet been
-        checked on a GPU, so the defaults of configs.py (tuned on an H200) stay in force."""
+        """Decode GEMV launch configurations are timed on this device at the first load of each
+        (format, shape) and cached on disk per device, Triton and edgellm version (tuning.py);
+        EDGELLM_TUNE=0 keeps the defaults of configs.py. The timer replays CUDA graphs of launches
+        with the L2 flushed between them, as a decode step meets its weights."""
         if self.device.type != "cuda":
             return None
+        from ... import __version__
         from .tuning import Tuner
         import triton
 
         major, minor = torch.cuda.get_device_capability(self.device)
-        name = f"{torch.cuda.get_device_name(self.device)}|sm{major}{minor}|triton-{triton.__version__}"
-        return Tuner(name, enabled=os.environ.get("EDGELLM_TUNE", "0") == "1")
+        name = (f"{torch.cuda.get_device_name(self.device)}|sm{major}{minor}|triton-{triton.__version__}"
+                f"|edgellm-{__version__}")
+        return Tuner(name)
 
     @staticmethod
     def available() -> bool:

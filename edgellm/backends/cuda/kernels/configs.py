@@ -16,41 +16,45 @@ DECODE_MAX_TOKENS = 8
 # block and the compiled K loop has no barrier (compile_check shows this); with several warps
 # some formats get a barrier and a shared-memory exchange of x per K-tile. Candidates for the
 # tuner include them anyway.
-# Tuned on an H200 (2026-11-22, `bench_kernels.py --tune --model llama8b`, the best config on
-# most of 4096x4096 / 14336x4096 / 4096x14336): F16 10.6-29.5 us (was 15.0-46.4), Q8_0 float
-# 8.8-24.4 us (was 13.0-39.9); int8 Q4_0 4.2-10.0 us (was 6.7-19.5), Q8_0 6.3-17.0 (was 9.4-28.6).
+# Tuned on an H200 (2026-11-22, `bench_kernels.py --tune --model llama8b`), then re-timed on the
+# H100 (the reference machine) by the load-time tuner (2026-11-25, `bench_vs_llamacpp.py --variant
+# tune1:EDGELLM_TUNE=1`, raw docs/results/h100-2026-11-25/vs_tune.json): the defaults below are the
+# H100's picks, so a device the tuner has not seen yet starts from them. Per-kernel times on the
+# H100 (device time, L2 flushed), the H200 default -> the H100 pick: F16 2048x8192 16.3 -> 15.6 us,
+# fused gate/up 8192x2048 31.8 -> 27.4 us; int8 Q8_0 2048x2048 4.9 -> 4.3 us, 2048x8192 10.6 -> 9.8 us.
 GEMV_DEFAULT = {
-    "F16": dict(BLOCK_N=8, BLOCK_K=1024, num_warps=2),
+    "F16": dict(BLOCK_N=2, BLOCK_K=1024, num_warps=4),
     "Q8_0": dict(BLOCK_N=2, BLOCK_K=1024, num_warps=1),
     "Q4_0": dict(BLOCK_N=8, BLOCK_K=1024, num_warps=1),
     "Q4_1": dict(BLOCK_N=8, BLOCK_K=1024, num_warps=1),
 }
 # Float-activation Q4 GEMV runs on small matrices (below the backend's int8 threshold) and on the
 # output projection; the best tile differs by size (H200, whole decode step): SmolLM2-135M Q4_0
-# 1279.6 tok/s with the tile above, 1721.1 with BLOCK_N=2/BLOCK_K=512; Llama-8B's 128256x4096
-# output projection: 567.7 with the tile above, 574.0 with BLOCK_N=16/BLOCK_K=4096/4 warps,
-# 520.0 with the small one. LARGE_GEMV_ELEMENTS picks between them.
+# 1279.6 tok/s with the tile above, 1721.1 with BLOCK_N=2/BLOCK_K=512. For the large output
+# projections the H100 tuner picked 16 rows with 512-column tiles and one warp (128256x2048 Q4_0
+# 71.9 -> 62.3 us, 128256x4096 137.4 -> 124.9 us against the H200's BLOCK_K=4096/4 warps).
+# LARGE_GEMV_ELEMENTS picks between them.
 LARGE_GEMV_ELEMENTS = 4 << 20
 GEMV_SMALL_DEFAULT = {
     "Q4_0": dict(BLOCK_N=2, BLOCK_K=512, num_warps=1),
     "Q4_1": dict(BLOCK_N=2, BLOCK_K=512, num_warps=1),  # not measured: Q4_0's layout plus one array
 }
 GEMV_LARGE_DEFAULT = {
-    "Q4_0": dict(BLOCK_N=16, BLOCK_K=4096, num_warps=4),
-    "Q4_1": dict(BLOCK_N=16, BLOCK_K=4096, num_warps=4),
+    "Q4_0": dict(BLOCK_N=16, BLOCK_K=512, num_warps=1),
+    "Q4_1": dict(BLOCK_N=16, BLOCK_K=512, num_warps=1),
 }
 
 # The fused gate/up kernel (two weight matrices per program) wants its own tile: in a whole F16
-# decode step (H200) the plain tile above made gate/up slower (8B: 171.9 tok/s with it, 217.3
-# with this one; 1B: 891.2 vs 988.7).
+# decode step (H200) the plain tile made gate/up slower (8B: 171.9 tok/s with it, 217.3 with
+# BLOCK_N=4/BLOCK_K=512/1 warp); on the H100 the tuner's pick is the plain tile's (above).
 GEMV_GLU_DEFAULT: dict[str, dict] = {
-    "F16": dict(BLOCK_N=4, BLOCK_K=512, num_warps=1),
+    "F16": dict(BLOCK_N=2, BLOCK_K=1024, num_warps=4),
 }
 
 # int8 activations (x quantized per 32-block, dp4a): about 1 instruction per weight instead of ~4
 # (float Q4) or ~3.4 (float Q8_0), per compile_check's count of the compiled loop.
 GEMV_I8_DEFAULT = {
-    "Q8_0": dict(BLOCK_N=2, BLOCK_K=1024, num_warps=1),
+    "Q8_0": dict(BLOCK_N=2, BLOCK_K=2048, num_warps=1),
     "Q4_0": dict(BLOCK_N=2, BLOCK_K=2048, num_warps=1),
     "Q4_1": dict(BLOCK_N=2, BLOCK_K=2048, num_warps=1),  # not tuned: Q4_0's layout plus one array
 }
@@ -86,20 +90,17 @@ def gemv_config(fmt: str, act_int8: bool = False, glu: bool = False, n_elements:
 
 
 def gemv_tune_candidates(fmt: str, act_int8: bool = False, glu: bool = False) -> list[dict]:
-    """What the backend times at first load for one decode GEMV (tuning.py): a dozen tiles around
-    the defaults, each compiling once per Triton cache. BLOCK_N stays even (the RoPE epilogue
-    rotates pairs of rows inside one program)."""
-    out = []
+    """What the backend times at first load for one decode GEMV (tuning.py), besides the default.
+    Each distinct tile compiles once per Triton cache (about a second), so the list keeps to the
+    tiles that won somewhere on the H100 or the H200 plus their neighbours: six per path.
+    BLOCK_N stays even (the RoPE epilogue rotates pairs of rows inside one program)."""
     if fmt == "F16":
-        for bn in (2, 4, 8, 16):
-            for bk, w in ((512, 1), (1024, 2), (1024, 4)):
-                out.append(dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w))
-        return out
-    tiles = ((1024, 1), (2048, 1), (2048, 2), (4096, 4)) if act_int8 else ((512, 1), (1024, 1), (2048, 2), (4096, 4))
-    for bn in (2, 4, 8, 16):
-        for bk, w in tiles:
-            out.append(dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w))
-    return out
+        tiles = ((2, 1024, 4), (4, 1024, 4), (8, 1024, 2), (4, 512, 1), (2, 512, 1), (16, 1024, 4))
+    elif act_int8:
+        tiles = ((2, 1024, 1), (2, 2048, 1), (4, 2048, 1), (4, 1024, 1), (2, 4096, 4), (8, 4096, 4))
+    else:
+        tiles = ((2, 512, 1), (8, 1024, 1), (16, 512, 1), (2, 2048, 2), (4, 1024, 1), (16, 4096, 4))
+    return [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w) for bn, bk, w in tiles]
 
 
 def gemv_candidates(fmt: str) -> list[dict]:

@@ -37,7 +37,7 @@ def _store_int8_blocks(y, row, D, xq_ptr, xd_ptr, xs_ptr, c, BLOCK_D: tl.constex
 def _rms_norm_kernel(x_ptr, stride_x, r_ptr, stride_r, w_ptr, out_ptr, stride_o, ro_ptr, stride_ro, D, eps,
                      xq_ptr, xd_ptr, xs_ptr,
                      HAS_RES: tl.constexpr, WRITE_RES: tl.constexpr, QUANT: tl.constexpr, BLOCK_D: tl.constexpr,
-                     PDL: tl.constexpr):
+                     SLICE: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK_D)
@@ -48,17 +48,60 @@ def _rms_norm_kernel(x_ptr, stride_x, r_ptr, stride_r, w_ptr, out_ptr, stride_o,
         if WRITE_RES:
             # normalise the sum as stored, so the fused op equals "add, store, then norm"
             xs = x.to(ro_ptr.dtype.element_ty)
-            tl.store(ro_ptr + row * stride_ro + c, xs, mask=mask)
+            if SLICE == BLOCK_D:
+                tl.store(ro_ptr + row * stride_ro + c, xs, mask=mask)
             x = xs.to(tl.float32)
     ms = tl.sum(x * x, axis=0) / D
     r = 1.0 / tl.sqrt(ms + eps)
+    if SLICE < BLOCK_D:
+        # split row: every program has the whole row's sum of squares (the row is a few KB, read
+        # from L2 by each) and normalises, stores and quantizes only its SLICE columns
+        c = tl.program_id(1) * SLICE + tl.arange(0, SLICE)
+        mask = c < D
+        x = tl.load(x_ptr + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RES:
+            x += tl.load(r_ptr + row * stride_r + c, mask=mask, other=0.0).to(tl.float32)
+            if WRITE_RES:
+                xs = x.to(ro_ptr.dtype.element_ty)
+                tl.store(ro_ptr + row * stride_ro + c, xs, mask=mask)
+                x = xs.to(tl.float32)
     w = tl.load(w_ptr + c, mask=mask, other=0.0).to(tl.float32)
     y = (x * r * w).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_o + c, y, mask=mask)
     if QUANT:
         # the row as stored, quantized to int8 per 32-block for the int8-activation GEMVs that read
         # it (quantize_activations' arithmetic; saves them a launch)
-        _store_int8_blocks(y, row, D, xq_ptr, xd_ptr, xs_ptr, c, BLOCK_D)
+        _store_int8_blocks(y, row, D, xq_ptr, xd_ptr, xs_ptr, c, SLICE)
+
+
+# Rows at least this wide are normalised by several programs, NORM_SLICE columns each (each reads
+# the whole row for its sum of squares). One program per row took 4.9 us at width 4096 on the H100
+# (2026-11-22 profile: 321 us of an 8B Q4_0 token's 2.2 ms in 65 norms), 1.4 us at width 576.
+# EDGELLM_NORM_SPLIT=0 keeps one program per row (for comparisons).
+NORM_SPLIT_MIN_D = 2048
+NORM_SLICE = 512
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the bytes two 2-D row-major views span intersect (views of one arena often share a
+    storage without overlapping)."""
+    def span(t):
+        start = t.data_ptr()
+        return start, start + ((t.shape[0] - 1) * t.stride(0) + t.shape[1]) * t.element_size()
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _norm_slice(D: int, block: int, ro, inputs) -> int:
+    """Columns per program: the whole row, or NORM_SLICE when the row is wide and no program's
+    writes can reach what another still reads (an in-place residual update needs one program)."""
+    import os
+
+    if D < NORM_SPLIT_MIN_D or block <= NORM_SLICE or os.environ.get("EDGELLM_NORM_SPLIT", "1") == "0":
+        return block
+    if ro is not None and any(_overlaps(ro, t) for t in inputs):
+        return block
+    return NORM_SLICE
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
@@ -69,7 +112,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     With a residual and residual_out given, h is stored to residual_out (which may alias x or
     residual, for an in-place update of the residual stream) and the norm is taken of h as stored.
     xq (a QuantizedActivations of out's shape): also write out quantized to int8 per 32-block, as
-    quantize_activations(out) would, for linear(..., act_int8=True, xq=xq)."""
+    quantize_activations(out) would, for linear(..., act_int8=True, xq=xq).
+    Rows of NORM_SPLIT_MIN_D or more columns are split over several programs (not in place)."""
     check_2d(x, "x")
     T, D = x.shape
     if weight.numel() != D or not weight.is_contiguous():
@@ -86,14 +130,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if T == 0:
         return out
     block = max(32, next_pow2(D))
-    nw = (config or {}).get("num_warps") or max(1, min(16, block // 256))
     has_res, write_res = residual is not None, residual is not None and residual_out is not None
     r = residual if has_res else x
     ro = residual_out if write_res else out
+    sl = _norm_slice(D, block, ro if write_res else None, (x, r) if has_res else (x,))
+    if sl < block and (_overlaps(out, x) or (has_res and _overlaps(out, r))):
+        sl = block  # the normalised output written over the input: one program per row
+    nw = (config or {}).get("num_warps") or max(1, min(16 if sl == block else 4, block // 256))
     qa = (xq.xq, xq.xd, xq.xs) if xq is not None else (out, out, out)
-    _rms_norm_kernel[(T,)](x, x.stride(0), r, r.stride(0), weight, out, out.stride(0), ro, ro.stride(0), D,
-                           float(eps), *qa, HAS_RES=has_res, WRITE_RES=write_res, QUANT=xq is not None,
-                           BLOCK_D=block, num_warps=nw, **pdl())
+    _rms_norm_kernel[(T, block // sl)](x, x.stride(0), r, r.stride(0), weight, out, out.stride(0), ro, ro.stride(0),
+                                       D, float(eps), *qa, HAS_RES=has_res, WRITE_RES=write_res,
+                                       QUANT=xq is not None, BLOCK_D=block, SLICE=sl, num_warps=nw, **pdl())
     return out
 
 
