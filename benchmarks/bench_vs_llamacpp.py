@@ -127,7 +127,8 @@ def _measure_with(env: dict, *args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("models", nargs="*")
-    ap.add_argument("--llama-bench", required=True)
+    ap.add_argument("--llama-bench", required=True, help="llama-bench's path, or none (edgellm alone, e.g. to "
+                                                          "compare --variant rows)")
     ap.add_argument("--synthetic", default="", help="preset names to write (edgellm.synthetic.PRESETS)")
     ap.add_argument("--formats", default="F16,Q8_0,Q4_0")
     ap.add_argument("--model-dir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "edgellm-synthetic"))
@@ -141,7 +142,7 @@ def main() -> None:
     a = ap.parse_args()
     from gpu_check import copy_bandwidth  # torch with CUDA
 
-    if not os.access(a.llama_bench, os.X_OK):
+    if a.llama_bench != "none" and not os.access(a.llama_bench, os.X_OK):
         ap.error(f"--llama-bench {a.llama_bench}: not an executable file")
     models = list(a.models) + synthetic_models(a.synthetic, a.formats, a.model_dir)
     if not models:
@@ -156,7 +157,7 @@ def main() -> None:
     rows = []
     for path in models:
         name = os.path.basename(path).removesuffix(".gguf")
-        lc = llama_bench(a.llama_bench, path, a.p, a.n, a.r, a.fa)
+        lc = llama_bench(a.llama_bench, path, a.p, a.n, a.r, a.fa) if a.llama_bench != "none" else {}
         for label, env in a.variant or [("", {})]:
             ours = _measure_with(env, path, a.p, a.n, a.r, bw)
             rows.append({"model": f"{name} [{label}]" if label else name, "variant": label, "env": env,

@@ -77,8 +77,12 @@ def _rms_norm_kernel(x_ptr, stride_x, r_ptr, stride_r, w_ptr, out_ptr, stride_o,
 # Rows at least this wide are normalised by several programs, NORM_SLICE columns each (each reads
 # the whole row for its sum of squares). One program per row took 4.9 us at width 4096 on the H100
 # (2026-11-22 profile: 321 us of an 8B Q4_0 token's 2.2 ms in 65 norms), 1.4 us at width 576.
-# EDGELLM_NORM_SPLIT=0 keeps one program per row (for comparisons).
+# Measured on the H100 (2026-11-25, bench_vs_llamacpp.py --variant, docs/results/h100-2026-11-25/
+# vs_split.txt): decode 8B Q4_0 457.0 -> 498.4 tok/s, 1B Q4_0 1,672.9 -> 1,736.7. Prefill, whose
+# many rows already fill the GPU, lost 3% with it (8B pp512 13,482 -> 13,076): only up to
+# NORM_SPLIT_MAX_ROWS rows are split. EDGELLM_NORM_SPLIT=0 keeps one program per row.
 NORM_SPLIT_MIN_D = 2048
+NORM_SPLIT_MAX_ROWS = 32
 NORM_SLICE = 512
 
 
@@ -92,12 +96,13 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
-def _norm_slice(D: int, block: int, ro, inputs) -> int:
+def _norm_slice(T: int, D: int, block: int, ro, inputs) -> int:
     """Columns per program: the whole row, or NORM_SLICE when the row is wide and no program's
     writes can reach what another still reads (an in-place residual update needs one program)."""
     import os
 
-    if D < NORM_SPLIT_MIN_D or block <= NORM_SLICE or os.environ.get("EDGELLM_NORM_SPLIT", "1") == "0":
+    if (T > NORM_SPLIT_MAX_ROWS or D < NORM_SPLIT_MIN_D or block <= NORM_SLICE
+            or os.environ.get("EDGELLM_NORM_SPLIT", "1") == "0"):
         return block
     if ro is not None and any(_overlaps(ro, t) for t in inputs):
         return block
@@ -113,7 +118,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     residual, for an in-place update of the residual stream) and the norm is taken of h as stored.
     xq (a QuantizedActivations of out's shape): also write out quantized to int8 per 32-block, as
     quantize_activations(out) would, for linear(..., act_int8=True, xq=xq).
-    Rows of NORM_SPLIT_MIN_D or more columns are split over several programs (not in place)."""
+    Up to NORM_SPLIT_MAX_ROWS rows of NORM_SPLIT_MIN_D or more columns are split over several
+    programs each (not in place)."""
     check_2d(x, "x")
     T, D = x.shape
     if weight.numel() != D or not weight.is_contiguous():
@@ -133,7 +139,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     has_res, write_res = residual is not None, residual is not None and residual_out is not None
     r = residual if has_res else x
     ro = residual_out if write_res else out
-    sl = _norm_slice(D, block, ro if write_res else None, (x, r) if has_res else (x,))
+    sl = _norm_slice(T, D, block, ro if write_res else None, (x, r) if has_res else (x,))
     if sl < block and (_overlaps(out, x) or (has_res and _overlaps(out, r))):
         sl = block  # the normalised output written over the input: one program per row
     nw = (config or {}).get("num_warps") or max(1, min(16 if sl == block else 4, block // 256))
