@@ -22,6 +22,8 @@ if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
 MODELS = {
     "llama-q4_0-gqa2": SyntheticSpec(n_layers=1, d_model=64, n_heads=4, n_kv_heads=2, ffn_dim=96, weight_type="Q4_0",
                                      embed_type="Q8_0", std=0.1, seed=21),
+    "llama-q4_0-hd32": SyntheticSpec(n_layers=1, d_model=128, n_heads=4, n_kv_heads=2, ffn_dim=96, weight_type="Q4_0",
+                                     embed_type="Q8_0", std=0.1, seed=23),
     "qwen2-q8_0-bias-untied": SyntheticSpec(arch="qwen2", n_layers=1, d_model=64, n_heads=4, n_kv_heads=1, ffn_dim=64,
                                             weight_type="Q8_0", tied=False, std=0.1, seed=22),
     "llama-f16-rope-freqs-q5": SyntheticSpec(n_layers=1, d_model=64, n_heads=2, n_kv_heads=2, ffn_dim=64,
@@ -129,13 +131,16 @@ def test_unsupported_ops_are_delegated_to_cpu(tmp_path, monkeypatch):
     assert np.abs(np.stack(steps) - ref[3:]).max() <= 5e-3 * np.abs(ref).max()
 
 
-def test_decode_fusions_match_unfused_program(tmp_path, monkeypatch):
+@pytest.mark.parametrize("name", ["llama-q4_0-gqa2", "llama-q4_0-hd32"])
+def test_decode_fusions_match_unfused_program(tmp_path, monkeypatch, name):
     """The decode-stage kernel fusions (RoPE + KV write in the q|k|v GEMV epilogue, the int8 copy
-    of the norm output written by the norm kernel, the residual add + norm in the GEMV before it) give the logits of the unfused kernels, and the
-    split-count buckets of decode attention (1 split, then more) agree with each other."""
+    of the norm output written by the norm kernel and, with heads of 32-multiples, of the attention
+    output by the attention kernel, the residual add + norm in the GEMV before it) give the logits
+    of the unfused kernels, and the split-count buckets of decode attention (1 split, then more)
+    agree with each other."""
     monkeypatch.setenv("EDGELLM_ACT_INT8", "1")  # every GEMV on int8 activations: the norm writes them
     monkeypatch.setenv("EDGELLM_NORM_TAIL", "1")  # opt-in
-    spec = MODELS["llama-q4_0-gqa2"]
+    spec = MODELS[name]
     path = write_synthetic_gguf(tmp_path / "m.gguf", spec)
     ids = np.random.default_rng(5).integers(0, spec.vocab_size, 7).tolist()
     ref = edgellm.load(path, ctx=32).logits(ids)
@@ -147,6 +152,9 @@ def test_decode_fusions_match_unfused_program(tmp_path, monkeypatch):
         prog = m.programs["decode"]
         assert bool(prog._rope_into_gemv) == (fusion == "1") and bool(prog._xq_for) == (fusion == "1")
         assert bool(prog._norm_tail) == (fusion == "1")  # residual add + norm in the o / down GEMVs
+        attn_out = {op.outputs[0] for op in prog.graph.ops if op.kind == "attention"}
+        head_dim = spec.d_model // spec.n_heads
+        assert bool(attn_out & set(prog._xq_for)) == (fusion == "1" and head_dim % 32 == 0)
         out = [m.forward([t], i, all_logits=False)[-1] for i, t in enumerate(ids)]
         return np.stack(out), prog
     fused, prog = decode_steps("1", 3)  # 1 split up to 3 keys, then 2, 3 splits

@@ -600,6 +600,36 @@ def test_attention_prefill_default_config_window(rng):
     check(out, ref, 3e-3, "attention prefill window")
 
 
+def _poisoned_xq(T, W):
+    return K.QuantizedActivations(torch.full((T, W), 99, dtype=torch.int8, device=DEV),
+                                  poisoned((T, W // 32), torch.float32), poisoned((T, W // 32), torch.float32))
+
+
+@pytest.mark.parametrize("path,T,H,HKV,D", [("prefill", 3, 4, 2, 64), ("single", 1, 6, 2, 32),
+                                            ("split", 2, 4, 1, 64)])
+def test_attention_writes_int8_activations(rng, path, T, H, HKV, D):
+    """attention(..., xq=) writes the output's int8 copy bit for bit as quantize_activations of
+    the output it stored (the output projection's int8 GEMV then needs no quantize launch)."""
+    seq = 40
+    q = rand(rng, T, H * D)
+    kc, vc = rand(rng, 48, HKV * D), rand(rng, 48, HKV * D)
+    out, xq = poisoned((T, H * D)), _poisoned_xq(T, H * D)
+    if path == "split":
+        K.attention_decode(q, kc, vc, seq, H, HKV, out=out, xq=xq,
+                           config=dict(BLOCK_N=16, num_warps=4, num_stages=1, n_splits=3))
+        ref = _attn_ref(np64(q), np64(kc), np64(vc), list(range(seq - T, seq)), H, HKV, D, 1 / math.sqrt(D))
+    else:
+        start = seq - T
+        K.attention_prefill(q, kc, vc, start, H, HKV, out=out, xq=xq,
+                            config=dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1))
+        ref = _attn_ref(np64(q), np64(kc), np64(vc), list(range(start, seq)), H, HKV, D, 1 / math.sqrt(D))
+    check(out, ref, 3e-3, f"attention {path}")
+    want = K.quantize_activations(out)
+    assert torch.equal(xq.xq, want.xq) and torch.equal(xq.xd, want.xd) and torch.equal(xq.xs, want.xs)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        K.attention_prefill(rand(rng, 1, 2 * 16), rand(rng, 4, 16), rand(rng, 4, 16), 0, 2, 1, xq=_poisoned_xq(1, 32))
+
+
 # ------------------------------------------------------------------------------------------ embedding
 
 @pytest.mark.parametrize("fmt", ALL_FORMATS)

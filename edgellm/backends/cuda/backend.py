@@ -256,7 +256,8 @@ class CudaProgram:
         - a fused q|k|v projection whose only reader is rope_qkv_store (adjacent-pair RoPE) rotates
           and writes the KV cache in its GEMV epilogue: one launch instead of two;
         - an RMSNorm whose output feeds int8-activation GEMVs also writes the int8 copy they read,
-          so they skip quantize_activations: one launch less per such GEMV;
+          so they skip quantize_activations: one launch less per such GEMV; so does the attention
+          whose output feeds the output projection's int8 GEMV (its programs own whole heads);
         - a residual add + RMSNorm (add_rms_norm) whose branch input comes from a projection is done
           by that projection's GEMV (NormTail: each program adds its rows into the residual stream,
           the last one to finish normalises): one launch less, twice per layer.
@@ -298,13 +299,14 @@ class CudaProgram:
             if op.kind not in ("linear", "linear_qkv", "linear_swiglu") or op.name in self._absorbed:
                 continue
             src = producer.get(op.inputs[0])
-            if src is None or src.kind not in ("rms_norm", "add_rms_norm") or src.kind not in self.backend.SUPPORTED_OPS:
+            if src is None or src.kind not in ("rms_norm", "add_rms_norm", "attention") \
+                    or src.kind not in self.backend.SUPPORTED_OPS:
                 continue
             if not self._linear_uses_int8(op, W):
                 continue
             width = int(self.graph.tensors[op.inputs[0]].shape[-1])
-            if width % 32:
-                continue
+            if width % 32 or (src.kind == "attention" and src.attrs["head_dim"] % 32):
+                continue  # (an attention program writes whole heads: they must be whole 32-blocks)
             self._xq_for[op.inputs[0]] = self._xq_buffer(width)
 
     def _plan_norm_tails(self, readers: dict[str, list[Op]], producer: dict[str, Op]) -> None:
@@ -524,8 +526,11 @@ class CudaProgram:
             G = a["n_heads"] // a["n_kv_heads"]
             window = int(a.get("window", 0))  # sliding window: the kernels read only the last `window` keys
 
+            xq_all = self._xq_for.get(outs[0])  # the output projection's int8 copy, written here
+
             def run_attention(env, s, c):
                 q, kc, vc, out = env[ins[0]], env[ins[1]], env[ins[2]], env[outs[0]]
+                xq = None if xq_all is None else self._xq_rows(xq_all, s)
                 if s <= 4:
                     if s not in caps:
                         caps[s] = K.default_decode_splits(q, a["n_kv_heads"], kc.shape[0], s, a["n_heads"])
@@ -534,7 +539,7 @@ class CudaProgram:
                     if n == 1:  # the whole context in one program per KV head: no combine kernel
                         bm = min(64, max(16, 1 << (s * G - 1).bit_length()))
                         K.attention_prefill(q, kc, vc, self.start, a["n_heads"], a["n_kv_heads"], a["scale"],
-                                            out=out, head_dim=a["head_dim"], window=window,
+                                            out=out, head_dim=a["head_dim"], window=window, xq=xq,
                                             config=dict(BLOCK_M=bm, BLOCK_N=K.configs.attn_decode_single_block_n(
                                                 a["n_kv_heads"])))
                         return
@@ -542,10 +547,10 @@ class CudaProgram:
                         ws[s, n] = K.decode_workspace(s, a["n_heads"], a["head_dim"], n, self.dev)
                     K.attention_decode(q, kc, vc, self.seq_len, a["n_heads"], a["n_kv_heads"], a["scale"], out=out,
                                        head_dim=a["head_dim"], window=window, workspace=ws[s, n],
-                                       config=dict(n_splits=n))
+                                       config=dict(n_splits=n), xq=xq)
                 else:
                     K.attention_prefill(q, kc, vc, self.start, a["n_heads"], a["n_kv_heads"], a["scale"], out=out,
-                                        head_dim=a["head_dim"], window=window)
+                                        head_dim=a["head_dim"], window=window, xq=xq)
             return run_attention
         if kind in ("rope_rows", "kv_store_rows", "attention_rows"):
             return self._lower_rows(op)

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from . import configs
 from ._common import check_2d, device_sm_count, int_or_tensor, jit, next_pow2, out_buffer, pdl, pdl_prologue
+from .norm import store_int8_tile
 
 _LOG2E = 1.4426950408889634
 
@@ -103,9 +104,10 @@ def _attn_decode_split_kernel(q_ptr, stride_q, kc_ptr, vc_ptr, stride_c, po_ptr,
 
 @jit
 def _attn_decode_reduce_kernel(po_ptr, pml_ptr, out_ptr, stride_o, seq_ptr, seq_val, H,
+                               xq_ptr, xd_ptr, xs_ptr,
                                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                                N_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, SEQ_FROM_PTR: tl.constexpr,
-                               PDL: tl.constexpr):
+                               QUANT: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
     r = tl.program_id(0)  # token * H + head
     t = r // H
@@ -129,15 +131,21 @@ def _attn_decode_reduce_kernel(po_ptr, pml_ptr, out_ptr, stride_o, seq_ptr, seq_
     dm = d < HEAD_DIM
     o = tl.load(po_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=sm[:, None] & dm[None, :], other=0.0)
     res = tl.sum(w[:, None] * o, axis=0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + t.to(tl.int64) * stride_o + h * HEAD_DIM + d, res.to(out_ptr.dtype.element_ty), mask=dm)
+    y = res.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t.to(tl.int64) * stride_o + h * HEAD_DIM + d, y, mask=dm)
+    if QUANT:  # the int8 copy the output projection reads (a whole head is whole 32-blocks)
+        zero = tl.zeros([1], dtype=tl.int32)
+        store_int8_tile(y[None, :], zero + t, zero + h * HEAD_DIM, H * HEAD_DIM, zero == 0, xq_ptr, xd_ptr, xs_ptr,
+                        HEAD_DIM, 1, BLOCK_D)
 
 
 @jit
 def _attn_prefill_kernel(q_ptr, stride_q, kc_ptr, vc_ptr, stride_c, out_ptr, stride_o,
-                         pos_ptr, pos_val, T, scale_log2, window, ring_rows,
+                         pos_ptr, pos_val, T, scale_log2, window, ring_rows, xq_ptr, xd_ptr, xs_ptr, xq_width,
                          G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         POS_FROM_PTR: tl.constexpr, HAS_WINDOW: tl.constexpr, PDL: tl.constexpr):
+                         POS_FROM_PTR: tl.constexpr, HAS_WINDOW: tl.constexpr, QUANT: tl.constexpr,
+                         PDL: tl.constexpr):
     pdl_prologue(PDL)
     pm = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -167,8 +175,20 @@ def _attn_prefill_kernel(q_ptr, stride_q, kc_ptr, vc_ptr, stride_c, out_ptr, str
     acc, m_i, l_i = _attn_tiles(q, kc_ptr, vc_ptr, stride_c, kvh, lo, hi, pos, scale_log2, window, acc, m_i, l_i,
                                 HEAD_DIM, BLOCK_D, BLOCK_N, HAS_WINDOW, ring_rows, HAS_WINDOW)
     res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_o + h[:, None] * HEAD_DIM + d[None, :],
-             res.to(out_ptr.dtype.element_ty), mask=qmask)
+    y = res.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_o + h[:, None] * HEAD_DIM + d[None, :], y, mask=qmask)
+    if QUANT:  # the int8 copy the output projection reads (each row is one whole head)
+        store_int8_tile(y, t, h * HEAD_DIM, xq_width, rmask, xq_ptr, xd_ptr, xs_ptr, HEAD_DIM, BLOCK_M, BLOCK_D)
+
+
+def _xq_args(xq, T: int, width: int, D: int, out: torch.Tensor) -> tuple[tuple, bool]:
+    """Kernel arguments for the int8 copy of the output (see quantize_activations), or dummies."""
+    if xq is None:
+        return (out, out, out), False
+    if xq.shape != (T, width) or D % 32:
+        raise ValueError(f"attention: xq holds activations of shape {xq.shape}, expected {(T, width)} "
+                         f"with a head_dim ({D}) that is a multiple of 32")
+    return (xq.xq, xq.xd, xq.xs), True
 
 
 def _check_attn(q, k_cache, v_cache, n_heads, n_kv_heads, head_dim):
@@ -227,10 +247,12 @@ def decode_workspace(T: int, n_heads: int, head_dim: int, n_splits: int, device)
 def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_len,
                      n_heads: int, n_kv_heads: int, scale: float | None = None, out: torch.Tensor | None = None,
                      *, head_dim: int | None = None, window: int = 0, workspace=None,
-                     config: dict | None = None) -> torch.Tensor:
+                     config: dict | None = None, xq=None) -> torch.Tensor:
     """Attention of the last T tokens (q [T, n_heads*head_dim], usually T = 1) over cache rows
     0..seq_len-1, causal among the T tokens; seq_len counts the tokens already written to the
-    caches, these T included. seq_len is an int or a one-element int tensor on the device."""
+    caches, these T included. seq_len is an int or a one-element int tensor on the device.
+    xq (a QuantizedActivations [T, n_heads*head_dim]): also write the output quantized to int8 per
+    32-block, as quantize_activations(out) would, for the output projection's int8 GEMV."""
     H, HKV, D = _check_attn(q, k_cache, v_cache, n_heads, n_kv_heads, head_dim)
     T = q.shape[0]
     G = H // HKV
@@ -255,8 +277,9 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                     G=G, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"],
                                     N_SPLITS=n_splits, SEQ_FROM_PTR=from_ptr, HAS_WINDOW=window > 0,
                                     num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl())
-    _attn_decode_reduce_kernel[(T * H,)](po, pml, out, out.stride(0), seq_ptr, seq_val, H,
-                                         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_N=cfg["BLOCK_N"], N_SPLITS=n_splits,
+    qa, quant = _xq_args(xq, T, H * D, D, out)
+    _attn_decode_reduce_kernel[(T * H,)](po, pml, out, out.stride(0), seq_ptr, seq_val, H, *qa,
+                                         QUANT=quant, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_N=cfg["BLOCK_N"], N_SPLITS=n_splits,
                                          SPLITS_PAD=next_pow2(n_splits), SEQ_FROM_PTR=from_ptr,
                                          num_warps=max(1, min(4, block_d // 32)), **pdl())
     return out
@@ -264,9 +287,11 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start_pos,
                       n_heads: int, n_kv_heads: int, scale: float | None = None, out: torch.Tensor | None = None,
-                      *, head_dim: int | None = None, window: int = 0, config: dict | None = None) -> torch.Tensor:
+                      *, head_dim: int | None = None, window: int = 0, config: dict | None = None,
+                      xq=None) -> torch.Tensor:
     """Causal attention of T = q.shape[0] tokens at positions start_pos..start_pos+T-1 over the
-    cache rows 0..(own position); the caches must already hold rows 0..start_pos+T-1."""
+    cache rows 0..(own position); the caches must already hold rows 0..start_pos+T-1.
+    xq: also write the output's int8 copy (see attention_decode)."""
     H, HKV, D = _check_attn(q, k_cache, v_cache, n_heads, n_kv_heads, head_dim)
     T = q.shape[0]
     G = H // HKV
@@ -279,9 +304,10 @@ def attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     cfg = {**configs.ATTN_PREFILL_DEFAULT, **(config or {})}
     block_m = cfg["BLOCK_M"]
     grid = (triton.cdiv(T * G, block_m), HKV)
+    qa, quant = _xq_args(xq, T, H * D, D, out)
     _attn_prefill_kernel[grid](q, q.stride(0), k_cache, v_cache, k_cache.stride(0), out, out.stride(0),
-                               pos_ptr, pos_val, T, scale * _LOG2E, int(window), k_cache.shape[0],
-                               G=G, HEAD_DIM=D, BLOCK_D=max(16, next_pow2(D)), BLOCK_M=block_m,
+                               pos_ptr, pos_val, T, scale * _LOG2E, int(window), k_cache.shape[0], *qa, H * D,
+                               QUANT=quant, G=G, HEAD_DIM=D, BLOCK_D=max(16, next_pow2(D)), BLOCK_M=block_m,
                                BLOCK_N=cfg["BLOCK_N"], POS_FROM_PTR=from_ptr, HAS_WINDOW=window > 0,
                                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl())
     return out
@@ -389,6 +415,7 @@ def attention_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         # every split wrote its partial (empty ones m = -inf): combine all of them, which the
         # reduce kernel does for a "sequence length" of n_splits tiles
         _attn_decode_reduce_kernel[(T * H,)](po, pml, out, out.stride(0), out, n_splits * cfg["BLOCK_N"], H,
+                                             out, out, out, QUANT=False,
                                              HEAD_DIM=D, BLOCK_D=block_d, BLOCK_N=cfg["BLOCK_N"], N_SPLITS=n_splits,
                                              SPLITS_PAD=next_pow2(n_splits), SEQ_FROM_PTR=False,
                                              num_warps=max(1, min(4, block_d // 32)), **pdl())

@@ -34,6 +34,30 @@ def _store_int8_blocks(y, row, D, xq_ptr, xd_ptr, xs_ptr, c, BLOCK_D: tl.constex
 
 
 @jit
+def store_int8_tile(y, row, col0, width, rmask, xq_ptr, xd_ptr, xs_ptr, NCOL: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """y [BLOCK_R, BLOCK_C] (values as stored): row r's columns col0[r] .. col0[r] + NCOL - 1 of an
+    activation [., width] quantized per 32-block as quantize_activations does (NCOL and col0 are
+    multiples of 32; columns past NCOL and rows off rmask are not written). For kernels whose
+    programs own whole 32-blocks of their output (attention: whole heads)."""
+    b = tl.reshape(y.to(tl.float32), [BLOCK_R, BLOCK_C // 32, 32])
+    amax = tl.max(tl.abs(b), axis=2)
+    inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
+    v = b * inv[:, :, None]
+    q = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(0.5 - v))
+    j = tl.arange(0, BLOCK_C // 32)
+    e = tl.arange(0, 32)
+    bm = rmask[:, None] & (j[None, :] * 32 < NCOL)
+    row64 = row.to(tl.int64)
+    base = row64[:, None] * width + col0[:, None] + j[None, :] * 32
+    tl.store(xq_ptr + base[:, :, None] + e[None, None, :], q.to(tl.int8), mask=bm[:, :, None])
+    d = amax / 127.0
+    sb = row64[:, None] * (width // 32) + col0[:, None] // 32 + j[None, :]
+    tl.store(xd_ptr + sb, d, mask=bm)
+    tl.store(xs_ptr + sb, d * tl.sum(q, axis=2), mask=bm)
+
+
+@jit
 def _rms_norm_kernel(x_ptr, stride_x, r_ptr, stride_r, w_ptr, out_ptr, stride_o, ro_ptr, stride_ro, D, eps,
                      xq_ptr, xd_ptr, xs_ptr,
                      HAS_RES: tl.constexpr, WRITE_RES: tl.constexpr, QUANT: tl.constexpr, BLOCK_D: tl.constexpr,
