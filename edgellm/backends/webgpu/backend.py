@@ -36,6 +36,24 @@ SPLIT_KEYS = 256  # decode attention: one split per this many cached keys ...
 MAX_SPLITS = 32  # ... up to this many
 
 
+FOLDS = ("last_row", "norm", "rope")  # the kinds of WebgpuProgram._plan_folds
+
+
+def fold_kinds() -> set[str]:
+    """The decode folds EDGELLM_WEBGPU_FOLD enables: 1 (the default) all, 0 none, or a comma list
+    of FOLDS (A/B measurement of each)."""
+    v = os.environ.get("EDGELLM_WEBGPU_FOLD", "1").strip()
+    if v == "1":
+        return set(FOLDS)
+    if v == "0":
+        return set()
+    kinds = {x.strip() for x in v.split(",") if x.strip()}
+    if kinds - set(FOLDS):
+        raise GraphError(f"EDGELLM_WEBGPU_FOLD={v!r}: unknown fold {sorted(kinds - set(FOLDS))}; use 1, 0 or a comma "
+                         f"list of {', '.join(FOLDS)}")
+    return kinds
+
+
 class DeviceMemoryError(EdgeLLMError):
     """A tensor does not fit in the adapter's buffers or bindings."""
 
@@ -259,10 +277,13 @@ class WebgpuProgram:
         self.delegated: list[str] = []
         self.matrix_bytes = 0  # bytes of the weight matrices one step reads (a decode token's traffic)
         self._steps: list = []
-        self._folds = self._fold_norms()  # linear op name -> the RMSNorm op folded into its GEMV
-        folded = {n.name for n in self._folds.values()}
+        self._alias: dict[str, str] = {}  # tensor -> the tensor whose storage it is (an absorbed copy)
+        self._private: dict[str, object] = {}  # tensor -> a buffer of its own, outside the memory plan
+        self._folds: dict[str, Op] = {}  # linear op name -> the RMSNorm op folded into its GEMV (prologue)
+        self._ropes: dict[str, Op] = {}  # linear_qkv op name -> the rope_qkv_store done in its GEMV (epilogue)
+        absorbed = self._plan_folds()
         for op in graph.ops:
-            if op.name not in folded:
+            if op.name not in absorbed:
                 self._steps.extend(self._lower(op))
         self._argmax = None
         if self.max_seq == 1 and "logits" in graph.outputs:
@@ -290,9 +311,13 @@ class WebgpuProgram:
         """A function giving (buffer, byte offset, byte size) of a tensor's storage (called when the
         bind groups are made, after every program of the model has reserved its arena); its
         `dtype` attribute is the tensor's element type there."""
+        name = self._alias.get(name, name)
         t = self.graph.tensors[name]
         dev = self.dev
-        if t.kind == "weight":
+        if name in self._private:
+            pb = self._private[name]
+            fn, dtype = (lambda: (pb, 0, pb.size)), "f32"
+        elif t.kind == "weight":
             src = t.source or name
             fn, dtype = (lambda: (lambda b: (b, 0, b.size))(self.backend.weights.vector(src))), "f32"
         elif t.kind == "state" or t.alias_of is not None:
@@ -377,51 +402,158 @@ class WebgpuProgram:
             return self._lower_attention(op)
         raise GraphError(f"webgpu: no kernel for op '{op.name}' ({kind})")
 
-    def _fold_norms(self) -> dict[str, Op]:
-        """RMSNorms (plain, or add + RMSNorm) to fold into the decode GEMV that alone reads their
-        output (kernels.gemv_warp's norm prologue): a decode program (GEMVs only), the warp GEMV
-        configured, a norm over the GEMV's whole input row, no bias on the projection, and the
-        norm's inputs stored apart from what the GEMV writes (its output, and for add + RMSNorm
-        the residual sum, which the first workgroup writes while the others still read the
-        addends). Each fold saves one dispatch and the barrier before it. EDGELLM_WEBGPU_FOLD=0 keeps every norm its own dispatch."""
-        if self.max_seq > GEMV_MAX_ROWS or os.environ.get("EDGELLM_WEBGPU_FOLD", "1") == "0":
-            return {}
+    def _plan_folds(self) -> set[str]:
+        """Ops of a decode program done inside another op's kernel, each one dispatch (and the
+        barrier before it) fewer per token; returns the names of the ops absorbed. The kinds
+        (EDGELLM_WEBGPU_FOLD: 1 all, the default; 0 none; or a comma list of these):
+        - "last_row": a single-token program's last_row copies its only row: its output is made
+          the input's storage (the copy's dispatch gone);
+        - "norm": an RMSNorm (plain, or add + RMSNorm) computed in the prologue of the GEMV that
+          alone reads it (_fold_norm);
+        - "rope": RoPE and the KV-cache write (rope_qkv_store) done in the epilogue of the q|k|v
+          projection's GEMV that alone feeds it (_fold_rope; the cuda backend's decode fusion).
+        Prefill programs (matrix-matrix products) keep every op its own dispatch."""
+        if self.max_seq > GEMV_MAX_ROWS:
+            return set()
+        kinds = fold_kinds()
         readers: dict[str, list[Op]] = {}
         for op in self.graph.ops:
             for t in op.inputs:
                 readers.setdefault(t, []).append(op)
-        W, out = self.backend.weights, {}
+        absorbed: set[str] = set()
+        if "last_row" in kinds and self.max_seq == 1:
+            for i, op in enumerate(self.graph.ops):
+                if op.kind == "last_row" and self._alias_copy(i, readers):
+                    absorbed.add(op.name)
         for op in self.graph.ops:
-            if op.kind not in ("rms_norm", "add_rms_norm") or set(op.attrs) - {"eps"}:
-                continue
-            normed = op.outputs[-1]
-            users = readers.get(normed, [])
-            if len(users) != 1 or normed in self.graph.outputs or normed not in self.offsets:
-                continue
-            lin = users[0]
-            if lin.kind not in ("linear", "linear_qkv", "linear_swiglu") or lin.inputs[0] != normed or lin.attrs.get("has_bias"):
-                continue
-            names = [self._wname(t) for t in (lin.inputs[1:4] if lin.kind == "linear_qkv" else
-                                              lin.inputs[1:3] if lin.kind == "linear_swiglu" else lin.inputs[1:2])]
-            w = W.matrix(*names)
-            glu = lin.kind == "linear_swiglu"
-            gamma = self.graph.tensors[op.inputs[-1]]
-            n_bind = len(w.desc().bindings()) + 5 + (3 if op.kind == "add_rms_norm" else 0) + bool(lin.attrs.get("has_residual"))
-            if self.backend.gemv_config(w, w.rows // 2 if glu else w.rows, glu).get("kind") != "warp" or \
-                    w.cols % 4 or tuple(gamma.shape)[-1:] != (w.cols,) or n_bind > self.dev.max_storage_buffers:
-                continue
-            # the memory plan was made for the norm running first: its addends may share storage
-            # with what the GEMV now writes while other workgroups still read them
-            reads = list(op.inputs[:-1])
-            writes = list(lin.outputs) + (list(op.outputs[:1]) if op.kind == "add_rms_norm" else [])
-            if any(t not in self.offsets for t in reads):
-                continue
-            writes = [t for t in writes if t in self.offsets]  # the others have buffers of their own
-            span = {t: (self.offsets[t], self.offsets[t] + 4 * math.prod(self.shape(t, self.max_seq))) for t in reads + writes}
-            if any(span[r][0] < span[w_][1] and span[w_][0] < span[r][1] for r in reads for w_ in writes):
-                continue
-            out[lin.name] = op
-        return out
+            if "norm" in kinds and op.kind in ("rms_norm", "add_rms_norm"):
+                lin = self._fold_norm(op, readers)
+                if lin is not None:
+                    self._folds[lin.name] = op
+                    absorbed.add(op.name)
+        for op in self.graph.ops:
+            if "rope" in kinds and op.kind == "linear_qkv":
+                rope = self._fold_rope(op, readers)
+                if rope is not None:
+                    self._ropes[op.name] = rope
+                    absorbed.add(rope.name)
+        return absorbed
+
+    def _span(self, t: str) -> tuple[int, int] | None:
+        """The byte range of a tensor's storage in the arena (None: storage of its own)."""
+        t = self._alias.get(t, t)
+        if t not in self.offsets or t in self._private:
+            return None
+        return self.offsets[t], self.offsets[t] + 4 * math.prod(self.shape(t, self.max_seq))
+
+    def _overlap(self, reads, writes) -> bool:
+        """Whether any tensor written shares arena bytes with any tensor read."""
+        rs = [x for x in map(self._span, reads) if x is not None]
+        ws = [x for x in map(self._span, writes) if x is not None]
+        return any(r[0] < w[1] and w[0] < r[1] for r in rs for w in ws)
+
+    def _alias_copy(self, i: int, readers: dict) -> bool:
+        """last_row of a one-token program (op i): its output becomes its input's storage where no
+        op writes over the input's bytes while the output is still read (the plan reused the
+        input's slot once the copy was made)."""
+        op = self.graph.ops[i]
+        src, dst = op.inputs[0], op.outputs[0]
+        if dst in self.graph.outputs or src not in self.offsets or dst not in self.offsets:
+            return False
+        if self.shape(src, 1) != self.shape(dst, 1):
+            return False
+        names = [o.name for o in self.graph.ops]
+        last = max((names.index(r.name) for r in readers.get(dst, [])), default=i)
+        if any(self._overlap([src], later.outputs) for later in self.graph.ops[i + 1:last + 1]):
+            return False
+        self._alias[dst] = self._alias.get(src, src)
+        return True
+
+    def _gemv_warp_config(self, lin: Op):
+        """(device weight, warp GEMV configuration) of a projection, or None where its decode GEMV
+        is not kernels.gemv_warp (the folds need it)."""
+        names = [self._wname(t) for t in (lin.inputs[1:4] if lin.kind == "linear_qkv" else
+                                          lin.inputs[1:3] if lin.kind == "linear_swiglu" else lin.inputs[1:2])]
+        w = self.backend.weights.matrix(*names)
+        glu = lin.kind == "linear_swiglu"
+        cfg = self.backend.gemv_config(w, w.rows // 2 if glu else w.rows, glu)
+        return (w, cfg) if cfg.get("kind") == "warp" else None
+
+    def _gemv_bindings(self, lin: Op, w: DeviceWeight, norm_op: Op | None, rope: bool) -> int:
+        """Storage bindings of a projection's warp GEMV with the given folds (kernels.gemv_warp)."""
+        n = len(w.desc().bindings()) + 1  # the weight's arrays, Y
+        if norm_op is None:
+            n += 2  # X and its vec4 view
+        else:
+            n += 4 + (3 if norm_op.kind == "add_rms_norm" else 0)  # A, G (vec4 views), B, S
+        n += bool(lin.attrs.get("has_bias")) + bool(lin.kind == "linear" and lin.attrs.get("has_residual"))
+        return n + (4 if rope else 0)  # KC, VC, COS, SIN
+
+    def _fold_norm(self, op: Op, readers: dict) -> Op | None:
+        """The projection whose warp GEMV computes this RMSNorm (kernels.gemv_warp's norm
+        prologue), or None: the GEMV alone reads the norm's output, over its whole input row, with
+        no bias on the projection, and the norm's inputs stored apart from what the GEMV writes
+        (its output, and for add + RMSNorm the residual sum, which the first workgroup writes
+        while the others still read the addends)."""
+        if set(op.attrs) - {"eps"}:
+            return None
+        normed = op.outputs[-1]
+        users = readers.get(normed, [])
+        if len(users) != 1 or normed in self.graph.outputs or normed not in self.offsets:
+            return None
+        lin = users[0]
+        if lin.kind not in ("linear", "linear_qkv", "linear_swiglu") or lin.inputs[0] != normed or lin.attrs.get("has_bias"):
+            return None
+        wc = self._gemv_warp_config(lin)
+        if wc is None:
+            return None
+        w = wc[0]
+        gamma = self.graph.tensors[op.inputs[-1]]
+        if w.cols % 4 or tuple(gamma.shape)[-1:] != (w.cols,) or \
+                self._gemv_bindings(lin, w, op, False) > self.dev.max_storage_buffers:
+            return None
+        # the memory plan was made for the norm running first: its addends may share storage
+        # with what the GEMV now writes while other workgroups still read them
+        reads = list(op.inputs[:-1])
+        if any(self._alias.get(t, t) not in self.offsets for t in reads):
+            return None
+        writes = list(lin.outputs) + (list(op.outputs[:1]) if op.kind == "add_rms_norm" else [])
+        return None if self._overlap(reads, writes) else lin
+
+    def _fold_rope(self, lin: Op, readers: dict) -> Op | None:
+        """The rope_qkv_store that this q|k|v projection's warp GEMV does in its epilogue
+        (kernels.RopeFold), or None: the store alone reads the projection's output, rotates
+        adjacent pairs (style 'norm': a pair lies in one lane; neox pairs lie half a head apart,
+        in other workgroups), without the long-RoPE factor or q/k norms, and the GEMV's rows per
+        subgroup are even. The rotated q, written while other workgroups still read the GEMV's
+        input, gets a buffer of its own where the plan put it over that input."""
+        from ..cpu import rope_qkv_extras
+
+        rd = readers.get(lin.outputs[0], [])
+        if len(rd) != 1 or rd[0].kind != "rope_qkv_store" or rd[0].inputs[0] != lin.outputs[0]:
+            return None
+        rope = rd[0]
+        a = rope.attrs
+        _, qk_norms = rope_qkv_extras(rope, list(rope.inputs))
+        if (a.get("style") != "norm" or a.get("mscale", 1.0) != 1.0 or qk_norms or a.get("ring") or a.get("window")
+                or lin.outputs[0] in self.graph.outputs or rope.outputs[0] in self.graph.outputs):
+            return None
+        wc = self._gemv_warp_config(lin)
+        if wc is None:
+            return None
+        w, cfg = wc
+        d, h, g = a["head_dim"], a["n_heads"], a["n_kv_heads"]
+        n_rot = a.get("rope_dim", d)
+        if cfg["rows_per_warp"] % 2 or w.rows != (h + 2 * g) * d or d % 2 or n_rot % 2 or n_rot > d:
+            return None
+        norm_op = self._folds.get(lin.name)
+        if self._gemv_bindings(lin, w, norm_op, True) > self.dev.max_storage_buffers:
+            return None
+        q = rope.outputs[0]
+        reads = list(norm_op.inputs[:-1]) if norm_op is not None else [lin.inputs[0]]
+        if self._overlap(reads, [q]):
+            self._private[q] = self.dev.buffer(-(-4 * math.prod(self.shape(q, self.max_seq)) // 16) * 16)
+        return rope
 
     def _lower_linear(self, op: Op):
         W, R, a, ins, outs = self.backend.weights, self._res, op.attrs, op.inputs, op.outputs
@@ -454,6 +586,17 @@ class WebgpuProgram:
         opts = dict(bias=bool(bias), residual=res_in is not None, glu=glu)
         if norm_op is not None:
             opts.update(norm="add_rms" if norm_op.kind == "add_rms_norm" else "rms", eps=norm_op.attrs["eps"])
+        rope_op = self._ropes.get(op.name)
+        if rope_op is not None:  # q rotated into the rope's output, k and v into the caches (_fold_rope)
+            from ..cpu import rope_qkv_extras
+
+            ra = rope_op.attrs
+            d, n_rot = ra["head_dim"], ra.get("rope_dim", ra["head_dim"])
+            freqs, _ = rope_qkv_extras(rope_op, list(rope_op.inputs))
+            cos, sin = self.backend.rope_tables(ra, n_rot, None if freqs is None else self._wname(freqs), self.ctx)
+            res.update(Y=R(rope_op.outputs[0]), KC=R(rope_op.inputs[2]), VC=R(rope_op.inputs[3]),
+                       COS=lambda: (cos, 0, cos.size), SIN=lambda: (sin, 0, sin.size))
+            opts["rope"] = kernels.RopeFold(ra["n_heads"] * d, ra["n_kv_heads"] * d, d, n_rot)
         cfg = self.backend.gemv_config(w, n_out, glu)
         x_vec = 4 if w.cols % 4 == 0 else 1
         if cfg.get("kind", "block") == "block":

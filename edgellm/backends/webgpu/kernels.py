@@ -164,7 +164,7 @@ def _unit_dot(fmt: str, q: str, x: str, d: str, m: str) -> str:
 def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, wg: int = 256, sg: int = 32,
               unroll: int = 4, subgroup: bool = True, bias: bool = False, residual: bool = False, glu: bool = False,
               norm: str | None = None, eps: float = 1e-6, stage: bool = False, rows_per_wg: int | None = None,
-              dtypes: dict | None = None) -> WarpKernel:
+              rope: "RopeFold | None" = None, dtypes: dict | None = None) -> WarpKernel:
     """The decode GEMV as one subgroup (sg lanes, a GPU's warp) per `rows_per_warp` output features:
     the lanes stride along the rows in 16-byte units of quants (a warp reads 16 * sg contiguous
     bytes per row per unit: coalesced), each lane issuing the loads of `unroll` units (and their
@@ -181,6 +181,12 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
     rms_norm(A + B) * G, and the sum A + B (the residual stream) is also written to S by the
     first workgroup of each row. Bindings A, G (and B, S) instead of X.
 
+    rope: W is a fused q|k|v projection whose result goes through RoPE and into the KV cache
+    (rope_qkv_store's work done here, without a dispatch of its own; RopeFold): each lane 0 holds
+    adjacent features (2i, 2i+1), a rotation pair (rows_per_warp even, rows start even), rotates
+    the q and k pairs with COS/SIN[pos, i] (the rope kernel's tables) and writes q to Y ([rows,
+    q_dim]), k and v to row `pos` of KC and VC.
+
     stage: the workgroup first copies its row of x (normalized where a norm is folded) into
     workgroup memory (4 * K bytes; K a multiple of 32), and the lanes read x from there instead
     of from the storage buffer: a 4-bit weight's x traffic is 8 times its own bytes. Positions are
@@ -193,6 +199,9 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
         raise ValueError(f"gemv_warp: norm {norm!r}")
     if norm and bias:
         raise ValueError("gemv_warp: a folded norm takes no bias (the bias binding is the norm's second input)")
+    if rope is not None and (glu or R % 2 or n_out != rope.q_dim + 2 * rope.kv_dim or rope.head_dim % 2 or rope.n_rot % 2):
+        raise ValueError(f"gemv_warp: a RoPE epilogue needs no glu, an even rows_per_warp (got {R}) and n_out = q + 2 kv "
+                         f"features (got {n_out} for {rope})")
     if stage and w.cols % 32:
         raise ValueError(f"gemv_warp: staging x needs rows of a multiple of 32 elements, not {w.cols}")
     if norm:
@@ -205,6 +214,8 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
         parts.append((ActDesc("B"), None))
     if residual:
         parts.append((ActDesc("R"), None))
+    if rope is not None:
+        parts += [(ActDesc(n), None) for n in ("KC", "VC", "COS", "SIN")]
     fmt = w.fmt
     per = _UNIT_ELEMS[fmt] // 4  # x vec4s per unit
     if norm:
@@ -279,14 +290,22 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
         red = "\n".join(red)
         decl = f"var<workgroup> red: array<f32, {wg * len(accs)}>;"
     stores = []
-    for r in range(R):
-        e = _epilogue(f"a{r}", f"g{r}" if glu else None, bias, residual, "col", "t * N + col")
-        stores.append(f"        {{ let col = row0 + {r}u; if (col < N) {{ {e} Y_st(t * N + col, y); }} }}")
+    if rope is None:
+        for r in range(R):
+            e = _epilogue(f"a{r}", f"g{r}" if glu else None, bias, residual, "col", "t * N + col")
+            stores.append(f"        {{ let col = row0 + {r}u; if (col < N) {{ {e} Y_st(t * N + col, y); }} }}")
+    else:  # pairs (2i, 2i+1): N is even, so a pair lies wholly below N or above it
+        for r in range(0, R, 2):
+            e0 = _epilogue(f"a{r}", None, bias, residual, "col", "t * N + col")
+            e1 = _epilogue(f"a{r + 1}", None, bias, residual, "col + 1u", "t * N + col + 1u")
+            stores.append(f"        {{ let col = row0 + {r}u; if (col < N) {{ var y0 = 0.0; var y1 = 0.0; "
+                          f"{{ {e0} y0 = y; }} {{ {e1} y1 = y; }} rope_put(t, col, y0, y1); }} }}")
     body = """
 const N: u32 = ${N}u; const K: u32 = ${K}u; const UNITS: u32 = ${UNITS}u; const SG: u32 = ${SG}u;
 const WG: u32 = ${WG}u; const WARPS: u32 = WG / SG;
 ${DECL}
 ${NDECL}
+${ROPE}
 @compute @workgroup_size(${WG})
 fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>,
         @builtin(num_workgroups) nwg: vec3<u32>) {
@@ -312,7 +331,8 @@ ${STORES}
                 ACCS=" ".join(f"var {a} = 0.0;" for a in accs), BODY="\n".join(body_l), STEP=sg * U, RED=red,
                 DECL=decl, STORES="\n".join(stores), EPS=_f(eps),
                 NDECL=(f"var<workgroup> nred: array<f32, {wg}>;" if norm else "")
-                + (f"\nvar<workgroup> xs: array<vec4<f32>, {w.cols // 4}>;" if stage else ""), dtypes=dtypes)
+                + (f"\nvar<workgroup> xs: array<vec4<f32>, {w.cols // 4}>;" if stage else ""),
+                ROPE=rope.wgsl() if rope is not None else "", dtypes=dtypes)
     return WarpKernel(k.name, k.source, k.bindings, wg, rows_per_group=wg // sg * R)
 
 
@@ -539,6 +559,42 @@ fn main(@builtin(local_invocation_index) lid: u32) {
 
 
 # -- RoPE and the KV cache ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class RopeFold:
+    """RoPE (adjacent pairs, the 'norm' style) and the KV-cache write as a GEMV epilogue
+    (gemv_warp's `rope`): the projection's features are q (q_dim), k, v (kv_dim each), heads of
+    head_dim features whose first n_rot are rotated; q goes to Y, k and v to the caches KC and VC
+    at row step.start + t. Bindings COS/SIN: the rope kernel's tables [position, n_rot / 2]."""
+
+    q_dim: int
+    kv_dim: int
+    head_dim: int
+    n_rot: int
+
+    def wgsl(self) -> str:
+        return f"""
+const RQD: u32 = {self.q_dim}u; const RKVD: u32 = {self.kv_dim}u; const RHD: u32 = {self.head_dim}u;
+const RROT: u32 = {self.n_rot}u;
+// features col, col + 1 (col even) of row t: rotated where they are a q or k pair within the
+// rotated dimensions, then stored to q or to the caches at the row's position
+fn rope_put(t: u32, col: u32, y0: f32, y1: f32) {{
+    let pos = step.start + t;
+    let i = col % RHD;
+    var o0 = y0; var o1 = y1;
+    if (col < RQD + RKVD && i < RROT) {{
+        let c = COS_ld(pos * (RROT / 2u) + i / 2u); let s = SIN_ld(pos * (RROT / 2u) + i / 2u);
+        o0 = y0 * c - y1 * s; o1 = y0 * s + y1 * c;
+    }}
+    if (col < RQD) {{
+        Y_st(t * RQD + col, o0); Y_st(t * RQD + col + 1u, o1);
+    }} else if (col < RQD + RKVD) {{
+        let o = pos * RKVD + col - RQD; KC_st(o, o0); KC_st(o + 1u, o1);
+    }} else {{
+        let o = pos * RKVD + col - RQD - RKVD; VC_st(o, o0); VC_st(o + 1u, o1);
+    }}
+}}"""
+
+
 @dataclass(frozen=True)
 class RopeSegment:
     """heads [h0, h0 + n) of the grid read n heads from X at column c0 and write them to `dst`
