@@ -44,6 +44,9 @@ def models(tmp_path_factory):
         "mixed": SyntheticSpec(weight_type="Q4_K", seed=6, d_model=256, n_heads=4, n_kv_heads=2, ffn_dim=256,
                                type_overrides={"blk.0.attn_v.weight": "Q6_K", "blk.1.attn_k.weight": "Q5_0"}),
         "qwen2": SyntheticSpec(arch="qwen2", weight_type="Q8_0", seed=7),
+        # GQA 8:2 with linear RoPE scaling (positions scaled) and frequency factors
+        "rope_scaled": SyntheticSpec(weight_type="Q8_0", seed=8, d_model=128, n_heads=8, n_kv_heads=2, ffn_dim=256,
+                                     rope_linear_factor=2.0, rope_freqs=True),
     }
     return {k: str(write_synthetic_gguf(root / f"{k}.gguf", s)) for k, s in specs.items()}
 
@@ -90,6 +93,73 @@ def test_norm_folded_into_decode_gemv(models, monkeypatch, name, gemv):
     assert names.count("rms_norm") + names.count("add_rms_norm") == n_norms - len(folds)
     if name == "qwen2":
         assert all(dec.graph.ops[[o.name for o in dec.graph.ops].index(k)].kind != "linear_qkv" for k in folds)
+
+
+def _recorded(prog, monkeypatch) -> list[str]:
+    """The kernels one decode step of `prog` dispatches, as the backend records them."""
+    from edgellm.backends.webgpu import backend
+
+    names: list[str] = []
+    orig = backend._Dispatch.encode
+
+    def encode(self, cpass, seq, splits):
+        if all(int(v) for v in self.grid(seq, splits)):
+            names.append(self.kernel.name)
+        return orig(self, cpass, seq, splits)
+
+    monkeypatch.setattr(backend._Dispatch, "encode", encode)
+    prog.run({"tokens": [3], "start_pos": 5})
+    monkeypatch.setattr(backend._Dispatch, "encode", orig)
+    return names
+
+
+@pytest.mark.parametrize("name,gemv", [("Q8_0", "warp:2:64:2"), ("Q4_0", "warp:4:64:1:stage"),
+                                       ("rope_scaled", "warp:2:64:1"), ("qwen2", "warp:2:64:1")])
+def test_rope_folded_into_decode_gemv(models, monkeypatch, name, gemv):
+    """RoPE and the KV-cache write done in the q|k|v projection's warp GEMV (forced on the
+    software adapter): prefill and decode logits match the cpu backend's, greedy tokens on the
+    device are the cpu's, and the decode step dispatches no rope kernel. qwen2 rotates neox
+    pairs (half a head apart, in other workgroups): its ropes stay dispatches of their own."""
+    monkeypatch.setenv("EDGELLM_WEBGPU_GEMV", gemv)
+    g = _compare(models[name], steps=4)
+    dec = g.programs["decode"]
+    names = _recorded(dec, monkeypatch)
+    n_qkv = sum(op.kind == "linear_qkv" for op in dec.graph.ops)
+    if name == "qwen2":
+        assert not dec._ropes and "rope" in names
+    else:
+        assert len(dec._ropes) == n_qkv and "rope" not in names
+    cpu = edgellm.load(models[name], backend="cpu", ctx=64)
+    p = SamplingParams(temperature=0)
+    assert list(g.generate_tokens(PROMPT, 8, p)) == list(cpu.generate_tokens(PROMPT, 8, p))
+
+
+def test_decode_dispatches_per_layer(tmp_path, monkeypatch):
+    """Dispatches of one decode token, read from the recorded step of models of 1 and 3 layers:
+    5 per layer with the folds (q|k|v GEMV with the norm and RoPE + cache write, attention,
+    output projection + residual, gate|up GEMV with the norm, down projection + residual); the
+    rope fold off (EDGELLM_WEBGPU_FOLD=last_row,norm) adds the rope dispatch back, all folds
+    off (0) the norms too; last_row's copy is gone with its fold."""
+    monkeypatch.setenv("EDGELLM_WEBGPU_GEMV", "warp:2:64:1")
+    paths = {n: str(write_synthetic_gguf(tmp_path / f"l{n}.gguf", SyntheticSpec(weight_type="Q8_0", seed=9, n_layers=n)))
+             for n in (1, 3)}
+    counts = {}
+    for fold in ("1", "last_row,norm", "0"):
+        monkeypatch.setenv("EDGELLM_WEBGPU_FOLD", fold)
+        rec = {n: _recorded(edgellm.load(p, backend="webgpu", ctx=64).programs["decode"], monkeypatch)
+               for n, p in paths.items()}
+        per_layer = (len(rec[3]) - len(rec[1])) / 2
+        counts[fold] = (per_layer, len(rec[1]) - per_layer, rec[1])
+    assert counts["1"][0] == 5 and counts["last_row,norm"][0] == 6 and counts["0"][0] == 8
+    assert counts["1"][2] == ["embedding", "gemv_warp", "attention", "gemv_warp", "gemv_warp", "gemv_warp", "gemv_warp"]
+    assert "last_row" in counts["0"][2] and "last_row" not in counts["last_row,norm"][2]
+    assert counts["1"][1] == counts["last_row,norm"][1] == counts["0"][1] - 2  # embedding, lm_head (+ norm, last_row)
+
+
+def test_bad_fold_switch(models, monkeypatch):
+    monkeypatch.setenv("EDGELLM_WEBGPU_FOLD", "norm,ropes")
+    with pytest.raises(edgellm.errors.GraphError, match="EDGELLM_WEBGPU_FOLD.*ropes"):
+        edgellm.load(models["Q8_0"], backend="webgpu", ctx=64)
 
 
 def test_unfused_graph(models):
