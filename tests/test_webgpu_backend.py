@@ -134,6 +134,32 @@ def test_rope_folded_into_decode_gemv(models, monkeypatch, name, gemv):
     assert list(g.generate_tokens(PROMPT, 8, p)) == list(cpu.generate_tokens(PROMPT, 8, p))
 
 
+@pytest.mark.parametrize("name,gemv", [("Q8_0", "warp:2:64:1"), ("rope_scaled", "warp:1:64:2:stage")])
+def test_attention_splits_merged_in_output_gemv(models, monkeypatch, name, gemv):
+    """Decode attention split over the context (one split per 4 keys here, 4 to 5 splits) with
+    the splits merged in the output projection's GEMV: logits match the cpu backend's, and no
+    attention_combine is dispatched; past COMBINE_IN_GEMV_SPLITS, or with the fold off, the
+    combine is its own dispatch again."""
+    from edgellm.backends.webgpu import backend
+
+    monkeypatch.setenv("EDGELLM_WEBGPU_GEMV", gemv)
+    monkeypatch.setattr(backend, "SPLIT_KEYS", 4)
+    g = _compare(models[name], steps=4)
+    dec = g.programs["decode"]
+    n_attn = sum(op.kind == "attention" for op in dec.graph.ops)
+    assert len(dec._combines) == n_attn
+    names = _recorded(dec, monkeypatch)  # 6 keys: 2 splits
+    assert names.count("attention_partial") == n_attn and "attention_combine" not in names
+    monkeypatch.setattr(backend, "COMBINE_IN_GEMV_SPLITS", 1)
+    names = _recorded(dec, monkeypatch)
+    assert names.count("attention_partial") == names.count("attention_combine") == n_attn
+    monkeypatch.setattr(backend, "COMBINE_IN_GEMV_SPLITS", backend.MAX_SPLITS)
+    monkeypatch.setenv("EDGELLM_WEBGPU_FOLD", "last_row,norm,rope")
+    g = _compare(models[name], steps=2)
+    assert not g.programs["decode"]._combines
+    assert _recorded(g.programs["decode"], monkeypatch).count("attention_combine") == n_attn
+
+
 def test_decode_dispatches_per_layer(tmp_path, monkeypatch):
     """Dispatches of one decode token, read from the recorded step of models of 1 and 3 layers:
     5 per layer with the folds (q|k|v GEMV with the norm and RoPE + cache write, attention,

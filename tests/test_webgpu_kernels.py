@@ -392,6 +392,36 @@ def test_gemv_warp_rope_epilogue(dev, rng, fmt, rows_per_warp, rope_dim, freqs, 
     check(_read_cache(dev, bufs["VC"], ctx * g * d, kv), vc_ref, tol)
 
 
+@pytest.mark.parametrize("fmt,rows_per_warp,splits,rows", [("Q8_0", 2, 3, 1), ("Q4_0", 4, 5, 2), ("F16", 1, 1, 1)])
+def test_gemv_warp_combines_attention_splits(dev, rng, fmt, rows_per_warp, splits, rows):
+    """The output projection's GEMV reading the attention output still split over the context
+    (gemv_warp's combine): the splits merged as softmax partials, then the projection and the
+    residual, against float64 numpy on the same partial values."""
+    if not dev.subgroup_size:
+        pytest.skip("the adapter's subgroup size is unknown")
+    h, d, n_out, max_splits = 6, 16, 40, 8
+    k = h * d
+    raw, dense = quantized(rng, n_out, k, fmt)
+    w = DeviceWeight(codegen.repack(raw, fmt, dense.shape), dev)
+    acc = rng.standard_normal((rows, h, splits, d))
+    m = rng.uniform(-3, 3, (rows, h, splits))
+    l = rng.uniform(0.5, 4.0, (rows, h, splits))
+    ws = np.concatenate([acc, m[..., None], l[..., None]], axis=-1).astype(np.float32)  # [rows, h, splits, d + 2]
+    res = rng.standard_normal((rows, n_out)).astype(np.float32)
+    e = np.exp(m.astype(np.float32).astype(np.float64) - m.max(-1, keepdims=True))
+    x = (e[..., None] * ws[..., :d]).sum(2) / (e * ws[..., d + 1]).sum(-1)[..., None]  # [rows, h, d]
+    want = x.reshape(rows, k) @ dense.astype(np.float64).T + res
+    bufs = {kk: bb for kk, (bb, _, _) in w.resources().items()}
+    bufs.update(WS=upload_f32(dev, ws), R=upload_f32(dev, res), Y=nan_buffer(dev, rows * n_out))
+    sg = min(32, dev.subgroup_size)
+    kern = kernels.gemv_warp(w.desc(), n_out, "step.seq", rows_per_warp=rows_per_warp, wg=4 * sg, sg=sg, unroll=2,
+                             residual=True, stage=True, combine=(h, d, max_splits))
+    L = Launch(dev, kern, bufs)
+    L.set_step(seq=rows, n_splits=splits)
+    L.run((-(-n_out // kern.rows_per_group), 1, rows))
+    check(read_f32(dev, bufs["Y"], rows * n_out), want)
+
+
 def test_gemv_warp_rope_epilogue_refuses_odd_rows():
     """A rotation pair must lie in one lane: an odd rows_per_warp is refused, naming the cause."""
     w = codegen.WeightDesc("W", "Q8_0", 64, 32, (64,))

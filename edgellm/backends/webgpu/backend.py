@@ -34,9 +34,12 @@ from .device import Device, get_device
 GEMV_MAX_ROWS = 4  # steps of at most this many tokens use the matrix-vector kernel
 SPLIT_KEYS = 256  # decode attention: one split per this many cached keys ...
 MAX_SPLITS = 32  # ... up to this many
+# steps of at most this many splits merge them in the output projection's GEMV (the "combine"
+# fold); steps of more run attention_combine as a dispatch of its own
+COMBINE_IN_GEMV_SPLITS = MAX_SPLITS
 
 
-FOLDS = ("last_row", "norm", "rope")  # the kinds of WebgpuProgram._plan_folds
+FOLDS = ("last_row", "norm", "rope", "combine")  # the kinds of WebgpuProgram._plan_folds
 
 
 def fold_kinds() -> set[str]:
@@ -281,6 +284,7 @@ class WebgpuProgram:
         self._private: dict[str, object] = {}  # tensor -> a buffer of its own, outside the memory plan
         self._folds: dict[str, Op] = {}  # linear op name -> the RMSNorm op folded into its GEMV (prologue)
         self._ropes: dict[str, Op] = {}  # linear_qkv op name -> the rope_qkv_store done in its GEMV (epilogue)
+        self._combines: dict[str, Op] = {}  # linear op name -> the split attention it merges (prologue)
         absorbed = self._plan_folds()
         for op in graph.ops:
             if op.name not in absorbed:
@@ -411,7 +415,10 @@ class WebgpuProgram:
         - "norm": an RMSNorm (plain, or add + RMSNorm) computed in the prologue of the GEMV that
           alone reads it (_fold_norm);
         - "rope": RoPE and the KV-cache write (rope_qkv_store) done in the epilogue of the q|k|v
-          projection's GEMV that alone feeds it (_fold_rope; the cuda backend's decode fusion).
+          projection's GEMV that alone feeds it (_fold_rope; the cuda backend's decode fusion);
+        - "combine": where a one-token step splits attention over the context, the splits are
+          merged in the prologue of the output projection's GEMV, not by attention_combine
+          (_fold_combine; the op stays, its combine dispatch goes).
         Prefill programs (matrix-matrix products) keep every op its own dispatch."""
         if self.max_seq > GEMV_MAX_ROWS:
             return set()
@@ -437,6 +444,10 @@ class WebgpuProgram:
                 if rope is not None:
                     self._ropes[op.name] = rope
                     absorbed.add(rope.name)
+            if "combine" in kinds and self.max_seq == 1 and op.kind == "attention":
+                lin = self._fold_combine(op, readers)
+                if lin is not None:
+                    self._combines[lin.name] = op
         return absorbed
 
     def _span(self, t: str) -> tuple[int, int] | None:
@@ -555,6 +566,35 @@ class WebgpuProgram:
             self._private[q] = self.dev.buffer(-(-4 * math.prod(self.shape(q, self.max_seq)) // 16) * 16)
         return rope
 
+    def _fold_combine(self, attn: Op, readers: dict) -> Op | None:
+        """The output projection whose warp GEMV merges this attention's splits (kernels.gemv_warp's
+        combine), or None: it alone reads the attention output, as its whole input row, without
+        bias, and x staged with the per-(head, split) weights fits the workgroup memory."""
+        from .tuning import can_stage
+
+        rd = readers.get(attn.outputs[0], [])
+        if len(rd) != 1 or rd[0].kind != "linear" or rd[0].inputs[0] != attn.outputs[0] or rd[0].attrs.get("has_bias"):
+            return None
+        lin = rd[0]
+        if lin.name in self._folds or attn.outputs[0] in self.graph.outputs:
+            return None
+        wc = self._gemv_warp_config(lin)
+        if wc is None:
+            return None
+        w, cfg = wc
+        h, d = attn.attrs["n_heads"], attn.attrs["head_dim"]
+        red = 0 if cfg["subgroup"] else 4 * cfg["wg"] * cfg["rows_per_warp"]
+        if (w.cols != h * d or d % 4 or not can_stage(self.dev, w.cols)
+                or 4 * w.cols + 4 * h * MAX_SPLITS + red > self.dev.max_workgroup_memory
+                or self._gemv_bindings(lin, w, None, False) > self.dev.max_storage_buffers):
+            return None
+        return lin
+
+    @staticmethod
+    def _combined_in_gemv(splits: int) -> bool:
+        """Whether a step of this many attention splits merges them in the output projection."""
+        return 1 < splits <= COMBINE_IN_GEMV_SPLITS
+
     def _lower_linear(self, op: Op):
         W, R, a, ins, outs = self.backend.weights, self._res, op.attrs, op.inputs, op.outputs
         glu = op.kind == "linear_swiglu"
@@ -603,13 +643,23 @@ class WebgpuProgram:
             cfg = {**cfg, "x_vec": x_vec}
         gv = _Dispatch(self, kernels.decode_gemv(w.desc(), n_out, rows_expr, cfg, **opts, dtypes=_dtypes(res)), res,
                        lambda s, n: (*_grid2(-(-n_out // cfg["rows_per_wg"]), self.dev.max_groups), rows(s)))
+        attn = self._combines.get(op.name)
+        if attn is not None:  # steps with split attention read its partials and merge them (_fold_combine)
+            ws = self.backend.workspace(attn.attrs["n_heads"] * MAX_SPLITS * (attn.attrs["head_dim"] + 2) * 4)
+            cres = {k: v for k, v in res.items() if k != "X"}
+            cres["WS"] = lambda: (ws, 0, ws.size)
+            ccfg = {**cfg, "stage": True}
+            gc = _Dispatch(self, kernels.decode_gemv(w.desc(), n_out, rows_expr, ccfg, **opts, dtypes=_dtypes(cres),
+                                                     combine=(attn.attrs["n_heads"], attn.attrs["head_dim"], MAX_SPLITS)),
+                           cres, lambda s, n: (*_grid2(-(-n_out // ccfg["rows_per_wg"]), self.dev.max_groups), rows(s)))
+            return _Choice(lambda s, n: (gc,) if self._combined_in_gemv(n) else (gv,), gv, gc)
         if (self.max_seq <= GEMV_MAX_ROWS or self.graph.tensors[outs[0]].shape[0] != SEQ
                 or not self.backend.prefill_tiled):
             return gv
         gcfg = self.backend.gemm_config(w, n_out, glu, self.max_seq)
         gm = _Dispatch(self, kernels.gemm(w.desc(), n_out, rows_expr, **gcfg, **opts, dtypes=_dtypes(res)), res,
                        lambda s, n: (-(-n_out // gcfg["tn"]), -(-rows(s) // gcfg["tm"]), 1))
-        return _Choice(lambda s: gv if s <= GEMV_MAX_ROWS else gm, gv, gm)
+        return _Choice(lambda s, n: (gv,) if s <= GEMV_MAX_ROWS else (gm,), gv, gm)
 
     def _lower_rope(self, op: Op):
         a, ins, outs, R = op.attrs, op.inputs, op.outputs, self._res
@@ -660,14 +710,17 @@ class WebgpuProgram:
             tiled = _Dispatch(self, kernels.attention_tiled(h, g, d, a["scale"], rows_expr, dtypes=_dtypes(res),
                                                             workgroup_bytes=self.dev.max_workgroup_memory - 4096),
                               res, lambda s, n: (h, -(-rows(s) // bm), 1))
-            return [_Choice(lambda s: direct if s <= GEMV_MAX_ROWS else tiled, direct, tiled)]
+            return [_Choice(lambda s, n: (direct,) if s <= GEMV_MAX_ROWS else (tiled,), direct, tiled)]
         ws = self.backend.workspace(h * MAX_SPLITS * (d + 2) * 4)
         wres = {**res, "WS": lambda: (ws, 0, ws.size)}
         part = _Dispatch(self, kernels.attention(h, g, d, a["scale"], rows_expr, partial=True,
                                                      dtypes=_dtypes(wres)), wres,
                          lambda s, n: (h, rows(s), n))
         comb = _Dispatch(self, kernels.attention_combine(h, d, rows_expr, dtypes=_dtypes(wres)), wres, lambda s, n: (h, rows(s), 1))
-        return [_Choice(lambda s: None, direct, part, comb, splits=True)]
+        if any(a is op for a in self._combines.values()):  # the output projection merges the splits
+            return [_Choice(lambda s, n: (direct,) if n == 1 else (part,) if self._combined_in_gemv(n) else (part, comb),
+                            direct, part, comb)]
+        return [_Choice(lambda s, n: (direct,) if n == 1 else (part, comb), direct, part, comb)]
 
     def _delegate(self, op: Op):
         """An op without a kernel here runs on the cpu backend's reference kernel (its inputs read
@@ -754,26 +807,20 @@ class WebgpuProgram:
 
 
 class _Choice:
-    """Variants of one op chosen per step: GEMV or GEMM by token count; attention direct, or split
-    over the context and combined, by the step's split count."""
+    """Variants of one op chosen per step: pick(seq, splits) gives the dispatches to record (GEMV
+    or GEMM by token count; attention direct, or split over the context and combined, by the
+    step's split count)."""
 
-    def __init__(self, pick, *variants, splits: bool = False):
-        self.pick, self.variants, self.splits = pick, variants, splits
+    def __init__(self, pick, *variants):
+        self.pick, self.variants = pick, variants
 
     def prepare(self) -> None:
         for v in self.variants:
             v.prepare()
 
     def encode(self, cpass, seq: int, splits: int) -> None:
-        if self.splits:
-            direct, part, comb = self.variants
-            if splits == 1:
-                direct.encode(cpass, seq, 1)
-            else:
-                part.encode(cpass, seq, splits)
-                comb.encode(cpass, seq, splits)
-            return
-        self.pick(seq).encode(cpass, seq, splits)
+        for v in self.pick(seq, splits):
+            v.encode(cpass, seq, splits)
 
 
 class _HostOp:

@@ -164,7 +164,8 @@ def _unit_dot(fmt: str, q: str, x: str, d: str, m: str) -> str:
 def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, wg: int = 256, sg: int = 32,
               unroll: int = 4, subgroup: bool = True, bias: bool = False, residual: bool = False, glu: bool = False,
               norm: str | None = None, eps: float = 1e-6, stage: bool = False, rows_per_wg: int | None = None,
-              rope: "RopeFold | None" = None, dtypes: dict | None = None) -> WarpKernel:
+              rope: "RopeFold | None" = None, combine: tuple[int, int, int] | None = None,
+              dtypes: dict | None = None) -> WarpKernel:
     """The decode GEMV as one subgroup (sg lanes, a GPU's warp) per `rows_per_warp` output features:
     the lanes stride along the rows in 16-byte units of quants (a warp reads 16 * sg contiguous
     bytes per row per unit: coalesced), each lane issuing the loads of `unroll` units (and their
@@ -187,6 +188,13 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
     the q and k pairs with COS/SIN[pos, i] (the rope kernel's tables) and writes q to Y ([rows,
     q_dim]), k and v to row `pos` of KC and VC.
 
+    combine (n_heads, head_dim, max_splits): x is the attention output still split over the
+    context (attention(partial=True)'s WS: per row, head and split the unnormalised output, its
+    maximum and sum), merged here as attention_combine does, once per workgroup into the staged x
+    (stage required): one dispatch fewer per layer where decode attention is split. Binding WS
+    instead of X; the weights of each (head, split) in workgroup memory (4 * heads * max_splits
+    bytes).
+
     stage: the workgroup first copies its row of x (normalized where a norm is folded) into
     workgroup memory (4 * K bytes; K a multiple of 32), and the lanes read x from there instead
     of from the storage buffer: a 4-bit weight's x traffic is 8 times its own bytes. Positions are
@@ -199,12 +207,17 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
         raise ValueError(f"gemv_warp: norm {norm!r}")
     if norm and bias:
         raise ValueError("gemv_warp: a folded norm takes no bias (the bias binding is the norm's second input)")
+    if combine is not None and (norm or not stage or combine[0] * combine[1] != w.cols or combine[1] % 4):
+        raise ValueError(f"gemv_warp: combining attention splits (heads, head_dim, max splits) {combine} needs x staged, "
+                         f"no norm, and heads x head_dim = the {w.cols} inputs, head_dim a multiple of 4")
     if rope is not None and (glu or R % 2 or n_out != rope.q_dim + 2 * rope.kv_dim or rope.head_dim % 2 or rope.n_rot % 2):
         raise ValueError(f"gemv_warp: a RoPE epilogue needs no glu, an even rows_per_warp (got {R}) and n_out = q + 2 kv "
                          f"features (got {n_out} for {rope})")
     if stage and w.cols % 32:
         raise ValueError(f"gemv_warp: staging x needs rows of a multiple of 32 elements, not {w.cols}")
-    if norm:
+    if combine is not None:
+        parts = [(w, "WS"), (ActDesc("WS"), None), (ActDesc("Y"), None)]
+    elif norm:
         parts = [(w, "A"), (ActDesc("A", vec=4), None), (ActDesc("G", vec=4), None), (ActDesc("Y"), None)]
         if norm == "add_rms":
             parts += [(ActDesc("B", vec=4), None), (ActDesc("S"), None)]
@@ -237,6 +250,21 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
     workgroupBarrier();
     for (var s = WG / 2u; s > 0u; s = s >> 1u) {{ if (lid < s) {{ nred[lid] += nred[lid + s]; }} workgroupBarrier(); }}
     let inv = inverseSqrt(nred[0] / f32(K) + ${{EPS}});"""
+    elif combine is not None:
+        xfn = "let x{n} = combined4(t, {c});"
+        prologue = """
+    if (t < ${ROWS_EXPR}) {
+        let S = step.n_splits;
+        for (var h = lid; h < CH; h += WG) {
+            let hb = (t * CH + h) * S * (CD + 2u) + CD;
+            var mx = ${NEG};
+            for (var s = 0u; s < S; s++) { mx = max(mx, WS_ld(hb + s * (CD + 2u))); }
+            var l = 0.0;
+            for (var s = 0u; s < S; s++) { let b = hb + s * (CD + 2u); l += exp(WS_ld(b) - mx) * WS_ld(b + 1u); }
+            for (var s = 0u; s < S; s++) { cw[h * CMAX + s] = exp(WS_ld(hb + s * (CD + 2u)) - mx) / l; }
+        }
+    }
+    workgroupBarrier();"""
     else:
         xfn = "let x{n} = X_ld4(xb + {c});"
         prologue = ""
@@ -332,8 +360,27 @@ ${STORES}
                 DECL=decl, STORES="\n".join(stores), EPS=_f(eps),
                 NDECL=(f"var<workgroup> nred: array<f32, {wg}>;" if norm else "")
                 + (f"\nvar<workgroup> xs: array<vec4<f32>, {w.cols // 4}>;" if stage else ""),
-                ROPE=rope.wgsl() if rope is not None else "", dtypes=dtypes)
+                ROPE=(rope.wgsl() if rope is not None else "") + (_combine_wgsl(*combine) if combine else ""), NEG=NEG,
+                dtypes=dtypes)
     return WarpKernel(k.name, k.source, k.bindings, wg, rows_per_group=wg // sg * R)
+
+
+def _combine_wgsl(n_heads: int, head_dim: int, max_splits: int) -> str:
+    """gemv_warp's combine: the per-(head, split) weights and x's vec4 c of row t merged from them."""
+    return f"""
+const CH: u32 = {n_heads}u; const CD: u32 = {head_dim}u; const CMAX: u32 = {max_splits}u;
+var<workgroup> cw: array<f32, {n_heads * max_splits}>;
+fn combined4(t: u32, c: u32) -> vec4<f32> {{
+    let k = 4u * c; let h = k / CD;
+    let S = step.n_splits;
+    let hb = (t * CH + h) * S * (CD + 2u) + k % CD;
+    var v = vec4<f32>(0.0);
+    for (var s = 0u; s < S; s++) {{
+        let b = hb + s * (CD + 2u);
+        v += cw[h * CMAX + s] * vec4<f32>(WS_ld(b), WS_ld(b + 1u), WS_ld(b + 2u), WS_ld(b + 3u));
+    }}
+    return v;
+}}"""
 
 
 def decode_gemv(w: WeightDesc, n_out: int, rows: str, cfg: dict, **opts) -> Kernel:
