@@ -160,6 +160,17 @@ def test_attention_splits_merged_in_output_gemv(models, monkeypatch, name, gemv)
     assert _recorded(g.programs["decode"], monkeypatch).count("attention_combine") == n_attn
 
 
+def test_rope_fold_without_norm_fold(models, monkeypatch):
+    """Only the rope fold (EDGELLM_WEBGPU_FOLD=rope): the GEMV reads the normed x from the arena,
+    where the memory plan also put the rotated q (it was written after the projection): q gets a
+    buffer of its own, and the logits still match the cpu backend's."""
+    monkeypatch.setenv("EDGELLM_WEBGPU_GEMV", "warp:2:64:1")
+    monkeypatch.setenv("EDGELLM_WEBGPU_FOLD", "rope")
+    dec = _compare(models["Q8_0"], steps=3).programs["decode"]
+    assert dec._ropes and not dec._folds and not dec._alias
+    assert set(dec._private) == {r.outputs[0] for r in dec._ropes.values()}
+
+
 def test_decode_dispatches_per_layer(tmp_path, monkeypatch):
     """Dispatches of one decode token, read from the recorded step of models of 1 and 3 layers:
     5 per layer with the folds (q|k|v GEMV with the norm and RoPE + cache write, attention,
@@ -310,6 +321,22 @@ def test_float32_kv_cache(models, monkeypatch):
     monkeypatch.setenv("EDGELLM_WEBGPU_KV", "f32")
     g = _compare(models["Q4_0"], tol=2e-4)
     assert g.backend.kv_dtype == "f32" and "f32 KV cache" in g.backend.describe()
+
+
+@pytest.mark.parametrize("env,tol", [({"EDGELLM_WEBGPU_ACT": "f16"}, 2e-2), ({"EDGELLM_WEBGPU_KV": "f32"}, 2e-4)])
+def test_folds_with_other_storage(models, adapter, monkeypatch, env, tol):
+    """Every decode fold (forced warp GEMV, attention split every 4 keys) with fp16 activations or
+    a float32 KV cache: the folded kernels store q, the cache rows and the residual through the
+    tensors' own descriptors."""
+    from edgellm.backends.webgpu import backend
+
+    if env.get("EDGELLM_WEBGPU_ACT") == "f16" and not adapter.has_f16:
+        pytest.skip("the adapter has no shader-f16")
+    for k, v in {**env, "EDGELLM_WEBGPU_GEMV": "warp:2:64:1:stage"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(backend, "SPLIT_KEYS", 4)
+    dec = _compare(models["Q4_0"], tol=tol, steps=3).programs["decode"]
+    assert dec._folds and dec._ropes and dec._combines and dec._alias
 
 
 def test_device_errors_are_one_line(models, monkeypatch):
