@@ -334,7 +334,8 @@ def test_rope_qkv_store(dev, rng, style, rope_dim, freqs, kv):
 
 @pytest.mark.parametrize("fmt,rows_per_warp,rope_dim,freqs,kv,bias,norm,stage",
                          [("Q8_0", 2, 16, False, "f32", False, None, False), ("Q4_0", 4, 12, True, "f16", False, "rms", True),
-                          ("F16", 2, 16, True, "f32", True, None, True), ("Q4_1", 2, 8, False, "f16", False, "rms", False)])
+                          ("F16", 2, 16, True, "f32", True, None, True), ("Q4_1", 2, 8, False, "f16", False, "rms", False),
+                          ("Q8_0", 2, 16, False, "f32", True, "rms", True)])
 def test_gemv_warp_rope_epilogue(dev, rng, fmt, rows_per_warp, rope_dim, freqs, kv, bias, norm, stage):
     """The q|k|v GEMV with rope_qkv_store's work in its epilogue (kernels.RopeFold): q rotated into
     Y, k rotated and v copied into the cache rows of their positions (rows outside them survive),
@@ -369,7 +370,7 @@ def test_gemv_warp_rope_epilogue(dev, rng, fmt, rows_per_warp, rope_dim, freqs, 
     else:
         bufs["X"] = upload_f32(dev, a)
     if bias:
-        bufs["B"] = upload_f32(dev, bv)
+        bufs["BIAS" if norm else "B"] = upload_f32(dev, bv)
     x = torch.from_numpy(a)
     if norm:
         x = ref("rms_norm", [x, torch.from_numpy(gam)], eps=1e-5)

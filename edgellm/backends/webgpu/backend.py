@@ -509,8 +509,8 @@ class WebgpuProgram:
 
     def _fold_norm(self, op: Op, readers: dict) -> Op | None:
         """The projection whose warp GEMV computes this RMSNorm (kernels.gemv_warp's norm
-        prologue), or None: the GEMV alone reads the norm's output, over its whole input row, with
-        no bias on the projection, and the norm's inputs stored apart from what the GEMV writes
+        prologue), or None: the GEMV alone reads the norm's output, over its whole input row (a
+        bias is bound as BIAS), and the norm's inputs stored apart from what the GEMV writes
         (its output, and for add + RMSNorm the residual sum, which the first workgroup writes
         while the others still read the addends)."""
         if set(op.attrs) - {"eps"}:
@@ -520,7 +520,7 @@ class WebgpuProgram:
         if len(users) != 1 or normed in self.graph.outputs or normed not in self.offsets:
             return None
         lin = users[0]
-        if lin.kind not in ("linear", "linear_qkv", "linear_swiglu") or lin.inputs[0] != normed or lin.attrs.get("has_bias"):
+        if lin.kind not in ("linear", "linear_qkv", "linear_swiglu") or lin.inputs[0] != normed:
             return None
         wc = self._gemv_warp_config(lin)
         if wc is None:
@@ -625,9 +625,9 @@ class WebgpuProgram:
             res.update(A=R(norm_op.inputs[0]), G=R(norm_op.inputs[-1]))
             if norm_op.kind == "add_rms_norm":
                 res.update(B=R(norm_op.inputs[1]), S=R(norm_op.outputs[0]))
-        if bias:
+        if bias:  # bound as BIAS where a folded norm's second addend is B (kernels.gemv_warp)
             names = tuple(self._wname(t) for t in bias)
-            res["B"] = lambda: (lambda b: (b, 0, b.size))(W.vector(*names))
+            res["BIAS" if norm_op is not None else "B"] = lambda: (lambda b: (b, 0, b.size))(W.vector(*names))
         if res_in is not None:
             res["R"] = R(res_in)
         opts = dict(bias=bool(bias), residual=res_in is not None, glu=glu)

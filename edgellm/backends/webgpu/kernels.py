@@ -180,7 +180,8 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
     dispatch and one barrier fewer per norm): each workgroup first reduces sum(A^2) of its row
     (A is a few KiB, in the cache), then scales x as it loads it. norm "add_rms": x =
     rms_norm(A + B) * G, and the sum A + B (the residual stream) is also written to S by the
-    first workgroup of each row. Bindings A, G (and B, S) instead of X.
+    first workgroup of each row. Bindings A, G (and B, S) instead of X; a bias is then bound
+    as BIAS.
 
     rope: W is a fused q|k|v projection whose result goes through RoPE and into the KV cache
     (rope_qkv_store's work done here, without a dispatch of its own; RopeFold): each lane 0 holds
@@ -205,8 +206,7 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
         raise ValueError(f"gemv_warp: workgroup {wg}, subgroup {sg}, {R} rows per warp, rows_per_wg {rows_per_wg}")
     if norm not in (None, "rms", "add_rms"):
         raise ValueError(f"gemv_warp: norm {norm!r}")
-    if norm and bias:
-        raise ValueError("gemv_warp: a folded norm takes no bias (the bias binding is the norm's second input)")
+    bname = "BIAS" if norm else "B"  # with a folded norm, B is the add + RMSNorm's second addend
     if combine is not None and (norm or not stage or combine[0] * combine[1] != w.cols or combine[1] % 4):
         raise ValueError(f"gemv_warp: combining attention splits (heads, head_dim, max splits) {combine} needs x staged, "
                          f"no norm, and heads x head_dim = the {w.cols} inputs, head_dim a multiple of 4")
@@ -224,7 +224,7 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
     else:
         parts = [(w, "X"), (ActDesc("X", vec=4), None), (ActDesc("Y"), None)]
     if bias:
-        parts.append((ActDesc("B"), None))
+        parts.append((ActDesc(bname), None))
     if residual:
         parts.append((ActDesc("R"), None))
     if rope is not None:
@@ -320,12 +320,12 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
     stores = []
     if rope is None:
         for r in range(R):
-            e = _epilogue(f"a{r}", f"g{r}" if glu else None, bias, residual, "col", "t * N + col")
+            e = _epilogue(f"a{r}", f"g{r}" if glu else None, bias, residual, "col", "t * N + col", bname)
             stores.append(f"        {{ let col = row0 + {r}u; if (col < N) {{ {e} Y_st(t * N + col, y); }} }}")
     else:  # pairs (2i, 2i+1): N is even, so a pair lies wholly below N or above it
         for r in range(0, R, 2):
-            e0 = _epilogue(f"a{r}", None, bias, residual, "col", "t * N + col")
-            e1 = _epilogue(f"a{r + 1}", None, bias, residual, "col + 1u", "t * N + col + 1u")
+            e0 = _epilogue(f"a{r}", None, bias, residual, "col", "t * N + col", bname)
+            e1 = _epilogue(f"a{r + 1}", None, bias, residual, "col + 1u", "t * N + col + 1u", bname)
             stores.append(f"        {{ let col = row0 + {r}u; if (col < N) {{ var y0 = 0.0; var y1 = 0.0; "
                           f"{{ {e0} y0 = y; }} {{ {e1} y1 = y; }} rope_put(t, col, y0, y1); }} }}")
     body = """
@@ -392,14 +392,14 @@ def decode_gemv(w: WeightDesc, n_out: int, rows: str, cfg: dict, **opts) -> Kern
     return gemv(w, n_out, rows, **c, **opts)
 
 
-def _epilogue(acc: str, up: str | None, bias: bool, residual: bool, col: str, flat: str) -> str:
+def _epilogue(acc: str, up: str | None, bias: bool, residual: bool, col: str, flat: str, bias_name: str = "B") -> str:
     """WGSL statements making y of one output: the accumulator, silu-gated by `up` (glu), plus
-    the bias at column `col`, plus the residual at flat index `flat`."""
+    the bias (binding `bias_name`) at column `col`, plus the residual at flat index `flat`."""
     y = f"var y = {acc};"
     if up is not None:
         y += f" y = y / (1.0 + exp(-y)) * {up};"
     if bias:
-        y += f" y += B_ld({col});"
+        y += f" y += {bias_name}_ld({col});"
     if residual:
         y += f" y += R_ld({flat});"
     return y
