@@ -332,15 +332,20 @@ def test_rope_qkv_store(dev, rng, style, rope_dim, freqs, kv):
     check(_read_cache(dev, bufs["VC"], ctx * g * d, kv), vc_ref, 0)
 
 
-@pytest.mark.parametrize("fmt,rows_per_warp,rope_dim,freqs,kv,bias,norm,stage",
-                         [("Q8_0", 2, 16, False, "f32", False, None, False), ("Q4_0", 4, 12, True, "f16", False, "rms", True),
-                          ("F16", 2, 16, True, "f32", True, None, True), ("Q4_1", 2, 8, False, "f16", False, "rms", False),
-                          ("Q8_0", 2, 16, False, "f32", True, "rms", True)])
-def test_gemv_warp_rope_epilogue(dev, rng, fmt, rows_per_warp, rope_dim, freqs, kv, bias, norm, stage):
+@pytest.mark.parametrize("fmt,rows_per_warp,rope_dim,freqs,kv,bias,norm,stage,style",
+                         [("Q8_0", 2, 16, False, "f32", False, None, False, "norm"),
+                          ("Q4_0", 4, 12, True, "f16", False, "rms", True, "norm"),
+                          ("F16", 2, 16, True, "f32", True, None, True, "norm"),
+                          ("Q4_1", 2, 8, False, "f16", False, "rms", False, "norm"),
+                          ("Q8_0", 2, 16, False, "f32", True, "rms", True, "norm"),
+                          ("Q8_0", 2, 16, False, "f32", True, "rms", True, "neox"),
+                          ("Q4_0", 4, 12, True, "f16", False, None, False, "neox")])
+def test_gemv_warp_rope_epilogue(dev, rng, fmt, rows_per_warp, rope_dim, freqs, kv, bias, norm, stage, style):
     """The q|k|v GEMV with rope_qkv_store's work in its epilogue (kernels.RopeFold): q rotated into
     Y, k rotated and v copied into the cache rows of their positions (rows outside them survive),
     against the cpu backend's (rms_norm,) linear then rope_qkv_store on the same values; partial
-    rotary dimensions, frequency factors, a bias, a folded norm, a float32 or fp16 cache."""
+    rotary dimensions, frequency factors, a bias, a folded norm, a float32 or fp16 cache, adjacent
+    or neox pairs."""
     from edgellm.backends.webgpu.backend import WebgpuBackend
 
     if not dev.subgroup_size:
@@ -358,7 +363,7 @@ def test_gemv_warp_rope_epilogue(dev, rng, fmt, rows_per_warp, rope_dim, freqs, 
     if kv == "f16":
         kc0, vc0 = kc0.astype(np.float16).astype(np.float32), vc0.astype(np.float16).astype(np.float32)
     ff = (1 + rng.random(rope_dim // 2)).astype(np.float32) if freqs else None
-    attrs = dict(n_heads=h, n_kv_heads=g, head_dim=d, rope_dim=rope_dim, theta=10000.0, style="norm")
+    attrs = dict(n_heads=h, n_kv_heads=g, head_dim=d, rope_dim=rope_dim, theta=10000.0, style=style)
     be = WebgpuBackend.__new__(WebgpuBackend)
     be.dev, be._tables = dev, {}
     be.weights = type("W", (), {"vector_host": staticmethod(lambda n: ff.astype(np.float64))})()
@@ -380,7 +385,7 @@ def test_gemv_warp_rope_epilogue(dev, rng, fmt, rows_per_warp, rope_dim, freqs, 
     sg = min(32, dev.subgroup_size)
     kern = kernels.gemv_warp(w.desc(), n_out, "step.seq", rows_per_warp=rows_per_warp, wg=4 * sg, sg=sg, unroll=2,
                              bias=bias, norm=norm, eps=1e-5, stage=stage,
-                             rope=kernels.RopeFold(h * d, g * d, d, rope_dim),
+                             rope=kernels.RopeFold(h * d, g * d, d, rope_dim, style == "neox"),
                              dtypes={"KC": kv, "VC": kv})
     L = Launch(dev, kern, bufs)
     L.set_step(seq=rows, start=start)

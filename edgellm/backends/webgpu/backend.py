@@ -540,10 +540,10 @@ class WebgpuProgram:
 
     def _fold_rope(self, lin: Op, readers: dict) -> Op | None:
         """The rope_qkv_store that this q|k|v projection's warp GEMV does in its epilogue
-        (kernels.RopeFold), or None: the store alone reads the projection's output, rotates
-        adjacent pairs (style 'norm': a pair lies in one lane; neox pairs lie half a head apart,
-        in other workgroups), without the long-RoPE factor or q/k norms, and the GEMV's rows per
-        subgroup are even. The rotated q, written while other workgroups still read the GEMV's
+        (kernels.RopeFold), or None: the store alone reads the projection's output, without the
+        long-RoPE factor or q/k norms, and the GEMV's rows per subgroup are even (a rotation pair
+        in one lane: adjacent features for style 'norm'; for 'neox' the lane's two features are
+        the head's rows i and i + n_rot / 2). The rotated q, written while other workgroups still read the GEMV's
         input, gets a buffer of its own where the plan put it over that input."""
         from ..cpu import rope_qkv_extras
 
@@ -553,7 +553,7 @@ class WebgpuProgram:
         rope = rd[0]
         a = rope.attrs
         _, qk_norms = rope_qkv_extras(rope, list(rope.inputs))
-        if (a.get("style") != "norm" or a.get("mscale", 1.0) != 1.0 or qk_norms or a.get("ring") or a.get("window")
+        if (a.get("style") not in ("norm", "neox") or a.get("mscale", 1.0) != 1.0 or qk_norms or a.get("ring") or a.get("window")
                 or lin.outputs[0] in self.graph.outputs or rope.outputs[0] in self.graph.outputs):
             return None
         wc = self._gemv_warp_config(lin)
@@ -643,7 +643,7 @@ class WebgpuProgram:
             cos, sin = self.backend.rope_tables(ra, n_rot, None if freqs is None else self._wname(freqs), self.ctx)
             res.update(Y=R(rope_op.outputs[0]), KC=R(rope_op.inputs[2]), VC=R(rope_op.inputs[3]),
                        COS=lambda: (cos, 0, cos.size), SIN=lambda: (sin, 0, sin.size))
-            opts["rope"] = kernels.RopeFold(ra["n_heads"] * d, ra["n_kv_heads"] * d, d, n_rot)
+            opts["rope"] = kernels.RopeFold(ra["n_heads"] * d, ra["n_kv_heads"] * d, d, n_rot, ra["style"] == "neox")
         cfg = self.backend.gemv_config(w, n_out, glu)
         x_vec = 4 if w.cols % 4 == 0 else 1
         if cfg.get("kind", "block") == "block":

@@ -185,9 +185,11 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
 
     rope: W is a fused q|k|v projection whose result goes through RoPE and into the KV cache
     (rope_qkv_store's work done here, without a dispatch of its own; RopeFold): each lane 0 holds
-    adjacent features (2i, 2i+1), a rotation pair (rows_per_warp even, rows start even), rotates
+    adjacent features (2i, 2i+1) (rows_per_warp even, rows start even), a rotation pair, rotates
     the q and k pairs with COS/SIN[pos, i] (the rope kernel's tables) and writes q to Y ([rows,
-    q_dim]), k and v to row `pos` of KC and VC.
+    q_dim]), k and v to row `pos` of KC and VC. Neox pairs (i, i + n_rot / 2) lie half a head
+    apart: there the lanes' features 2i, 2i+1 of a head are its weight rows i and i + n_rot / 2
+    (RopeFold.neox; rope_row maps them), stored back to those columns.
 
     combine (n_heads, head_dim, max_splits): x is the attention output still split over the
     context (attention(partial=True)'s WS: per row, head and split the unnormalised output, its
@@ -279,6 +281,8 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
         xfn = "let x{n} = xs[({c}) ^ ((({c}) >> 3u) & 7u)];"
     # (accumulator, row expression) pairs: the features, then the up halves of glu
     rws = [(f"a{r}", f"min(row0 + {r}u, N - 1u)") for r in range(R)]
+    if rope is not None and rope.neox:  # lane 0's adjacent features are a neox pair's rows
+        rws = [(a, f"rope_row({e})") for a, e in rws]
     if glu:
         rws += [(f"g{r}", f"min(row0 + {r}u, N - 1u) + N") for r in range(R)]
     accs = [a for a, _ in rws]
@@ -324,8 +328,8 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
             stores.append(f"        {{ let col = row0 + {r}u; if (col < N) {{ {e} Y_st(t * N + col, y); }} }}")
     else:  # pairs (2i, 2i+1): N is even, so a pair lies wholly below N or above it
         for r in range(0, R, 2):
-            e0 = _epilogue(f"a{r}", None, bias, residual, "col", "t * N + col", bname)
-            e1 = _epilogue(f"a{r + 1}", None, bias, residual, "col + 1u", "t * N + col + 1u", bname)
+            e0 = _epilogue(f"a{r}", None, bias, residual, "rope_row(col)", "t * N + col", bname)
+            e1 = _epilogue(f"a{r + 1}", None, bias, residual, "rope_row(col + 1u)", "t * N + col + 1u", bname)
             stores.append(f"        {{ let col = row0 + {r}u; if (col < N) {{ var y0 = 0.0; var y1 = 0.0; "
                           f"{{ {e0} y0 = y; }} {{ {e1} y1 = y; }} rope_put(t, col, y0, y1); }} }}")
     body = """
@@ -617,11 +621,19 @@ class RopeFold:
     kv_dim: int
     head_dim: int
     n_rot: int
+    neox: bool = False  # pairs (i, i + n_rot / 2) of a head, not (2i, 2i+1)
 
     def wgsl(self) -> str:
+        row = ("""    let i = c % RHD;
+    if (c >= RQD + RKVD || i >= RROT) { return c; }
+    return c - i + (i >> 1u) + (i & 1u) * (RROT / 2u);""" if self.neox else "    return c;")
         return f"""
 const RQD: u32 = {self.q_dim}u; const RKVD: u32 = {self.kv_dim}u; const RHD: u32 = {self.head_dim}u;
 const RROT: u32 = {self.n_rot}u;
+// the weight row (and output column) of the GEMV's feature c: a neox pair's two rows side by side
+fn rope_row(c: u32) -> u32 {{
+{row}
+}}
 // features col, col + 1 (col even) of row t: rotated where they are a q or k pair within the
 // rotated dimensions, then stored to q or to the caches at the row's position
 fn rope_put(t: u32, col: u32, y0: f32, y1: f32) {{
@@ -632,12 +644,13 @@ fn rope_put(t: u32, col: u32, y0: f32, y1: f32) {{
         let c = COS_ld(pos * (RROT / 2u) + i / 2u); let s = SIN_ld(pos * (RROT / 2u) + i / 2u);
         o0 = y0 * c - y1 * s; o1 = y0 * s + y1 * c;
     }}
+    let d0 = rope_row(col); let d1 = rope_row(col + 1u);
     if (col < RQD) {{
-        Y_st(t * RQD + col, o0); Y_st(t * RQD + col + 1u, o1);
+        Y_st(t * RQD + d0, o0); Y_st(t * RQD + d1, o1);
     }} else if (col < RQD + RKVD) {{
-        let o = pos * RKVD + col - RQD; KC_st(o, o0); KC_st(o + 1u, o1);
+        KC_st(pos * RKVD + d0 - RQD, o0); KC_st(pos * RKVD + d1 - RQD, o1);
     }} else {{
-        let o = pos * RKVD + col - RQD - RKVD; VC_st(o, o0); VC_st(o + 1u, o1);
+        VC_st(pos * RKVD + d0 - RQD - RKVD, o0); VC_st(pos * RKVD + d1 - RQD - RKVD, o1);
     }}
 }}"""
 
