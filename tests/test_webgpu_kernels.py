@@ -398,7 +398,7 @@ def test_gemv_warp_rope_epilogue(dev, rng, fmt, rows_per_warp, rope_dim, freqs, 
     check(_read_cache(dev, bufs["VC"], ctx * g * d, kv), vc_ref, tol)
 
 
-@pytest.mark.parametrize("fmt,rows_per_warp,splits,rows", [("Q8_0", 2, 3, 1), ("Q4_0", 4, 5, 2), ("F16", 1, 1, 1)])
+@pytest.mark.parametrize("fmt,rows_per_warp,splits,rows", [("Q8_0", 2, 3, 1), ("Q4_0", 4, 8, 2), ("F16", 1, 1, 1)])
 def test_gemv_warp_combines_attention_splits(dev, rng, fmt, rows_per_warp, splits, rows):
     """The output projection's GEMV reading the attention output still split over the context
     (gemv_warp's combine): the splits merged as softmax partials, then the projection and the

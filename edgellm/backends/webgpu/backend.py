@@ -592,7 +592,7 @@ class WebgpuProgram:
         h, d = attn.attrs["n_heads"], attn.attrs["head_dim"]
         red = 0 if cfg["subgroup"] else 4 * cfg["wg"] * cfg["rows_per_warp"]
         if (w.cols != h * d or d % 4 or not can_stage(self.dev, w.cols)
-                or 4 * w.cols + 4 * h * MAX_SPLITS + red > self.dev.max_workgroup_memory
+                or 4 * w.cols + 8 * h * MAX_SPLITS + red > self.dev.max_workgroup_memory
                 or self._gemv_bindings(lin, w, None, False) > self.dev.max_storage_buffers):
             return None
         return lin

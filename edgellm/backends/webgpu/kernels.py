@@ -195,7 +195,7 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
     context (attention(partial=True)'s WS: per row, head and split the unnormalised output, its
     maximum and sum), merged here as attention_combine does, once per workgroup into the staged x
     (stage required): one dispatch fewer per layer where decode attention is split. Binding WS
-    instead of X; the weights of each (head, split) in workgroup memory (4 * heads * max_splits
+    instead of X; the weights of each (head, split) in workgroup memory (8 * heads * max_splits
     bytes).
 
     stage: the workgroup first copies its row of x (normalized where a norm is folded) into
@@ -254,16 +254,24 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
     let inv = inverseSqrt(nred[0] / f32(K) + ${{EPS}});"""
     elif combine is not None:
         xfn = "let x{n} = combined4(t, {c});"
+        # every (head, split)'s maximum and sum read at once, one per thread, then per head in
+        # workgroup memory: the weight of each split (no chain of S dependent loads per head)
         prologue = """
+    let S = step.n_splits;
     if (t < ${ROWS_EXPR}) {
-        let S = step.n_splits;
+        for (var e = lid; e < CH * S; e += WG) {
+            let b = (t * CH * S + e) * (CD + 2u) + CD;
+            cw[(e / S) * CMAX + e % S] = WS_ld(b); cl[(e / S) * CMAX + e % S] = WS_ld(b + 1u);
+        }
+    }
+    workgroupBarrier();
+    if (t < ${ROWS_EXPR}) {
         for (var h = lid; h < CH; h += WG) {
-            let hb = (t * CH + h) * S * (CD + 2u) + CD;
             var mx = ${NEG};
-            for (var s = 0u; s < S; s++) { mx = max(mx, WS_ld(hb + s * (CD + 2u))); }
+            for (var s = 0u; s < S; s++) { mx = max(mx, cw[h * CMAX + s]); }
             var l = 0.0;
-            for (var s = 0u; s < S; s++) { let b = hb + s * (CD + 2u); l += exp(WS_ld(b) - mx) * WS_ld(b + 1u); }
-            for (var s = 0u; s < S; s++) { cw[h * CMAX + s] = exp(WS_ld(hb + s * (CD + 2u)) - mx) / l; }
+            for (var s = 0u; s < S; s++) { l += exp(cw[h * CMAX + s] - mx) * cl[h * CMAX + s]; }
+            for (var s = 0u; s < S; s++) { cw[h * CMAX + s] = exp(cw[h * CMAX + s] - mx) / l; }
         }
     }
     workgroupBarrier();"""
@@ -373,7 +381,8 @@ def _combine_wgsl(n_heads: int, head_dim: int, max_splits: int) -> str:
     """gemv_warp's combine: the per-(head, split) weights and x's vec4 c of row t merged from them."""
     return f"""
 const CH: u32 = {n_heads}u; const CD: u32 = {head_dim}u; const CMAX: u32 = {max_splits}u;
-var<workgroup> cw: array<f32, {n_heads * max_splits}>;
+var<workgroup> cw: array<f32, {n_heads * max_splits}>;  // per (head, split): the maximum, then the weight
+var<workgroup> cl: array<f32, {n_heads * max_splits}>;  // the sum
 fn combined4(t: u32, c: u32) -> vec4<f32> {{
     let k = 4u * c; let h = k / CD;
     let S = step.n_splits;
