@@ -428,6 +428,54 @@ def test_gemv_warp_combines_attention_splits(dev, rng, fmt, rows_per_warp, split
     check(read_f32(dev, bufs["Y"], rows * n_out), want)
 
 
+@pytest.mark.parametrize("fmt,efmt,stage,rope", [("Q8_0", "Q4_0", False, False), ("Q4_0", "Q8_0", True, True),
+                                                ("F16", "Q4_1", True, False)])
+def test_gemv_warp_embedding_prologue(dev, rng, fmt, efmt, stage, rope):
+    """The first projection's GEMV reading its input straight from the embedding weight (rows of
+    the step's tokens), RMSNorm folded in, the embedding rows written to S: against the cpu
+    backend's embedding, rms_norm and linear (and rope_qkv_store, the epilogue too)."""
+    from edgellm.backends.webgpu.backend import WebgpuBackend
+
+    if not dev.subgroup_size:
+        pytest.skip("the adapter's subgroup size is unknown")
+    h, g, d, rows, start, ctx, k, vocab = 3, 1, 16, 3, 4, 12, 96, 50
+    n_out = (h + 2 * g) * d
+    raw, dense = quantized(rng, n_out, k, fmt)
+    w = DeviceWeight(codegen.repack(raw, fmt, dense.shape), dev)
+    eraw, edense = quantized(rng, vocab, k, efmt)
+    e = DeviceWeight(codegen.repack(eraw, efmt, edense.shape), dev)
+    tok = rng.integers(0, vocab, rows).astype(np.uint32)
+    gam = (1.0 + 0.3 * rng.standard_normal(k)).astype(np.float32)
+    bufs = {kk: bb for kk, (bb, _, _) in w.resources().items()}
+    bufs.update({kk: bb for kk, (bb, _, _) in e.resources("E").items()})
+    bufs.update(G=upload_f32(dev, gam), S=nan_buffer(dev, rows * k), TOK=dev.upload(tok),
+                Y=nan_buffer(dev, rows * (h * d if rope else n_out)))
+    emb = ref("embedding", [torch.from_numpy(edense), torch.from_numpy(tok.astype(np.int64))])
+    y = ref("linear", [ref("rms_norm", [emb, torch.from_numpy(gam)], eps=1e-5), torch.from_numpy(dense)])
+    opts = {}
+    if rope:
+        attrs = dict(n_heads=h, n_kv_heads=g, head_dim=d, rope_dim=d, theta=10000.0, style="norm")
+        be = WebgpuBackend.__new__(WebgpuBackend)
+        be.dev, be._tables = dev, {}
+        cos, sin = be.rope_tables(attrs, d, None, ctx)
+        kc0, vc0 = rng.standard_normal((2, ctx, g * d)).astype(np.float32)
+        bufs.update(KC=upload_f32(dev, kc0), VC=upload_f32(dev, vc0), COS=cos, SIN=sin)
+        kc_ref, vc_ref = torch.from_numpy(kc0.copy()), torch.from_numpy(vc0.copy())
+        y, _, _ = ref("rope_qkv_store", [y, start, kc_ref, vc_ref], **attrs)
+        opts["rope"] = kernels.RopeFold(h * d, g * d, d, d)
+    sg = min(32, dev.subgroup_size)
+    kern = kernels.gemv_warp(w.desc(), n_out, "step.seq", rows_per_warp=2, wg=4 * sg, sg=sg, unroll=2, norm="rms",
+                             eps=1e-5, stage=stage, embed=e.desc("E"), **opts)
+    L = Launch(dev, kern, bufs)
+    L.set_step(seq=rows, start=start)
+    L.run((-(-n_out // kern.rows_per_group), 1, rows))
+    check(read_f32(dev, bufs["Y"], rows * (h * d if rope else n_out)), y)
+    check(read_f32(dev, bufs["S"], rows * k), emb, 1e-6)
+    if rope:
+        check(read_f32(dev, bufs["KC"], ctx * g * d), kc_ref)
+        check(read_f32(dev, bufs["VC"], ctx * g * d), vc_ref)
+
+
 def test_gemv_warp_rope_epilogue_refuses_odd_rows():
     """A rotation pair must lie in one lane: an odd rows_per_warp is refused, naming the cause."""
     w = codegen.WeightDesc("W", "Q8_0", 64, 32, (64,))

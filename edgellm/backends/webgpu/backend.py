@@ -46,7 +46,7 @@ MAX_SPLITS = 32  # ... up to this many
 COMBINE_IN_GEMV_SPLITS = MAX_SPLITS
 
 
-FOLDS = ("last_row", "norm", "rope", "combine")  # the kinds of WebgpuProgram._plan_folds
+FOLDS = ("last_row", "norm", "rope", "combine", "embed")  # the kinds of WebgpuProgram._plan_folds
 
 
 def fold_kinds() -> set[str]:
@@ -292,6 +292,7 @@ class WebgpuProgram:
         self._folds: dict[str, Op] = {}  # linear op name -> the RMSNorm op folded into its GEMV (prologue)
         self._ropes: dict[str, Op] = {}  # linear_qkv op name -> the rope_qkv_store done in its GEMV (epilogue)
         self._combines: dict[str, Op] = {}  # linear op name -> the split attention it merges (prologue)
+        self._embeds: dict[str, Op] = {}  # linear op name -> the embedding its folded norm reads from the weight
         absorbed = self._plan_folds()
         for op in graph.ops:
             if op.name not in absorbed:
@@ -425,7 +426,9 @@ class WebgpuProgram:
           projection's GEMV that alone feeds it (_fold_rope; the cuda backend's decode fusion);
         - "combine": where a one-token step splits attention over the context, the splits are
           merged in the prologue of the output projection's GEMV, not by attention_combine
-          (_fold_combine; the op stays, its combine dispatch goes).
+          (_fold_combine; the op stays, its combine dispatch goes);
+        - "embed": the embedding whose rows a folded RMSNorm normalises is read from its weight
+          in that GEMV's prologue, which also writes the rows out (_fold_embed).
         Prefill programs (matrix-matrix products) keep every op its own dispatch."""
         if self.max_seq > GEMV_MAX_ROWS:
             return set()
@@ -455,6 +458,12 @@ class WebgpuProgram:
                 lin = self._fold_combine(op, readers)
                 if lin is not None:
                     self._combines[lin.name] = op
+        if "embed" in kinds:
+            for op in self.graph.ops:
+                emb = self._fold_embed(op, readers) if op.name in self._folds else None
+                if emb is not None:
+                    self._embeds[op.name] = emb
+                    absorbed.add(emb.name)
         return absorbed
 
     def _span(self, t: str) -> tuple[int, int] | None:
@@ -597,6 +606,32 @@ class WebgpuProgram:
             return None
         return lin
 
+    def _fold_embed(self, lin: Op, readers: dict) -> Op | None:
+        """The embedding (of the step's tokens) that this projection's GEMV, with a plain RMSNorm
+        folded, reads from the weight itself (kernels.gemv_warp's embed), or None. Its rows are
+        still written (the first workgroup of each row), for the readers after the GEMV (the
+        residual stream); they must not share storage with what the GEMV writes."""
+        norm_op = self._folds[lin.name]
+        producer = {t: op for op in self.graph.ops for t in op.outputs}
+        emb = producer.get(norm_op.inputs[0])
+        if norm_op.kind != "rms_norm" or emb is None or emb.kind != "embedding" or emb.inputs[1] != "tokens":
+            return None
+        out = emb.outputs[0]
+        if out in self.graph.outputs or out not in self.offsets or self._alias.get(out, out) != out:
+            return None
+        names = [o.name for o in self.graph.ops]
+        if any(names.index(r.name) < names.index(lin.name) for r in readers.get(out, []) if r is not norm_op):
+            return None
+        w, _ = self._gemv_warp_config(lin)
+        e = self.backend.weights.matrix(self._wname(emb.inputs[0]))
+        rope = lin.name in self._ropes
+        # A and G (with vec4 views) become G, S, the embedding's arrays and TOK
+        n = self._gemv_bindings(lin, w, norm_op, rope) - 4 + 2 + 1 + len(e.desc("E").bindings()) + 1
+        if e.cols != w.cols or n > self.dev.max_storage_buffers:
+            return None
+        writes = [self._ropes[lin.name].outputs[0]] if rope else list(lin.outputs)
+        return None if self._overlap([out], writes) else emb
+
     @staticmethod
     def _combined_in_gemv(splits: int) -> bool:
         """Whether a step of this many attention splits merges them in the output projection."""
@@ -633,6 +668,12 @@ class WebgpuProgram:
         opts = dict(bias=bool(bias), residual=res_in is not None, glu=glu)
         if norm_op is not None:
             opts.update(norm="add_rms" if norm_op.kind == "add_rms_norm" else "rms", eps=norm_op.attrs["eps"])
+        emb = self._embeds.get(op.name)
+        if emb is not None:  # x's rows from the embedding weight at the step's tokens, written to S (_fold_embed)
+            e = W.matrix(self._wname(emb.inputs[0]))
+            del res["A"]
+            res.update(_const(e.resources("E")), S=R(emb.outputs[0]), TOK=lambda: (self.tok_buf, 0, self.tok_buf.size))
+            opts["embed"] = e.desc("E")
         rope_op = self._ropes.get(op.name)
         if rope_op is not None:  # q rotated into the rope's output, k and v into the caches (_fold_rope)
             from ..cpu import rope_qkv_extras

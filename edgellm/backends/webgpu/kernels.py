@@ -165,7 +165,7 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
               unroll: int = 4, subgroup: bool = True, bias: bool = False, residual: bool = False, glu: bool = False,
               norm: str | None = None, eps: float = 1e-6, stage: bool = False, rows_per_wg: int | None = None,
               rope: "RopeFold | None" = None, combine: tuple[int, int, int] | None = None,
-              dtypes: dict | None = None) -> WarpKernel:
+              embed: WeightDesc | None = None, dtypes: dict | None = None) -> WarpKernel:
     """The decode GEMV as one subgroup (sg lanes, a GPU's warp) per `rows_per_warp` output features:
     the lanes stride along the rows in 16-byte units of quants (a warp reads 16 * sg contiguous
     bytes per row per unit: coalesced), each lane issuing the loads of `unroll` units (and their
@@ -181,7 +181,9 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
     (A is a few KiB, in the cache), then scales x as it loads it. norm "add_rms": x =
     rms_norm(A + B) * G, and the sum A + B (the residual stream) is also written to S by the
     first workgroup of each row. Bindings A, G (and B, S) instead of X; a bias is then bound
-    as BIAS.
+    as BIAS. embed (with norm "rms"): A is the embedding (weight `embed`, a WeightDesc named E)
+    of the step's tokens (binding TOK, the last), read here from the weight, and written to S by
+    the first workgroup of each row (the embedding op's dispatch folded in too).
 
     rope: W is a fused q|k|v projection whose result goes through RoPE and into the KV cache
     (rope_qkv_store's work done here, without a dispatch of its own; RopeFold): each lane 0 holds
@@ -208,6 +210,9 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
         raise ValueError(f"gemv_warp: workgroup {wg}, subgroup {sg}, {R} rows per warp, rows_per_wg {rows_per_wg}")
     if norm not in (None, "rms", "add_rms"):
         raise ValueError(f"gemv_warp: norm {norm!r}")
+    if embed is not None and (norm != "rms" or embed.cols != w.cols or embed.name != "E"):
+        raise ValueError(f"gemv_warp: an embedding prologue needs norm 'rms' and a weight named E of {w.cols} "
+                         f"columns (got norm {norm!r}, {embed})")
     bname = "BIAS" if norm else "B"  # with a folded norm, B is the add + RMSNorm's second addend
     if combine is not None and (norm or not stage or combine[0] * combine[1] != w.cols or combine[1] % 4):
         raise ValueError(f"gemv_warp: combining attention splits (heads, head_dim, max splits) {combine} needs x staged, "
@@ -219,6 +224,8 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
         raise ValueError(f"gemv_warp: staging x needs rows of a multiple of 32 elements, not {w.cols}")
     if combine is not None:
         parts = [(w, "WS"), (ActDesc("WS"), None), (ActDesc("Y"), None)]
+    elif embed is not None:  # the weights' x-dot helpers are never called: G stands in for x
+        parts = [(w, "G"), (embed, "G"), (ActDesc("G", vec=4), None), (ActDesc("Y"), None), (ActDesc("S"), None)]
     elif norm:
         parts = [(w, "A"), (ActDesc("A", vec=4), None), (ActDesc("G", vec=4), None), (ActDesc("Y"), None)]
         if norm == "add_rms":
@@ -235,9 +242,11 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
     per = _UNIT_ELEMS[fmt] // 4  # x vec4s per unit
     if norm:
         a4 = "(A_ld4(xb + c) + B_ld4(xb + c))" if norm == "add_rms" else "A_ld4(xb + c)"
+        if embed is not None:
+            a4 = "E_get4(TOK[t], 4u * c)"
         xfn = "let x{n} = " + a4.replace("c)", "({c}))") + " * (G_ld4({c}) * inv);"
         store_s = ("            if (wid.x + wid.y == 0u) { let k = 4u * c; S_st(t * K + k, a.x); S_st(t * K + k + 1u, a.y); "
-                   "S_st(t * K + k + 2u, a.z); S_st(t * K + k + 3u, a.w); }") if norm == "add_rms" else ""
+                   "S_st(t * K + k + 2u, a.z); S_st(t * K + k + 3u, a.w); }") if norm == "add_rms" or embed else ""
         prologue = f"""
     var ss = 0.0;
     if (t < ${{ROWS_EXPR}}) {{
@@ -367,14 +376,18 @@ ${STORES}
 }
 """
     body = body.replace("${PROLOGUE}", prologue)
+    tok = ""
+    if embed is not None:  # TOK after the parts' bindings (and the Step uniform)
+        tok = f"@group(0) @binding({1 + sum(len(p.bindings()) for p, _ in parts)}) var<storage, read_write> TOK: array<u32>;"
     k = _render("gemv_warp", parts, body, wg, N=n_out, K=w.cols, UNITS=w.row_vec4, SG=sg, R=R, ROWS_EXPR=rows,
                 ACCS=" ".join(f"var {a} = 0.0;" for a in accs), BODY="\n".join(body_l), STEP=sg * U, RED=red,
                 DECL=decl, STORES="\n".join(stores), EPS=_f(eps),
                 NDECL=(f"var<workgroup> nred: array<f32, {wg}>;" if norm else "")
                 + (f"\nvar<workgroup> xs: array<vec4<f32>, {w.cols // 4}>;" if stage else ""),
-                ROPE=(rope.wgsl() if rope is not None else "") + (_combine_wgsl(*combine) if combine else ""), NEG=NEG,
-                dtypes=dtypes)
-    return WarpKernel(k.name, k.source, k.bindings, wg, rows_per_group=wg // sg * R)
+                ROPE=(rope.wgsl() if rope is not None else "") + (_combine_wgsl(*combine) if combine else "") + tok,
+                NEG=NEG, dtypes=dtypes)
+    extra = (Binding("TOK", "array<u32>"),) if embed is not None else ()
+    return WarpKernel(k.name, k.source, k.bindings + extra, wg, rows_per_group=wg // sg * R)
 
 
 def _combine_wgsl(n_heads: int, head_dim: int, max_splits: int) -> str:
