@@ -16,10 +16,10 @@
 - Decode programs fold ops into the GEMV of a projection (WebgpuProgram._plan_folds), each one
   dispatch and one barrier fewer per token: the RMSNorm before a projection into its prologue,
   RoPE and the KV-cache write into the q|k|v projection's epilogue, the merge of split attention
-  into the output projection's prologue; a one-token program's last_row copy becomes an alias.
-  A layer is then 5 dispatches: q|k|v, attention, output, gate|up, down.
-  EDGELLM_WEBGPU_FOLD=0 turns every fold off, 1 (the default) on, a comma list of last_row,
-  norm, rope, combine enables only those (A/B measurements).
+  into the output projection's prologue, the embedding into the first projection's prologue; a
+  one-token program's last_row copy becomes an alias. A layer is then 5 dispatches: q|k|v,
+  attention, output, gate|up, down. EDGELLM_WEBGPU_FOLD=0 turns every fold off, 1 (the default)
+  on, a comma list of last_row, norm, rope, combine, embed enables only those (A/B measurements).
 """
 
 from __future__ import annotations
