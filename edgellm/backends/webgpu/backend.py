@@ -552,8 +552,8 @@ class WebgpuProgram:
         (kernels.RopeFold), or None: the store alone reads the projection's output, without the
         long-RoPE factor or q/k norms, and the GEMV's rows per subgroup are even (a rotation pair
         in one lane: adjacent features for style 'norm'; for 'neox' the lane's two features are
-        the head's rows i and i + n_rot / 2). The rotated q, written while other workgroups still read the GEMV's
-        input, gets a buffer of its own where the plan put it over that input."""
+        the head's rows i and i + n_rot / 2). The rotated q, written while other workgroups still
+        read the GEMV's input, gets a buffer of its own where the plan put it over that input."""
         from ..cpu import rope_qkv_extras
 
         rd = readers.get(lin.outputs[0], [])
