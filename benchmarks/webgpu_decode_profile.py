@@ -43,7 +43,7 @@ def main() -> None:
     for st in dec._steps:
         k = getattr(st, "kernel", None)
         if k is None and hasattr(st, "variants"):
-            k = st.pick(1).kernel if not st.splits else st.variants[0].kernel
+            k = st.pick(1, 1)[0].kernel
         kinds[k.name if k is not None else type(st).__name__] += 1
     print("dispatches per token:", sum(kinds.values()), dict(kinds.most_common()))
 

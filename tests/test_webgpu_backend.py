@@ -44,6 +44,9 @@ def models(tmp_path_factory):
         "mixed": SyntheticSpec(weight_type="Q4_K", seed=6, d_model=256, n_heads=4, n_kv_heads=2, ffn_dim=256,
                                type_overrides={"blk.0.attn_v.weight": "Q6_K", "blk.1.attn_k.weight": "Q5_0"}),
         "qwen2": SyntheticSpec(arch="qwen2", weight_type="Q8_0", seed=7),
+        # GQA 8:2 with linear RoPE scaling (positions scaled) and frequency factors
+        "rope_scaled": SyntheticSpec(weight_type="Q8_0", seed=8, d_model=128, n_heads=8, n_kv_heads=2, ffn_dim=256,
+                                     rope_linear_factor=2.0, rope_freqs=True),
     }
     return {k: str(write_synthetic_gguf(root / f"{k}.gguf", s)) for k, s in specs.items()}
 
@@ -78,7 +81,7 @@ def test_synthetic_models_match_cpu(models, name):
 def test_norm_folded_into_decode_gemv(models, monkeypatch, name, gemv):
     """The warp GEMV (forced on the software adapter; x staged in workgroup memory or not) with
     every RMSNorm before a projection folded into it: decode logits still match the cpu backend's, and the norms' dispatches are
-    gone (qwen2's biased q|k|v projection keeps its norm)."""
+    gone (qwen2's biased q|k|v projection too: its bias bound apart from the norm's inputs)."""
     monkeypatch.setenv("EDGELLM_WEBGPU_GEMV", gemv)
     g = _compare(models[name])
     dec = g.programs["decode"]
@@ -88,8 +91,112 @@ def test_norm_folded_into_decode_gemv(models, monkeypatch, name, gemv):
     n_norms = kinds.count("rms_norm") + kinds.count("add_rms_norm")
     names = [getattr(getattr(st, "kernel", None), "name", "") for st in dec._steps]
     assert names.count("rms_norm") + names.count("add_rms_norm") == n_norms - len(folds)
+    assert n_norms == len(folds)
     if name == "qwen2":
-        assert all(dec.graph.ops[[o.name for o in dec.graph.ops].index(k)].kind != "linear_qkv" for k in folds)
+        biased = [op.name for op in dec.graph.ops if op.kind == "linear_qkv" and op.attrs.get("has_bias")]
+        assert biased and set(biased) <= set(folds)
+
+
+def _recorded(prog, monkeypatch) -> list[str]:
+    """The kernels one decode step of `prog` dispatches, as the backend records them."""
+    from edgellm.backends.webgpu import backend
+
+    names: list[str] = []
+    orig = backend._Dispatch.encode
+
+    def encode(self, cpass, seq, splits):
+        if all(int(v) for v in self.grid(seq, splits)):
+            names.append(self.kernel.name)
+        return orig(self, cpass, seq, splits)
+
+    monkeypatch.setattr(backend._Dispatch, "encode", encode)
+    prog.run({"tokens": [3], "start_pos": 5})
+    monkeypatch.setattr(backend._Dispatch, "encode", orig)
+    return names
+
+
+@pytest.mark.parametrize("name,gemv", [("Q8_0", "warp:2:64:2"), ("Q4_0", "warp:4:64:1:stage"),
+                                       ("rope_scaled", "warp:2:64:1"), ("qwen2", "warp:2:64:1")])
+def test_rope_folded_into_decode_gemv(models, monkeypatch, name, gemv):
+    """RoPE and the KV-cache write done in the q|k|v projection's warp GEMV (forced on the
+    software adapter): prefill and decode logits match the cpu backend's, greedy tokens on the
+    device are the cpu's, and the decode step dispatches no rope kernel (qwen2: neox pairs and
+    biases)."""
+    monkeypatch.setenv("EDGELLM_WEBGPU_GEMV", gemv)
+    g = _compare(models[name], steps=4)
+    dec = g.programs["decode"]
+    names = _recorded(dec, monkeypatch)
+    n_qkv = sum(op.kind == "linear_qkv" for op in dec.graph.ops)
+    assert n_qkv and len(dec._ropes) == n_qkv and "rope" not in names
+    cpu = edgellm.load(models[name], backend="cpu", ctx=64)
+    p = SamplingParams(temperature=0)
+    assert list(g.generate_tokens(PROMPT, 8, p)) == list(cpu.generate_tokens(PROMPT, 8, p))
+
+
+@pytest.mark.parametrize("name,gemv", [("Q8_0", "warp:2:64:1"), ("rope_scaled", "warp:1:64:2:stage")])
+def test_attention_splits_merged_in_output_gemv(models, monkeypatch, name, gemv):
+    """Decode attention split over the context (one split per 4 keys here, 4 to 5 splits) with
+    the splits merged in the output projection's GEMV: logits match the cpu backend's, and no
+    attention_combine is dispatched; past COMBINE_IN_GEMV_SPLITS, or with the fold off, the
+    combine is its own dispatch again."""
+    from edgellm.backends.webgpu import backend
+
+    monkeypatch.setenv("EDGELLM_WEBGPU_GEMV", gemv)
+    monkeypatch.setattr(backend, "SPLIT_KEYS", 4)
+    g = _compare(models[name], steps=4)
+    dec = g.programs["decode"]
+    n_attn = sum(op.kind == "attention" for op in dec.graph.ops)
+    assert len(dec._combines) == n_attn
+    names = _recorded(dec, monkeypatch)  # 6 keys: 2 splits
+    assert names.count("attention_partial") == n_attn and "attention_combine" not in names
+    monkeypatch.setattr(backend, "COMBINE_IN_GEMV_SPLITS", 1)
+    names = _recorded(dec, monkeypatch)
+    assert names.count("attention_partial") == names.count("attention_combine") == n_attn
+    monkeypatch.setattr(backend, "COMBINE_IN_GEMV_SPLITS", backend.MAX_SPLITS)
+    monkeypatch.setenv("EDGELLM_WEBGPU_FOLD", "last_row,norm,rope")
+    g = _compare(models[name], steps=2)
+    assert not g.programs["decode"]._combines
+    assert _recorded(g.programs["decode"], monkeypatch).count("attention_combine") == n_attn
+
+
+def test_rope_fold_without_norm_fold(models, monkeypatch):
+    """Only the rope fold (EDGELLM_WEBGPU_FOLD=rope): the GEMV reads the normed x from the arena,
+    where the memory plan also put the rotated q (it was written after the projection): q gets a
+    buffer of its own, and the logits still match the cpu backend's."""
+    monkeypatch.setenv("EDGELLM_WEBGPU_GEMV", "warp:2:64:1")
+    monkeypatch.setenv("EDGELLM_WEBGPU_FOLD", "rope")
+    dec = _compare(models["Q8_0"], steps=3).programs["decode"]
+    assert dec._ropes and not dec._folds and not dec._alias
+    assert set(dec._private) == {r.outputs[0] for r in dec._ropes.values()}
+
+
+def test_decode_dispatches_per_layer(tmp_path, monkeypatch):
+    """Dispatches of one decode token, read from the recorded step of models of 1 and 3 layers:
+    5 per layer with the folds (q|k|v GEMV with the norm and RoPE + cache write, attention,
+    output projection + residual, gate|up GEMV with the norm, down projection + residual) and
+    1 besides (the LM head; the embedding read by the first GEMV); the rope fold off
+    (EDGELLM_WEBGPU_FOLD=last_row,norm) adds the rope dispatch back and the embedding's, all
+    folds off (0) the norms and last_row's copy too."""
+    monkeypatch.setenv("EDGELLM_WEBGPU_GEMV", "warp:2:64:1")
+    paths = {n: str(write_synthetic_gguf(tmp_path / f"l{n}.gguf", SyntheticSpec(weight_type="Q8_0", seed=9, n_layers=n)))
+             for n in (1, 3)}
+    counts = {}
+    for fold in ("1", "last_row,norm", "0"):
+        monkeypatch.setenv("EDGELLM_WEBGPU_FOLD", fold)
+        rec = {n: _recorded(edgellm.load(p, backend="webgpu", ctx=64).programs["decode"], monkeypatch)
+               for n, p in paths.items()}
+        per_layer = (len(rec[3]) - len(rec[1])) / 2
+        counts[fold] = (per_layer, len(rec[1]) - per_layer, rec[1])
+    assert counts["1"][0] == 5 and counts["last_row,norm"][0] == 6 and counts["0"][0] == 8
+    assert counts["1"][2] == ["gemv_warp", "attention", "gemv_warp", "gemv_warp", "gemv_warp", "gemv_warp"]
+    assert "last_row" in counts["0"][2] and "last_row" not in counts["last_row,norm"][2]
+    assert (counts["1"][1], counts["last_row,norm"][1], counts["0"][1]) == (1, 2, 4)
+
+
+def test_bad_fold_switch(models, monkeypatch):
+    monkeypatch.setenv("EDGELLM_WEBGPU_FOLD", "norm,ropes")
+    with pytest.raises(edgellm.errors.GraphError, match="EDGELLM_WEBGPU_FOLD.*ropes"):
+        edgellm.load(models["Q8_0"], backend="webgpu", ctx=64)
 
 
 def test_unfused_graph(models):
@@ -214,6 +321,22 @@ def test_float32_kv_cache(models, monkeypatch):
     monkeypatch.setenv("EDGELLM_WEBGPU_KV", "f32")
     g = _compare(models["Q4_0"], tol=2e-4)
     assert g.backend.kv_dtype == "f32" and "f32 KV cache" in g.backend.describe()
+
+
+@pytest.mark.parametrize("env,tol", [({"EDGELLM_WEBGPU_ACT": "f16"}, 2e-2), ({"EDGELLM_WEBGPU_KV": "f32"}, 2e-4)])
+def test_folds_with_other_storage(models, adapter, monkeypatch, env, tol):
+    """Every decode fold (forced warp GEMV, attention split every 4 keys) with fp16 activations or
+    a float32 KV cache: the folded kernels store q, the cache rows and the residual through the
+    tensors' own descriptors."""
+    from edgellm.backends.webgpu import backend
+
+    if env.get("EDGELLM_WEBGPU_ACT") == "f16" and not adapter.has_f16:
+        pytest.skip("the adapter has no shader-f16")
+    for k, v in {**env, "EDGELLM_WEBGPU_GEMV": "warp:2:64:1:stage"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(backend, "SPLIT_KEYS", 4)
+    dec = _compare(models["Q4_0"], tol=tol, steps=3).programs["decode"]
+    assert dec._folds and dec._ropes and dec._combines and dec._alias and dec._embeds
 
 
 def test_device_errors_are_one_line(models, monkeypatch):

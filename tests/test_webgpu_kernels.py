@@ -332,6 +332,157 @@ def test_rope_qkv_store(dev, rng, style, rope_dim, freqs, kv):
     check(_read_cache(dev, bufs["VC"], ctx * g * d, kv), vc_ref, 0)
 
 
+@pytest.mark.parametrize("fmt,rows_per_warp,rope_dim,freqs,kv,bias,norm,stage,style",
+                         [("Q8_0", 2, 16, False, "f32", False, None, False, "norm"),
+                          ("Q4_0", 4, 12, True, "f16", False, "rms", True, "norm"),
+                          ("F16", 2, 16, True, "f32", True, None, True, "norm"),
+                          ("Q4_1", 2, 8, False, "f16", False, "rms", False, "norm"),
+                          ("Q8_0", 2, 16, False, "f32", True, "rms", True, "norm"),
+                          ("Q8_0", 2, 16, False, "f32", True, "rms", True, "neox"),
+                          ("Q4_0", 4, 12, True, "f16", False, None, False, "neox")])
+def test_gemv_warp_rope_epilogue(dev, rng, fmt, rows_per_warp, rope_dim, freqs, kv, bias, norm, stage, style):
+    """The q|k|v GEMV with rope_qkv_store's work in its epilogue (kernels.RopeFold): q rotated into
+    Y, k rotated and v copied into the cache rows of their positions (rows outside them survive),
+    against the cpu backend's (rms_norm,) linear then rope_qkv_store on the same values; partial
+    rotary dimensions, frequency factors, a bias, a folded norm, a float32 or fp16 cache, adjacent
+    or neox pairs."""
+    from edgellm.backends.webgpu.backend import WebgpuBackend
+
+    if not dev.subgroup_size:
+        pytest.skip("the adapter's subgroup size is unknown")
+    if kv == "f16" and not dev.has_f16:
+        pytest.skip("the adapter has no shader-f16")
+    h, g, d, rows, start, ctx, k = 5, 1, 16, 3, 6, 20, 96
+    n_out = (h + 2 * g) * d
+    raw, dense = quantized(rng, n_out, k, fmt)
+    w = DeviceWeight(codegen.repack(raw, fmt, dense.shape), dev)
+    a = rng.standard_normal((rows, k)).astype(np.float32)
+    gam = (1.0 + 0.3 * rng.standard_normal(k)).astype(np.float32)
+    bv = rng.standard_normal(n_out).astype(np.float32)
+    kc0, vc0 = rng.standard_normal((2, ctx, g * d)).astype(np.float32)
+    if kv == "f16":
+        kc0, vc0 = kc0.astype(np.float16).astype(np.float32), vc0.astype(np.float16).astype(np.float32)
+    ff = (1 + rng.random(rope_dim // 2)).astype(np.float32) if freqs else None
+    attrs = dict(n_heads=h, n_kv_heads=g, head_dim=d, rope_dim=rope_dim, theta=10000.0, style=style)
+    be = WebgpuBackend.__new__(WebgpuBackend)
+    be.dev, be._tables = dev, {}
+    be.weights = type("W", (), {"vector_host": staticmethod(lambda n: ff.astype(np.float64))})()
+    cos, sin = be.rope_tables(attrs, rope_dim, "ff" if freqs else None, ctx)
+    bufs = {kk: bb for kk, (bb, _, _) in w.resources().items()}
+    bufs.update(Y=nan_buffer(dev, rows * h * d), KC=_cache(dev, kc0, kv), VC=_cache(dev, vc0, kv), COS=cos, SIN=sin)
+    if norm:
+        bufs.update(A=upload_f32(dev, a), G=upload_f32(dev, gam))
+    else:
+        bufs["X"] = upload_f32(dev, a)
+    if bias:
+        bufs["BIAS" if norm else "B"] = upload_f32(dev, bv)
+    x = torch.from_numpy(a)
+    if norm:
+        x = ref("rms_norm", [x, torch.from_numpy(gam)], eps=1e-5)
+    qkv = ref("linear", [x, torch.from_numpy(dense)] + ([torch.from_numpy(bv)] if bias else []), has_bias=bias)
+    kc_ref, vc_ref = torch.from_numpy(kc0.copy()), torch.from_numpy(vc0.copy())
+    q, _, _ = ref("rope_qkv_store", [qkv, start, kc_ref, vc_ref] + ([torch.from_numpy(ff)] if freqs else []), **attrs)
+    sg = min(32, dev.subgroup_size)
+    kern = kernels.gemv_warp(w.desc(), n_out, "step.seq", rows_per_warp=rows_per_warp, wg=4 * sg, sg=sg, unroll=2,
+                             bias=bias, norm=norm, eps=1e-5, stage=stage,
+                             rope=kernels.RopeFold(h * d, g * d, d, rope_dim, style == "neox"),
+                             dtypes={"KC": kv, "VC": kv})
+    L = Launch(dev, kern, bufs)
+    L.set_step(seq=rows, start=start)
+    L.run((-(-n_out // kern.rows_per_group), 1, rows))
+    check(read_f32(dev, bufs["Y"], rows * h * d), q)
+    if kv == "f16":
+        kc_ref, vc_ref = kc_ref.half().float(), vc_ref.half().float()
+    tol = 2e-4 if kv == "f32" else 1e-3
+    check(_read_cache(dev, bufs["KC"], ctx * g * d, kv), kc_ref, tol)
+    check(_read_cache(dev, bufs["VC"], ctx * g * d, kv), vc_ref, tol)
+
+
+@pytest.mark.parametrize("fmt,rows_per_warp,splits,rows", [("Q8_0", 2, 3, 1), ("Q4_0", 4, 8, 2), ("F16", 1, 1, 1)])
+def test_gemv_warp_combines_attention_splits(dev, rng, fmt, rows_per_warp, splits, rows):
+    """The output projection's GEMV reading the attention output still split over the context
+    (gemv_warp's combine): the splits merged as softmax partials, then the projection and the
+    residual, against float64 numpy on the same partial values."""
+    if not dev.subgroup_size:
+        pytest.skip("the adapter's subgroup size is unknown")
+    h, d, n_out, max_splits = 6, 16, 40, 8
+    k = h * d
+    raw, dense = quantized(rng, n_out, k, fmt)
+    w = DeviceWeight(codegen.repack(raw, fmt, dense.shape), dev)
+    acc = rng.standard_normal((rows, h, splits, d))
+    m = rng.uniform(-3, 3, (rows, h, splits))
+    l = rng.uniform(0.5, 4.0, (rows, h, splits))
+    ws = np.concatenate([acc, m[..., None], l[..., None]], axis=-1).astype(np.float32)  # [rows, h, splits, d + 2]
+    res = rng.standard_normal((rows, n_out)).astype(np.float32)
+    e = np.exp(m.astype(np.float32).astype(np.float64) - m.max(-1, keepdims=True))
+    x = (e[..., None] * ws[..., :d]).sum(2) / (e * ws[..., d + 1]).sum(-1)[..., None]  # [rows, h, d]
+    want = x.reshape(rows, k) @ dense.astype(np.float64).T + res
+    bufs = {kk: bb for kk, (bb, _, _) in w.resources().items()}
+    bufs.update(WS=upload_f32(dev, ws), R=upload_f32(dev, res), Y=nan_buffer(dev, rows * n_out))
+    sg = min(32, dev.subgroup_size)
+    kern = kernels.gemv_warp(w.desc(), n_out, "step.seq", rows_per_warp=rows_per_warp, wg=4 * sg, sg=sg, unroll=2,
+                             residual=True, stage=True, combine=(h, d, max_splits))
+    L = Launch(dev, kern, bufs)
+    L.set_step(seq=rows, n_splits=splits)
+    L.run((-(-n_out // kern.rows_per_group), 1, rows))
+    check(read_f32(dev, bufs["Y"], rows * n_out), want)
+
+
+@pytest.mark.parametrize("fmt,efmt,stage,rope", [("Q8_0", "Q4_0", False, False), ("Q4_0", "Q8_0", True, True),
+                                                ("F16", "Q4_1", True, False)])
+def test_gemv_warp_embedding_prologue(dev, rng, fmt, efmt, stage, rope):
+    """The first projection's GEMV reading its input straight from the embedding weight (rows of
+    the step's tokens), RMSNorm folded in, the embedding rows written to S: against the cpu
+    backend's embedding, rms_norm and linear (and rope_qkv_store, the epilogue too)."""
+    from edgellm.backends.webgpu.backend import WebgpuBackend
+
+    if not dev.subgroup_size:
+        pytest.skip("the adapter's subgroup size is unknown")
+    h, g, d, rows, start, ctx, k, vocab = 3, 1, 16, 3, 4, 12, 96, 50
+    n_out = (h + 2 * g) * d
+    raw, dense = quantized(rng, n_out, k, fmt)
+    w = DeviceWeight(codegen.repack(raw, fmt, dense.shape), dev)
+    eraw, edense = quantized(rng, vocab, k, efmt)
+    e = DeviceWeight(codegen.repack(eraw, efmt, edense.shape), dev)
+    tok = rng.integers(0, vocab, rows).astype(np.uint32)
+    gam = (1.0 + 0.3 * rng.standard_normal(k)).astype(np.float32)
+    bufs = {kk: bb for kk, (bb, _, _) in w.resources().items()}
+    bufs.update({kk: bb for kk, (bb, _, _) in e.resources("E").items()})
+    bufs.update(G=upload_f32(dev, gam), S=nan_buffer(dev, rows * k), TOK=dev.upload(tok),
+                Y=nan_buffer(dev, rows * (h * d if rope else n_out)))
+    emb = ref("embedding", [torch.from_numpy(edense), torch.from_numpy(tok.astype(np.int64))])
+    y = ref("linear", [ref("rms_norm", [emb, torch.from_numpy(gam)], eps=1e-5), torch.from_numpy(dense)])
+    opts = {}
+    if rope:
+        attrs = dict(n_heads=h, n_kv_heads=g, head_dim=d, rope_dim=d, theta=10000.0, style="norm")
+        be = WebgpuBackend.__new__(WebgpuBackend)
+        be.dev, be._tables = dev, {}
+        cos, sin = be.rope_tables(attrs, d, None, ctx)
+        kc0, vc0 = rng.standard_normal((2, ctx, g * d)).astype(np.float32)
+        bufs.update(KC=upload_f32(dev, kc0), VC=upload_f32(dev, vc0), COS=cos, SIN=sin)
+        kc_ref, vc_ref = torch.from_numpy(kc0.copy()), torch.from_numpy(vc0.copy())
+        y, _, _ = ref("rope_qkv_store", [y, start, kc_ref, vc_ref], **attrs)
+        opts["rope"] = kernels.RopeFold(h * d, g * d, d, d)
+    sg = min(32, dev.subgroup_size)
+    kern = kernels.gemv_warp(w.desc(), n_out, "step.seq", rows_per_warp=2, wg=4 * sg, sg=sg, unroll=2, norm="rms",
+                             eps=1e-5, stage=stage, embed=e.desc("E"), **opts)
+    L = Launch(dev, kern, bufs)
+    L.set_step(seq=rows, start=start)
+    L.run((-(-n_out // kern.rows_per_group), 1, rows))
+    check(read_f32(dev, bufs["Y"], rows * (h * d if rope else n_out)), y)
+    check(read_f32(dev, bufs["S"], rows * k), emb, 1e-6)
+    if rope:
+        check(read_f32(dev, bufs["KC"], ctx * g * d), kc_ref)
+        check(read_f32(dev, bufs["VC"], ctx * g * d), vc_ref)
+
+
+def test_gemv_warp_rope_epilogue_refuses_odd_rows():
+    """A rotation pair must lie in one lane: an odd rows_per_warp is refused, naming the cause."""
+    w = codegen.WeightDesc("W", "Q8_0", 64, 32, (64,))
+    with pytest.raises(ValueError, match="even rows_per_warp"):
+        kernels.gemv_warp(w, 64, "1u", rows_per_warp=1, rope=kernels.RopeFold(32, 16, 16, 16))
+
+
 @pytest.mark.parametrize("rows,start,splits,kv", [(7, 0, 1, "f32"), (5, 9, 1, "f32"), (1, 70, 1, "f32"),
                                                   (1, 300, 3, "f32"), (6, 40, 1, "f16"), (1, 300, 4, "f16")])
 def test_attention(dev, rng, rows, start, splits, kv):

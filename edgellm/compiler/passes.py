@@ -107,8 +107,16 @@ def _single_consumer(cons, t) -> int | None:
     return c[0] if len(c) == 1 else None
 
 
-def fuse_linear_epilogue(g: Graph) -> Graph:
-    """Fold a bias add and/or a residual add that follows a linear into the linear (its epilogue)."""
+def fuse_linear_bias(g: Graph) -> Graph:
+    """Fold the bias add that follows a linear into the linear, before the passes that group
+    linears (fuse_qkv: q, k and v projections with biases, as qwen2 has, are one op only once
+    their biases are theirs)."""
+    return fuse_linear_epilogue(g, residual=False)
+
+
+def fuse_linear_epilogue(g: Graph, *, residual: bool = True) -> Graph:
+    """Fold a bias add and/or (residual) a residual add that follows a linear into the linear (its
+    epilogue)."""
     g = _clone(g)
     changed = True
     while changed:
@@ -127,7 +135,7 @@ def fuse_linear_epilogue(g: Graph) -> Graph:
             other_t = g.tensors[other[0]]
             if other_t.kind == "weight" and len(other_t.shape) == 1 and not op.attrs.get("has_bias"):
                 slot = "has_bias"
-            elif len(other_t.shape) == 2 and not op.attrs.get("has_residual"):
+            elif residual and len(other_t.shape) == 2 and not op.attrs.get("has_residual"):
                 slot = "has_residual"
                 if g.producers().get(other[0], -1) > i:  # the residual must exist before the linear runs
                     continue
@@ -415,6 +423,7 @@ CLEANUP: list[tuple[str, Callable[[Graph], Graph]]] = [
 ]
 FUSION: list[tuple[str, Callable[[Graph], Graph]]] = [
     ("fuse_rope_store", fuse_rope_store),
+    ("fuse_linear_bias", fuse_linear_bias),
     ("fuse_qkv", fuse_qkv),
     ("fuse_swiglu", fuse_swiglu),
     ("fuse_add_rms_norm", fuse_add_rms_norm),

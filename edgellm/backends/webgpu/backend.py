@@ -13,6 +13,13 @@
   4 bytes are read back.
 - Ops without a kernel here are delegated to the cpu backend's reference kernels: the pass is
   cut, their inputs read back, their outputs written to the device.
+- Decode programs fold ops into the GEMV of a projection (WebgpuProgram._plan_folds), each one
+  dispatch and one barrier fewer per token: the RMSNorm before a projection into its prologue,
+  RoPE and the KV-cache write into the q|k|v projection's epilogue, the merge of split attention
+  into the output projection's prologue, the embedding into the first projection's prologue; a
+  one-token program's last_row copy becomes an alias. A layer is then 5 dispatches: q|k|v,
+  attention, output, gate|up, down. EDGELLM_WEBGPU_FOLD=0 turns every fold off, 1 (the default)
+  on, a comma list of last_row, norm, rope, combine, embed enables only those (A/B measurements).
 """
 
 from __future__ import annotations
@@ -34,6 +41,27 @@ from .device import Device, get_device
 GEMV_MAX_ROWS = 4  # steps of at most this many tokens use the matrix-vector kernel
 SPLIT_KEYS = 256  # decode attention: one split per this many cached keys ...
 MAX_SPLITS = 32  # ... up to this many
+# steps of at most this many splits merge them in the output projection's GEMV (the "combine"
+# fold); steps of more run attention_combine as a dispatch of its own
+COMBINE_IN_GEMV_SPLITS = MAX_SPLITS
+
+
+FOLDS = ("last_row", "norm", "rope", "combine", "embed")  # the kinds of WebgpuProgram._plan_folds
+
+
+def fold_kinds() -> set[str]:
+    """The decode folds EDGELLM_WEBGPU_FOLD enables: 1 (the default) all, 0 none, or a comma list
+    of FOLDS (A/B measurement of each)."""
+    v = os.environ.get("EDGELLM_WEBGPU_FOLD", "1").strip()
+    if v == "1":
+        return set(FOLDS)
+    if v == "0":
+        return set()
+    kinds = {x.strip() for x in v.split(",") if x.strip()}
+    if kinds - set(FOLDS):
+        raise GraphError(f"EDGELLM_WEBGPU_FOLD={v!r}: unknown fold {sorted(kinds - set(FOLDS))}; use 1, 0 or a comma "
+                         f"list of {', '.join(FOLDS)}")
+    return kinds
 
 
 class DeviceMemoryError(EdgeLLMError):
@@ -259,10 +287,15 @@ class WebgpuProgram:
         self.delegated: list[str] = []
         self.matrix_bytes = 0  # bytes of the weight matrices one step reads (a decode token's traffic)
         self._steps: list = []
-        self._folds = self._fold_norms()  # linear op name -> the RMSNorm op folded into its GEMV
-        folded = {n.name for n in self._folds.values()}
+        self._alias: dict[str, str] = {}  # tensor -> the tensor whose storage it is (an absorbed copy)
+        self._private: dict[str, object] = {}  # tensor -> a buffer of its own, outside the memory plan
+        self._folds: dict[str, Op] = {}  # linear op name -> the RMSNorm op folded into its GEMV (prologue)
+        self._ropes: dict[str, Op] = {}  # linear_qkv op name -> the rope_qkv_store done in its GEMV (epilogue)
+        self._combines: dict[str, Op] = {}  # linear op name -> the split attention it merges (prologue)
+        self._embeds: dict[str, Op] = {}  # linear op name -> the embedding its folded norm reads from the weight
+        absorbed = self._plan_folds()
         for op in graph.ops:
-            if op.name not in folded:
+            if op.name not in absorbed:
                 self._steps.extend(self._lower(op))
         self._argmax = None
         if self.max_seq == 1 and "logits" in graph.outputs:
@@ -290,9 +323,13 @@ class WebgpuProgram:
         """A function giving (buffer, byte offset, byte size) of a tensor's storage (called when the
         bind groups are made, after every program of the model has reserved its arena); its
         `dtype` attribute is the tensor's element type there."""
+        name = self._alias.get(name, name)
         t = self.graph.tensors[name]
         dev = self.dev
-        if t.kind == "weight":
+        if name in self._private:
+            pb = self._private[name]
+            fn, dtype = (lambda: (pb, 0, pb.size)), "f32"
+        elif t.kind == "weight":
             src = t.source or name
             fn, dtype = (lambda: (lambda b: (b, 0, b.size))(self.backend.weights.vector(src))), "f32"
         elif t.kind == "state" or t.alias_of is not None:
@@ -377,51 +414,228 @@ class WebgpuProgram:
             return self._lower_attention(op)
         raise GraphError(f"webgpu: no kernel for op '{op.name}' ({kind})")
 
-    def _fold_norms(self) -> dict[str, Op]:
-        """RMSNorms (plain, or add + RMSNorm) to fold into the decode GEMV that alone reads their
-        output (kernels.gemv_warp's norm prologue): a decode program (GEMVs only), the warp GEMV
-        configured, a norm over the GEMV's whole input row, no bias on the projection, and the
-        norm's inputs stored apart from what the GEMV writes (its output, and for add + RMSNorm
-        the residual sum, which the first workgroup writes while the others still read the
-        addends). Each fold saves one dispatch and the barrier before it. EDGELLM_WEBGPU_FOLD=0 keeps every norm its own dispatch."""
-        if self.max_seq > GEMV_MAX_ROWS or os.environ.get("EDGELLM_WEBGPU_FOLD", "1") == "0":
-            return {}
+    def _plan_folds(self) -> set[str]:
+        """Ops of a decode program done inside another op's kernel, each one dispatch (and the
+        barrier before it) fewer per token; returns the names of the ops absorbed. The kinds
+        (EDGELLM_WEBGPU_FOLD: 1 all, the default; 0 none; or a comma list of these):
+        - "last_row": a single-token program's last_row copies its only row: its output is made
+          the input's storage (the copy's dispatch gone);
+        - "norm": an RMSNorm (plain, or add + RMSNorm) computed in the prologue of the GEMV that
+          alone reads it (_fold_norm);
+        - "rope": RoPE and the KV-cache write (rope_qkv_store) done in the epilogue of the q|k|v
+          projection's GEMV that alone feeds it (_fold_rope; the cuda backend's decode fusion);
+        - "combine": where a one-token step splits attention over the context, the splits are
+          merged in the prologue of the output projection's GEMV, not by attention_combine
+          (_fold_combine; the op stays, its combine dispatch goes);
+        - "embed": the embedding whose rows a folded RMSNorm normalises is read from its weight
+          in that GEMV's prologue, which also writes the rows out (_fold_embed).
+        Prefill programs (matrix-matrix products) keep every op its own dispatch."""
+        if self.max_seq > GEMV_MAX_ROWS:
+            return set()
+        kinds = fold_kinds()
         readers: dict[str, list[Op]] = {}
         for op in self.graph.ops:
             for t in op.inputs:
                 readers.setdefault(t, []).append(op)
-        W, out = self.backend.weights, {}
+        absorbed: set[str] = set()
+        if "last_row" in kinds and self.max_seq == 1:
+            for i, op in enumerate(self.graph.ops):
+                if op.kind == "last_row" and self._alias_copy(i, readers):
+                    absorbed.add(op.name)
         for op in self.graph.ops:
-            if op.kind not in ("rms_norm", "add_rms_norm") or set(op.attrs) - {"eps"}:
-                continue
-            normed = op.outputs[-1]
-            users = readers.get(normed, [])
-            if len(users) != 1 or normed in self.graph.outputs or normed not in self.offsets:
-                continue
-            lin = users[0]
-            if lin.kind not in ("linear", "linear_qkv", "linear_swiglu") or lin.inputs[0] != normed or lin.attrs.get("has_bias"):
-                continue
-            names = [self._wname(t) for t in (lin.inputs[1:4] if lin.kind == "linear_qkv" else
-                                              lin.inputs[1:3] if lin.kind == "linear_swiglu" else lin.inputs[1:2])]
-            w = W.matrix(*names)
-            glu = lin.kind == "linear_swiglu"
-            gamma = self.graph.tensors[op.inputs[-1]]
-            n_bind = len(w.desc().bindings()) + 5 + (3 if op.kind == "add_rms_norm" else 0) + bool(lin.attrs.get("has_residual"))
-            if self.backend.gemv_config(w, w.rows // 2 if glu else w.rows, glu).get("kind") != "warp" or \
-                    w.cols % 4 or tuple(gamma.shape)[-1:] != (w.cols,) or n_bind > self.dev.max_storage_buffers:
-                continue
-            # the memory plan was made for the norm running first: its addends may share storage
-            # with what the GEMV now writes while other workgroups still read them
-            reads = list(op.inputs[:-1])
-            writes = list(lin.outputs) + (list(op.outputs[:1]) if op.kind == "add_rms_norm" else [])
-            if any(t not in self.offsets for t in reads):
-                continue
-            writes = [t for t in writes if t in self.offsets]  # the others have buffers of their own
-            span = {t: (self.offsets[t], self.offsets[t] + 4 * math.prod(self.shape(t, self.max_seq))) for t in reads + writes}
-            if any(span[r][0] < span[w_][1] and span[w_][0] < span[r][1] for r in reads for w_ in writes):
-                continue
-            out[lin.name] = op
-        return out
+            if "norm" in kinds and op.kind in ("rms_norm", "add_rms_norm"):
+                lin = self._fold_norm(op, readers)
+                if lin is not None:
+                    self._folds[lin.name] = op
+                    absorbed.add(op.name)
+        for op in self.graph.ops:
+            if "rope" in kinds and op.kind == "linear_qkv":
+                rope = self._fold_rope(op, readers)
+                if rope is not None:
+                    self._ropes[op.name] = rope
+                    absorbed.add(rope.name)
+            if "combine" in kinds and self.max_seq == 1 and op.kind == "attention":
+                lin = self._fold_combine(op, readers)
+                if lin is not None:
+                    self._combines[lin.name] = op
+        if "embed" in kinds:
+            for op in self.graph.ops:
+                emb = self._fold_embed(op, readers) if op.name in self._folds else None
+                if emb is not None:
+                    self._embeds[op.name] = emb
+                    absorbed.add(emb.name)
+        return absorbed
+
+    def _span(self, t: str) -> tuple[int, int] | None:
+        """The byte range of a tensor's storage in the arena (None: storage of its own)."""
+        t = self._alias.get(t, t)
+        if t not in self.offsets or t in self._private:
+            return None
+        return self.offsets[t], self.offsets[t] + 4 * math.prod(self.shape(t, self.max_seq))
+
+    def _overlap(self, reads, writes) -> bool:
+        """Whether any tensor written shares arena bytes with any tensor read."""
+        rs = [x for x in map(self._span, reads) if x is not None]
+        ws = [x for x in map(self._span, writes) if x is not None]
+        return any(r[0] < w[1] and w[0] < r[1] for r in rs for w in ws)
+
+    def _alias_copy(self, i: int, readers: dict) -> bool:
+        """last_row of a one-token program (op i): its output becomes its input's storage where no
+        op writes over the input's bytes while the output is still read (the plan reused the
+        input's slot once the copy was made)."""
+        op = self.graph.ops[i]
+        src, dst = op.inputs[0], op.outputs[0]
+        if dst in self.graph.outputs or src not in self.offsets or dst not in self.offsets:
+            return False
+        if self.shape(src, 1) != self.shape(dst, 1):
+            return False
+        names = [o.name for o in self.graph.ops]
+        last = max((names.index(r.name) for r in readers.get(dst, [])), default=i)
+        if any(self._overlap([src], later.outputs) for later in self.graph.ops[i + 1:last + 1]):
+            return False
+        self._alias[dst] = self._alias.get(src, src)
+        return True
+
+    def _gemv_warp_config(self, lin: Op):
+        """(device weight, warp GEMV configuration) of a projection, or None where its decode GEMV
+        is not kernels.gemv_warp (the folds need it)."""
+        names = [self._wname(t) for t in (lin.inputs[1:4] if lin.kind == "linear_qkv" else
+                                          lin.inputs[1:3] if lin.kind == "linear_swiglu" else lin.inputs[1:2])]
+        w = self.backend.weights.matrix(*names)
+        glu = lin.kind == "linear_swiglu"
+        cfg = self.backend.gemv_config(w, w.rows // 2 if glu else w.rows, glu)
+        return (w, cfg) if cfg.get("kind") == "warp" else None
+
+    def _gemv_bindings(self, lin: Op, w: DeviceWeight, norm_op: Op | None, rope: bool) -> int:
+        """Storage bindings of a projection's warp GEMV with the given folds (kernels.gemv_warp)."""
+        n = len(w.desc().bindings()) + 1  # the weight's arrays, Y
+        if norm_op is None:
+            n += 2  # X and its vec4 view
+        else:
+            n += 4 + (3 if norm_op.kind == "add_rms_norm" else 0)  # A, G (vec4 views), B, S
+        n += bool(lin.attrs.get("has_bias")) + bool(lin.kind == "linear" and lin.attrs.get("has_residual"))
+        return n + (4 if rope else 0)  # KC, VC, COS, SIN
+
+    def _fold_norm(self, op: Op, readers: dict) -> Op | None:
+        """The projection whose warp GEMV computes this RMSNorm (kernels.gemv_warp's norm
+        prologue), or None: the GEMV alone reads the norm's output, over its whole input row (a
+        bias is bound as BIAS), and the norm's inputs stored apart from what the GEMV writes
+        (its output, and for add + RMSNorm the residual sum, which the first workgroup writes
+        while the others still read the addends)."""
+        if set(op.attrs) - {"eps"}:
+            return None
+        normed = op.outputs[-1]
+        users = readers.get(normed, [])
+        if len(users) != 1 or normed in self.graph.outputs or normed not in self.offsets:
+            return None
+        lin = users[0]
+        if lin.kind not in ("linear", "linear_qkv", "linear_swiglu") or lin.inputs[0] != normed:
+            return None
+        wc = self._gemv_warp_config(lin)
+        if wc is None:
+            return None
+        w = wc[0]
+        gamma = self.graph.tensors[op.inputs[-1]]
+        if w.cols % 4 or tuple(gamma.shape)[-1:] != (w.cols,) or \
+                self._gemv_bindings(lin, w, op, False) > self.dev.max_storage_buffers:
+            return None
+        # the memory plan was made for the norm running first: its addends may share storage
+        # with what the GEMV now writes while other workgroups still read them
+        reads = list(op.inputs[:-1])
+        if any(self._alias.get(t, t) not in self.offsets for t in reads):
+            return None
+        writes = list(lin.outputs) + (list(op.outputs[:1]) if op.kind == "add_rms_norm" else [])
+        return None if self._overlap(reads, writes) else lin
+
+    def _fold_rope(self, lin: Op, readers: dict) -> Op | None:
+        """The rope_qkv_store that this q|k|v projection's warp GEMV does in its epilogue
+        (kernels.RopeFold), or None: the store alone reads the projection's output, without the
+        long-RoPE factor or q/k norms, and the GEMV's rows per subgroup are even (a rotation pair
+        in one lane: adjacent features for style 'norm'; for 'neox' the lane's two features are
+        the head's rows i and i + n_rot / 2). The rotated q, written while other workgroups still
+        read the GEMV's input, gets a buffer of its own where the plan put it over that input."""
+        from ..cpu import rope_qkv_extras
+
+        rd = readers.get(lin.outputs[0], [])
+        if len(rd) != 1 or rd[0].kind != "rope_qkv_store" or rd[0].inputs[0] != lin.outputs[0]:
+            return None
+        rope = rd[0]
+        a = rope.attrs
+        _, qk_norms = rope_qkv_extras(rope, list(rope.inputs))
+        if (a.get("style") not in ("norm", "neox") or a.get("mscale", 1.0) != 1.0 or qk_norms or a.get("ring") or a.get("window")
+                or lin.outputs[0] in self.graph.outputs or rope.outputs[0] in self.graph.outputs):
+            return None
+        wc = self._gemv_warp_config(lin)
+        if wc is None:
+            return None
+        w, cfg = wc
+        d, h, g = a["head_dim"], a["n_heads"], a["n_kv_heads"]
+        n_rot = a.get("rope_dim", d)
+        if cfg["rows_per_warp"] % 2 or w.rows != (h + 2 * g) * d or d % 2 or n_rot % 2 or n_rot > d:
+            return None
+        norm_op = self._folds.get(lin.name)
+        if self._gemv_bindings(lin, w, norm_op, True) > self.dev.max_storage_buffers:
+            return None
+        q = rope.outputs[0]
+        reads = list(norm_op.inputs[:-1]) if norm_op is not None else [lin.inputs[0]]
+        if self._overlap(reads, [q]):
+            self._private[q] = self.dev.buffer(-(-4 * math.prod(self.shape(q, self.max_seq)) // 16) * 16)
+        return rope
+
+    def _fold_combine(self, attn: Op, readers: dict) -> Op | None:
+        """The output projection whose warp GEMV merges this attention's splits (kernels.gemv_warp's
+        combine), or None: it alone reads the attention output, as its whole input row, without
+        bias, and x staged with the per-(head, split) weights fits the workgroup memory."""
+        from .tuning import can_stage
+
+        rd = readers.get(attn.outputs[0], [])
+        if len(rd) != 1 or rd[0].kind != "linear" or rd[0].inputs[0] != attn.outputs[0] or rd[0].attrs.get("has_bias"):
+            return None
+        lin = rd[0]
+        if lin.name in self._folds or attn.outputs[0] in self.graph.outputs:
+            return None
+        wc = self._gemv_warp_config(lin)
+        if wc is None:
+            return None
+        w, cfg = wc
+        h, d = attn.attrs["n_heads"], attn.attrs["head_dim"]
+        red = 0 if cfg["subgroup"] else 4 * cfg["wg"] * cfg["rows_per_warp"]
+        if (w.cols != h * d or d % 4 or not can_stage(self.dev, w.cols)
+                or 4 * w.cols + 8 * h * MAX_SPLITS + red > self.dev.max_workgroup_memory
+                or self._gemv_bindings(lin, w, None, False) > self.dev.max_storage_buffers):
+            return None
+        return lin
+
+    def _fold_embed(self, lin: Op, readers: dict) -> Op | None:
+        """The embedding (of the step's tokens) that this projection's GEMV, with a plain RMSNorm
+        folded, reads from the weight itself (kernels.gemv_warp's embed), or None. Its rows are
+        still written (the first workgroup of each row), for the readers after the GEMV (the
+        residual stream); they must not share storage with what the GEMV writes."""
+        norm_op = self._folds[lin.name]
+        producer = {t: op for op in self.graph.ops for t in op.outputs}
+        emb = producer.get(norm_op.inputs[0])
+        if norm_op.kind != "rms_norm" or emb is None or emb.kind != "embedding" or emb.inputs[1] != "tokens":
+            return None
+        out = emb.outputs[0]
+        if out in self.graph.outputs or out not in self.offsets or self._alias.get(out, out) != out:
+            return None
+        names = [o.name for o in self.graph.ops]
+        if any(names.index(r.name) < names.index(lin.name) for r in readers.get(out, []) if r is not norm_op):
+            return None
+        w, _ = self._gemv_warp_config(lin)
+        e = self.backend.weights.matrix(self._wname(emb.inputs[0]))
+        rope = lin.name in self._ropes
+        # A and G (with vec4 views) become G, S, the embedding's arrays and TOK
+        n = self._gemv_bindings(lin, w, norm_op, rope) - 4 + 2 + 1 + len(e.desc("E").bindings()) + 1
+        if e.cols != w.cols or n > self.dev.max_storage_buffers:
+            return None
+        writes = [self._ropes[lin.name].outputs[0]] if rope else list(lin.outputs)
+        return None if self._overlap([out], writes) else emb
+
+    @staticmethod
+    def _combined_in_gemv(splits: int) -> bool:
+        """Whether a step of this many attention splits merges them in the output projection."""
+        return 1 < splits <= COMBINE_IN_GEMV_SPLITS
 
     def _lower_linear(self, op: Op):
         W, R, a, ins, outs = self.backend.weights, self._res, op.attrs, op.inputs, op.outputs
@@ -446,27 +660,54 @@ class WebgpuProgram:
             res.update(A=R(norm_op.inputs[0]), G=R(norm_op.inputs[-1]))
             if norm_op.kind == "add_rms_norm":
                 res.update(B=R(norm_op.inputs[1]), S=R(norm_op.outputs[0]))
-        if bias:
+        if bias:  # bound as BIAS where a folded norm's second addend is B (kernels.gemv_warp)
             names = tuple(self._wname(t) for t in bias)
-            res["B"] = lambda: (lambda b: (b, 0, b.size))(W.vector(*names))
+            res["BIAS" if norm_op is not None else "B"] = lambda: (lambda b: (b, 0, b.size))(W.vector(*names))
         if res_in is not None:
             res["R"] = R(res_in)
         opts = dict(bias=bool(bias), residual=res_in is not None, glu=glu)
         if norm_op is not None:
             opts.update(norm="add_rms" if norm_op.kind == "add_rms_norm" else "rms", eps=norm_op.attrs["eps"])
+        emb = self._embeds.get(op.name)
+        if emb is not None:  # x's rows from the embedding weight at the step's tokens, written to S (_fold_embed)
+            e = W.matrix(self._wname(emb.inputs[0]))
+            del res["A"]
+            res.update(_const(e.resources("E")), S=R(emb.outputs[0]), TOK=lambda: (self.tok_buf, 0, self.tok_buf.size))
+            opts["embed"] = e.desc("E")
+        rope_op = self._ropes.get(op.name)
+        if rope_op is not None:  # q rotated into the rope's output, k and v into the caches (_fold_rope)
+            from ..cpu import rope_qkv_extras
+
+            ra = rope_op.attrs
+            d, n_rot = ra["head_dim"], ra.get("rope_dim", ra["head_dim"])
+            freqs, _ = rope_qkv_extras(rope_op, list(rope_op.inputs))
+            cos, sin = self.backend.rope_tables(ra, n_rot, None if freqs is None else self._wname(freqs), self.ctx)
+            res.update(Y=R(rope_op.outputs[0]), KC=R(rope_op.inputs[2]), VC=R(rope_op.inputs[3]),
+                       COS=lambda: (cos, 0, cos.size), SIN=lambda: (sin, 0, sin.size))
+            opts["rope"] = kernels.RopeFold(ra["n_heads"] * d, ra["n_kv_heads"] * d, d, n_rot, ra["style"] == "neox")
         cfg = self.backend.gemv_config(w, n_out, glu)
         x_vec = 4 if w.cols % 4 == 0 else 1
         if cfg.get("kind", "block") == "block":
             cfg = {**cfg, "x_vec": x_vec}
         gv = _Dispatch(self, kernels.decode_gemv(w.desc(), n_out, rows_expr, cfg, **opts, dtypes=_dtypes(res)), res,
                        lambda s, n: (*_grid2(-(-n_out // cfg["rows_per_wg"]), self.dev.max_groups), rows(s)))
+        attn = self._combines.get(op.name)
+        if attn is not None:  # steps with split attention read its partials and merge them (_fold_combine)
+            ws = self.backend.workspace(attn.attrs["n_heads"] * MAX_SPLITS * (attn.attrs["head_dim"] + 2) * 4)
+            cres = {k: v for k, v in res.items() if k != "X"}
+            cres["WS"] = lambda: (ws, 0, ws.size)
+            ccfg = {**cfg, "stage": True}
+            gc = _Dispatch(self, kernels.decode_gemv(w.desc(), n_out, rows_expr, ccfg, **opts, dtypes=_dtypes(cres),
+                                                     combine=(attn.attrs["n_heads"], attn.attrs["head_dim"], MAX_SPLITS)),
+                           cres, lambda s, n: (*_grid2(-(-n_out // ccfg["rows_per_wg"]), self.dev.max_groups), rows(s)))
+            return _Choice(lambda s, n: (gc,) if self._combined_in_gemv(n) else (gv,), gv, gc)
         if (self.max_seq <= GEMV_MAX_ROWS or self.graph.tensors[outs[0]].shape[0] != SEQ
                 or not self.backend.prefill_tiled):
             return gv
         gcfg = self.backend.gemm_config(w, n_out, glu, self.max_seq)
         gm = _Dispatch(self, kernels.gemm(w.desc(), n_out, rows_expr, **gcfg, **opts, dtypes=_dtypes(res)), res,
                        lambda s, n: (-(-n_out // gcfg["tn"]), -(-rows(s) // gcfg["tm"]), 1))
-        return _Choice(lambda s: gv if s <= GEMV_MAX_ROWS else gm, gv, gm)
+        return _Choice(lambda s, n: (gv,) if s <= GEMV_MAX_ROWS else (gm,), gv, gm)
 
     def _lower_rope(self, op: Op):
         a, ins, outs, R = op.attrs, op.inputs, op.outputs, self._res
@@ -517,14 +758,17 @@ class WebgpuProgram:
             tiled = _Dispatch(self, kernels.attention_tiled(h, g, d, a["scale"], rows_expr, dtypes=_dtypes(res),
                                                             workgroup_bytes=self.dev.max_workgroup_memory - 4096),
                               res, lambda s, n: (h, -(-rows(s) // bm), 1))
-            return [_Choice(lambda s: direct if s <= GEMV_MAX_ROWS else tiled, direct, tiled)]
+            return [_Choice(lambda s, n: (direct,) if s <= GEMV_MAX_ROWS else (tiled,), direct, tiled)]
         ws = self.backend.workspace(h * MAX_SPLITS * (d + 2) * 4)
         wres = {**res, "WS": lambda: (ws, 0, ws.size)}
         part = _Dispatch(self, kernels.attention(h, g, d, a["scale"], rows_expr, partial=True,
                                                      dtypes=_dtypes(wres)), wres,
                          lambda s, n: (h, rows(s), n))
         comb = _Dispatch(self, kernels.attention_combine(h, d, rows_expr, dtypes=_dtypes(wres)), wres, lambda s, n: (h, rows(s), 1))
-        return [_Choice(lambda s: None, direct, part, comb, splits=True)]
+        if any(a is op for a in self._combines.values()):  # the output projection merges the splits
+            return [_Choice(lambda s, n: (direct,) if n == 1 else (part,) if self._combined_in_gemv(n) else (part, comb),
+                            direct, part, comb)]
+        return [_Choice(lambda s, n: (direct,) if n == 1 else (part, comb), direct, part, comb)]
 
     def _delegate(self, op: Op):
         """An op without a kernel here runs on the cpu backend's reference kernel (its inputs read
@@ -611,26 +855,20 @@ class WebgpuProgram:
 
 
 class _Choice:
-    """Variants of one op chosen per step: GEMV or GEMM by token count; attention direct, or split
-    over the context and combined, by the step's split count."""
+    """Variants of one op chosen per step: pick(seq, splits) gives the dispatches to record (GEMV
+    or GEMM by token count; attention direct, or split over the context and combined, by the
+    step's split count)."""
 
-    def __init__(self, pick, *variants, splits: bool = False):
-        self.pick, self.variants, self.splits = pick, variants, splits
+    def __init__(self, pick, *variants):
+        self.pick, self.variants = pick, variants
 
     def prepare(self) -> None:
         for v in self.variants:
             v.prepare()
 
     def encode(self, cpass, seq: int, splits: int) -> None:
-        if self.splits:
-            direct, part, comb = self.variants
-            if splits == 1:
-                direct.encode(cpass, seq, 1)
-            else:
-                part.encode(cpass, seq, splits)
-                comb.encode(cpass, seq, splits)
-            return
-        self.pick(seq).encode(cpass, seq, splits)
+        for v in self.pick(seq, splits):
+            v.encode(cpass, seq, splits)
 
 
 class _HostOp:

@@ -164,7 +164,8 @@ def _unit_dot(fmt: str, q: str, x: str, d: str, m: str) -> str:
 def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, wg: int = 256, sg: int = 32,
               unroll: int = 4, subgroup: bool = True, bias: bool = False, residual: bool = False, glu: bool = False,
               norm: str | None = None, eps: float = 1e-6, stage: bool = False, rows_per_wg: int | None = None,
-              dtypes: dict | None = None) -> WarpKernel:
+              rope: "RopeFold | None" = None, combine: tuple[int, int, int] | None = None,
+              embed: WeightDesc | None = None, dtypes: dict | None = None) -> WarpKernel:
     """The decode GEMV as one subgroup (sg lanes, a GPU's warp) per `rows_per_warp` output features:
     the lanes stride along the rows in 16-byte units of quants (a warp reads 16 * sg contiguous
     bytes per row per unit: coalesced), each lane issuing the loads of `unroll` units (and their
@@ -179,7 +180,25 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
     dispatch and one barrier fewer per norm): each workgroup first reduces sum(A^2) of its row
     (A is a few KiB, in the cache), then scales x as it loads it. norm "add_rms": x =
     rms_norm(A + B) * G, and the sum A + B (the residual stream) is also written to S by the
-    first workgroup of each row. Bindings A, G (and B, S) instead of X.
+    first workgroup of each row. Bindings A, G (and B, S) instead of X; a bias is then bound
+    as BIAS. embed (with norm "rms"): A is the embedding (weight `embed`, a WeightDesc named E)
+    of the step's tokens (binding TOK, the last), read here from the weight, and written to S by
+    the first workgroup of each row (the embedding op's dispatch folded in too).
+
+    rope: W is a fused q|k|v projection whose result goes through RoPE and into the KV cache
+    (rope_qkv_store's work done here, without a dispatch of its own; RopeFold): each lane 0 holds
+    adjacent features (2i, 2i+1) (rows_per_warp even, rows start even), a rotation pair, rotates
+    the q and k pairs with COS/SIN[pos, i] (the rope kernel's tables) and writes q to Y ([rows,
+    q_dim]), k and v to row `pos` of KC and VC. Neox pairs (i, i + n_rot / 2) lie half a head
+    apart: there the lanes' features 2i, 2i+1 of a head are its weight rows i and i + n_rot / 2
+    (RopeFold.neox; rope_row maps them), stored back to those columns.
+
+    combine (n_heads, head_dim, max_splits): x is the attention output still split over the
+    context (attention(partial=True)'s WS: per row, head and split the unnormalised output, its
+    maximum and sum), merged here as attention_combine does, once per workgroup into the staged x
+    (stage required): one dispatch fewer per layer where decode attention is split. Binding WS
+    instead of X; the weights of each (head, split) in workgroup memory (8 * heads * max_splits
+    bytes).
 
     stage: the workgroup first copies its row of x (normalized where a norm is folded) into
     workgroup memory (4 * K bytes; K a multiple of 32), and the lanes read x from there instead
@@ -191,27 +210,43 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
         raise ValueError(f"gemv_warp: workgroup {wg}, subgroup {sg}, {R} rows per warp, rows_per_wg {rows_per_wg}")
     if norm not in (None, "rms", "add_rms"):
         raise ValueError(f"gemv_warp: norm {norm!r}")
-    if norm and bias:
-        raise ValueError("gemv_warp: a folded norm takes no bias (the bias binding is the norm's second input)")
+    if embed is not None and (norm != "rms" or embed.cols != w.cols or embed.name != "E"):
+        raise ValueError(f"gemv_warp: an embedding prologue needs norm 'rms' and a weight named E of {w.cols} "
+                         f"columns (got norm {norm!r}, {embed})")
+    bname = "BIAS" if norm else "B"  # with a folded norm, B is the add + RMSNorm's second addend
+    if combine is not None and (norm or not stage or combine[0] * combine[1] != w.cols or combine[1] % 4):
+        raise ValueError(f"gemv_warp: combining attention splits (heads, head_dim, max splits) {combine} needs x staged, "
+                         f"no norm, and heads x head_dim = the {w.cols} inputs, head_dim a multiple of 4")
+    if rope is not None and (glu or R % 2 or n_out != rope.q_dim + 2 * rope.kv_dim or rope.head_dim % 2 or rope.n_rot % 2):
+        raise ValueError(f"gemv_warp: a RoPE epilogue needs no glu, an even rows_per_warp (got {R}) and n_out = q + 2 kv "
+                         f"features (got {n_out} for {rope})")
     if stage and w.cols % 32:
         raise ValueError(f"gemv_warp: staging x needs rows of a multiple of 32 elements, not {w.cols}")
-    if norm:
+    if combine is not None:
+        parts = [(w, "WS"), (ActDesc("WS"), None), (ActDesc("Y"), None)]
+    elif embed is not None:  # the weights' x-dot helpers are never called: G stands in for x
+        parts = [(w, "G"), (embed, "G"), (ActDesc("G", vec=4), None), (ActDesc("Y"), None), (ActDesc("S"), None)]
+    elif norm:
         parts = [(w, "A"), (ActDesc("A", vec=4), None), (ActDesc("G", vec=4), None), (ActDesc("Y"), None)]
         if norm == "add_rms":
             parts += [(ActDesc("B", vec=4), None), (ActDesc("S"), None)]
     else:
         parts = [(w, "X"), (ActDesc("X", vec=4), None), (ActDesc("Y"), None)]
     if bias:
-        parts.append((ActDesc("B"), None))
+        parts.append((ActDesc(bname), None))
     if residual:
         parts.append((ActDesc("R"), None))
+    if rope is not None:
+        parts += [(ActDesc(n), None) for n in ("KC", "VC", "COS", "SIN")]
     fmt = w.fmt
     per = _UNIT_ELEMS[fmt] // 4  # x vec4s per unit
     if norm:
         a4 = "(A_ld4(xb + c) + B_ld4(xb + c))" if norm == "add_rms" else "A_ld4(xb + c)"
+        if embed is not None:
+            a4 = "E_get4(TOK[t], 4u * c)"
         xfn = "let x{n} = " + a4.replace("c)", "({c}))") + " * (G_ld4({c}) * inv);"
         store_s = ("            if (wid.x + wid.y == 0u) { let k = 4u * c; S_st(t * K + k, a.x); S_st(t * K + k + 1u, a.y); "
-                   "S_st(t * K + k + 2u, a.z); S_st(t * K + k + 3u, a.w); }") if norm == "add_rms" else ""
+                   "S_st(t * K + k + 2u, a.z); S_st(t * K + k + 3u, a.w); }") if norm == "add_rms" or embed else ""
         prologue = f"""
     var ss = 0.0;
     if (t < ${{ROWS_EXPR}}) {{
@@ -226,6 +261,29 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
     workgroupBarrier();
     for (var s = WG / 2u; s > 0u; s = s >> 1u) {{ if (lid < s) {{ nred[lid] += nred[lid + s]; }} workgroupBarrier(); }}
     let inv = inverseSqrt(nred[0] / f32(K) + ${{EPS}});"""
+    elif combine is not None:
+        xfn = "let x{n} = combined4(t, {c});"
+        # every (head, split)'s maximum and sum read at once, one per thread, then per head in
+        # workgroup memory: the weight of each split (no chain of S dependent loads per head)
+        prologue = """
+    let S = step.n_splits;
+    if (t < ${ROWS_EXPR}) {
+        for (var e = lid; e < CH * S; e += WG) {
+            let b = (t * CH * S + e) * (CD + 2u) + CD;
+            cw[(e / S) * CMAX + e % S] = WS_ld(b); cl[(e / S) * CMAX + e % S] = WS_ld(b + 1u);
+        }
+    }
+    workgroupBarrier();
+    if (t < ${ROWS_EXPR}) {
+        for (var h = lid; h < CH; h += WG) {
+            var mx = ${NEG};
+            for (var s = 0u; s < S; s++) { mx = max(mx, cw[h * CMAX + s]); }
+            var l = 0.0;
+            for (var s = 0u; s < S; s++) { l += exp(cw[h * CMAX + s] - mx) * cl[h * CMAX + s]; }
+            for (var s = 0u; s < S; s++) { cw[h * CMAX + s] = exp(cw[h * CMAX + s] - mx) / l; }
+        }
+    }
+    workgroupBarrier();"""
     else:
         xfn = "let x{n} = X_ld4(xb + {c});"
         prologue = ""
@@ -240,6 +298,8 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
         xfn = "let x{n} = xs[({c}) ^ ((({c}) >> 3u) & 7u)];"
     # (accumulator, row expression) pairs: the features, then the up halves of glu
     rws = [(f"a{r}", f"min(row0 + {r}u, N - 1u)") for r in range(R)]
+    if rope is not None and rope.neox:  # lane 0's adjacent features are a neox pair's rows
+        rws = [(a, f"rope_row({e})") for a, e in rws]
     if glu:
         rws += [(f"g{r}", f"min(row0 + {r}u, N - 1u) + N") for r in range(R)]
     accs = [a for a, _ in rws]
@@ -279,14 +339,22 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
         red = "\n".join(red)
         decl = f"var<workgroup> red: array<f32, {wg * len(accs)}>;"
     stores = []
-    for r in range(R):
-        e = _epilogue(f"a{r}", f"g{r}" if glu else None, bias, residual, "col", "t * N + col")
-        stores.append(f"        {{ let col = row0 + {r}u; if (col < N) {{ {e} Y_st(t * N + col, y); }} }}")
+    if rope is None:
+        for r in range(R):
+            e = _epilogue(f"a{r}", f"g{r}" if glu else None, bias, residual, "col", "t * N + col", bname)
+            stores.append(f"        {{ let col = row0 + {r}u; if (col < N) {{ {e} Y_st(t * N + col, y); }} }}")
+    else:  # pairs (2i, 2i+1): N is even, so a pair lies wholly below N or above it
+        for r in range(0, R, 2):
+            e0 = _epilogue(f"a{r}", None, bias, residual, "rope_row(col)", "t * N + col", bname)
+            e1 = _epilogue(f"a{r + 1}", None, bias, residual, "rope_row(col + 1u)", "t * N + col + 1u", bname)
+            stores.append(f"        {{ let col = row0 + {r}u; if (col < N) {{ var y0 = 0.0; var y1 = 0.0; "
+                          f"{{ {e0} y0 = y; }} {{ {e1} y1 = y; }} rope_put(t, col, y0, y1); }} }}")
     body = """
 const N: u32 = ${N}u; const K: u32 = ${K}u; const UNITS: u32 = ${UNITS}u; const SG: u32 = ${SG}u;
 const WG: u32 = ${WG}u; const WARPS: u32 = WG / SG;
 ${DECL}
 ${NDECL}
+${ROPE}
 @compute @workgroup_size(${WG})
 fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>,
         @builtin(num_workgroups) nwg: vec3<u32>) {
@@ -308,12 +376,37 @@ ${STORES}
 }
 """
     body = body.replace("${PROLOGUE}", prologue)
+    tok = ""
+    if embed is not None:  # TOK after the parts' bindings (and the Step uniform)
+        tok = f"@group(0) @binding({1 + sum(len(p.bindings()) for p, _ in parts)}) var<storage, read_write> TOK: array<u32>;"
     k = _render("gemv_warp", parts, body, wg, N=n_out, K=w.cols, UNITS=w.row_vec4, SG=sg, R=R, ROWS_EXPR=rows,
                 ACCS=" ".join(f"var {a} = 0.0;" for a in accs), BODY="\n".join(body_l), STEP=sg * U, RED=red,
                 DECL=decl, STORES="\n".join(stores), EPS=_f(eps),
                 NDECL=(f"var<workgroup> nred: array<f32, {wg}>;" if norm else "")
-                + (f"\nvar<workgroup> xs: array<vec4<f32>, {w.cols // 4}>;" if stage else ""), dtypes=dtypes)
-    return WarpKernel(k.name, k.source, k.bindings, wg, rows_per_group=wg // sg * R)
+                + (f"\nvar<workgroup> xs: array<vec4<f32>, {w.cols // 4}>;" if stage else ""),
+                ROPE=(rope.wgsl() if rope is not None else "") + (_combine_wgsl(*combine) if combine else "") + tok,
+                NEG=NEG, dtypes=dtypes)
+    extra = (Binding("TOK", "array<u32>"),) if embed is not None else ()
+    return WarpKernel(k.name, k.source, k.bindings + extra, wg, rows_per_group=wg // sg * R)
+
+
+def _combine_wgsl(n_heads: int, head_dim: int, max_splits: int) -> str:
+    """gemv_warp's combine: the per-(head, split) weights and x's vec4 c of row t merged from them."""
+    return f"""
+const CH: u32 = {n_heads}u; const CD: u32 = {head_dim}u; const CMAX: u32 = {max_splits}u;
+var<workgroup> cw: array<f32, {n_heads * max_splits}>;  // per (head, split): the maximum, then the weight
+var<workgroup> cl: array<f32, {n_heads * max_splits}>;  // the sum
+fn combined4(t: u32, c: u32) -> vec4<f32> {{
+    let k = 4u * c; let h = k / CD;
+    let S = step.n_splits;
+    let hb = (t * CH + h) * S * (CD + 2u) + k % CD;
+    var v = vec4<f32>(0.0);
+    for (var s = 0u; s < S; s++) {{
+        let b = hb + s * (CD + 2u);
+        v += cw[h * CMAX + s] * vec4<f32>(WS_ld(b), WS_ld(b + 1u), WS_ld(b + 2u), WS_ld(b + 3u));
+    }}
+    return v;
+}}"""
 
 
 def decode_gemv(w: WeightDesc, n_out: int, rows: str, cfg: dict, **opts) -> Kernel:
@@ -325,14 +418,14 @@ def decode_gemv(w: WeightDesc, n_out: int, rows: str, cfg: dict, **opts) -> Kern
     return gemv(w, n_out, rows, **c, **opts)
 
 
-def _epilogue(acc: str, up: str | None, bias: bool, residual: bool, col: str, flat: str) -> str:
+def _epilogue(acc: str, up: str | None, bias: bool, residual: bool, col: str, flat: str, bias_name: str = "B") -> str:
     """WGSL statements making y of one output: the accumulator, silu-gated by `up` (glu), plus
-    the bias at column `col`, plus the residual at flat index `flat`."""
+    the bias (binding `bias_name`) at column `col`, plus the residual at flat index `flat`."""
     y = f"var y = {acc};"
     if up is not None:
         y += f" y = y / (1.0 + exp(-y)) * {up};"
     if bias:
-        y += f" y += B_ld({col});"
+        y += f" y += {bias_name}_ld({col});"
     if residual:
         y += f" y += R_ld({flat});"
     return y
@@ -539,6 +632,51 @@ fn main(@builtin(local_invocation_index) lid: u32) {
 
 
 # -- RoPE and the KV cache ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class RopeFold:
+    """RoPE (adjacent pairs, the 'norm' style) and the KV-cache write as a GEMV epilogue
+    (gemv_warp's `rope`): the projection's features are q (q_dim), k, v (kv_dim each), heads of
+    head_dim features whose first n_rot are rotated; q goes to Y, k and v to the caches KC and VC
+    at row step.start + t. Bindings COS/SIN: the rope kernel's tables [position, n_rot / 2]."""
+
+    q_dim: int
+    kv_dim: int
+    head_dim: int
+    n_rot: int
+    neox: bool = False  # pairs (i, i + n_rot / 2) of a head, not (2i, 2i+1)
+
+    def wgsl(self) -> str:
+        row = ("""    let i = c % RHD;
+    if (c >= RQD + RKVD || i >= RROT) { return c; }
+    return c - i + (i >> 1u) + (i & 1u) * (RROT / 2u);""" if self.neox else "    return c;")
+        return f"""
+const RQD: u32 = {self.q_dim}u; const RKVD: u32 = {self.kv_dim}u; const RHD: u32 = {self.head_dim}u;
+const RROT: u32 = {self.n_rot}u;
+// the weight row (and output column) of the GEMV's feature c: a neox pair's two rows side by side
+fn rope_row(c: u32) -> u32 {{
+{row}
+}}
+// features col, col + 1 (col even) of row t: rotated where they are a q or k pair within the
+// rotated dimensions, then stored to q or to the caches at the row's position
+fn rope_put(t: u32, col: u32, y0: f32, y1: f32) {{
+    let pos = step.start + t;
+    let i = col % RHD;
+    var o0 = y0; var o1 = y1;
+    if (col < RQD + RKVD && i < RROT) {{
+        let c = COS_ld(pos * (RROT / 2u) + i / 2u); let s = SIN_ld(pos * (RROT / 2u) + i / 2u);
+        o0 = y0 * c - y1 * s; o1 = y0 * s + y1 * c;
+    }}
+    let d0 = rope_row(col); let d1 = rope_row(col + 1u);
+    if (col < RQD) {{
+        Y_st(t * RQD + d0, o0); Y_st(t * RQD + d1, o1);
+    }} else if (col < RQD + RKVD) {{
+        KC_st(pos * RKVD + d0 - RQD, o0); KC_st(pos * RKVD + d1 - RQD, o1);
+    }} else {{
+        VC_st(pos * RKVD + d0 - RQD - RKVD, o0); VC_st(pos * RKVD + d1 - RQD - RKVD, o1);
+    }}
+}}"""
+
+
 @dataclass(frozen=True)
 class RopeSegment:
     """heads [h0, h0 + n) of the grid read n heads from X at column c0 and write them to `dst`
