@@ -24,6 +24,11 @@ GEMV_DEFAULT = {
     "Q8_0": dict(BLOCK_N=2, BLOCK_K=1024, num_warps=1),
     "Q4_0": dict(BLOCK_N=8, BLOCK_K=1024, num_warps=1),
     "Q4_1": dict(BLOCK_N=8, BLOCK_K=1024, num_warps=1),
+    # Q6 (Q6_K) and Q6M (Q5_K, Q5_1, mixed stacks): not measured, Q4_0's tiles. A block is 24 + 4
+    # (Q6M: + 4) bytes in three arrays instead of Q4_0's 16 + 2 in two, and the float loop does about
+    # 3.6 instructions per weight (Q4: 3); if BLOCK_N=8 spills or stalls, the tuner's smaller tiles win.
+    "Q6": dict(BLOCK_N=8, BLOCK_K=1024, num_warps=1),
+    "Q6M": dict(BLOCK_N=8, BLOCK_K=1024, num_warps=1),
 }
 # Float-activation Q4 GEMV runs on small matrices (below the backend's int8 threshold) and on the
 # output projection; the best tile differs by size (H200, whole decode step): SmolLM2-135M Q4_0
@@ -34,10 +39,15 @@ LARGE_GEMV_ELEMENTS = 4 << 20
 GEMV_SMALL_DEFAULT = {
     "Q4_0": dict(BLOCK_N=2, BLOCK_K=512, num_warps=1),
     "Q4_1": dict(BLOCK_N=2, BLOCK_K=512, num_warps=1),  # not measured: Q4_0's layout plus one array
+    "Q6": dict(BLOCK_N=2, BLOCK_K=512, num_warps=1),  # not measured: Q4_0's
+    "Q6M": dict(BLOCK_N=2, BLOCK_K=512, num_warps=1),
 }
 GEMV_LARGE_DEFAULT = {
     "Q4_0": dict(BLOCK_N=16, BLOCK_K=4096, num_warps=4),
     "Q4_1": dict(BLOCK_N=16, BLOCK_K=4096, num_warps=4),
+    # not measured: Q4_0's; the 8B Q4_K_M output projection (128256 x 4096, Q6_K) runs here
+    "Q6": dict(BLOCK_N=16, BLOCK_K=4096, num_warps=4),
+    "Q6M": dict(BLOCK_N=16, BLOCK_K=4096, num_warps=4),
 }
 
 # The fused gate/up kernel (two weight matrices per program) wants its own tile: in a whole F16
@@ -53,6 +63,8 @@ GEMV_I8_DEFAULT = {
     "Q8_0": dict(BLOCK_N=2, BLOCK_K=1024, num_warps=1),
     "Q4_0": dict(BLOCK_N=2, BLOCK_K=2048, num_warps=1),
     "Q4_1": dict(BLOCK_N=2, BLOCK_K=2048, num_warps=1),  # not tuned: Q4_0's layout plus one array
+    "Q6": dict(BLOCK_N=2, BLOCK_K=2048, num_warps=1),  # not tuned: Q4_0's
+    "Q6M": dict(BLOCK_N=2, BLOCK_K=2048, num_warps=1),
 }
 
 
