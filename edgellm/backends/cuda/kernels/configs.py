@@ -45,9 +45,11 @@ GEMV_SMALL_DEFAULT = {
 GEMV_LARGE_DEFAULT = {
     "Q4_0": dict(BLOCK_N=16, BLOCK_K=4096, num_warps=4),
     "Q4_1": dict(BLOCK_N=16, BLOCK_K=4096, num_warps=4),
-    # not measured: Q4_0's; the 8B Q4_K_M output projection (128256 x 4096, Q6_K) runs here
-    "Q6": dict(BLOCK_N=16, BLOCK_K=4096, num_warps=4),
-    "Q6M": dict(BLOCK_N=16, BLOCK_K=4096, num_warps=4),
+    # not measured; the 8B Q4_K_M output projection (128256 x 4096, Q6_K) runs here. Q4_0's
+    # BLOCK_N=16 spills registers with 6-bit codes (compile_check: 255 registers, ~140 spill
+    # stores); 8 rows take 127 (Q6M 167) and none
+    "Q6": dict(BLOCK_N=8, BLOCK_K=4096, num_warps=4),
+    "Q6M": dict(BLOCK_N=8, BLOCK_K=4096, num_warps=4),
 }
 
 # The fused gate/up kernel (two weight matrices per program) wants its own tile: in a whole F16
@@ -55,6 +57,9 @@ GEMV_LARGE_DEFAULT = {
 # with this one; 1B: 891.2 vs 988.7).
 GEMV_GLU_DEFAULT: dict[str, dict] = {
     "F16": dict(BLOCK_N=4, BLOCK_K=512, num_warps=1),
+    # not measured: the plain tile's BLOCK_N=8 spills with two 6-bit weights (compile_check), 4 does not
+    "Q6": dict(BLOCK_N=4, BLOCK_K=1024, num_warps=1),
+    "Q6M": dict(BLOCK_N=4, BLOCK_K=1024, num_warps=1),
 }
 
 # int8 activations (x quantized per 32-block, dp4a): about 1 instruction per weight instead of ~4
@@ -108,7 +113,9 @@ def gemv_tune_candidates(fmt: str, act_int8: bool = False, glu: bool = False) ->
                 out.append(dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w))
         return out
     tiles = ((1024, 1), (2048, 1), (2048, 2), (4096, 4)) if act_int8 else ((512, 1), (1024, 1), (2048, 2), (4096, 4))
-    for bn in (2, 4, 8, 16):
+    # 16 rows of 6-bit codes spill registers on the float path (compile_check)
+    row_tiles = (2, 4, 8) if fmt in ("Q6", "Q6M") and not act_int8 else (2, 4, 8, 16)
+    for bn in row_tiles:
         for bk, w in tiles:
             out.append(dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w))
     return out

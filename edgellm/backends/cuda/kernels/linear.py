@@ -117,6 +117,14 @@ def _q4_part(q_ptr, d_ptr, m_ptr, rows64, rmask, kb, kmask, xrow, xsum, stride_q
 
 
 @jit
+def _ld_pair(ptr, mask2, MASKED: tl.constexpr):
+    """Two adjacent fp16 values at ptr [blocks, rows] (a block's per-16 scales or minimums): one
+    4-byte load, as float32."""
+    v = _ld(ptr[:, :, None] + tl.arange(0, 2)[None, None, :], mask2[:, :, None], MASKED, True).to(tl.float32)
+    return tl.split(v)
+
+
+@jit
 def _q6_words(q_ptr, rows64, kb, mask2, stride_q, n_blocks, MASKED: tl.constexpr, CLEAN: tl.constexpr):
     """A Q6/Q6M block's codes as two tiles of 32-bit words [blocks, rows, 4]: byte i of word w of
     the first holds (bits 0..5) the code of element 4w + i, of the second element 16 + 4w + i.
@@ -125,9 +133,11 @@ def _q6_words(q_ptr, rows64, kb, mask2, stride_q, n_blocks, MASKED: tl.constexpr
     m3 = mask2[:, :, None]
     row = q_ptr + rows64[None, :, None] * stride_q
     q = _ld(row + kb[:, None, None] * 4 + w[None, None, :], m3, MASKED, True)  # nibbles, as Q4_0
-    hp = row + n_blocks * 4 + kb[:, None, None] * 2  # the two words of top bits, after the row's nibbles
-    h0 = _ld(hp, m3, MASKED, True)  # [blocks, rows, 1]: elements 0..15
-    h1 = _ld(hp + 1, m3, MASKED, True)  # elements 16..31
+    # the two words of top bits (elements 0..15, 16..31), after the row's nibbles: one 8-byte load
+    hh = _ld(row + n_blocks * 4 + kb[:, None, None] * 2 + tl.arange(0, 2)[None, None, :], m3, MASKED, True)
+    h0, h1 = tl.split(hh)
+    h0 = h0[:, :, None]
+    h1 = h1[:, :, None]
     # bits 2w, 2w + 1 of every byte -> bits 4, 5 (w = 0: << 4, 1: << 2, 2: as is, 3: >> 2)
     lsh = tl.maximum(4 - 2 * w, 0)[None, None, :]
     rsh = tl.maximum(2 * w - 4, 0)[None, None, :]
@@ -166,14 +176,11 @@ def _q6_part(q_ptr, d_ptr, m_ptr, rows64, rmask, kb, kmask, xrow, xs_lo, xs_hi, 
         acc_hi += fb * _ld(xp + 16, kmask[:, None], MASKED).to(tl.float32)[:, None, :]
     s_lo = tl.sum(acc_lo, axis=2)
     s_hi = tl.sum(acc_hi, axis=2)
-    dp = d_ptr + rows64[None, :] * stride_d + kb[:, None] * 2
-    d_lo = _ld(dp, mask2, MASKED, True).to(tl.float32)
-    d_hi = _ld(dp + 1, mask2, MASKED, True).to(tl.float32)
+    d_lo, d_hi = _ld_pair(d_ptr + rows64[None, :] * stride_d + kb[:, None] * 2, mask2, MASKED)
     r = (64.0 * d_lo) * (s_lo - 1.5 * xs_lo[:, None]) + (64.0 * d_hi) * (s_hi - 1.5 * xs_hi[:, None])
     if HAS_MIN:
-        mp = m_ptr + rows64[None, :] * stride_d + kb[:, None] * 2
-        r += _ld(mp, mask2, MASKED, True).to(tl.float32) * xs_lo[:, None] \
-            + _ld(mp + 1, mask2, MASKED, True).to(tl.float32) * xs_hi[:, None]
+        m_lo, m_hi = _ld_pair(m_ptr + rows64[None, :] * stride_d + kb[:, None] * 2, mask2, MASKED)
+        r += m_lo * xs_lo[:, None] + m_hi * xs_hi[:, None]
     return r
 
 
@@ -396,14 +403,11 @@ def _q6_part_i8(q_ptr, d_ptr, m_ptr, rows64, rmask, kb, kmask, xlo, xhi, xdb, is
     a, b = _q6_words(q_ptr, rows64, kb, mask2, stride_q, n_blocks, MASKED, True)
     dot_lo = tl.sum(dp4a(a, xlo[:, None, :], USE_ASM), axis=2) - 32 * isum_lo[:, None]
     dot_hi = tl.sum(dp4a(b, xhi[:, None, :], USE_ASM), axis=2) - 32 * isum_hi[:, None]
-    dp = d_ptr + rows64[None, :] * stride_d + kb[:, None] * 2
-    d_lo = _ld(dp, mask2, MASKED, True).to(tl.float32)
-    d_hi = _ld(dp + 1, mask2, MASKED, True).to(tl.float32)
+    d_lo, d_hi = _ld_pair(d_ptr + rows64[None, :] * stride_d + kb[:, None] * 2, mask2, MASKED)
     r = d_lo * dot_lo.to(tl.float32) + d_hi * dot_hi.to(tl.float32)
     if HAS_MIN:
-        mp = m_ptr + rows64[None, :] * stride_d + kb[:, None] * 2
-        r += _ld(mp, mask2, MASKED, True).to(tl.float32) * isum_lo[:, None].to(tl.float32) \
-            + _ld(mp + 1, mask2, MASKED, True).to(tl.float32) * isum_hi[:, None].to(tl.float32)
+        m_lo, m_hi = _ld_pair(m_ptr + rows64[None, :] * stride_d + kb[:, None] * 2, mask2, MASKED)
+        r += m_lo * isum_lo[:, None].to(tl.float32) + m_hi * isum_hi[:, None].to(tl.float32)
     return r * xdb[:, None]
 
 
