@@ -61,7 +61,10 @@ def check(out: torch.Tensor, ref: np.ndarray, tol: float, what: str = ""):
 
 
 def make_weight(rng, fmt, n_out, n_in):
-    """(PackedWeight on DEV, float64 reference matrix from gguf-py's dequantizer)."""
+    """(PackedWeight on DEV, float64 reference matrix from gguf-py's dequantizer; for the six-bit
+    layouts Q6 and Q6M, from codes and scales drawn here, see make_q6)."""
+    if fmt in ("Q6", "Q6M"):
+        return make_q6(rng, n_out, n_in, fmt == "Q6M")
     w = rng.standard_normal((n_out, n_in)).astype(np.float32)
     if fmt in ("F16", "BF16", "F32"):
         if fmt == "F16":
@@ -142,8 +145,8 @@ def test_pack_float_q8_0_matches_gguf(rng):
 
 
 def test_repack_rejects_bad_input():
-    with pytest.raises(K.UnsupportedFormatError, match="Q6_K"):
-        K.repack(np.zeros((2, 210), np.uint8), "Q6_K", (2, 256))
+    with pytest.raises(K.UnsupportedFormatError, match="Q3_K"):
+        K.repack(np.zeros((2, 110), np.uint8), "Q3_K", (2, 256))
     assert isinstance(K.UnsupportedFormatError("x"), NotImplementedError)
     from edgellm.errors import TensorShapeError
     with pytest.raises(TensorShapeError, match="expected uint8"):
@@ -191,7 +194,8 @@ def test_linear_decode_int8_activations(rng, fmt):
 
 
 @pytest.mark.skipif(not CUDA, reason="every tuner candidate compiles its own kernel: GPU only (minutes in the interpreter)")
-@pytest.mark.parametrize("fmt,int8", [(f, False) for f in ALL_FORMATS] + [(f, True) for f in QFORMATS])
+@pytest.mark.parametrize("fmt,int8", [(f, False) for f in ALL_FORMATS + ["Q6", "Q6M"]]
+                         + [(f, True) for f in QFORMATS + ["Q6", "Q6M"]])
 def test_linear_decode_every_tune_candidate(rng, fmt, int8):
     """The backend's tuner may launch any of configs.gemv_tune_candidates: each must give the same
     answer on a matrix no tile divides (rows 2 * 3 * 37, 130 blocks of 32 columns), with a bias,
@@ -705,3 +709,187 @@ def test_kernels_compile_for_sm90():
         # columns: case words..., kernel, regs, spill, smem, mix...
         i = next(j for j, tok in enumerate(row) if tok.startswith("_"))
         assert row[i + 2] == "0", f"register spill in {' '.join(row[:i + 1])}"
+
+
+# ------------------------------------------------------------------------- six-bit layouts (Q6, Q6M)
+
+def make_q6(rng, n_out, n_in, with_min):
+    """A Q6 / Q6M PackedWeight from codes and scales drawn here, and its float64 matrix computed
+    here from them: (q - 32) * d [+ m], one d (and m) per 16 elements."""
+    from edgellm.backends.cuda.kernels.packing import _pack_q6_codes
+    q = rng.integers(0, 64, (n_out, n_in)).astype(np.uint8)
+    d = (rng.uniform(0.5, 1.5, (n_out, n_in // 16)) * rng.choice([-1, 1], (n_out, n_in // 16)) * 0.03).astype(np.float16)
+    ref = (q.astype(np.float64) - 32).reshape(n_out, -1, 16) * d.astype(np.float64)[:, :, None]
+    m = None
+    if with_min:
+        m = (rng.standard_normal((n_out, n_in // 16)) * 0.5).astype(np.float16)
+        ref = ref + m.astype(np.float64)[:, :, None]
+    pw = K.PackedWeight("Q6M" if with_min else "Q6", (n_out, n_in),
+                        qs=_pack_q6_codes(torch.from_numpy(q)).to(DEV), d=torch.from_numpy(d).to(DEV),
+                        m=None if m is None else torch.from_numpy(m).to(DEV))
+    return pw, ref.reshape(n_out, n_in)
+
+
+_SIX_TSIZE = {"Q6_K": (256, 210), "Q5_K": (256, 176), "Q5_1": (32, 24)}
+
+
+def _random_six_bit_blocks(rng, fmt, n_out, n_in):
+    """Random raw bytes of `fmt` blocks with valid fp16 scales: every magnitude from subnormal to the
+    largest whose products with the 6- or 8-bit integer scales still fit fp16, both signs."""
+    block, tsize = _SIX_TSIZE[fmt]
+    n = n_out * n_in // block
+    raw = rng.integers(0, 256, (n, tsize), dtype=np.uint8)
+    limit = {"Q6_K": 65504 / 128, "Q5_K": 65504 / 63, "Q5_1": 65504}[fmt]
+
+    def f16(count):
+        mag = np.exp(rng.uniform(np.log(6e-8), np.log(limit), count))
+        mag[:4] = [6e-8, 1.0, limit * 0.999, 2 ** -14][:count]  # a subnormal, the largest that fits
+        return (mag * rng.choice([-1, 1], count)).astype(np.float16)
+
+    fields = {"Q6_K": [208], "Q5_K": [0, 2], "Q5_1": [0, 2]}[fmt]
+    for off in fields:
+        raw[:, off:off + 2] = f16(n).reshape(n, 1).view(np.uint8)
+    return raw.reshape(n_out, n_in // block * tsize)
+
+
+@pytest.mark.parametrize("fmt", ["Q6_K", "Q5_K", "Q5_1"])
+def test_repack_six_bit_random_blocks(rng, fmt, monkeypatch):
+    """Q6_K -> Q6, Q5_K and Q5_1 -> Q6M from random raw blocks (every code and 6-bit scale pattern,
+    extreme fp16 scales and minimums) against edgellm.quant's and gguf-py's decoders: equal but for
+    the fp16 rounding of each 16-element scale d * scale (and minimum dmin * min); Q5_1's fields
+    are copied, so it is exact. Repacking in slabs of rows gives the same bytes."""
+    from edgellm.backends.cuda.kernels import packing
+    from edgellm.quant import dequantize as eq_dequantize
+    n_out, n_in = 6, 512
+    raw = _random_six_bit_blocks(rng, fmt, n_out, n_in)
+    ref = eq_dequantize(raw, fmt, (n_out, n_in)).astype(np.float64)
+    np.testing.assert_array_equal(ref, gg_dequantize(raw, GGMLQuantizationType[fmt]).reshape(n_out, n_in))
+    pw = K.repack(raw, fmt, (n_out, n_in), device=DEV)
+    assert pw.fmt == ("Q6" if fmt == "Q6_K" else "Q6M") and pw.source_fmt == fmt
+    assert pw.qs.shape == (n_out, n_in // 32 * 24) and pw.d.shape == (n_out, n_in // 16)
+    assert pw.nbytes * 8 == n_out * n_in * (7 if fmt == "Q6_K" else 8)  # bits per weight
+    got = np64(K.dequantize(pw))
+    if fmt == "Q5_1":
+        np.testing.assert_array_equal(got, ref)
+    else:
+        e = lambda v: 2.0 ** -11 * np.abs(v) + 2.0 ** -25  # largest fp16 rounding error at v
+        d = np64(pw.d)  # per 16: |err| <= |q - 32| e(d) + e(m), plus float32 rounding
+        bound = (32 * e(d) + (e(np64(pw.m)) if pw.m is not None else 0))[:, :, None] * 1.001
+        err = np.abs(got - ref).reshape(n_out, n_in // 16, 16)
+        assert (err <= bound + 2.0 ** -22 * np.abs(ref).reshape(err.shape)).all()
+        assert err.max() > 0  # really rounded
+    monkeypatch.setattr(packing, "_REPACK_SLAB_ELEMENTS", 2 * n_in)  # three slabs of two rows
+    pw2 = K.repack(raw, fmt, (n_out, n_in), device=DEV)
+    for k in pw.tensors:
+        assert torch.equal(pw.tensors[k], pw2.tensors[k]), k
+
+
+def test_repack_six_bit_rejects_scales_beyond_fp16(rng):
+    raw = _random_six_bit_blocks(rng, "Q6_K", 2, 256)
+    raw[1, 208:210] = np.array([60000], np.float16).view(np.uint8)
+    raw[1, 192:208] = 127  # d * scale = 7.6e6
+    with pytest.raises(ValueError, match=r"Q6_K weight \(2, 256\): a scale"):
+        K.repack(raw, "Q6_K", (2, 256), device=DEV)
+
+
+def test_repack_q6_k_from_quantizer_through_gemv(rng):
+    """A Q6_K matrix from edgellm's quantizer (as in a file): the GEMV on its Q6 layout against
+    gguf-py's decode of the file bytes."""
+    from edgellm.quant import quantize as eq_quantize
+    w = rng.standard_normal((24, 256)).astype(np.float32) * rng.uniform(0.01, 3, (24, 1)).astype(np.float32)
+    raw = eq_quantize(w, "Q6_K")
+    ref = gg_dequantize(raw, GGMLQuantizationType.Q6_K).astype(np.float64)
+    pw = K.repack(raw, "Q6_K", (24, 256), device=DEV)
+    x = rand(rng, 1, 256)
+    out = poisoned((1, 24))
+    K.linear(x, pw, out=out, config=dict(BLOCK_N=8, BLOCK_K=128, num_warps=1))
+    check(out, np64(x) @ ref.T, 1e-3, "Q6_K GEMV")
+
+
+@pytest.mark.parametrize("fmt,masked", [("Q6", True), ("Q6", False), ("Q6M", True), ("Q6M", False)])
+def test_linear_decode_six_bit(rng, fmt, masked):
+    """Every decode path on the six-bit layouts: float and int8 activations, 1 and 8 tokens, tiles
+    that overhang the matrix (37 x 160: masked loads) or cover it exactly (40 x 256)."""
+    n_out, n_in = (37, 160) if masked else (40, 256)
+    pw, w = make_q6(rng, n_out, n_in, fmt == "Q6M")
+    bias = rand(rng, n_out, dtype=torch.float32)
+    for T in (1, 8):
+        x = rand(rng, T, n_in)
+        for int8 in (False, True):
+            out = poisoned((T, n_out))
+            K.linear(x, pw, bias=bias, out=out, act_int8=int8, config=GEMV_CFG)
+            xr = _q8_act_ref(np64(x)) if int8 else np64(x)
+            check(out, xr @ w.T + np64(bias), 2e-3, f"{fmt} decode T={T} int8={int8}")
+
+
+@pytest.mark.parametrize("fmt,fused,int8", [("Q6", True, False), ("Q6M", False, True), ("Q6M", True, False),
+                                            ("Q6", False, True)])
+def test_linear_silu_mul_decode_six_bit(rng, fmt, fused, int8):
+    wg, g = make_q6(rng, 21, 96, fmt == "Q6M")
+    wu, u = make_q6(rng, 21, 96, fmt == "Q6M")
+    x = rand(rng, 2, 96)
+    out = poisoned((2, 21))
+    if fused:
+        K.linear_silu_mul(x, K.concat_packed([wg, wu]), out=out, act_int8=int8, config=GEMV_CFG)
+    else:
+        K.linear_silu_mul(x, wg, wu, out=out, act_int8=int8, config=GEMV_CFG)
+    xr = _q8_act_ref(np64(x)) if int8 else np64(x)
+    check(out, _silu(xr @ g.T) * (xr @ u.T), 3e-3, f"{fmt} gate/up decode")
+
+
+@pytest.mark.parametrize("fmt", ["Q6", "Q6M"])
+def test_linear_prefill_six_bit(rng, fmt):
+    """The tensor-core path: the weight tile dequantized to fp16 in registers (rounding each
+    (q - 32) * d and + m to fp16: 2^-11 relative)."""
+    pw, w = make_q6(rng, 37, 160, fmt == "Q6M")
+    x = rand(rng, 19, 160)
+    bias = rand(rng, 37)
+    out = poisoned((19, 37))
+    K.linear(x, pw, bias=bias, out=out, config=GEMM_CFG)
+    check(out, np64(x) @ w.T + np64(bias), 2e-3, f"{fmt} prefill")
+    out = poisoned((9, 37))
+    K.linear(x[:9], pw, out=out, decode_max_tokens=0)  # default tiles
+    check(out, np64(x[:9]) @ w.T, 2e-3, f"{fmt} prefill default config")
+
+
+@pytest.mark.parametrize("fmt", ["Q6", "Q6M"])
+def test_embedding_six_bit(rng, fmt):
+    pw, w = make_q6(rng, 11, 96, fmt == "Q6M")
+    ids = torch.tensor([3, 0, 10, 3, 7], dtype=torch.int32, device=DEV)
+    out = K.embedding(ids, pw, out=poisoned((5, 96), torch.float32))
+    np.testing.assert_allclose(np64(out), w[[3, 0, 10, 3, 7]], rtol=1e-6, atol=0)
+
+
+def test_unify_formats_mixed_stacks(rng):
+    """Stacked parts in different formats take the smallest common layout that holds every part
+    exactly: Q4_K_M's q, k (Q4_K -> Q4_1) with a Q6_K v -> Q6M; Q4_0 with Q5_0 (as Q8_0) -> Q6;
+    Q4_0 with Q4_1 -> Q4_1; a full-range Q8_0 with Q6 -> F16. The stacked GEMV then matches the
+    parts' own matrices."""
+    from edgellm.quant import quantize as eq_quantize
+
+    def kq(fmt, n):
+        w = rng.standard_normal((n, 256)).astype(np.float32) * 0.2
+        return K.repack(eq_quantize(w, fmt), fmt, (n, 256), device=DEV)
+
+    q, k, v = kq("Q4_K", 16), kq("Q4_K", 8), kq("Q6_K", 8)
+    assert (q.fmt, v.fmt) == ("Q4_1", "Q6")
+    cases = [([q, k, v], "Q6M", 8), ([make_weight(rng, "Q4_0", 8, 256)[0], make_weight(rng, "Q5_0", 16, 256)[0]], "Q6", 7),
+             ([make_weight(rng, "Q4_0", 8, 256)[0], make_weight(rng, "Q4_1", 8, 256)[0]], "Q4_1", 5),
+             ([make_weight(rng, "Q8_0", 8, 256)[0], v], "F16", 16)]
+    for parts, want, bits in cases:
+        conv = K.unify_formats(parts)
+        assert [c.fmt for c in conv] == [want] * len(parts)
+        for p, c in zip(parts, conv):
+            a, b = np64(K.dequantize(p)), np64(K.dequantize(c))
+            if want == "F16":
+                np.testing.assert_allclose(b, a, rtol=2.0 ** -11, atol=0)
+            else:
+                np.testing.assert_array_equal(b, a)
+        w = K.concat_packed(conv)
+        assert w.nbytes * 8 == w.out_features * 256 * bits
+        ref = np.concatenate([np64(K.dequantize(p)) for p in parts])
+        x = rand(rng, 2, 256)
+        out = poisoned((2, w.out_features))
+        K.linear(x, w, out=out, config=GEMV_CFG)
+        check(out, np64(x) @ ref.T, 2e-3, f"stack as {want}")
+    assert K.unify_formats([q, k]) == [q, k]  # one format: as they are

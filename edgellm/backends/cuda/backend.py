@@ -2,9 +2,11 @@
 
 - Weights are repacked once at load into the layout each kernel reads (kernels/packing.py):
   F16/BF16/F32 as F16, Q4_0, Q4_1, Q8_0 as themselves, Q5_0 as Q8_0 (exact), Q4_K as Q4_1 (fp16
-  sub-block scales); the formats without a layout of their own (Q5_1, Q5_K, Q6_K) are dequantized
-  and stored as Q8_0.
-  Projections that a fused op reads together (q|k|v, gate|up) are concatenated at load.
+  sub-block scales), Q6_K as Q6 and Q5_K, Q5_1 as Q6M (6-bit codes, fp16 scales per 16); the types
+  without a layout of their own (Q2_K, Q3_K, IQ*) are dequantized and stored as Q8_0.
+  Projections that a fused op reads together (q|k|v, gate|up) are concatenated at load, parts in
+  different formats first converted to a common layout (packing.unify_formats: exact, Q6M for a
+  Q4_K_M file's Q4_K q, k with its Q6_K v).
 - Activations are fp16 views into one arena laid out by the compile step's memory plan; the
   KV cache is fp16, one preallocated tensor per layer and K/V, written in place.
 - Stage-aware: prefill programs take any number of tokens (tensor-core kernels, causal flash
@@ -88,11 +90,11 @@ class CudaWeights:
         if w is None:
             # parts of a stacked weight are not kept: the device holds each weight once
             parts = [self._packed.get((n,)) or self._pack_one(n) for n in names]
-            if len({p.fmt for p in parts}) > 1:
-                # mixed formats (Q4_K_M files: q, k Q4_K, v Q6_K): stack as F16, which holds every
-                # part's values to fp16 rounding (requantizing to Q8_0 put the tiny Q4_K_M-like test
-                # model's decode logits 0.8% off, against 0.5% allowed)
-                parts = [self.K.pack_float(self.K.dequantize(p, torch.float32), "F16") for p in parts]
+            # mixed formats (Q4_K_M files: q, k Q4_K -> Q4_1, v Q6_K -> Q6): one layout that holds
+            # every part exactly (Q6M there, 8 bits per weight; F16 only where none does, e.g. a
+            # Q8_0 part with codes beyond 6 bits). Requantizing to Q8_0 put the tiny Q4_K_M-like
+            # test model's decode logits 0.8% off, against 0.5% allowed.
+            parts = self.K.unify_formats(parts)
             w = parts[0] if len(parts) == 1 else self.K.concat_packed(parts)
             self._packed[names] = w
         return w
@@ -101,10 +103,11 @@ class CudaWeights:
         t = self.file.tensor(name)
         if self.K.can_repack(t.type_name):
             return self.K.repack(np.ascontiguousarray(t.data), t.type_name, t.shape, device=self.device)
-        # no layout of its own (Q5_1, Q5_K, Q6_K): the raw blocks go to the device and are decoded
-        # there (bitwise the reference decode) and packed as Q8_0, a slab of rows at a time. Decoding
-        # on the host with numpy took most of an 8B Q4_K_M file's 10.7 s load (its Q6_K output
-        # matrix alone is 525M weights).
+        # no layout of its own (Q2_K, Q3_K, IQ*; Q6_K, Q5_K, Q5_1 have Q6/Q6M and are repacked above,
+        # on the device): the raw blocks go to the device and are decoded there (bitwise the
+        # reference decode) and packed as Q8_0, a slab of rows at a time, which keeps them within
+        # 8.5 bits per weight (lossy, but under the error of these 2- to 4-bit formats). Decoding on
+        # the host with numpy took most of an 8B Q4_K_M file's 10.7 s load.
         from ...quant import dequantize_torch
 
         raw = torch.from_numpy(np.ascontiguousarray(t.data))

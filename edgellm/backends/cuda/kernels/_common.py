@@ -72,15 +72,23 @@ def dp4a(a, b, USE_ASM: tl.constexpr):
 
 
 @jit
-def or_under_one(moved, USE_ASM: tl.constexpr):
+def or_under_one(moved, USE_ASM: tl.constexpr, SIX: tl.constexpr = False):
     """Elementwise on int32: (moved & 0x00780000) | 0x3F800000, the float 1 + n/16 for the nibble
-    n in bits 19..22. One lop3 with both constants inline; written as two operations, the
+    n in bits 19..22 (SIX: (moved & 0x007E0000) | 0x3F800000, the float 1 + q/64 for the 6-bit q
+    in bits 17..22). One lop3 with both constants inline; written as two operations, the
     compiler emits two logic instructions (SASS takes one immediate per instruction)."""
     if USE_ASM:
-        r = tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x00780000, 0x3F800000, 0xEA;", "=r,r",
-                                      [moved], dtype=tl.int32, is_pure=True, pack=1)
+        if SIX:
+            r = tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x007E0000, 0x3F800000, 0xEA;", "=r,r",
+                                          [moved], dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            r = tl.inline_asm_elementwise("lop3.b32 $0, $1, 0x00780000, 0x3F800000, 0xEA;", "=r,r",
+                                          [moved], dtype=tl.int32, is_pure=True, pack=1)
     else:
-        r = (moved & 0x00780000) | 0x3F800000
+        if SIX:
+            r = (moved & 0x007E0000) | 0x3F800000
+        else:
+            r = (moved & 0x00780000) | 0x3F800000
     return r
 
 

@@ -96,6 +96,10 @@ def _cases():
     def pw(fmt, n, k):
         if fmt == "F16":
             return PackedWeight("F16", (n, k), qs=torch.empty(n, k, dtype=torch.float16))
+        if fmt in ("Q6", "Q6M"):
+            d = torch.empty(n, k // 16, dtype=torch.float16)
+            return PackedWeight(fmt, (n, k), qs=torch.empty(n, k // 32 * 24, dtype=torch.uint8), d=d,
+                                m=d if fmt == "Q6M" else None)
         d = torch.empty(n, k // 32, dtype=torch.float16)
         if fmt == "Q8_0":
             return PackedWeight("Q8_0", (n, k), qs=torch.empty(n, k, dtype=torch.int8), d=d)
@@ -104,7 +108,7 @@ def _cases():
 
     h16 = torch.float16
     x1, x512 = torch.empty(1, 4096, dtype=h16), torch.empty(512, 4096, dtype=h16)
-    for fmt in ("Q4_0", "Q4_1", "Q8_0", "F16"):
+    for fmt in ("Q4_0", "Q4_1", "Q8_0", "F16", "Q6", "Q6M"):
         w = pw(fmt, 4096, 4096)
         yield f"gemv {fmt}", lambda w=w: linear(x1, w)
         if fmt != "F16":
@@ -122,6 +126,8 @@ def _cases():
     for fmt in ("Q4_0", "Q8_0", "F16"):
         yield f"gemv-norm {fmt}", lambda fmt=fmt: norm_tail(fmt, False)
     yield "gemv-norm-int8 Q4_0", lambda: norm_tail("Q4_0", True)
+    # Llama-3.1-8B Q4_K_M's output projection (Q6_K, float path, the large tile)
+    yield "gemv-output Q6", lambda: linear(x1, pw("Q6", 128256, 4096))
     kc = torch.empty(8192, 1024, dtype=h16)
     q = torch.empty(1, 4096, dtype=h16)
     seq = torch.empty(1, dtype=torch.int32)
@@ -144,6 +150,7 @@ def _cases():
     yield "head_rms_norm", lambda: head_rms_norm(torch.empty(1, 6144, dtype=h16)[:, :4096], torch.empty(128), 1e-6)
     yield "softcap", lambda: unary(torch.empty(1, 128256, dtype=h16), "softcap", 30.0)
     yield "embedding", lambda: embedding(torch.empty(1, dtype=torch.int32), pw("Q8_0", 128256, 4096))
+    yield "embedding Q6", lambda: embedding(torch.empty(1, dtype=torch.int32), pw("Q6", 128256, 2048))
     yield "argmax", lambda: argmax(torch.empty(1, 128256, dtype=h16))
     # the batched decode step of 32 sequences (rows program): per-row positions and KV slots
     from . import attention_rows, decode_workspace, kv_store_rows, rope_rows

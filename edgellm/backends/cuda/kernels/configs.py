@@ -27,6 +27,11 @@ GEMV_DEFAULT = {
     "Q8_0": dict(BLOCK_N=2, BLOCK_K=1024, num_warps=1),
     "Q4_0": dict(BLOCK_N=8, BLOCK_K=1024, num_warps=1),
     "Q4_1": dict(BLOCK_N=8, BLOCK_K=1024, num_warps=1),
+    # Q6 (Q6_K) and Q6M (Q5_K, Q5_1, mixed stacks): not measured, Q4_0's tiles. A block is 24 + 4
+    # (Q6M: + 4) bytes in three arrays instead of Q4_0's 16 + 2 in two, and the float loop does about
+    # 3.6 instructions per weight (Q4: 3); if BLOCK_N=8 spills or stalls, the tuner's smaller tiles win.
+    "Q6": dict(BLOCK_N=8, BLOCK_K=1024, num_warps=1),
+    "Q6M": dict(BLOCK_N=8, BLOCK_K=1024, num_warps=1),
 }
 # Float-activation Q4 GEMV runs on small matrices (below the backend's int8 threshold) and on the
 # output projection; the best tile differs by size (H200, whole decode step): SmolLM2-135M Q4_0
@@ -38,10 +43,17 @@ LARGE_GEMV_ELEMENTS = 4 << 20
 GEMV_SMALL_DEFAULT = {
     "Q4_0": dict(BLOCK_N=2, BLOCK_K=512, num_warps=1),
     "Q4_1": dict(BLOCK_N=2, BLOCK_K=512, num_warps=1),  # not measured: Q4_0's layout plus one array
+    "Q6": dict(BLOCK_N=2, BLOCK_K=512, num_warps=1),  # not measured: Q4_0's
+    "Q6M": dict(BLOCK_N=2, BLOCK_K=512, num_warps=1),
 }
 GEMV_LARGE_DEFAULT = {
     "Q4_0": dict(BLOCK_N=16, BLOCK_K=512, num_warps=1),
     "Q4_1": dict(BLOCK_N=16, BLOCK_K=512, num_warps=1),
+    # not measured; the 8B Q4_K_M output projection (128256 x 4096, Q6_K) runs here. Q4_0's
+    # BLOCK_N=16 spills registers with 6-bit codes (compile_check: 255 registers, ~140 spill
+    # stores); 8 rows take 127 (Q6M 167) and none
+    "Q6": dict(BLOCK_N=8, BLOCK_K=4096, num_warps=4),
+    "Q6M": dict(BLOCK_N=8, BLOCK_K=4096, num_warps=4),
 }
 
 # The fused gate/up kernel (two weight matrices per program) wants its own tile: in a whole F16
@@ -49,6 +61,9 @@ GEMV_LARGE_DEFAULT = {
 # BLOCK_N=4/BLOCK_K=512/1 warp); on the H100 the tuner's pick is the plain tile's (above).
 GEMV_GLU_DEFAULT: dict[str, dict] = {
     "F16": dict(BLOCK_N=2, BLOCK_K=1024, num_warps=4),
+    # not measured: the plain tile's BLOCK_N=8 spills with two 6-bit weights (compile_check), 4 does not
+    "Q6": dict(BLOCK_N=4, BLOCK_K=1024, num_warps=1),
+    "Q6M": dict(BLOCK_N=4, BLOCK_K=1024, num_warps=1),
 }
 
 # int8 activations (x quantized per 32-block, dp4a): about 1 instruction per weight instead of ~4
@@ -57,6 +72,8 @@ GEMV_I8_DEFAULT = {
     "Q8_0": dict(BLOCK_N=2, BLOCK_K=2048, num_warps=1),
     "Q4_0": dict(BLOCK_N=2, BLOCK_K=2048, num_warps=1),
     "Q4_1": dict(BLOCK_N=2, BLOCK_K=2048, num_warps=1),  # not tuned: Q4_0's layout plus one array
+    "Q6": dict(BLOCK_N=2, BLOCK_K=2048, num_warps=1),  # not tuned: Q4_0's
+    "Q6M": dict(BLOCK_N=2, BLOCK_K=2048, num_warps=1),
 }
 
 
@@ -98,6 +115,8 @@ def gemv_tune_candidates(fmt: str, act_int8: bool = False, glu: bool = False) ->
         tiles = ((2, 1024, 4), (4, 1024, 4), (8, 1024, 2), (4, 512, 1), (2, 512, 1), (16, 1024, 4))
     elif act_int8:
         tiles = ((2, 1024, 1), (2, 2048, 1), (4, 2048, 1), (4, 1024, 1), (2, 4096, 4), (8, 4096, 4))
+    elif fmt in ("Q6", "Q6M"):  # 16 rows of 6-bit codes spill registers on the float path (compile_check)
+        tiles = ((2, 512, 1), (8, 1024, 1), (8, 4096, 4), (2, 2048, 2), (4, 1024, 1), (4, 512, 1))
     else:
         tiles = ((2, 512, 1), (8, 1024, 1), (16, 512, 1), (2, 2048, 2), (4, 1024, 1), (16, 4096, 4))
     return [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w) for bn, bk, w in tiles]

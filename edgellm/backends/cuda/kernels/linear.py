@@ -20,6 +20,15 @@ Prefill computes out^T = W @ x^T with tl.dot so that the dequantized weight tile
 the MMA's left operand and the tokens are its N side (which may be as small as 16). Q4 weights are
 split into their low- and high-nibble halves, each multiplied with the matching rows of x^T, so no
 nibble interleaving is needed.
+
+The six-bit layouts (Q6, Q6M; packing.py) follow Q4's structure: a block's nibble words are read
+as Q4's, its two words of top bits beside them (one 8-byte load), and one shift and one masked
+merge per word rebuild four 6-bit codes, one per byte (`_q6_words`). The float path moves each
+code under the exponent of 1.0 (1 + q/64, Q4's trick with a 6-bit field), the int8 path feeds the
+bytes to dp4a; both keep a sum per 16-element half, since each half has its own scale (and
+minimum), and fold the offset 32 into per-half sums of x. Prefill dequantizes to fp16 as Q4 does
+(1024 + q, exact, minus 1056). compile_check: about 5 instructions per weight on the float path
+(Q4: 3.6) and 2.1 on the int8 path (Q4: 1.2), i.e. per byte read about what Q4 costs.
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ from .norm import NormTail, norm_tail_epilogue
 from .packing import PackedWeight
 from .rope import RopeStore, rope_cos_sin
 
-_FMT_CODE = {"F16": 0, "Q4_0": 1, "Q4_1": 2, "Q8_0": 3}
+_FMT_CODE = {"F16": 0, "Q4_0": 1, "Q4_1": 2, "Q8_0": 3, "Q6": 4, "Q6M": 5}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,6 +126,74 @@ def _q4_part(q_ptr, d_ptr, m_ptr, rows64, rmask, kb, kmask, xrow, xsum, stride_q
 
 
 @jit
+def _ld_pair(ptr, mask2, MASKED: tl.constexpr):
+    """Two adjacent fp16 values at ptr [blocks, rows] (a block's per-16 scales or minimums): one
+    4-byte load, as float32."""
+    v = _ld(ptr[:, :, None] + tl.arange(0, 2)[None, None, :], mask2[:, :, None], MASKED, True).to(tl.float32)
+    return tl.split(v)
+
+
+@jit
+def _q6_words(q_ptr, rows64, kb, mask2, stride_q, n_blocks, MASKED: tl.constexpr, CLEAN: tl.constexpr):
+    """A Q6/Q6M block's codes as two tiles of 32-bit words [blocks, rows, 4]: byte i of word w of
+    the first holds (bits 0..5) the code of element 4w + i, of the second element 16 + 4w + i.
+    CLEAN zeroes bits 6..7 of every byte (dp4a needs whole bytes; the float path masks anyway)."""
+    w = tl.arange(0, 4)
+    m3 = mask2[:, :, None]
+    row = q_ptr + rows64[None, :, None] * stride_q
+    q = _ld(row + kb[:, None, None] * 4 + w[None, None, :], m3, MASKED, True)  # nibbles, as Q4_0
+    # the two words of top bits (elements 0..15, 16..31), after the row's nibbles: one 8-byte load
+    hh = _ld(row + n_blocks * 4 + kb[:, None, None] * 2 + tl.arange(0, 2)[None, None, :], m3, MASKED, True)
+    h0, h1 = tl.split(hh)
+    h0 = h0[:, :, None]
+    h1 = h1[:, :, None]
+    # bits 2w, 2w + 1 of every byte -> bits 4, 5 (w = 0: << 4, 1: << 2, 2: as is, 3: >> 2)
+    lsh = tl.maximum(4 - 2 * w, 0)[None, None, :]
+    rsh = tl.maximum(2 * w - 4, 0)[None, None, :]
+    t0 = (h0 << lsh) >> rsh
+    t1 = (h1 << lsh) >> rsh
+    if CLEAN:
+        a = (q & 0x0F0F0F0F) | (t0 & 0x30303030)
+        b = ((q >> 4) & 0x0F0F0F0F) | (t1 & 0x30303030)
+    else:  # one lop3 each: bits 4..7 from the top-bit word, 6..7 of them garbage
+        a = (q & 0x0F0F0F0F) | (t0 & -252645136)  # 0xF0F0F0F0 as int32
+        b = ((q >> 4) & 0x0F0F0F0F) | (t1 & -252645136)
+    return a, b
+
+
+@jit
+def _q6_part(q_ptr, d_ptr, m_ptr, rows64, rmask, kb, kmask, xrow, xs_lo, xs_hi, stride_q, stride_d, n_blocks,
+             HAS_MIN: tl.constexpr, MASKED: tl.constexpr, USE_ASM: tl.constexpr):
+    # the Q4 float trick with 6-bit codes: code q of byte i moved under the exponent of 1.0 gives the
+    # float 1 + q/64 (one shift, one lop3); per half, sum((q - 32) x) = 64 (sum((1 + q/64) x) - 1.5 sum(x))
+    mask2 = kmask[:, None] & rmask[None, :]
+    a, b = _q6_words(q_ptr, rows64, kb, mask2, stride_q, n_blocks, MASKED, False)
+    w = tl.arange(0, 4)
+    acc_lo = tl.zeros_like(a).to(tl.float32)
+    acc_hi = tl.zeros_like(a).to(tl.float32)
+    for i in tl.static_range(4):  # byte i of every word: bits 8i..8i+5 -> mantissa bits 17..22
+        if i < 3:
+            ma = a << (17 - 8 * i)
+            mb = b << (17 - 8 * i)
+        else:
+            ma = a >> 7
+            mb = b >> 7
+        fa = or_under_one(ma, USE_ASM, True).to(tl.float32, bitcast=True)
+        fb = or_under_one(mb, USE_ASM, True).to(tl.float32, bitcast=True)
+        xp = xrow + kb[:, None] * 32 + i + 4 * w[None, :]  # element 4w + i (x reads hit L1)
+        acc_lo += fa * _ld(xp, kmask[:, None], MASKED).to(tl.float32)[:, None, :]
+        acc_hi += fb * _ld(xp + 16, kmask[:, None], MASKED).to(tl.float32)[:, None, :]
+    s_lo = tl.sum(acc_lo, axis=2)
+    s_hi = tl.sum(acc_hi, axis=2)
+    d_lo, d_hi = _ld_pair(d_ptr + rows64[None, :] * stride_d + kb[:, None] * 2, mask2, MASKED)
+    r = (64.0 * d_lo) * (s_lo - 1.5 * xs_lo[:, None]) + (64.0 * d_hi) * (s_hi - 1.5 * xs_hi[:, None])
+    if HAS_MIN:
+        m_lo, m_hi = _ld_pair(m_ptr + rows64[None, :] * stride_d + kb[:, None] * 2, mask2, MASKED)
+        r += m_lo * xs_lo[:, None] + m_hi * xs_hi[:, None]
+    return r
+
+
+@jit
 def _gemv_kernel(x_ptr, stride_xm,
                  a_q, a_d, a_m, b_q, b_d, b_m,
                  bias_ptr, out_ptr, stride_om,
@@ -159,6 +236,17 @@ def _gemv_kernel(x_ptr, stride_xm,
             acc_a += _q8_part(a_q, a_d, rows64, rmask, kb, kmask, x, stride_q, stride_d, MASKED)
             if GLU:
                 acc_b += _q8_part(b_q, b_d, rows64, rmask, kb, kmask, x, stride_q, stride_d, MASKED)
+        elif FMT >= 4:
+            kb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+            kmask = kb < n_blocks
+            xo = kb[:, None] * 32 + tl.arange(0, 16)[None, :]
+            xs_lo = tl.sum(_ld(xrow + xo, kmask[:, None], MASKED).to(tl.float32), axis=1)
+            xs_hi = tl.sum(_ld(xrow + xo + 16, kmask[:, None], MASKED).to(tl.float32), axis=1)
+            acc_a += _q6_part(a_q, a_d, a_m, rows64, rmask, kb, kmask, xrow, xs_lo, xs_hi, stride_q, stride_d,
+                              n_blocks, FMT == 5, MASKED, USE_ASM)
+            if GLU:
+                acc_b += _q6_part(b_q, b_d, b_m, rows64, rmask, kb, kmask, xrow, xs_lo, xs_hi, stride_q, stride_d,
+                                  n_blocks, FMT == 5, MASKED, USE_ASM)
         else:
             kb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
             kmask = kb < n_blocks
@@ -317,6 +405,22 @@ def _q4_part_i8(q_ptr, d_ptr, m_ptr, rows64, rmask, kb, kmask, xlo, xhi, xdb, xs
 
 
 @jit
+def _q6_part_i8(q_ptr, d_ptr, m_ptr, rows64, rmask, kb, kmask, xlo, xhi, xdb, isum_lo, isum_hi, stride_q, stride_d,
+                n_blocks, HAS_MIN: tl.constexpr, USE_ASM: tl.constexpr, MASKED: tl.constexpr):
+    # per half (16 elements, one scale): s * xd * (sum(q * xq) - 32 sum(xq)), integer inside the half
+    mask2 = kmask[:, None] & rmask[None, :]
+    a, b = _q6_words(q_ptr, rows64, kb, mask2, stride_q, n_blocks, MASKED, True)
+    dot_lo = tl.sum(dp4a(a, xlo[:, None, :], USE_ASM), axis=2) - 32 * isum_lo[:, None]
+    dot_hi = tl.sum(dp4a(b, xhi[:, None, :], USE_ASM), axis=2) - 32 * isum_hi[:, None]
+    d_lo, d_hi = _ld_pair(d_ptr + rows64[None, :] * stride_d + kb[:, None] * 2, mask2, MASKED)
+    r = d_lo * dot_lo.to(tl.float32) + d_hi * dot_hi.to(tl.float32)
+    if HAS_MIN:
+        m_lo, m_hi = _ld_pair(m_ptr + rows64[None, :] * stride_d + kb[:, None] * 2, mask2, MASKED)
+        r += m_lo * isum_lo[:, None].to(tl.float32) + m_hi * isum_hi[:, None].to(tl.float32)
+    return r * xdb[:, None]
+
+
+@jit
 def _gemv_i8_kernel(xq_ptr, xd_ptr, xs_ptr,
                     a_q, a_d, a_m, b_q, b_d, b_m,
                     bias_ptr, out_ptr, stride_om,
@@ -350,6 +454,18 @@ def _gemv_i8_kernel(xq_ptr, xd_ptr, xs_ptr,
             acc_a += _q8_part_i8(a_q, a_d, rows64, rmask, kb, kmask, xw, xdb, stride_q, stride_d, USE_ASM, MASKED)
             if GLU:
                 acc_b += _q8_part_i8(b_q, b_d, rows64, rmask, kb, kmask, xw, xdb, stride_q, stride_d, USE_ASM, MASKED)
+        elif FMT >= 4:
+            xp = xrow + kb[:, None] * 8 + tl.arange(0, 4)[None, :]
+            xlo = _ld(xp, kmask[:, None], MASKED)
+            xhi = _ld(xp + 4, kmask[:, None], MASKED)
+            ones = tl.full([BLOCK_K // 32, 4], 0x01010101, tl.int32)
+            isum_lo = tl.sum(dp4a(xlo, ones, USE_ASM), axis=1)  # per-half sums of the int8 codes of x
+            isum_hi = tl.sum(dp4a(xhi, ones, USE_ASM), axis=1)
+            acc_a += _q6_part_i8(a_q, a_d, a_m, rows64, rmask, kb, kmask, xlo, xhi, xdb, isum_lo, isum_hi, stride_q,
+                                 stride_d, n_blocks, FMT == 5, USE_ASM, MASKED)
+            if GLU:
+                acc_b += _q6_part_i8(b_q, b_d, b_m, rows64, rmask, kb, kmask, xlo, xhi, xdb, isum_lo, isum_hi,
+                                     stride_q, stride_d, n_blocks, FMT == 5, USE_ASM, MASKED)
         else:
             xsb = _ld(xs_ptr + srow + kb, kmask, MASKED)
             xp = xrow + kb[:, None] * 8 + tl.arange(0, 4)[None, :]
@@ -412,6 +528,37 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
                 km = k < K
                 xt = tl.load(xcol + k[:, None], mask=km[:, None] & mmask[None, :], other=0.0)
                 acc = tl.dot(w, xt.to(tl.float16), acc)
+            elif FMT >= 4:
+                # Q6/Q6M: the nibbles as Q4, each element's top two bits from its half's byte
+                # 4h + (j % 4), bits 2 (j // 4) (see packing.py); per-16 scales d[2b], d[2b + 1]
+                j = tl.arange(0, 16)
+                rowp = w_q + rn64[:, None, None] * stride_q
+                q = tl.load(rowp + kb[None, :, None] * 16 + j[None, None, :], mask=wm[:, :, None], other=0)
+                hp = rowp + n_blocks * 16 + kb[None, :, None] * 8 + (j % 4)[None, None, :]
+                sh = (2 * (j // 4)).to(tl.uint8)[None, None, :]
+                t_lo = (tl.load(hp, mask=wm[:, :, None], other=0) >> sh) & 3
+                t_hi = (tl.load(hp + 4, mask=wm[:, :, None], other=0) >> sh) & 3
+                # code -> fp16 as for Q4: 0x6400 | q is 1024 + q, and 1024 + q - 1056 is q - 32 exactly
+                lo = (((q & 15) | (t_lo << 4)).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+                hi = (((q >> 4) | (t_hi << 4)).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+                dp = w_d + rn64[:, None] * stride_d + kb[None, :] * 2
+                d_lo = tl.load(dp, mask=wm, other=0.0).to(tl.float16)[:, :, None]
+                d_hi = tl.load(dp + 1, mask=wm, other=0.0).to(tl.float16)[:, :, None]
+                lo = (lo - 1056.0) * d_lo
+                hi = (hi - 1056.0) * d_hi
+                if FMT == 5:
+                    mp = w_m + rn64[:, None] * stride_d + kb[None, :] * 2
+                    lo = lo + tl.load(mp, mask=wm, other=0.0).to(tl.float16)[:, :, None]
+                    hi = hi + tl.load(mp + 1, mask=wm, other=0.0).to(tl.float16)[:, :, None]
+                lo = tl.reshape(lo, [BLOCK_N, BLOCK_K // 2])
+                hi = tl.reshape(hi, [BLOCK_N, BLOCK_K // 2])
+                c = tl.arange(0, BLOCK_K // 2)
+                klo = k0 + (c // 16) * 32 + c % 16
+                xm = (klo < K)[:, None] & mmask[None, :]
+                xlo = tl.load(xcol + klo[:, None], mask=xm, other=0.0).to(tl.float16)
+                xhi = tl.load(xcol + (klo + 16)[:, None], mask=xm, other=0.0).to(tl.float16)
+                acc = tl.dot(lo, xlo, acc)
+                acc = tl.dot(hi, xhi, acc)
             else:
                 j = tl.arange(0, 16)
                 q = tl.load(w_q + rn64[:, None, None] * stride_q + kb[None, :, None] * 16 + j[None, None, :],
@@ -524,7 +671,7 @@ def _launch_gemv(x, wa, wb, b_offset, bias, out, glu, act_int8, xq, config, rope
                               BLOCK_N=bn, BLOCK_K=bk, USE_ASM=USE_DP4A, MASKED=masked, num_warps=cfg["num_warps"], **rope_ce, **norm_ce,
                               **pdl())
         return
-    words = fmt in ("Q4_0", "Q4_1")
+    words = fmt in ("Q4_0", "Q4_1", "Q6", "Q6M")
     a = _weight_args(wa, out, 0, int_words=words)
     b = _weight_args(wb, out, b_offset, int_words=words) if glu else a
     stride_q = a[0].stride(0)
@@ -559,7 +706,7 @@ def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, o
     """out[M, N] = x[M, K] @ W.T (+ bias), for W packed by `repack`.
 
     M <= decode_max_tokens: matrix-vector kernel (act_int8: x quantized to int8 per 32-block and
-    integer dot products, for Q4_0/Q4_1/Q8_0; xq may pass x already quantized). Otherwise the
+    integer dot products, for every quantized layout; xq may pass x already quantized). Otherwise the
     tensor-core kernel. config overrides block sizes (see configs.py). Output dtype: out's, or x's.
 
     rope: W is a fused q|k|v projection and the result goes through rope_qkv_cache as `rope`

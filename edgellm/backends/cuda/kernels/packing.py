@@ -14,7 +14,28 @@ Two GGML types are converted into these layouts rather than given their own:
   Q5_0 -> Q8_0 exactly (q - 16 fits in int8, same fp16 scale per 32);
   Q4_K -> Q4_1: each 32-element sub-block gets d = super-block d * 6-bit scale and m = -dmin * 6-bit
   min, rounded to fp16 (relative error <= 2^-11 of each value; 5 bits per weight instead of 4.5).
-Other K-quants (Q5_K, Q6_K) and Q5_1 have no exact layout here: see `pack_float`.
+Six-bit codes (Q6_K, Q5_K, Q5_1, and stacks of parts in different formats):
+  Q6    qs uint8 [out, nb * 24]   d fp16 [out, 2 * nb]               value = (q - 32) * d
+  Q6M   qs uint8 [out, nb * 24]   d fp16 [out, 2 * nb]  m fp16 [out, 2 * nb]   value = (q - 32) * d + m
+  with q in 0..63 and one scale (and minimum) per 16 elements: d[2b] for elements 0..15 of block b,
+  d[2b + 1] for elements 16..31. A row of qs is the blocks' low four bits (nb * 16 bytes, byte j of a
+  block: element j low nibble, element j + 16 high nibble, as in Q4_0), then their top two bits
+  (nb * 8 bytes): byte 4h + i of a block holds, at bits 2w and 2w + 1, bits 4..5 of element
+  16h + 4w + i (h: which half, w = 0..3). So 32-bit word w of a block's nibbles (elements 4w..4w+3 and
+  16+4w..16+4w+3, one per byte) meets the top bits of the same elements in bits 2w, 2w+1 of every
+  byte of the block's two high-bit words: one shift and one masked merge per word rebuild four
+  whole 6-bit codes, one per byte (ready for dp4a, or for the exponent trick of the float path).
+  Why this layout: Q6_K's 16-element sub-blocks need a scale per 16 (d * scale, rounded to fp16 as
+  Q4_K -> Q4_1 rounds; the two per-16 scales line up with a block's low and high nibble halves), and
+  the 4-bit part keeps Q4_0's arrangement, so the decode and prefill kernels reuse Q4's structure.
+  Q6 is 7 bits per weight (Q6_K: 6.5625; the old Q8_0 requantization: 8.5, lossy), Q6M 8.
+  Conversions (exact but for that fp16 rounding of d * scale and dmin * min):
+    Q6_K -> Q6   q as stored, d = d * scale per 16
+    Q5_K -> Q6M  q + 32, d = d * scale and m = -dmin * min of the 32-element sub-block, twice
+    Q5_1 -> Q6M  q + 32, d and m of the block, twice (exact: the fields are copied)
+  and, in stacks (`unify_formats`), packed Q4_0 -> Q6 (q + 24), Q4_1 -> Q6M (q + 32), Q8_0 -> Q6 when
+  every code is in -32..31 (Q5_0's are), Q6 -> Q6M (m = 0): all exact copies of the fp16 fields.
+Other types (Q2_K, Q3_K, IQ*) have no layout here: see `pack_float`.
 In the 4-bit layouts, byte j (0..15) of a block holds element j in its low nibble and element
 j + 16 in its high nibble, exactly as in GGML: a block's 16 bytes give its first half from the
 low nibbles and its second half from the high nibbles, so both halves pair with contiguous runs
@@ -33,9 +54,12 @@ from ....errors import TensorShapeError
 
 # GGML type name -> (block elements, bytes per block)
 _BLOCK = {"F16": (1, 2), "BF16": (1, 2), "F32": (1, 4), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34),
-          "Q5_0": (32, 22), "Q4_K": (256, 144)}
+          "Q5_0": (32, 22), "Q4_K": (256, 144), "Q5_1": (32, 24), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 SUPPORTED_FORMATS = frozenset(_BLOCK)
-PACKED_FORMATS = ("F16", "Q4_0", "Q4_1", "Q8_0")  # what PackedWeight.fmt can be after repacking
+PACKED_FORMATS = ("F16", "Q4_0", "Q4_1", "Q8_0", "Q6", "Q6M")  # what PackedWeight.fmt can be after repacking
+_SIX_BIT = ("Q6_K", "Q5_K", "Q5_1")  # GGML types repacked into Q6 / Q6M
+# six-bit repacking decodes a slab of this many weights at a time (a few bytes of temporaries each)
+_REPACK_SLAB_ELEMENTS = 16 << 20
 _FP16_MAX = 65504.0
 
 
@@ -150,6 +174,8 @@ def repack(raw, fmt: str, shape, device=None) -> PackedWeight:
                                f"expected uint8 {(n_out, row_bytes)}")
     if fmt == "Q4_K":
         return _repack_q4_k(raw, n_out, n_in)
+    if fmt in _SIX_BIT:
+        return _repack_six_bit(raw, fmt, n_out, n_in)
     nb = n_in // 32
     blocks = raw.contiguous().reshape(n_out, nb, tsize)
 
@@ -199,11 +225,154 @@ def _repack_q4_k(raw: torch.Tensor, n_out: int, n_in: int) -> PackedWeight:
                         d=sub_d.reshape(n_out, nb).half(), m=sub_m.reshape(n_out, nb).half(), source_fmt="Q4_K")
 
 
+def _checked_f16(v: torch.Tensor, what: str) -> torch.Tensor:
+    big = v.abs().max().item() if v.numel() else 0.0
+    if not np.isfinite(big) or big > _FP16_MAX:
+        raise ValueError(f"{what} of {big} does not fit in fp16 (max {_FP16_MAX})")
+    return v.half()
+
+
+def _six_bit_codes(blocks: torch.Tensor, fmt: str):
+    """Raw blocks [n, type size] of Q6_K, Q5_K or Q5_1 -> (q [n, block] uint8 in 0..63, element
+    order; d [n, block / 16] float32; m [n, block / 16] float32 or None) with value = (q - 32) * d + m."""
+    n = blocks.shape[0]
+    dev = blocks.device
+    if fmt == "Q6_K":  # see edgellm/quant/ggml_kquants.py for the block layout
+        ql = blocks[:, :128].reshape(n, 2, 1, 64)
+        low = torch.cat([ql & 15, ql >> 4], dim=2)
+        qh = blocks[:, 128:192].reshape(n, 2, 1, 32)
+        high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=dev).reshape(1, 1, 4, 1)) & 3
+        q = low.reshape(n, 256) | (high.reshape(n, 256) << 4)
+        sc = blocks[:, 192:208].contiguous().view(torch.int8).float()
+        d = blocks[:, 208:210].contiguous().view(torch.float16).float()
+        return q, d * sc, None
+    if fmt == "Q5_K":
+        from ....quant.ggml_kquants import _unpack_scales
+
+        d = blocks[:, 0:2].contiguous().view(torch.float16).float()
+        dmin = blocks[:, 2:4].contiguous().view(torch.float16).float()
+        sc, mn = _unpack_scales(blocks[:, 4:16])  # [n, 8] each
+        qs = blocks[:, 48:176].reshape(n, 4, 1, 32)
+        low = torch.cat([qs & 15, qs >> 4], dim=2).reshape(n, 8, 32)  # sub-block 2i low, 2i + 1 high nibbles
+        bit = (blocks[:, None, 16:48] >> torch.arange(8, dtype=torch.uint8, device=dev).reshape(1, 8, 1)) & 1
+        q = (low | (bit << 4)).reshape(n, 256) + 32
+        step, mins = d * sc.float(), -(dmin * mn.float())
+        return q, step.repeat_interleave(2, dim=1), mins.repeat_interleave(2, dim=1)
+    # Q5_1: d | m | qh (bit j: bit 4 of element j) | 16 bytes of nibbles
+    d = blocks[:, 0:2].contiguous().view(torch.float16).float()
+    m = blocks[:, 2:4].contiguous().view(torch.float16).float()
+    qh = blocks[:, 4:8].contiguous().view(torch.int32)  # [n, 1]
+    bit = (qh >> torch.arange(32, dtype=torch.int32, device=dev)) & 1
+    lo = blocks[:, 8:24].to(torch.int32)
+    q = (torch.cat([lo & 15, lo >> 4], dim=1) | (bit << 4)) + 32
+    return q.to(torch.uint8), d.expand(n, 2), m.expand(n, 2)
+
+
+def _pack_q6_codes(q: torch.Tensor) -> torch.Tensor:
+    """6-bit codes [rows, in] (uint8, element order) -> the Q6 rows of qs [rows, nb * 24]."""
+    rows, n_in = q.shape
+    nb = n_in // 32
+    b = q.reshape(rows, nb, 2, 16)
+    ql = (b[:, :, 0] & 15) | ((b[:, :, 1] & 15) << 4)  # [rows, nb, 16]
+    hb = (b >> 4).reshape(rows, nb, 2, 4, 4)  # [.., h, w, i]: top bits of element 16h + 4w + i
+    qh = hb[:, :, :, 0] | (hb[:, :, :, 1] << 2) | (hb[:, :, :, 2] << 4) | (hb[:, :, :, 3] << 6)  # byte 4h + i
+    return torch.cat([ql.reshape(rows, nb * 16), qh.reshape(rows, nb * 8)], dim=1)
+
+
+def _unpack_q6_codes(qs: torch.Tensor, n_in: int) -> torch.Tensor:
+    """The inverse of _pack_q6_codes: qs [rows, nb * 24] -> codes [rows, in] (uint8)."""
+    rows = qs.shape[0]
+    nb = n_in // 32
+    ql = qs[:, :nb * 16].reshape(rows, nb, 16)
+    low = torch.cat([ql & 15, ql >> 4], dim=2)  # [rows, nb, 32]
+    qh = qs[:, nb * 16:].reshape(rows, nb, 2, 1, 4)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=qs.device).reshape(1, 1, 1, 4, 1)
+    high = ((qh >> shifts) & 3).reshape(rows, nb, 32)
+    return (low | (high << 4)).reshape(rows, n_in)
+
+
+def _repack_six_bit(raw: torch.Tensor, fmt: str, n_out: int, n_in: int) -> PackedWeight:
+    """Q6_K, Q5_K, Q5_1 rows -> Q6 / Q6M (see the module docstring), with torch ops on raw's device,
+    a slab of rows at a time (an 8B model's Q6_K output matrix has 525M weights)."""
+    block, tsize = _BLOCK[fmt]
+    rows = max(1, _REPACK_SLAB_ELEMENTS // n_in)
+    qs, ds, ms = [], [], []
+    for r0 in range(0, n_out, rows):
+        slab = raw[r0:r0 + rows].contiguous()
+        r = slab.shape[0]
+        q, d, m = _six_bit_codes(slab.reshape(r * (n_in // block), tsize), fmt)
+        qs.append(_pack_q6_codes(q.reshape(r, n_in)))
+        ds.append(_checked_f16(d.reshape(r, n_in // 16), f"{fmt} weight {(n_out, n_in)}: a scale"))
+        if m is not None:
+            ms.append(_checked_f16(m.reshape(r, n_in // 16), f"{fmt} weight {(n_out, n_in)}: a minimum"))
+    cat = (lambda t: t[0] if len(t) == 1 else torch.cat(t, 0))
+    return PackedWeight("Q6M" if ms else "Q6", (n_out, n_in), qs=cat(qs), d=cat(ds), m=cat(ms) if ms else None,
+                        source_fmt=fmt)
+
+
+def _codes_of(w: PackedWeight) -> torch.Tensor:
+    """The integer codes of a quantized PackedWeight, [out, in] int16, element order."""
+    n_out, n_in = w.shape
+    if w.fmt == "Q8_0":
+        return w.qs.to(torch.int16)
+    if w.fmt in ("Q6", "Q6M"):
+        return _unpack_q6_codes(w.qs, n_in).to(torch.int16)
+    q = w.qs.reshape(n_out, n_in // 32, 16)
+    return torch.cat([q & 15, q >> 4], dim=2).reshape(n_out, n_in).to(torch.int16)
+
+
+def convert_packed(w: PackedWeight, fmt: str) -> PackedWeight | None:
+    """w in the layout `fmt`, holding exactly the same values (every fp16 field is copied or
+    multiplied by a power of two), or None where `fmt` cannot hold them: Q4_0 -> Q4_1 (m = -8 d),
+    Q4_0 -> Q6 / Q6M (q + 24), Q4_1 -> Q6M (q + 32), Q8_0 -> Q6 / Q6M when every code is in -32..31,
+    Q6 -> Q6M (m = 0)."""
+    if w.fmt == fmt:
+        return w
+    six = fmt in ("Q6", "Q6M")
+    if w.fmt == "Q4_0" and fmt == "Q4_1":
+        m = -8.0 * w.d.float()
+        if m.abs().max().item() > _FP16_MAX:
+            return None
+        return PackedWeight("Q4_1", w.shape, qs=w.qs, d=w.d, m=m.half(), source_fmt=w.source_fmt)
+    if w.fmt in ("Q4_0", "Q8_0", "Q6") and six:
+        q = _codes_of(w)
+        off = {"Q4_0": 24, "Q8_0": 32, "Q6": 0}[w.fmt]
+        if w.fmt == "Q8_0" and (q.min().item() < -32 or q.max().item() > 31):
+            return None
+        d = w.d if w.fmt == "Q6" else w.d.repeat_interleave(2, dim=1)
+        m = torch.zeros_like(d) if fmt == "Q6M" else None
+        return PackedWeight(fmt, w.shape, qs=_pack_q6_codes((q + off).to(torch.uint8)), d=d.contiguous(), m=m,
+                            source_fmt=w.source_fmt)
+    if w.fmt == "Q4_1" and fmt == "Q6M":
+        return PackedWeight("Q6M", w.shape, qs=_pack_q6_codes((_codes_of(w) + 32).to(torch.uint8)),
+                            d=w.d.repeat_interleave(2, dim=1).contiguous(),
+                            m=w.m.repeat_interleave(2, dim=1).contiguous(), source_fmt=w.source_fmt)
+    return None
+
+
+# the layouts a stack of parts in different formats may take, smallest first (bits per weight)
+_STACK_LAYOUTS = ("Q4_1", "Q6", "Q6M")
+
+
+def unify_formats(parts: list[PackedWeight]) -> list[PackedWeight]:
+    """Parts of one stacked weight (q|k|v, gate|up) in a common layout, so that `concat_packed`
+    can stack them: their own when they agree, else the smallest of Q4_1, Q6, Q6M that holds every
+    part exactly (Q4_K_M files: q, k Q4_K -> Q4_1 with v Q6_K -> Q6 become Q6M, 8 bits per weight),
+    else F16 (values rounded to fp16)."""
+    if len({p.fmt for p in parts}) <= 1:
+        return list(parts)
+    for fmt in _STACK_LAYOUTS:
+        conv = [convert_packed(p, fmt) for p in parts]
+        if all(c is not None for c in conv):
+            return conv
+    return [pack_float(dequantize(p, torch.float32), "F16") for p in parts]
+
+
 def pack_float(w: torch.Tensor, fmt: str = "F16") -> PackedWeight:
     """Pack a float (out, in) matrix as F16 or as Q8_0 (llama.cpp's rounding, fp16 scales).
 
-    For weights in a format without a kernel layout (K-quants, Q5_*): dequantize them and pack the
-    result here; Q8_0 keeps half of F16's bytes, its error well under that of a 5- or 6-bit format."""
+    For weights in a format without a kernel layout (Q2_K, Q3_K, IQ*): dequantize them and pack the
+    result here; Q8_0 keeps half of F16's bytes, its error well under that of a 2- to 4-bit format."""
     if w.dim() != 2:
         raise TensorShapeError(f"pack_float expects a 2D weight, got shape {tuple(w.shape)}")
     n_out, n_in = w.shape
@@ -241,6 +410,12 @@ def dequantize(w: PackedWeight, dtype=torch.float32) -> torch.Tensor:
     n_out, n_in = w.shape
     if w.fmt == "F16":
         return w.qs.to(dtype)
+    if w.fmt in ("Q6", "Q6M"):
+        q = _unpack_q6_codes(w.qs, n_in).float().reshape(n_out, n_in // 16, 16)
+        v = (q - 32) * w.d.float().reshape(n_out, n_in // 16, 1)
+        if w.m is not None:
+            v = v + w.m.float().reshape(n_out, n_in // 16, 1)
+        return v.reshape(n_out, n_in).to(dtype)
     d = w.d.float().reshape(n_out, n_in // 32, 1)
     if w.fmt == "Q8_0":
         return (w.qs.float().reshape(n_out, n_in // 32, 32) * d).reshape(n_out, n_in).to(dtype)
