@@ -152,6 +152,17 @@ def _resize(op: Op, i: list) -> torch.Tensor:
     return top * (1 - fy) + bot * fy
 
 
+def _sdpa(op: Op, i: list) -> torch.Tensor:
+    """softmax(scale q k^T) v, as the matmul / softmax / matmul it replaces."""
+    q, k, v = i
+    return torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * op.attrs["scale"], dim=-1) @ v
+
+
+def _linear_act(op: Op, i: list) -> torch.Tensor:
+    y = F.linear(i[0], i[1], i[2] if op.attrs.get("has_bias") else None)
+    return activate(y, op.attrs["act"], op.attrs.get("act_args"))
+
+
 def _shape(op: Op, x: torch.Tensor) -> list[int]:
     # symbolic attributes (shapes in batch, height, ...) arrive evaluated for this run's sizes
     return [int(d) for d in op.attrs["shape"]]
@@ -187,6 +198,9 @@ ND_KERNELS: dict[str, Callable] = {
     "layer_norm": _layer_norm,
     "reduce_mean": lambda op, i: i[0].mean(dim=tuple(op.attrs["axes"]), keepdim=op.attrs.get("keepdims", True)),
     "resize": _resize,
+    "sdpa": _sdpa,
+    "linear_act": _linear_act,
+    "mul_add": lambda op, i: i[0] * i[1] + i[2],
 }
 
 __all__ = ["ND_KERNELS", "ACTIVATIONS", "activate", "spatial_pads"]

@@ -1,7 +1,10 @@
 """The cuda backend's kernels for imported networks (N-D op kinds of edgellm.graph.nd_ops).
 
 Convolution (implicit GEMM on tensor cores, depthwise), pooling and global pooling are Triton
-kernels (kernels/conv.py) with the conv epilogue fused. The remaining kinds (layout changes,
+kernels (kernels/conv.py) with the conv epilogue fused; layer_norm of a transposed view is one
+(kernels/layer_norm.py: it reads the view in place). The fused kinds of compiler.passes run as
+one op each: sdpa through torch's scaled_dot_product_attention (flash attention), linear_act as
+the cuBLAS product and one activation kernel, mul_add as one addcmul. The remaining kinds (layout changes,
 element-wise, softmax, layer norm, matmul) run as the cpu reference kernels do, on device
 tensors through torch: correct and on the GPU, but not yet generated kernels of ours.
 Weights are repacked once, on first use, into the layout the conv kernels read.
@@ -97,6 +100,31 @@ def _global_avgpool(op: Op, i: list) -> torch.Tensor:
     return global_avgpool(i[0])
 
 
+def _layer_norm(op: Op, i: list) -> torch.Tensor:
+    """The last axis of a strided view (ConvNeXt's NCHW -> NHWC transpose) through our kernel, which
+    reads the view in place; a contiguous input, or several normalised axes, through torch's."""
+    x = i[0]
+    if op.attrs["axis"] % x.dim() == x.dim() - 1 and not x.is_contiguous():
+        from .kernels.layer_norm import layer_norm
+
+        return layer_norm(x, i[1], i[2] if op.attrs.get("has_bias") else None, op.attrs["eps"])
+    return ND_KERNELS["layer_norm"](op, i)
+
+
+def _linear_act(op: Op, i: list) -> torch.Tensor:
+    y = torch.nn.functional.linear(i[0], i[1], i[2] if op.attrs.get("has_bias") else None)
+    if op.attrs["act"] == "relu":
+        return y.relu_()
+    return torch.nn.functional.gelu(y, approximate=op.attrs.get("act_args", {}).get("approximate", "none"))
+
+
+def _mul_add(op: Op, i: list) -> torch.Tensor:
+    """a * b + c in one element-wise pass, written contiguous (the next convolution reads NCHW)."""
+    a, b, c = i
+    out = torch.empty(torch.broadcast_shapes(a.shape, b.shape, c.shape), device=c.device, dtype=c.dtype)
+    return torch.addcmul(c, a, b, out=out)
+
+
 # op kind -> kernel; every kind here runs on the device (the Triton ones first, torch for the rest)
 CUDA_ND_KERNELS: dict[str, Callable] = {
     **{k: v for k, v in ND_KERNELS.items()},
@@ -109,5 +137,10 @@ CUDA_ND_KERNELS: dict[str, Callable] = {
     "add": lambda op, i: i[0] + i[1],
     "mul": lambda op, i: i[0] * i[1],
     "silu": lambda op, i: torch.nn.functional.silu(i[0]),
+    "layer_norm": _layer_norm,
+    "linear_act": _linear_act,
+    "mul_add": _mul_add,
+    # flash attention on the GPU (fp16, head dim <= 256); torch's math kernel elsewhere
+    "sdpa": lambda op, i: torch.nn.functional.scaled_dot_product_attention(i[0], i[1], i[2], scale=op.attrs["scale"]),
 }
-TRITON_KINDS = {"conv2d", "maxpool", "avgpool", "global_avgpool"}
+TRITON_KINDS = {"conv2d", "maxpool", "avgpool", "global_avgpool", "layer_norm"}
