@@ -1,5 +1,5 @@
 """Fusion passes for imported transformers and ConvNeXt (edgellm.compiler.passes: fuse_attention,
-fuse_layer_norm, fuse_linear_act, fuse_mul_add) and the cuda kernels of their op kinds: small
+fuse_layer_norm, fuse_linear_act, fuse_mul_add, fuse_add_layer_norm) and the cuda kernels of their op kinds: small
 torchvision architectures exported in the test, run by the cpu backend and by the cuda backend
 (Triton's interpreter here) against onnxruntime on the same file; the fused graph's op kinds;
 hand-written ONNX graphs for the other exporter forms and for what must stay unfused; the new
@@ -85,6 +85,9 @@ def test_vit_attention_fused_cpu(models, opset):
     # per layer: one attention op, the MLP's first projection with its GELU; no softmax / matmul / gelu left
     assert counts["sdpa"] == 2 and counts["linear_act"] == 2
     assert not {"softmax", "matmul", "gelu", "mul", "div", "erf"} & set(counts)
+    # each residual add with the LayerNorm after it (the next layer's, or the encoder's last);
+    # left apart: the first LayerNorm, after the position embedding's add (a broadcast over the batch)
+    assert counts["add_layer_norm"] == 4 and counts["layer_norm"] == 1 and counts["add"] == 1
     unfused = edgellm.load(path, fuse=False)
     assert "sdpa" not in _compiled_counts(unfused, x)
     assert rel_err(unfused(x)["logits"], out) < 1e-5
@@ -104,7 +107,7 @@ def test_vit_cuda_backend_in_interpreter(models):
     assert rel_err(m(x)["logits"], ref) < 1e-4
     c = _compiled(m)
     assert [s.backend for s in c.segments] == ["cuda"]
-    assert c.graph.op_counts()["sdpa"] == 2
+    assert c.graph.op_counts()["sdpa"] == 2 and c.graph.op_counts()["add_layer_norm"] == 4
 
 
 def test_convnext_fused_cpu_and_cuda(models):
@@ -267,6 +270,27 @@ def test_triton_layer_norm_strided(layout):
         layer_norm(x, w[:-1], b, 1e-5)
 
 
+@pytest.mark.parametrize("strided", [False, True])
+def test_triton_add_layer_norm(strided):
+    """(a + b, layer_norm(a + b)) in one pass; a and b in any layout (a transposed view here)."""
+    _interpreter_or_gpu()
+    from edgellm.backends.cuda.kernels.layer_norm import layer_norm
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(11)
+    a = torch.randn(2, 7, 48, generator=g).to(dev) * 2 + 1
+    b = (torch.randn(7, 2, 48, generator=g).to(dev).transpose(0, 1) if strided
+         else torch.randn(2, 7, 48, generator=g).to(dev))
+    w, bias = torch.randn(48, generator=g).to(dev), torch.randn(48, generator=g).to(dev)
+    s, n = layer_norm(a, w, bias, 1e-6, residual=b)
+    want_s = a.double() + b.double()
+    want_n = torch.nn.functional.layer_norm(want_s, (48,), w.double(), bias.double(), 1e-6)
+    assert s.is_contiguous() and n.is_contiguous()
+    assert (s.double() - want_s).abs().max() < 1e-5 and (n.double() - want_n).abs().max() < 1e-4
+    with pytest.raises(ValueError, match="residual"):
+        layer_norm(a, w, bias, 1e-6, residual=b[:, :3])
+
+
 def test_cuda_fused_kinds_match_reference():
     """The cuda table's sdpa / linear_act / mul_add against the cpu reference kernels (float64)."""
     _interpreter_or_gpu()
@@ -284,8 +308,11 @@ def test_cuda_fused_kinds_match_reference():
         (Op("l", "linear_act", ("x", "w"), ("o",), {"has_bias": False, "act": "relu", "act_args": {}}), [r(7, 16), r(12, 16)]),
         (Op("m", "mul_add", ("a", "b", "c"), ("o",), {}), [r(6, 1, 1), r(2, 4, 3, 6).permute(0, 3, 1, 2), r(2, 6, 4, 3)]),
     ]
+    cases.append((Op("n", "add_layer_norm", ("a", "b", "w", "bb"), ("s", "n"), {"axis": 2, "eps": 1e-5, "has_bias": True}),
+                  [r(2, 5, 24), r(5, 2, 24).transpose(0, 1), r(24), r(24)]))
     for op, ins in cases:
         want = ND_KERNELS[op.kind](op, [t.double() for t in ins])
         got = CUDA_ND_KERNELS[op.kind](op, [t.to(dev) for t in ins])
-        assert got.shape == want.shape and torch.isfinite(got).all()
-        assert (got.double().cpu() - want).abs().max() < 1e-4 * max(1.0, float(want.abs().max())), op.kind
+        for gt, wt in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+            assert gt.shape == wt.shape and torch.isfinite(gt).all()
+            assert (gt.double().cpu() - wt).abs().max() < 1e-4 * max(1.0, float(wt.abs().max())), op.kind

@@ -17,6 +17,10 @@ their semantics (the cpu backend implements each as the composition it replaces)
                                       -> (q, kc, vc): q rotated; rotated k and v written to the caches
                                          (with qk_norm_eps: q and k per-head RMSNormed first; with ring,
                                          both caches are rings as kv_store's)
+
+Imported networks' fused kinds (sdpa, linear_act, mul_add, add_layer_norm: attention, activation
+epilogue, layer scale + residual, residual + LayerNorm) are described in edgellm.graph.nd_ops
+with the other N-D kinds.
 """
 
 from __future__ import annotations
@@ -551,6 +555,36 @@ def fuse_layer_norm(g: Graph) -> Graph:
     return eliminate_dead_code(g)
 
 
+def fuse_add_layer_norm(g: Graph) -> Graph:
+    """s = add(a, b) (same shapes, no broadcasting); n = layer_norm(s)  ->  (s, n) =
+    add_layer_norm(a, b, scale, bias?): a transformer's residual add and the LayerNorm after it in
+    one pass (s stays available to whatever else reads it: the next residual add)."""
+    g = _clone(g)
+    cons = _consumers(g)
+    out: list[Op] = []
+    skip: set[int] = set()
+    for i, op in enumerate(g.ops):
+        if i in skip:
+            continue
+        if op.kind == "add" and len(op.inputs) == 2 and op.inputs[0] != op.inputs[1]:
+            shapes = [g.tensors[t].shape for t in (*op.inputs, op.outputs[0])]
+            same = all(len(sh) == len(shapes[2]) and all(_dims_equal(p, q) for p, q in zip(sh, shapes[2]))
+                       for sh in shapes[:2])
+            norm = next((j for j in cons.get(op.outputs[0], []) if g.ops[j].kind == "layer_norm"
+                         and g.ops[j].inputs[0] == op.outputs[0]
+                         and g.ops[j].attrs["axis"] % len(shapes[2]) == len(shapes[2]) - 1), None) if same else None
+            if norm is not None and len(shapes[2]) >= 2:
+                n = g.ops[norm]
+                # the norm moves up to the add: its scale and bias are weights, so nothing it reads comes later
+                out.append(Op(op.name + "+layer_norm", "add_layer_norm", (*op.inputs, *n.inputs[1:]),
+                              (op.outputs[0], n.outputs[0]), dict(n.attrs)))
+                skip.add(norm)
+                continue
+        out.append(op)
+    g.ops = out
+    return g
+
+
 LINEAR_ACTS = ("relu", "gelu")
 
 
@@ -622,6 +656,7 @@ FUSION: list[tuple[str, Callable[[Graph], Graph]]] = [
     ("fuse_layer_norm", fuse_layer_norm),
     ("fuse_linear_act", fuse_linear_act),
     ("fuse_mul_add", fuse_mul_add),
+    ("fuse_add_layer_norm", fuse_add_layer_norm),
 ]
 
 

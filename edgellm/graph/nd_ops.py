@@ -25,6 +25,8 @@ Semantics (the cpu backend is the reference; ONNX's definitions where the name m
   sdpa(q[...,Sq,D], k[...,Sk,D], v[...,Sk,Dv]; scale) -> [...,Sq,Dv]  softmax(scale q k^T) v
   linear_act(x[...,K], w[N,K], bias[N]?; has_bias, act, act_args) -> act(x @ w.T + bias)   (act: relu, gelu)
   mul_add(a, b, c)                       -> a * b + c   numpy broadcasting (layer scale + residual)
+  add_layer_norm(a, b, scale, bias?; axis, eps, has_bias) -> (s, n): s = a + b (same shapes),
+                                         n = layer_norm(s)   (a residual add and the next LayerNorm)
   resize(x; out_hw, mode 'nearest'|'linear', coord ('asymmetric'|'half_pixel'|'align_corners'|'pytorch_half_pixel'),
          nearest_mode)                   NCHW, spatial axes only
 """
@@ -294,6 +296,13 @@ def _sdpa(op, ins, attrs):
     return (*q.shape[:-1], v.shape[-1]), q.dtype, None
 
 
+def _add_layer_norm(op, ins, attrs):
+    a, b = ins[0], ins[1]
+    if len(a.shape) != len(b.shape) or not all(_eq(p, q) for p, q in zip(a.shape, b.shape)):
+        raise _fail(op, f"add_layer_norm: '{a.name}' {a.shape} and '{b.name}' {b.shape} differ in shape")
+    return _layer_norm(op, [a, *ins[2:]], attrs)
+
+
 def _linear_act(op, ins, attrs):
     x, w = ins[0], ins[1]
     if len(x.shape) < 2 or len(w.shape) != 2 or not _eq(x.shape[-1], w.shape[1]):
@@ -331,6 +340,7 @@ ND_RULES: dict[str, Any] = {
     "sdpa": _sdpa,
     "linear_act": _linear_act,
     "mul_add": _broadcast,
+    "add_layer_norm": _add_layer_norm,
 }
 
 
@@ -349,6 +359,8 @@ def nd_flops(kind: str, inputs: list[Tensor], output: Tensor, attrs: dict[str, A
         return 2 * sympy.Mul(*q[:-1]) * k[-2] * (q[-1] + v[-1]) + 8 * sympy.Mul(*q[:-1]) * k[-2]
     if kind == "mul_add":
         return 2 * n_out
+    if kind == "add_layer_norm":
+        return 9 * n_out
     if kind in ("maxpool", "avgpool"):
         return n_out * attrs["kernel"][0] * attrs["kernel"][1]
     if kind == "global_avgpool":

@@ -2,7 +2,8 @@
 
 Convolution (implicit GEMM on tensor cores, depthwise), pooling and global pooling are Triton
 kernels (kernels/conv.py) with the conv epilogue fused; layer_norm of a transposed view is one
-(kernels/layer_norm.py: it reads the view in place). The fused kinds of compiler.passes run as
+(kernels/layer_norm.py: it reads the view in place), and so is add_layer_norm (the residual
+add and the LayerNorm after it, one pass). The fused kinds of compiler.passes run as
 one op each: sdpa through torch's scaled_dot_product_attention (flash attention), linear_act as
 the cuBLAS product and one activation kernel, mul_add as one addcmul. The remaining kinds (layout changes,
 element-wise, softmax, layer norm, matmul) run as the cpu reference kernels do, on device
@@ -111,6 +112,15 @@ def _layer_norm(op: Op, i: list) -> torch.Tensor:
     return ND_KERNELS["layer_norm"](op, i)
 
 
+def _add_layer_norm(op: Op, i: list):
+    """(a + b, layer_norm(a + b)) in one pass of our kernel (the last axis normalised)."""
+    from .kernels.layer_norm import layer_norm
+
+    if op.attrs["axis"] % i[0].dim() != i[0].dim() - 1:
+        return ND_KERNELS["add_layer_norm"](op, i)
+    return layer_norm(i[0], i[2], i[3] if op.attrs.get("has_bias") else None, op.attrs["eps"], residual=i[1])
+
+
 def _linear_act(op: Op, i: list) -> torch.Tensor:
     y = torch.nn.functional.linear(i[0], i[1], i[2] if op.attrs.get("has_bias") else None)
     if op.attrs["act"] == "relu":
@@ -140,7 +150,8 @@ CUDA_ND_KERNELS: dict[str, Callable] = {
     "layer_norm": _layer_norm,
     "linear_act": _linear_act,
     "mul_add": _mul_add,
+    "add_layer_norm": _add_layer_norm,
     # flash attention on the GPU (fp16, head dim <= 256); torch's math kernel elsewhere
     "sdpa": lambda op, i: torch.nn.functional.scaled_dot_product_attention(i[0], i[1], i[2], scale=op.attrs["scale"]),
 }
-TRITON_KINDS = {"conv2d", "maxpool", "avgpool", "global_avgpool", "layer_norm"}
+TRITON_KINDS = {"conv2d", "maxpool", "avgpool", "global_avgpool", "layer_norm", "add_layer_norm"}
