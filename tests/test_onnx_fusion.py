@@ -318,3 +318,20 @@ def test_cuda_fused_kinds_match_reference():
         for gt, wt in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
             assert gt.shape == wt.shape and torch.isfinite(gt).all()
             assert (gt.double().cpu() - wt).abs().max() < 1e-4 * max(1.0, float(wt.abs().max())), op.kind
+
+
+def test_layout_chains_merged(tmp_path):
+    """Reshape after reshape and transpose after transpose become one op each; a chain that comes
+    back to its input's layout disappears; one read twice stays."""
+    nodes = [helper.make_node("Reshape", ["x", "s1"], ["a"]), helper.make_node("Reshape", ["a", "s2"], ["b"]),
+             helper.make_node("Transpose", ["b"], ["c"], perm=[0, 2, 1]),
+             helper.make_node("Transpose", ["c"], ["d"], perm=[1, 0, 2]),
+             helper.make_node("Transpose", ["d"], ["e"], perm=[1, 2, 0]),  # e = b: (0,2,1) then (1,0,2) then (1,2,0)
+             helper.make_node("Relu", ["e"], ["y"]),
+             helper.make_node("Transpose", ["y"], ["t1"], perm=[2, 1, 0]),
+             helper.make_node("Transpose", ["t1"], ["t2"], perm=[1, 0, 2]),
+             helper.make_node("Sigmoid", ["t1"], ["z"])]
+    inits = [("s1", np.array([6, 4], dtype=np.int64)), ("s2", np.array([2, 3, 4], dtype=np.int64))]
+    path = _model(tmp_path, nodes, [("x", [4, 6])], ["t2", "z"], inits)
+    counts = _run_both(path, {"x": _w(4, 6)})
+    assert counts == {"reshape": 1, "relu": 1, "transpose": 2, "sigmoid": 1}

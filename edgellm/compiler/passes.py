@@ -426,14 +426,19 @@ def _scaled_by(g: Graph, prod: dict, cons: dict, t: str) -> tuple[str, float]:
                 or t in g.outputs:
             return t, factor
         c = _scalar_of(g, op.inputs[1])
-        if c is not None and op.inputs[0] != op.inputs[1]:
+        if c is not None and op.inputs[0] != op.inputs[1] and _same_shape(g, op.inputs[0], t):
             factor = factor / c if op.kind == "div" else factor * c
             t = op.inputs[0]
             continue
         c = _scalar_of(g, op.inputs[0]) if op.kind == "mul" else None
-        if c is None:
+        if c is None or not _same_shape(g, op.inputs[1], t):  # (a scalar of higher rank would add axes)
             return t, factor
         factor, t = factor * c, op.inputs[1]
+
+
+def _same_shape(g: Graph, a: str, b: str) -> bool:
+    sa, sb = g.tensors[a].shape, g.tensors[b].shape
+    return len(sa) == len(sb) and all(_dims_equal(p, q) for p, q in zip(sa, sb))
 
 
 def fuse_attention(g: Graph) -> Graph:
@@ -547,6 +552,8 @@ def fuse_layer_norm(g: Graph) -> Graph:
                     _dims_equal(p, q) for p, q in zip(bt.shape, norm_shape)):
                 last, bias = ba, b
         end = g.ops[last]
+        if not _same_shape(g, x, end.outputs[0]):
+            continue  # constants of higher rank broadcast the result to more axes
         g.ops[last] = Op(end.name + "+layer_norm", "layer_norm", (x, w, *([bias] if bias else [])), end.outputs,
                          {"axis": rank - len(axes), "eps": eps, "has_bias": bias is not None})
         changed = True
@@ -582,6 +589,41 @@ def fuse_add_layer_norm(g: Graph) -> Graph:
                 continue
         out.append(op)
     g.ops = out
+    return g
+
+
+def merge_layout_chains(g: Graph) -> Graph:
+    """reshape(reshape(x)) -> reshape(x); transpose(transpose(x, p1), p2) -> transpose(x, p1[p2]),
+    where the inner result is read by nothing else: exporters' layout chains (ViT's attention
+    writes reshape / unsqueeze / transpose / squeeze in a row) get shorter."""
+    g = _clone(g)
+    changed = True
+    while changed:
+        changed = False
+        cons = _consumers(g)
+        prod = g.producers()
+        for j, op in enumerate(g.ops):
+            if op.kind not in ("reshape", "transpose"):
+                continue
+            i = prod.get(op.inputs[0])
+            inner = g.ops[i] if i is not None else None
+            if inner is None or inner.kind != op.kind or len(cons.get(inner.outputs[0], [])) != 1 \
+                    or inner.outputs[0] in g.outputs:
+                continue
+            attrs = dict(op.attrs)
+            if op.kind == "transpose":
+                attrs["perm"] = tuple(inner.attrs["perm"][p] for p in op.attrs["perm"])
+            src = inner.inputs[0]
+            if _same_shape(g, src, op.outputs[0]) and attrs.get("perm", tuple(range(len(g.tensors[src].shape)))) == \
+                    tuple(range(len(g.tensors[src].shape))) and op.outputs[0] not in g.outputs:
+                _rename_uses(g, op.outputs[0], src)  # the chain comes back to its input's layout
+                del g.ops[j]
+            else:
+                g.ops[j] = Op(op.name, op.kind, inner.inputs, op.outputs, attrs)
+            del g.ops[i]
+            changed = True
+            break
+    _drop_unused_tensors(g)
     return g
 
 
@@ -657,6 +699,7 @@ FUSION: list[tuple[str, Callable[[Graph], Graph]]] = [
     ("fuse_linear_act", fuse_linear_act),
     ("fuse_mul_add", fuse_mul_add),
     ("fuse_add_layer_norm", fuse_add_layer_norm),
+    ("merge_layout_chains", merge_layout_chains),
 ]
 
 
