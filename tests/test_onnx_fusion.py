@@ -335,3 +335,24 @@ def test_layout_chains_merged(tmp_path):
     path = _model(tmp_path, nodes, [("x", [4, 6])], ["t2", "z"], inits)
     counts = _run_both(path, {"x": _w(4, 6)})
     assert counts == {"reshape": 1, "relu": 1, "transpose": 2, "sigmoid": 1}
+
+
+def test_packed_conv_weight_cache_follows_the_tensor():
+    """The conv weights' packing is cached per source tensor: the same weight in another dtype gets
+    its own, and a freed weight's entry goes with it (another model's weight of the same shape may
+    reuse the address: it used to get the stale packing, f32 weights in an f16 model)."""
+    import gc
+
+    from edgellm.backends.cuda import vision
+
+    vision._PACKED.clear()
+    w = torch.randn(8, 3, 3, 3)
+    a = vision._packed(w, 1, False)
+    assert vision._packed(w, 1, False) is a and len(vision._PACKED) == 1
+    b = vision._packed(w.half(), 1, False)  # a temporary: its entry is dropped with it
+    assert b.dtype == torch.float16
+    gc.collect()
+    assert len(vision._PACKED) == 1
+    del w, a
+    gc.collect()
+    assert not vision._PACKED

@@ -14,6 +14,7 @@ Weights are repacked once, on first use, into the layout the conv kernels read.
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Callable
 
 import torch
@@ -22,7 +23,7 @@ from ...errors import BackendUnavailableError
 from ...graph.ir import Op
 from ..cpu_nd import ND_KERNELS, spatial_pads
 
-_PACKED: dict[tuple, torch.Tensor] = {}
+_PACKED: dict[tuple, tuple] = {}  # key -> (weak reference to the source weight, packed weight)
 
 
 def vision_device() -> torch.device:
@@ -37,13 +38,21 @@ def vision_device() -> torch.device:
 
 
 def _packed(w: torch.Tensor, groups: int, depthwise: bool) -> torch.Tensor:
+    """The weight in the conv kernels' layout, packed once. The cache entry remembers (weakly) the
+    tensor it was packed from: after a model is freed, another model's weight (or the same model in
+    another dtype) can sit at the same address with the same shape, and must not get its packing."""
     from .kernels.conv import pack_conv_weight
 
-    key = (w.data_ptr(), tuple(w.shape), groups, depthwise)
-    p = _PACKED.get(key)
-    if p is None:
-        p = w.reshape(w.shape[0], -1).contiguous() if depthwise else pack_conv_weight(w, groups)
-        _PACKED[key] = p
+    key = (w.data_ptr(), tuple(w.shape), w.dtype, w.device, groups, depthwise)
+    hit = _PACKED.get(key)
+    if hit is not None and hit[0]() is w:
+        return hit[1]
+    p = w.reshape(w.shape[0], -1).contiguous() if depthwise else pack_conv_weight(w, groups)
+
+    def forget(ref, key=key):  # the source weight is gone: free its packing too
+        if _PACKED.get(key, (None,))[0] is ref:
+            del _PACKED[key]
+    _PACKED[key] = (weakref.ref(w, forget), p)
     return p
 
 
