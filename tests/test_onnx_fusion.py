@@ -100,13 +100,14 @@ def _compiled_counts(m, x):
     return _compiled(m).graph.op_counts()
 
 
-def test_vit_cuda_backend_in_interpreter(models):
+@pytest.mark.parametrize("dtype,tol", [("f32", 1e-4), ("f16", 2e-2)])
+def test_vit_cuda_backend_in_interpreter(models, dtype, tol):
     _interpreter_or_gpu()
     path = models("vit_17")
-    m = load_onnx(path, backend="cuda", dtype="f32")
+    m = load_onnx(path, backend="cuda", dtype=dtype)
     x = RNG.standard_normal((1, 3, 32, 32)).astype(np.float32)
     ref = onnxruntime_run(path, {"input": x})[0]
-    assert rel_err(m(x)["logits"], ref) < 1e-4
+    assert rel_err(m(x)["logits"], ref) < tol
     c = _compiled(m)
     assert [s.backend for s in c.segments] == ["cuda"]
     assert c.graph.op_counts()["sdpa"] == 2 and c.graph.op_counts()["add_layer_norm"] == 4
@@ -127,6 +128,7 @@ def test_convnext_fused_cpu_and_cuda(models):
     # batch 2: the transposed view's rows fall into two stride groups in the layer-norm kernel
     assert rel_err(mc(x)["logits"], ref) < 1e-4
     assert [s.backend for s in _compiled(mc).segments] == ["cuda"]
+    assert rel_err(load_onnx(path, backend="cuda", dtype="f16")(x[:1])["logits"], ref[:1]) < 2e-2
 
 
 # -- hand-written graphs: other exporter forms, and patterns that must stay as they are ---------------

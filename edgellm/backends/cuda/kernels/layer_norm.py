@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import jit, require_device
+from ._common import device_sm_count, jit, require_device
 
 
 @jit
@@ -103,6 +103,11 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if rows:
         block_c = triton.next_power_of_2(c)
         block_r = max(1, min(64, 4096 // block_c))
+        # at least two programs per SM where the rows allow; rows read through a column stride
+        # (a transposed view) keep 16 a tile so each column's load covers whole 32-byte sectors
+        floor = 16 if x.stride(-1) != 1 else 1
+        while block_r > floor and triton.cdiv(rows, block_r) < 2 * device_sm_count(x):
+            block_r //= 2
         grid = (triton.cdiv(rows, block_r),)
         _layer_norm_kernel[grid](x, r, weight, bias if bias is not None else weight, y, s, rows, c,
                                  max(x_inner, 1), xs_outer, xs_inner, x.stride(-1),
