@@ -60,11 +60,11 @@ def randomize(model, seed: int = 0):
     return model.eval()
 
 
-def export(model, path: Path, size: int, dynamic_hw: bool = True, batch: int = 1) -> Path:
+def export(model, path: Path, size: int, dynamic_hw: bool = True, batch: int = 1, opset: int = 17) -> Path:
     import torch
 
     axes = {0: "batch", 2: "height", 3: "width"} if dynamic_hw else {0: "batch"}
-    torch.onnx.export(model, (torch.randn(batch, 3, size, size),), str(path), dynamo=False, opset_version=17,
+    torch.onnx.export(model, (torch.randn(batch, 3, size, size),), str(path), dynamo=False, opset_version=opset,
                       input_names=["input"], output_names=["logits"], dynamic_axes={"input": axes})
     return path
 

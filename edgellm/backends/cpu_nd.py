@@ -1,6 +1,6 @@
 """Reference kernels of the N-D op kinds (edgellm.graph.nd_ops): torch, float32, any device.
 
-Each kernel is f(op, inputs) -> output, merged into the cpu backend's kernel table. They are
+Each kernel is f(op, inputs) -> output (a tuple for a kind with several outputs), merged into the cpu backend's kernel table. They are
 written against torch tensors only, so the cuda backend reuses them on device tensors for the
 layout ops it has no Triton kernel for.
 """
@@ -152,6 +152,22 @@ def _resize(op: Op, i: list) -> torch.Tensor:
     return top * (1 - fy) + bot * fy
 
 
+def _sdpa(op: Op, i: list) -> torch.Tensor:
+    """softmax(scale q k^T) v, as the matmul / softmax / matmul it replaces."""
+    q, k, v = i
+    return torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * op.attrs["scale"], dim=-1) @ v
+
+
+def _add_layer_norm(op: Op, i: list) -> tuple[torch.Tensor, torch.Tensor]:
+    s = i[0] + i[1]
+    return s, _layer_norm(op, [s, *i[2:]])
+
+
+def _linear_act(op: Op, i: list) -> torch.Tensor:
+    y = F.linear(i[0], i[1], i[2] if op.attrs.get("has_bias") else None)
+    return activate(y, op.attrs["act"], op.attrs.get("act_args"))
+
+
 def _shape(op: Op, x: torch.Tensor) -> list[int]:
     # symbolic attributes (shapes in batch, height, ...) arrive evaluated for this run's sizes
     return [int(d) for d in op.attrs["shape"]]
@@ -187,6 +203,10 @@ ND_KERNELS: dict[str, Callable] = {
     "layer_norm": _layer_norm,
     "reduce_mean": lambda op, i: i[0].mean(dim=tuple(op.attrs["axes"]), keepdim=op.attrs.get("keepdims", True)),
     "resize": _resize,
+    "sdpa": _sdpa,
+    "linear_act": _linear_act,
+    "mul_add": lambda op, i: i[0] * i[1] + i[2],
+    "add_layer_norm": _add_layer_norm,
 }
 
 __all__ = ["ND_KERNELS", "ACTIVATIONS", "activate", "spatial_pads"]

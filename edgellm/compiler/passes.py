@@ -17,6 +17,10 @@ their semantics (the cpu backend implements each as the composition it replaces)
                                       -> (q, kc, vc): q rotated; rotated k and v written to the caches
                                          (with qk_norm_eps: q and k per-head RMSNormed first; with ring,
                                          both caches are rings as kv_store's)
+
+Imported networks' fused kinds (sdpa, linear_act, mul_add, add_layer_norm: attention, activation
+epilogue, layer scale + residual, residual + LayerNorm) are described in edgellm.graph.nd_ops
+with the other N-D kinds.
 """
 
 from __future__ import annotations
@@ -409,6 +413,275 @@ def fuse_conv_epilogue(g: Graph) -> Graph:
     return g
 
 
+# -- imported networks (N-D ops): attention, layer norm, linear activation, layer scale ------------
+
+def _scalar_of(g: Graph, t: str) -> float | None:
+    """The value of a one-element constant (the importer lists them in graph.meta['scalars'])."""
+    if g.tensors.get(t) is None or g.tensors[t].kind != "weight":
+        return None
+    v = g.meta.get("scalars", {}).get(t)
+    return None if v is None else float(v)
+
+
+def _scaled_by(g: Graph, prod: dict, cons: dict, t: str) -> tuple[str, float]:
+    """Follow t back through multiplications / divisions by constant scalars that nothing else
+    reads: (the tensor before them, the product of their factors)."""
+    factor = 1.0
+    while True:
+        i = prod.get(t)
+        op = g.ops[i] if i is not None else None
+        if op is None or op.kind not in ("mul", "div") or len(op.inputs) != 2 or len(cons.get(t, [])) != 1 \
+                or t in g.outputs:
+            return t, factor
+        c = _scalar_of(g, op.inputs[1])
+        if c is not None and op.inputs[0] != op.inputs[1] and _same_shape(g, op.inputs[0], t):
+            factor = factor / c if op.kind == "div" else factor * c
+            t = op.inputs[0]
+            continue
+        c = _scalar_of(g, op.inputs[0]) if op.kind == "mul" else None
+        if c is None or not _same_shape(g, op.inputs[1], t):  # (a scalar of higher rank would add axes)
+            return t, factor
+        factor, t = factor * c, op.inputs[1]
+
+
+def _same_shape(g: Graph, a: str, b: str) -> bool:
+    sa, sb = g.tensors[a].shape, g.tensors[b].shape
+    return len(sa) == len(sb) and all(_dims_equal(p, q) for p, q in zip(sa, sb))
+
+
+def fuse_attention(g: Graph) -> Graph:
+    """s = matmul(q, transpose(k)) (either side scaled by constants, or the scores scaled);
+    p = softmax(s, last axis); o = matmul(p, v)  ->  o = sdpa(q, k, v; scale): one attention op
+    (flash attention on the GPU) where exporters write five to nine. The transpose swaps the last
+    two axes of k; the scores and probabilities must be read by nothing else."""
+    g = _clone(g)
+    prod = g.producers()
+    cons = _consumers(g)
+    changed = False
+    for j, sm in enumerate(g.ops):
+        if sm.kind != "softmax" or sm.outputs[0] in g.outputs:
+            continue
+        rank = len(g.tensors[sm.inputs[0]].shape)
+        if sm.attrs["axis"] != rank - 1 or rank < 2:
+            continue
+        nxt = _single_consumer(cons, sm.outputs[0])
+        if nxt is None or g.ops[nxt].kind != "matmul" or g.ops[nxt].inputs[0] != sm.outputs[0] \
+                or g.ops[nxt].inputs[1] == sm.outputs[0]:
+            continue
+        scores, scale = _scaled_by(g, prod, cons, sm.inputs[0])
+        mi = prod.get(scores)
+        if mi is None or g.ops[mi].kind != "matmul" or len(cons.get(scores, [])) != 1 or scores in g.outputs:
+            continue
+        q, sq = _scaled_by(g, prod, cons, g.ops[mi].inputs[0])
+        kt, sk = _scaled_by(g, prod, cons, g.ops[mi].inputs[1])
+        ti = prod.get(kt)
+        perm = tuple(range(rank - 2)) + (rank - 1, rank - 2)
+        if ti is None or g.ops[ti].kind != "transpose" or tuple(g.ops[ti].attrs["perm"]) != perm:
+            continue
+        k, sk2 = _scaled_by(g, prod, cons, g.ops[ti].inputs[0]) if len(cons.get(kt, [])) == 1 else (g.ops[ti].inputs[0], 1.0)
+        v = g.ops[nxt].inputs[1]
+        shapes = [g.tensors[t].shape for t in (q, k, v)]
+        if not all(len(sh) == rank for sh in shapes) or not all(
+                all(_dims_equal(a, b) for a, b in zip(sh[:-2], shapes[0][:-2])) for sh in shapes[1:]):
+            continue  # batch axes that broadcast: left to the matmuls
+        mm = g.ops[nxt]
+        g.ops[nxt] = Op(mm.name + "+attention", "sdpa", (q, k, v), mm.outputs, {"scale": scale * sq * sk * sk2})
+        changed = True
+    if not changed:
+        return g
+    return eliminate_dead_code(g)  # the scores' chain: read by nothing now
+
+
+def _dims_equal(a, b) -> bool:
+    from ..graph.nd_ops import dims_equal
+
+    return dims_equal(a, b)
+
+
+def fuse_layer_norm(g: Graph) -> Graph:
+    """The decomposed LayerNorm older exporters write (opset < 17):
+    m = reduce_mean(x); d = x - m; v = reduce_mean(d ** 2); n = d / sqrt(v + eps); y = n * w (+ b)
+    -> y = layer_norm(x, w, b?; axis, eps). The reductions run over the trailing axes."""
+    g = _clone(g)
+    prod = g.producers()
+    cons = _consumers(g)
+
+    def only(t, kind):
+        c = _single_consumer(cons, t)
+        return c if c is not None and g.ops[c].kind == kind and t not in g.outputs else None
+
+    changed = False
+    for i, rm in enumerate(g.ops):
+        if rm.kind != "reduce_mean" or not rm.attrs.get("keepdims", True):
+            continue
+        x = rm.inputs[0]
+        rank = len(g.tensors[x].shape)
+        axes = tuple(sorted(a % rank for a in rm.attrs["axes"]))
+        if axes != tuple(range(rank - len(axes), rank)):
+            continue
+        sub = only(rm.outputs[0], "sub")
+        if sub is None or g.ops[sub].inputs != (x, rm.outputs[0]):
+            continue
+        d = g.ops[sub].outputs[0]
+        dc = cons.get(d, [])
+        if len(dc) != 2 or d in g.outputs:
+            continue
+        pw = next((c for c in dc if g.ops[c].kind == "pow" and g.ops[c].inputs[0] == d), None)
+        dv = next((c for c in dc if g.ops[c].kind == "div" and g.ops[c].inputs[0] == d), None)
+        if pw is None or dv is None or _scalar_of(g, g.ops[pw].inputs[1]) != 2.0:
+            continue
+        rm2 = only(g.ops[pw].outputs[0], "reduce_mean")
+        if rm2 is None or tuple(sorted(a % rank for a in g.ops[rm2].attrs["axes"])) != axes \
+                or not g.ops[rm2].attrs.get("keepdims", True):
+            continue
+        ad = only(g.ops[rm2].outputs[0], "add")
+        if ad is None:
+            continue
+        eps = next((_scalar_of(g, t) for t in g.ops[ad].inputs if t != g.ops[rm2].outputs[0]), None)
+        sq = only(g.ops[ad].outputs[0], "sqrt")
+        if eps is None or sq is None or g.ops[dv].inputs[1] != g.ops[sq].outputs[0]:
+            continue
+        mul = only(g.ops[dv].outputs[0], "mul")
+        if mul is None:
+            continue
+        n_out = g.ops[dv].outputs[0]
+        w = next((t for t in g.ops[mul].inputs if t != n_out), None)
+        norm_shape = g.tensors[x].shape[rank - len(axes):]
+        wt = g.tensors.get(w)
+        if wt is None or wt.kind != "weight" or len(wt.shape) > len(axes) or not all(
+                _dims_equal(a, b) for a, b in zip(wt.shape[::-1], norm_shape[::-1])) or len(wt.shape) != len(axes):
+            continue
+        last, bias = mul, None
+        ba = only(g.ops[mul].outputs[0], "add")
+        if ba is not None:
+            b = next((t for t in g.ops[ba].inputs if t != g.ops[mul].outputs[0]), None)
+            bt = g.tensors.get(b)
+            if bt is not None and bt.kind == "weight" and len(bt.shape) == len(axes) and all(
+                    _dims_equal(p, q) for p, q in zip(bt.shape, norm_shape)):
+                last, bias = ba, b
+        end = g.ops[last]
+        if not _same_shape(g, x, end.outputs[0]):
+            continue  # constants of higher rank broadcast the result to more axes
+        g.ops[last] = Op(end.name + "+layer_norm", "layer_norm", (x, w, *([bias] if bias else [])), end.outputs,
+                         {"axis": rank - len(axes), "eps": eps, "has_bias": bias is not None})
+        changed = True
+    if not changed:
+        return g
+    return eliminate_dead_code(g)
+
+
+def fuse_add_layer_norm(g: Graph) -> Graph:
+    """s = add(a, b) (same shapes, no broadcasting); n = layer_norm(s)  ->  (s, n) =
+    add_layer_norm(a, b, scale, bias?): a transformer's residual add and the LayerNorm after it in
+    one pass (s stays available to whatever else reads it: the next residual add)."""
+    g = _clone(g)
+    cons = _consumers(g)
+    out: list[Op] = []
+    skip: set[int] = set()
+    for i, op in enumerate(g.ops):
+        if i in skip:
+            continue
+        if op.kind == "add" and len(op.inputs) == 2 and op.inputs[0] != op.inputs[1]:
+            shapes = [g.tensors[t].shape for t in (*op.inputs, op.outputs[0])]
+            same = all(len(sh) == len(shapes[2]) and all(_dims_equal(p, q) for p, q in zip(sh, shapes[2]))
+                       for sh in shapes[:2])
+            norm = next((j for j in cons.get(op.outputs[0], []) if g.ops[j].kind == "layer_norm"
+                         and g.ops[j].inputs[0] == op.outputs[0]
+                         and g.ops[j].attrs["axis"] % len(shapes[2]) == len(shapes[2]) - 1), None) if same else None
+            if norm is not None and len(shapes[2]) >= 2:
+                n = g.ops[norm]
+                # the norm moves up to the add: its scale and bias are weights, so nothing it reads comes later
+                out.append(Op(op.name + "+layer_norm", "add_layer_norm", (*op.inputs, *n.inputs[1:]),
+                              (op.outputs[0], n.outputs[0]), dict(n.attrs)))
+                skip.add(norm)
+                continue
+        out.append(op)
+    g.ops = out
+    return g
+
+
+def merge_layout_chains(g: Graph) -> Graph:
+    """reshape(reshape(x)) -> reshape(x); transpose(transpose(x, p1), p2) -> transpose(x, p1[p2]),
+    where the inner result is read by nothing else: exporters' layout chains (ViT's attention
+    writes reshape / unsqueeze / transpose / squeeze in a row) get shorter."""
+    g = _clone(g)
+    changed = True
+    while changed:
+        changed = False
+        cons = _consumers(g)
+        prod = g.producers()
+        for j, op in enumerate(g.ops):
+            if op.kind not in ("reshape", "transpose"):
+                continue
+            i = prod.get(op.inputs[0])
+            inner = g.ops[i] if i is not None else None
+            if inner is None or inner.kind != op.kind or len(cons.get(inner.outputs[0], [])) != 1 \
+                    or inner.outputs[0] in g.outputs:
+                continue
+            attrs = dict(op.attrs)
+            if op.kind == "transpose":
+                attrs["perm"] = tuple(inner.attrs["perm"][p] for p in op.attrs["perm"])
+            src = inner.inputs[0]
+            if _same_shape(g, src, op.outputs[0]) and attrs.get("perm", tuple(range(len(g.tensors[src].shape)))) == \
+                    tuple(range(len(g.tensors[src].shape))) and op.outputs[0] not in g.outputs:
+                _rename_uses(g, op.outputs[0], src)  # the chain comes back to its input's layout
+                del g.ops[j]
+            else:
+                g.ops[j] = Op(op.name, op.kind, inner.inputs, op.outputs, attrs)
+            del g.ops[i]
+            changed = True
+            break
+    _drop_unused_tensors(g)
+    return g
+
+
+LINEAR_ACTS = ("relu", "gelu")
+
+
+def fuse_linear_act(g: Graph) -> Graph:
+    """y = linear(x, w, bias?); z = relu / gelu(y)  ->  z = linear_act(x, w, bias?; act): the
+    activation as the product's epilogue. (Gated activations, act(gate) * up, are fuse_swiglu's.)"""
+    g = _clone(g)
+    cons = _consumers(g)
+    drop: set[int] = set()
+    for i, op in enumerate(g.ops):
+        if op.kind != "linear" or op.attrs.get("has_residual") or op.outputs[0] in g.outputs:
+            continue
+        j = _single_consumer(cons, op.outputs[0])
+        if j is None or g.ops[j].kind not in LINEAR_ACTS or g.ops[j].inputs[0] != op.outputs[0]:
+            continue
+        act = g.ops[j]
+        g.ops[j] = Op(op.name + "+" + act.kind, "linear_act", op.inputs, act.outputs,
+                      {"has_bias": bool(op.attrs.get("has_bias")), "act": act.kind, "act_args": _act_attrs(act)})
+        drop.add(i)
+    g.ops = [op for k, op in enumerate(g.ops) if k not in drop]
+    _drop_unused_tensors(g)
+    return g
+
+
+def fuse_mul_add(g: Graph) -> Graph:
+    """m = mul(a, b); y = add(m, c)  ->  y = mul_add(a, b, c) on N-D tensors (rank >= 3: a layer
+    scale times a branch plus the residual, as ConvNeXt's blocks end); one element-wise pass."""
+    g = _clone(g)
+    cons = _consumers(g)
+    drop: set[int] = set()
+    for i, op in enumerate(g.ops):
+        if op.kind != "mul" or len(op.inputs) != 2 or op.outputs[0] in g.outputs:
+            continue
+        j = _single_consumer(cons, op.outputs[0])
+        if j is None or g.ops[j].kind != "add" or len(g.ops[j].inputs) != 2 or g.ops[j].inputs.count(op.outputs[0]) != 1:
+            continue
+        out = g.tensors[g.ops[j].outputs[0]]
+        if len(out.shape) < 3 or len(g.tensors[op.outputs[0]].shape) != len(out.shape):
+            continue
+        c = next(t for t in g.ops[j].inputs if t != op.outputs[0])
+        g.ops[j] = Op(g.ops[j].name + "+mul", "mul_add", (*op.inputs, c), g.ops[j].outputs, {})
+        drop.add(i)
+    g.ops = [op for k, op in enumerate(g.ops) if k not in drop]
+    _drop_unused_tensors(g)
+    return g
+
+
 @dataclass
 class PassReport:
     name: str
@@ -430,6 +703,12 @@ FUSION: list[tuple[str, Callable[[Graph], Graph]]] = [
     ("fuse_linear_epilogue", fuse_linear_epilogue),
     ("fuse_silu", fuse_silu),
     ("fuse_conv_epilogue", fuse_conv_epilogue),
+    ("fuse_attention", fuse_attention),
+    ("fuse_layer_norm", fuse_layer_norm),
+    ("fuse_linear_act", fuse_linear_act),
+    ("fuse_mul_add", fuse_mul_add),
+    ("fuse_add_layer_norm", fuse_add_layer_norm),
+    ("merge_layout_chains", merge_layout_chains),
 ]
 
 

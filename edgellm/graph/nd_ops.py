@@ -21,6 +21,12 @@ Semantics (the cpu backend is the reference; ONNX's definitions where the name m
   gather(x; axis, index)                index a constant int (the axis is dropped) or list of ints
   softmax(x; axis), layer_norm(x, scale, bias?; axis, eps, has_bias)
   reduce_mean(x; axes, keepdims)
+  Fused kinds (graph passes make them from the ops above; edgellm.compiler.passes):
+  sdpa(q[...,Sq,D], k[...,Sk,D], v[...,Sk,Dv]; scale) -> [...,Sq,Dv]  softmax(scale q k^T) v
+  linear_act(x[...,K], w[N,K], bias[N]?; has_bias, act, act_args) -> act(x @ w.T + bias)   (act: relu, gelu)
+  mul_add(a, b, c)                       -> a * b + c   numpy broadcasting (layer scale + residual)
+  add_layer_norm(a, b, scale, bias?; axis, eps, has_bias) -> (s, n): s = a + b (same shapes),
+                                         n = layer_norm(s)   (a residual add and the next LayerNorm)
   resize(x; out_hw, mode 'nearest'|'linear', coord ('asymmetric'|'half_pixel'|'align_corners'|'pytorch_half_pixel'),
          nearest_mode)                   NCHW, spatial axes only
 """
@@ -279,6 +285,37 @@ def _resize(op, ins, attrs):
     return (x.shape[0], x.shape[1], sympy.sympify(oh), sympy.sympify(ow)), x.dtype, None
 
 
+def _sdpa(op, ins, attrs):
+    q, k, v = ins
+    if not (len(q.shape) == len(k.shape) == len(v.shape) >= 2):
+        raise _fail(op, f"sdpa: q '{q.name}' {q.shape}, k '{k.name}' {k.shape}, v '{v.name}' {v.shape} need one rank >= 2")
+    if not all(_eq(a, b) and _eq(a, c) for a, b, c in zip(q.shape[:-2], k.shape[:-2], v.shape[:-2])):
+        raise _fail(op, f"sdpa: batch axes of q '{q.name}' {q.shape}, k '{k.name}' {k.shape}, v '{v.name}' {v.shape} differ")
+    if not _eq(q.shape[-1], k.shape[-1]) or not _eq(k.shape[-2], v.shape[-2]):
+        raise _fail(op, f"sdpa: q '{q.name}' {q.shape}, k '{k.name}' {k.shape}, v '{v.name}' {v.shape} do not match")
+    return (*q.shape[:-1], v.shape[-1]), q.dtype, None
+
+
+def _add_layer_norm(op, ins, attrs):
+    a, b = ins[0], ins[1]
+    if len(a.shape) != len(b.shape) or not all(_eq(p, q) for p, q in zip(a.shape, b.shape)):
+        raise _fail(op, f"add_layer_norm: '{a.name}' {a.shape} and '{b.name}' {b.shape} differ in shape")
+    return _layer_norm(op, [a, *ins[2:]], attrs)
+
+
+def _linear_act(op, ins, attrs):
+    x, w = ins[0], ins[1]
+    if len(x.shape) < 2 or len(w.shape) != 2 or not _eq(x.shape[-1], w.shape[1]):
+        raise _fail(op, f"linear_act: input '{x.name}' {x.shape} and weight '{w.name}' {w.shape} do not match")
+    if attrs.get("has_bias"):
+        b = ins[2]
+        if len(b.shape) != 1 or not _eq(b.shape[0], w.shape[0]):
+            raise _fail(op, f"linear_act: bias '{b.name}' has shape {b.shape}, expected [{w.shape[0]}]")
+    if attrs.get("act") not in ("relu", "gelu"):
+        raise _fail(op, f"linear_act: act {attrs.get('act')!r} is not one of relu, gelu")
+    return (*x.shape[:-1], w.shape[0]), x.dtype, None
+
+
 UNARY = ("relu", "sigmoid", "tanh", "erf", "sqrt", "exp", "neg", "hardswish", "hardsigmoid", "gelu", "clip")
 BINARY = ("add", "mul", "sub", "div", "pow")
 
@@ -300,6 +337,10 @@ ND_RULES: dict[str, Any] = {
     "layer_norm": _layer_norm,
     "reduce_mean": _reduce_mean,
     "resize": _resize,
+    "sdpa": _sdpa,
+    "linear_act": _linear_act,
+    "mul_add": _broadcast,
+    "add_layer_norm": _add_layer_norm,
 }
 
 
@@ -311,6 +352,15 @@ def nd_flops(kind: str, inputs: list[Tensor], output: Tensor, attrs: dict[str, A
         return 2 * n_out * w[1] * w[2] * w[3]
     if kind == "matmul":
         return 2 * n_out * inputs[0].shape[-1]
+    if kind == "linear_act":
+        return 2 * n_out * inputs[1].shape[1] + n_out
+    if kind == "sdpa":  # q k^T and p v, plus the softmax
+        q, k, v = (t.shape for t in inputs)
+        return 2 * sympy.Mul(*q[:-1]) * k[-2] * (q[-1] + v[-1]) + 8 * sympy.Mul(*q[:-1]) * k[-2]
+    if kind == "mul_add":
+        return 2 * n_out
+    if kind == "add_layer_norm":
+        return 9 * n_out
     if kind in ("maxpool", "avgpool"):
         return n_out * attrs["kernel"][0] * attrs["kernel"][1]
     if kind == "global_avgpool":

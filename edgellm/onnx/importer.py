@@ -174,6 +174,8 @@ class _Importer:
                                      f"as tensor data; only constant data is supported")
         self.weights[v] = arr if arr.dtype == np.float32 else arr.astype(np.float32)
         self.g.weight(v, tuple(sympy.Integer(d) for d in arr.shape), storage="F32", source=v)
+        if arr.size == 1:  # a scalar constant: its value is known to the graph passes (graph.meta['scalars'])
+            self.g.meta.setdefault("scalars", {})[v] = float(self.weights[v].reshape(-1)[0])
         return v
 
     def shape_of(self, v: str) -> tuple:

@@ -182,15 +182,16 @@ class GraphRunner:
                     value = kern(op, [env[i] for i in op.inputs])
                 except (RuntimeError, ValueError, IndexError) as e:
                     raise GraphError(f"op '{op.name}' ({op.kind}) failed: {str(e).splitlines()[0]}") from None
-                name = op.outputs[0]
-                v = b.views.get(name)
-                if v is not None:
-                    off, shape = v
-                    off = off * esize // 4
-                    view = self._arena[off: off + esize * math.prod(shape)].view(self.dtype).view(shape)
-                    view.copy_(value)
-                    value = view
-                env[name] = value
+                values = value if isinstance(value, tuple) else (value,)  # a fused kind may have several outputs
+                for name, value in zip(op.outputs, values):
+                    v = b.views.get(name)
+                    if v is not None:
+                        off, shape = v
+                        off = off * esize // 4
+                        view = self._arena[off: off + esize * math.prod(shape)].view(self.dtype).view(shape)
+                        view.copy_(value)
+                        value = view
+                    env[name] = value
                 for n in free:
                     env.pop(n, None)
         return [env[o] for o in g.outputs]
@@ -209,5 +210,5 @@ def _on_cpu(fn: Callable, device: torch.device, dtype: torch.dtype) -> Callable:
 
     def run(op, ins):
         y = fn(op, [x.float().cpu() for x in ins])
-        return y.to(device, dtype)
+        return tuple(t.to(device, dtype) for t in y) if isinstance(y, tuple) else y.to(device, dtype)
     return run

@@ -198,12 +198,33 @@ _IGEMM_CONFIGS = [
 _conv_igemm_tuned = None if INTERPRET else triton.autotune(
     configs=_IGEMM_CONFIGS, key=["N", "OH", "OW", "Og", "K", "SH", "KH", "HAS_RES"])(_conv_igemm_kernel)
 
-def _plane_tile(planes: int, pixels: int) -> tuple[int, int]:
+def _plane_tile(planes: int, pixels: int, min_programs: int = 0) -> tuple[int, int]:
     """(planes, pixels) per program for the per-plane kernels: about 1-2K elements a program, as
-    many pixels as the plane has (small late-stage planes share a program across channels)."""
+    many pixels as the plane has (small late-stage planes share a program across channels).
+    min_programs: fewer planes, then fewer pixels, per program until the grid has at least this
+    many programs (ConvNeXt's late stages at batch 1: 384 planes of 14x14 made 48 programs, a
+    third of an H100's SMs)."""
     bp = min(256, triton.next_power_of_2(max(pixels, 16)))
     bc = max(1, min(triton.next_power_of_2(planes), 2048 // bp))
+    while triton.cdiv(planes, bc) * triton.cdiv(pixels, bp) < min_programs and (bc > 1 or bp > 32):
+        if bc > 1:
+            bc //= 2
+        else:
+            bp //= 2
     return bc, bp
+
+
+def _depthwise_min_programs(x: torch.Tensor) -> int:
+    """Programs the depthwise grid should have at least: two per SM (EDGELLM_DW_MIN_PROGRAMS
+    overrides; 0 keeps the tile sizes alone)."""
+    import os
+
+    env = os.environ.get("EDGELLM_DW_MIN_PROGRAMS")
+    if env is not None:
+        return int(env)
+    from ._common import device_sm_count
+
+    return 2 * device_sm_count(x)
 
 
 def pack_conv_weight(w: torch.Tensor, groups: int) -> torch.Tensor:
@@ -241,7 +262,7 @@ def conv2d(x: torch.Tensor, w_packed: torch.Tensor, bias: torch.Tensor | None, r
     r = residual.contiguous() if residual is not None else y
     kh, kw = kernel
     if depthwise_w is not None:
-        bc, bp = _plane_tile(n * c, oh * ow)
+        bc, bp = _plane_tile(n * c, oh * ow, _depthwise_min_programs(x))
         grid = (triton.cdiv(n * c, bc), triton.cdiv(oh * ow, bp))
         _conv_depthwise_kernel[grid](x, depthwise_w, b, r, y, n * c, c, h, wd, oh, ow, strides[0], strides[1], pads[0],
                                      pads[1], dilations[0], dilations[1], kh, kw, bias is not None, act_c, a0, a1,
