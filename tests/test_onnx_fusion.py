@@ -358,3 +358,45 @@ def test_packed_conv_weight_cache_follows_the_tensor():
     del w, a
     gc.collect()
     assert not vision._PACKED
+
+
+@pytest.mark.parametrize("dtype,act", [(torch.float32, "gelu"), (torch.float32, "relu"), (torch.float16, "gelu")])
+def test_triton_gemm_act(dtype, act):
+    """Our GEMM with bias + activation epilogue (EDGELLM_VISION_GEMM=triton) against float64: rows
+    not a multiple of the tile, an input with a row stride (a slice of a wider tensor)."""
+    _interpreter_or_gpu()
+    from edgellm.backends.cuda.kernels.dense import gemm_act
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(13)
+    wide = torch.randn(2, 19, 56, generator=g)
+    x = wide[..., :40].to(dev, dtype)  # [2, 19, 40] with row stride 56
+    w = (torch.randn(36, 40, generator=g) / 6).to(dev, dtype)
+    b = torch.randn(36, generator=g).to(dev, dtype)
+    want = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    want = torch.relu(want) if act == "relu" else torch.nn.functional.gelu(want)
+    for bias, ref in ((b, want), (None, None)):
+        got = gemm_act(x, w, bias, act)
+        if ref is None:
+            ref = torch.nn.functional.linear(x.double(), w.double())
+            ref = torch.relu(ref) if act == "relu" else torch.nn.functional.gelu(ref)
+        assert got.shape == (2, 19, 36) and got.dtype == dtype and torch.isfinite(got).all()
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        assert (got.double().cpu() - ref.cpu()).abs().max() < tol * max(1.0, float(ref.abs().max()))
+    with pytest.raises(ValueError, match="weight"):
+        gemm_act(x, w[:, :-1], b, act)
+
+
+def test_vit_with_triton_gemm_act(models, monkeypatch):
+    _interpreter_or_gpu()
+    from edgellm.backends.cuda.kernels import dense
+
+    monkeypatch.setenv("EDGELLM_VISION_GEMM", "triton")
+    calls = []
+    real = dense.gemm_act
+    monkeypatch.setattr(dense, "gemm_act", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+    path = models("vit_17")
+    m = load_onnx(path, backend="cuda", dtype="f32")
+    x = RNG.standard_normal((1, 3, 32, 32)).astype(np.float32)
+    assert rel_err(m(x)["logits"], onnxruntime_run(path, {"input": x})[0]) < 1e-4
+    assert calls == ["gelu", "gelu"]  # each layer's first MLP projection

@@ -131,10 +131,18 @@ def _add_layer_norm(op: Op, i: list):
 
 
 def _linear_act(op: Op, i: list) -> torch.Tensor:
-    y = torch.nn.functional.linear(i[0], i[1], i[2] if op.attrs.get("has_bias") else None)
-    if op.attrs["act"] == "relu":
+    """cuBLAS's product and one activation kernel; with EDGELLM_VISION_GEMM=triton, our GEMM with
+    the bias and activation in its epilogue (kernels/dense.py; one kernel, for A/B timing)."""
+    bias = i[2] if op.attrs.get("has_bias") else None
+    act, approx = op.attrs["act"], op.attrs.get("act_args", {}).get("approximate", "none")
+    if os.environ.get("EDGELLM_VISION_GEMM") == "triton" and (act == "relu" or approx == "none"):
+        from .kernels.dense import gemm_act
+
+        return gemm_act(i[0], i[1], bias, act)
+    y = torch.nn.functional.linear(i[0], i[1], bias)
+    if act == "relu":
         return y.relu_()
-    return torch.nn.functional.gelu(y, approximate=op.attrs.get("act_args", {}).get("approximate", "none"))
+    return torch.nn.functional.gelu(y, approximate=approx)
 
 
 def _mul_add(op: Op, i: list) -> torch.Tensor:
