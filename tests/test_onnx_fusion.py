@@ -400,3 +400,25 @@ def test_vit_with_triton_gemm_act(models, monkeypatch):
     x = RNG.standard_normal((1, 3, 32, 32)).astype(np.float32)
     assert rel_err(m(x)["logits"], onnxruntime_run(path, {"input": x})[0]) < 1e-4
     assert calls == ["gelu", "gelu"]  # each layer's first MLP projection
+
+
+def test_onnx_ops_script_reports_counts(tmp_path):
+    """benchmarks/onnx_ops.py: op counts before and after the passes, per model, as JSON (no GPU
+    here: --kernels is skipped with a note)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "ops.json"
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "onnx_ops.py"), "--models", "resnet18", "--size", "32",
+                        "--out", str(out)] + ([] if torch.cuda.is_available() else ["--kernels"]),
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (row,) = json.loads(out.read_text())
+    assert row["model"] == "resnet18" and row["ops_unfused"] == 50 and row["ops_fused"] == 24
+    assert row["kinds_fused"]["conv2d"] == 20 and "relu" not in row["kinds_fused"]
+    assert "resnet18" in r.stdout and ("needs a CUDA GPU" in r.stderr or torch.cuda.is_available())
