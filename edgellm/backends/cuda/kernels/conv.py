@@ -14,6 +14,8 @@ Activations (ACT codes) match edgellm.backends.cpu_nd.ACTIVATIONS.
 
 from __future__ import annotations
 
+import os as _os
+
 import torch
 import triton
 import triton.language as tl
@@ -198,6 +200,19 @@ _IGEMM_CONFIGS = [
 _conv_igemm_tuned = None if INTERPRET else triton.autotune(
     configs=_IGEMM_CONFIGS, key=["N", "OH", "OW", "Og", "K", "SH", "KH", "HAS_RES"])(_conv_igemm_kernel)
 
+# The depthwise tile, on the GPU, is also chosen by timing (once per shape, at the first eager call):
+# planes x pixels per program from one plane of 64 pixels (late ConvNeXt / MobileNet stages at
+# batch 1: 7x7 and 14x14 planes, hundreds of channels) to 16 planes of 256 (early stages, batch 8).
+# EDGELLM_DW_TUNE=0: the tile from _plane_tile's rule instead.
+_DW_CONFIGS = [
+    triton.Config({"BLOCK_C": bc, "BLOCK_P": bp}, num_warps=w)
+    for bc, bp, w in [(1, 64, 2), (2, 64, 2), (4, 64, 4), (16, 64, 4), (32, 64, 8), (1, 128, 4), (2, 128, 4),
+                      (8, 128, 4), (1, 256, 4), (2, 256, 4), (4, 256, 4), (8, 256, 8), (16, 256, 8)]
+]
+_conv_depthwise_tuned = None if INTERPRET else triton.autotune(
+    configs=_DW_CONFIGS, key=["NC", "C", "OH", "OW", "SH", "KH", "HAS_RES"])(_conv_depthwise_kernel)
+
+
 def _plane_tile(planes: int, pixels: int, min_programs: int = 0) -> tuple[int, int]:
     """(planes, pixels) per program for the per-plane kernels: about 1-2K elements a program, as
     many pixels as the plane has (small late-stage planes share a program across channels).
@@ -215,11 +230,9 @@ def _plane_tile(planes: int, pixels: int, min_programs: int = 0) -> tuple[int, i
 
 
 def _depthwise_min_programs(x: torch.Tensor) -> int:
-    """Programs the depthwise grid should have at least: two per SM (EDGELLM_DW_MIN_PROGRAMS
-    overrides; 0 keeps the tile sizes alone)."""
-    import os
-
-    env = os.environ.get("EDGELLM_DW_MIN_PROGRAMS")
+    """Programs the depthwise grid should have at least, where its tile is not tuned: two per SM
+    (EDGELLM_DW_MIN_PROGRAMS overrides; 0 keeps the tile sizes alone)."""
+    env = _os.environ.get("EDGELLM_DW_MIN_PROGRAMS")
     if env is not None:
         return int(env)
     from ._common import device_sm_count
@@ -250,7 +263,8 @@ def conv2d(x: torch.Tensor, w_packed: torch.Tensor, bias: torch.Tensor | None, r
            act=None, act_args=None, res_act=None, res_act_args=None, depthwise_w: torch.Tensor | None = None,
            block: tuple[int, int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """y = res_act(act(conv(x, w) + bias) + residual); pads = (top, left) (the bottom/right padding
-    only shows in out_hw). depthwise_w ([C, KH*KW]) selects the depthwise kernel."""
+    only shows in out_hw). depthwise_w ([C, KH*KW]) selects the depthwise kernel. block: a fixed
+    tile instead of the tuned one ((BLOCK_M, BLOCK_N, BLOCK_K); depthwise: (BLOCK_C, BLOCK_P))."""
     require_device(x, "conv2d input")
     x = x.contiguous()
     n, c, h, wd = x.shape
@@ -262,11 +276,17 @@ def conv2d(x: torch.Tensor, w_packed: torch.Tensor, bias: torch.Tensor | None, r
     r = residual.contiguous() if residual is not None else y
     kh, kw = kernel
     if depthwise_w is not None:
-        bc, bp = _plane_tile(n * c, oh * ow, _depthwise_min_programs(x))
+        dw_args = (x, depthwise_w, b, r, y, n * c, c, h, wd, oh, ow, strides[0], strides[1], pads[0], pads[1],
+                   dilations[0], dilations[1], kh, kw, bias is not None, act_c, a0, a1, residual is not None, ract_c,
+                   r0, r1)
+        if _conv_depthwise_tuned is not None and block is None and _os.environ.get("EDGELLM_DW_TUNE", "1") != "0":
+            def dw_grid(meta):
+                return (triton.cdiv(n * c, meta["BLOCK_C"]), triton.cdiv(oh * ow, meta["BLOCK_P"]))
+            _conv_depthwise_tuned[dw_grid](*dw_args)
+            return y
+        bc, bp = block[:2] if block is not None else _plane_tile(n * c, oh * ow, _depthwise_min_programs(x))
         grid = (triton.cdiv(n * c, bc), triton.cdiv(oh * ow, bp))
-        _conv_depthwise_kernel[grid](x, depthwise_w, b, r, y, n * c, c, h, wd, oh, ow, strides[0], strides[1], pads[0],
-                                     pads[1], dilations[0], dilations[1], kh, kw, bias is not None, act_c, a0, a1,
-                                     residual is not None, ract_c, r0, r1, BLOCK_C=bc, BLOCK_P=bp)
+        _conv_depthwise_kernel[grid](*dw_args, BLOCK_C=bc, BLOCK_P=bp)
         return y
     cg, og = c // groups, out_channels // groups
     k = cg * kh * kw
