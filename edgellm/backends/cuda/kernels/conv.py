@@ -202,12 +202,13 @@ _conv_igemm_tuned = None if INTERPRET else triton.autotune(
 
 # The depthwise tile, on the GPU, is also chosen by timing (once per shape, at the first eager call):
 # planes x pixels per program from one plane of 64 pixels (late ConvNeXt / MobileNet stages at
-# batch 1: 7x7 and 14x14 planes, hundreds of channels) to 16 planes of 256 (early stages, batch 8).
+# batch 1: 7x7 and 14x14 planes, hundreds of channels) to 16 planes of 256 (early stages, batch 8);
+# the rule's own tiles (8 x 256 and 32 x 64, 4 warps) are among them, so tuning cannot pick worse.
 # EDGELLM_DW_TUNE=0: the tile from _plane_tile's rule instead.
 _DW_CONFIGS = [
     triton.Config({"BLOCK_C": bc, "BLOCK_P": bp}, num_warps=w)
-    for bc, bp, w in [(1, 64, 2), (2, 64, 2), (4, 64, 4), (16, 64, 4), (32, 64, 8), (1, 128, 4), (2, 128, 4),
-                      (8, 128, 4), (1, 256, 4), (2, 256, 4), (4, 256, 4), (8, 256, 8), (16, 256, 8)]
+    for bc, bp, w in [(1, 64, 2), (2, 64, 2), (4, 64, 4), (16, 64, 4), (32, 64, 4), (1, 128, 4), (2, 128, 4),
+                      (8, 128, 4), (1, 256, 4), (2, 256, 4), (4, 256, 4), (8, 256, 4), (16, 256, 8)]
 ]
 _conv_depthwise_tuned = None if INTERPRET else triton.autotune(
     configs=_DW_CONFIGS, key=["NC", "C", "OH", "OW", "SH", "KH", "HAS_RES"])(_conv_depthwise_kernel)
