@@ -58,6 +58,22 @@ def store_int8_tile(y, row, col0, width, rmask, xq_ptr, xd_ptr, xs_ptr, NCOL: tl
 
 
 @jit
+def _summed(x_ptr, stride_x, r_ptr, stride_r, ro_ptr, stride_ro, row, c, mask, HAS_RES: tl.constexpr,
+            WRITE_RES: tl.constexpr, STORE: tl.constexpr):
+    """Columns c of one row of x (+ the residual) in fp32. With WRITE_RES the sum is rounded as
+    residual_out stores it (the fused op equals "add, store, then norm") and, with STORE, stored."""
+    x = tl.load(x_ptr + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        x += tl.load(r_ptr + row * stride_r + c, mask=mask, other=0.0).to(tl.float32)
+        if WRITE_RES:
+            xs = x.to(ro_ptr.dtype.element_ty)
+            if STORE:
+                tl.store(ro_ptr + row * stride_ro + c, xs, mask=mask)
+            x = xs.to(tl.float32)
+    return x
+
+
+@jit
 def _rms_norm_kernel(x_ptr, stride_x, r_ptr, stride_r, w_ptr, out_ptr, stride_o, ro_ptr, stride_ro, D, eps,
                      xq_ptr, xd_ptr, xs_ptr,
                      HAS_RES: tl.constexpr, WRITE_RES: tl.constexpr, QUANT: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -66,15 +82,8 @@ def _rms_norm_kernel(x_ptr, stride_x, r_ptr, stride_r, w_ptr, out_ptr, stride_o,
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK_D)
     mask = c < D
-    x = tl.load(x_ptr + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RES:
-        x += tl.load(r_ptr + row * stride_r + c, mask=mask, other=0.0).to(tl.float32)
-        if WRITE_RES:
-            # normalise the sum as stored, so the fused op equals "add, store, then norm"
-            xs = x.to(ro_ptr.dtype.element_ty)
-            if SLICE == BLOCK_D:
-                tl.store(ro_ptr + row * stride_ro + c, xs, mask=mask)
-            x = xs.to(tl.float32)
+    x = _summed(x_ptr, stride_x, r_ptr, stride_r, ro_ptr, stride_ro, row, c, mask, HAS_RES, WRITE_RES,
+                SLICE == BLOCK_D)
     ms = tl.sum(x * x, axis=0) / D
     r = 1.0 / tl.sqrt(ms + eps)
     if SLICE < BLOCK_D:
@@ -82,13 +91,7 @@ def _rms_norm_kernel(x_ptr, stride_x, r_ptr, stride_r, w_ptr, out_ptr, stride_o,
         # from L2 by each) and normalises, stores and quantizes only its SLICE columns
         c = tl.program_id(1) * SLICE + tl.arange(0, SLICE)
         mask = c < D
-        x = tl.load(x_ptr + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
-        if HAS_RES:
-            x += tl.load(r_ptr + row * stride_r + c, mask=mask, other=0.0).to(tl.float32)
-            if WRITE_RES:
-                xs = x.to(ro_ptr.dtype.element_ty)
-                tl.store(ro_ptr + row * stride_ro + c, xs, mask=mask)
-                x = xs.to(tl.float32)
+        x = _summed(x_ptr, stride_x, r_ptr, stride_r, ro_ptr, stride_ro, row, c, mask, HAS_RES, WRITE_RES, True)
     w = tl.load(w_ptr + c, mask=mask, other=0.0).to(tl.float32)
     y = (x * r * w).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_o + c, y, mask=mask)
