@@ -487,6 +487,22 @@ def _gemv_i8_kernel(xq_ptr, xd_ptr, xs_ptr,
 # ---------------------------------------------------------------------------------------------
 
 @jit
+def _dot_halves(lo, hi, xcol, k0, K, mmask, acc, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc += the products of a weight tile split into its 32-blocks' first halves (lo: elements
+    0..15 of each block, the low nibbles) and second halves (hi) with the matching rows of x^T:
+    operand column c of lo is element (c // 16) * 32 + c % 16 of the K-tile, of hi that + 16."""
+    lo = tl.reshape(lo, [BLOCK_N, BLOCK_K // 2])
+    hi = tl.reshape(hi, [BLOCK_N, BLOCK_K // 2])
+    c = tl.arange(0, BLOCK_K // 2)
+    klo = k0 + (c // 16) * 32 + c % 16
+    xm = (klo < K)[:, None] & mmask[None, :]
+    xlo = tl.load(xcol + klo[:, None], mask=xm, other=0.0).to(tl.float16)
+    xhi = tl.load(xcol + (klo + 16)[:, None], mask=xm, other=0.0).to(tl.float16)
+    acc = tl.dot(lo, xlo, acc)
+    return tl.dot(hi, xhi, acc)
+
+
+@jit
 def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
                  M, N, K, stride_q, stride_d,
                  FMT: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -550,15 +566,7 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
                     mp = w_m + rn64[:, None] * stride_d + kb[None, :] * 2
                     lo = lo + tl.load(mp, mask=wm, other=0.0).to(tl.float16)[:, :, None]
                     hi = hi + tl.load(mp + 1, mask=wm, other=0.0).to(tl.float16)[:, :, None]
-                lo = tl.reshape(lo, [BLOCK_N, BLOCK_K // 2])
-                hi = tl.reshape(hi, [BLOCK_N, BLOCK_K // 2])
-                c = tl.arange(0, BLOCK_K // 2)
-                klo = k0 + (c // 16) * 32 + c % 16
-                xm = (klo < K)[:, None] & mmask[None, :]
-                xlo = tl.load(xcol + klo[:, None], mask=xm, other=0.0).to(tl.float16)
-                xhi = tl.load(xcol + (klo + 16)[:, None], mask=xm, other=0.0).to(tl.float16)
-                acc = tl.dot(lo, xlo, acc)
-                acc = tl.dot(hi, xhi, acc)
+                acc = _dot_halves(lo, hi, xcol, k0, K, mmask, acc, BLOCK_N, BLOCK_K)
             else:
                 j = tl.arange(0, 16)
                 q = tl.load(w_q + rn64[:, None, None] * stride_q + kb[None, :, None] * 16 + j[None, None, :],
@@ -576,17 +584,7 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
                                  other=0.0).to(tl.float16)[:, :, None]
                     lo = (lo - 1024.0) * d + mn
                     hi = (hi - 1024.0) * d + mn
-                lo = tl.reshape(lo, [BLOCK_N, BLOCK_K // 2])
-                hi = tl.reshape(hi, [BLOCK_N, BLOCK_K // 2])
-                # operand column c is element (c // 16) * 32 + c % 16 of the tile (low nibbles);
-                # the high nibbles are the same elements + 16
-                c = tl.arange(0, BLOCK_K // 2)
-                klo = k0 + (c // 16) * 32 + c % 16
-                xm = (klo < K)[:, None] & mmask[None, :]
-                xlo = tl.load(xcol + klo[:, None], mask=xm, other=0.0).to(tl.float16)
-                xhi = tl.load(xcol + (klo + 16)[:, None], mask=xm, other=0.0).to(tl.float16)
-                acc = tl.dot(lo, xlo, acc)
-                acc = tl.dot(hi, xhi, acc)
+                acc = _dot_halves(lo, hi, xcol, k0, K, mmask, acc, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[:, None]
     optr = out_ptr + rm.to(tl.int64)[None, :] * stride_om + rn[:, None]
