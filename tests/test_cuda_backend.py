@@ -22,8 +22,6 @@ if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
 MODELS = {
     "llama-q4_0-gqa2": SyntheticSpec(n_layers=1, d_model=64, n_heads=4, n_kv_heads=2, ffn_dim=96, weight_type="Q4_0",
                                      embed_type="Q8_0", std=0.1, seed=21),
-    "llama-q4_0-hd32": SyntheticSpec(n_layers=1, d_model=128, n_heads=4, n_kv_heads=2, ffn_dim=96, weight_type="Q4_0",
-                                     embed_type="Q8_0", std=0.1, seed=23),
     "qwen2-q8_0-bias-untied": SyntheticSpec(arch="qwen2", n_layers=1, d_model=64, n_heads=4, n_kv_heads=1, ffn_dim=64,
                                             weight_type="Q8_0", tied=False, std=0.1, seed=22),
     "llama-f16-rope-freqs-q5": SyntheticSpec(n_layers=1, d_model=64, n_heads=2, n_kv_heads=2, ffn_dim=64,
@@ -38,6 +36,12 @@ MODELS = {
 }
 
 
+# heads of 32 (the attention kernels then write the output projection's int8 activations): for the
+# decode-fusion test only (each whole-model case costs minutes in the interpreter)
+HD32 = SyntheticSpec(n_layers=1, d_model=128, n_heads=4, n_kv_heads=2, ffn_dim=96, weight_type="Q4_0",
+                     embed_type="Q8_0", std=0.1, seed=23)
+
+
 @pytest.fixture(autouse=True)
 def _cuda_device(monkeypatch):
     if not ON_GPU:
@@ -50,7 +54,10 @@ def test_cuda_logits_match_cpu(name, tmp_path):
     path = write_synthetic_gguf(tmp_path / "m.gguf", spec)
     ids = np.random.default_rng(spec.seed).integers(0, spec.vocab_size, 11).tolist()
     ref = edgellm.load(path, ctx=32).logits(ids)
-    m = edgellm.load(path, backend="cuda", ctx=32, prefill_chunk=8)  # two prefill chunks
+    # two prefill chunks (of at most 8 tokens: the decode GEMVs); the K-quant model in the interpreter
+    # in one chunk of 11 (the GEMM), its GEMVs taking over ten minutes there (they have kernel tests)
+    slow = "q4_k" in name and not ON_GPU
+    m = edgellm.load(path, backend="cuda", ctx=32, prefill_chunk=16 if slow else 8)
     got = m.logits(ids)
     assert got.shape == ref.shape and np.isfinite(got).all()
     # fp16 activations and caches: relative to the logit scale. The K-quant model is looser: measured
@@ -59,6 +66,8 @@ def test_cuda_logits_match_cpu(name, tmp_path):
     tol = 1e-2 if "q4_k" in name else 5e-3
     assert np.abs(got - ref).max() <= tol * np.abs(ref).max()
     assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+    if slow:
+        return
     # decode through the in-place fp16 cache: the same positions again, one token at a time
     steps = [m.forward(ids[:6], 0, all_logits=False)[-1]]
     steps += [m.forward([ids[i]], i, all_logits=False)[-1] for i in range(6, len(ids))]
@@ -140,7 +149,7 @@ def test_decode_fusions_match_unfused_program(tmp_path, monkeypatch, name):
     agree with each other."""
     monkeypatch.setenv("EDGELLM_ACT_INT8", "1")  # every GEMV on int8 activations: the norm writes them
     monkeypatch.setenv("EDGELLM_NORM_TAIL", "1")  # opt-in
-    spec = MODELS[name]
+    spec = MODELS[name] if name in MODELS else HD32
     path = write_synthetic_gguf(tmp_path / "m.gguf", spec)
     ids = np.random.default_rng(5).integers(0, spec.vocab_size, 7).tolist()
     ref = edgellm.load(path, ctx=32).logits(ids)
