@@ -2,13 +2,15 @@
 PyTorch with CUDA graphs, and onnxruntime on the same ONNX file; output agreement vs fp32.
 
     python benchmarks/bench_onnx.py [--models resnet18,mobilenet_v2,...] [--size 224] [--batches 1,8]
-                                    [--reps 50] [--out results.json]
+                                    [--reps 50] [--variant NAME:VAR=VAL[,VAR=VAL]] [--no-ort] [--out results.json]
 
 Each architecture is built with random weights (nothing is downloaded), exported once to ONNX
 (opset 17, dynamic batch) in a temporary folder, and run by every engine in this one process on
 the same inputs. Latency: CUDA-event timing around one call, after warm-up; the table shows the
 median and the min-max spread; throughput is batch / median. Agreement: max |y - y_fp32| /
-max |y_fp32| against PyTorch fp32 eager on the same weights.
+max |y_fp32| against PyTorch fp32 eager on the same weights. --variant adds an edgellm row per
+variant: the same file loaded again and run (compiled, CUDA graph captured) with those environment
+variables set, for A/B rows measured in the same run (e.g. split:EDGELLM_CONV_SPLITK=1).
 Needs: torch with CUDA, triton (3.6), onnx, onnxruntime-gpu (else onnxruntime's CPU provider is
 timed and marked so), torchvision (or its wheel unpacked as tests/onnx_models.py describes).
 """
@@ -28,6 +30,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_vs_llamacpp import environment, variant_arg  # noqa: E402
 
 DEFAULT_MODELS = "resnet18,mobilenet_v2,mobilenet_v3_small,efficientnet_b0,vit_b_16,convnext_tiny"
 
@@ -83,6 +87,9 @@ def main() -> int:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    ap.add_argument("--variant", action="append", default=[], type=variant_arg,
+                    help="NAME:VAR=VAL[,VAR=VAL]: another edgellm row with these environment variables set")
+    ap.add_argument("--no-ort", action="store_true", help="leave onnxruntime out")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_onnx: needs a CUDA GPU", file=sys.stderr)
@@ -93,6 +100,8 @@ def main() -> int:
     try:
         import onnxruntime as ort
     except ImportError:
+        ort = None
+    if args.no_ort:
         ort = None
     torch.backends.cudnn.benchmark = True
     tvm = tv_models()
@@ -108,11 +117,14 @@ def main() -> int:
         path = export(model, tmp / f"{name}.onnx", args.size, dynamic_hw=not name.startswith("vit"))
         fp32 = model.cuda()
         half = __import__("copy").deepcopy(model).half().to(memory_format=torch.channels_last).cuda()
-        try:
-            em = edgellm.load(path, backend="cuda")
-        except Exception as e:  # recorded, not fatal (ELIB's rule)
-            em = None
-            print(f"{name:<20} edgellm load failed: {type(e).__name__}: {e}")
+        variants = {}  # engine name suffix -> (model, environment)
+        for vname, env in [("", {})] + args.variant:
+            try:
+                with environment(env):
+                    variants[vname] = (edgellm.load(path, backend="cuda"), env)
+            except Exception as e:  # recorded, not fatal (ELIB's rule)
+                print(f"{name:<20} edgellm{' ' + vname if vname else ''} load failed: {type(e).__name__}: {e}")
+        em = variants.get("", (None, {}))[0]
         sess = None
         if ort is not None:
             prov = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in ort.get_available_providers()]
@@ -125,30 +137,32 @@ def main() -> int:
                 ref = fp32(x.cuda()).float().cpu().numpy()
             xh = x.cuda().half().to(memory_format=torch.channels_last)
             engines = []
-            if em is not None:
-                xe = {em.input_names[0]: x.cuda().half()}
+            for vname, (vm, env) in variants.items():
+                xe = {vm.input_names[0]: x.cuda().half()}
 
-                def run_e():  # device tensors in and out, as the torch engines are timed
-                    return em.run_device(xe)
-                engines.append((f"edgellm cuda {'fp16' if em.dtype == torch.float16 else 'fp32'}", run_e,
-                                lambda: list(run_e().values())[0].float().cpu().numpy()))
+                def run_e(vm=vm, xe=xe):  # device tensors in and out, as the torch engines are timed
+                    return vm.run_device(xe)
+                ename = f"edgellm cuda {'fp16' if vm.dtype == torch.float16 else 'fp32'}" + (f" {vname}" if vname else "")
+                engines.append((ename, run_e, lambda run_e=run_e: list(run_e().values())[0].float().cpu().numpy(), env))
 
             def run_eager():
                 with torch.inference_mode():
                     return half(xh)
-            engines.append(("torch eager cl fp16", run_eager, lambda: run_eager().float().cpu().numpy()))
+            engines.append(("torch eager cl fp16", run_eager, lambda: run_eager().float().cpu().numpy(), {}))
             try:
                 g, sx, sy = cuda_graphed(half, xh)
-                engines.append(("torch cuda-graph cl fp16", g.replay, lambda: (g.replay(), sy.float().cpu().numpy())[1]))
+                engines.append(("torch cuda-graph cl fp16", g.replay, lambda: (g.replay(), sy.float().cpu().numpy())[1],
+                                {}))
             except Exception as e:
                 print(f"{name:<20} {batch:>5} torch CUDA graph capture failed: {e}")
             if sess is not None:
                 inp = sess.get_inputs()[0].name
-                engines.append((ort_name, lambda: sess.run(None, {inp: xn}), lambda: sess.run(None, {inp: xn})[0]))
-            for ename, fn, outfn in engines:
+                engines.append((ort_name, lambda: sess.run(None, {inp: xn}), lambda: sess.run(None, {inp: xn})[0], {}))
+            for ename, fn, outfn, env in engines:
                 try:
-                    t = timed(fn, args.reps)
-                    err = rel(np.asarray(outfn()), ref)
+                    with environment(env):  # a variant's first calls compile and capture under its settings
+                        t = timed(fn, args.reps)
+                        err = rel(np.asarray(outfn()), ref)
                 except Exception as e:
                     print(f"{name:<20} {batch:>5} {ename:<26} failed: {type(e).__name__}: {str(e)[:120]}")
                     rows.append({"model": name, "batch": batch, "engine": ename, "error": str(e)[:300]})
@@ -159,9 +173,10 @@ def main() -> int:
                              "device": dev, "size": args.size})
                 print(f"{name:<20} {batch:>5} {ename:<26} {med:>10.3f} {min(t):>7.3f}-{max(t):<8.3f} "
                       f"{batch / med * 1e3:>9.1f} {err:>16.2e}")
-            if em is not None and em.runner.graph_errors:
-                print(f"{name:<20} {batch:>5} (edgellm ran without a CUDA graph: {em.runner.graph_errors})")
-        del fp32, half, em, sess
+            for vname, (vm, _) in variants.items():
+                if vm.runner.graph_errors:
+                    print(f"{name:<20} {batch:>5} (edgellm {vname} ran without a CUDA graph: {vm.runner.graph_errors})")
+        del fp32, half, em, sess, variants
         torch.cuda.empty_cache()
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))

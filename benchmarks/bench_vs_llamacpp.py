@@ -23,6 +23,7 @@ configurations and whether they were tuned, read from the tuning cache or defaul
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -94,7 +95,8 @@ def _ints(text: str) -> list[int]:
     return vals
 
 
-def _variant(text: str) -> tuple[str, dict]:
+def variant_arg(text: str) -> tuple[str, dict]:
+    """argparse type of --variant NAME:VAR=VAL[,VAR=VAL...] (also bench_onnx.py's)."""
     name, _, assigns = text.partition(":")
     env = {}
     for item in filter(None, assigns.split(",")):
@@ -107,21 +109,29 @@ def _variant(text: str) -> tuple[str, dict]:
     return name, env
 
 
-def _measure_with(env: dict, *args) -> dict:
-    from gpu_check import measure
-
+@contextlib.contextmanager
+def environment(env: dict):
+    """These environment variables set inside the block, the previous values restored after it."""
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        return measure(*args)
-    except Exception as e:
-        return {"error": f"{type(e).__name__}: {e}"[:200]}
+        yield
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _measure_with(env: dict, *args) -> dict:
+    from gpu_check import measure
+
+    with environment(env):
+        try:
+            return measure(*args)
+        except Exception as e:
+            return {"error": f"{type(e).__name__}: {e}"[:200]}
 
 
 def main() -> None:
@@ -137,7 +147,7 @@ def main() -> None:
     ap.add_argument("-r", type=int, default=5)
     ap.add_argument("--fa", type=int, default=1)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--variant", action="append", default=[], type=_variant,
+    ap.add_argument("--variant", action="append", default=[], type=variant_arg,
                     help="NAME:VAR=VAL[,VAR=VAL]: measure edgellm again with these environment variables")
     a = ap.parse_args()
     from gpu_check import copy_bandwidth  # torch with CUDA

@@ -195,6 +195,13 @@ def conv_kernels():
     return conv
 
 
+def _kernel_device():
+    """Where the kernel tests' tensors live: the GPU when there is one, else the host (interpreter)."""
+    import torch
+
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 @pytest.mark.parametrize("case", [
     dict(c=5, o=7, groups=1, k=3, s=(1, 1), p=(1, 1, 1, 1), d=(1, 1), act="relu", res=True, res_act="relu"),
     dict(c=6, o=9, groups=3, k=3, s=(2, 1), p=(0, 1, 2, 1), d=(1, 2), act="hardswish", res=False, res_act=None),
@@ -202,7 +209,8 @@ def conv_kernels():
     dict(c=4, o=4, groups=4, k=5, s=(1, 1), p=(2, 2, 2, 2), d=(1, 1), act="silu", res=True, res_act=None),
     dict(c=3, o=10, groups=1, k=1, s=(1, 1), p=(0, 0, 0, 0), d=(1, 1), act="gelu", res=False, res_act=None),
 ])
-def test_triton_conv_matches_reference(conv_kernels, case):
+@pytest.mark.parametrize("split_k", [None, 3])
+def test_triton_conv_matches_reference(conv_kernels, case, split_k):
     import torch
     import torch.nn.functional as F
 
@@ -221,12 +229,17 @@ def test_triton_conv_matches_reference(conv_kernels, case):
     if res is not None:
         ref = activate(ref + res.double(), case["res_act"], {})
     depthwise = case["groups"] == case["c"] == case["o"]
+    if depthwise and split_k:
+        pytest.skip("the depthwise kernel has no reduction to split")
     wp = wt.reshape(case["o"], -1).contiguous() if depthwise else conv_kernels.pack_conv_weight(wt, case["groups"])
-    out = torch.full(ref.shape, float("nan"))  # poisoned: every element must be written
+    dev = _kernel_device()
+    x, wp, b = x.to(dev), wp.to(dev), b.to(dev)
+    res = res.to(dev) if res is not None else None
+    out = torch.full(ref.shape, float("nan"), device=dev)  # poisoned: every element must be written
     y = conv_kernels.conv2d(x, wp, b, res, out_channels=case["o"], kernel=(case["k"], case["k"]), strides=case["s"],
                             pads=(t, l), dilations=case["d"], groups=case["groups"], out_hw=tuple(ref.shape[2:]),
                             act=case["act"], act_args=args, res_act=case["res_act"],
-                            depthwise_w=wp if depthwise else None, out=out)
+                            depthwise_w=wp if depthwise else None, out=out, split_k=split_k).cpu()
     assert not torch.isnan(y).any()
     assert rel_err(y.numpy(), ref.numpy()) < 1e-5
 
@@ -241,11 +254,12 @@ def test_triton_pool_matches_reference(conv_kernels, is_max, count_pad):
         ref = F.max_pool2d(x, 3, 2, 1)
     else:
         ref = F.avg_pool2d(x, 3, 2, 1, count_include_pad=count_pad)
-    out = torch.full(ref.shape, float("nan"))
-    y = conv_kernels.pool2d(x, is_max=is_max, kernel=(3, 3), strides=(2, 2), pads=(1, 1), dilations=(1, 1),
-                            out_hw=tuple(ref.shape[2:]), count_include_pad=count_pad, pads_end=(1, 1), out=out)
+    dev = _kernel_device()
+    out = torch.full(ref.shape, float("nan"), device=dev)
+    y = conv_kernels.pool2d(x.to(dev), is_max=is_max, kernel=(3, 3), strides=(2, 2), pads=(1, 1), dilations=(1, 1),
+                            out_hw=tuple(ref.shape[2:]), count_include_pad=count_pad, pads_end=(1, 1), out=out).cpu()
     assert rel_err(y.numpy(), ref.numpy()) < 1e-6
-    gp = conv_kernels.global_avgpool(x)
+    gp = conv_kernels.global_avgpool(x.to(dev)).cpu()
     assert rel_err(gp.numpy(), x.double().mean((2, 3), keepdim=True).numpy()) < 1e-6
 
 

@@ -54,10 +54,12 @@ def _conv_igemm_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr,
                        KH: tl.constexpr, KW: tl.constexpr,
                        HAS_BIAS: tl.constexpr, ACT: tl.constexpr, a0, a1,
                        HAS_RES: tl.constexpr, RACT: tl.constexpr, r0, r1, IEEE: tl.constexpr,
+                       ws_ptr, SPLIT: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    g = tl.program_id(2)
+    g = tl.program_id(2) // SPLIT
+    split = tl.program_id(2) % SPLIT
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # output pixels
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output channels within the group
     M = N * OH * OW
@@ -71,7 +73,11 @@ def _conv_igemm_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr,
     iw0 = ow * SW - PL
     x_row = x_ptr + (n.to(tl.int64) * C + g * Cg) * H * W
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # split-K: this program reduces one of SPLIT consecutive ranges of whole K-tiles
+    k_per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K
+    k_lo = split * k_per
+    k_hi = tl.minimum(K, k_lo + k_per)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         c = ks // (KH * KW)
         kr = ks % (KH * KW)
@@ -79,15 +85,28 @@ def _conv_igemm_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr,
         kw = kr % KW
         ih = ih0[:, None] + kh[None, :] * DH
         iw = iw0[:, None] + kw[None, :] * DW
-        ok = row_ok[:, None] & (ks < K)[None, :] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+        ok = row_ok[:, None] & (ks < k_hi)[None, :] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
         a = tl.load(x_row[:, None] + c[None, :] * H * W + ih * W + iw, mask=ok, other=0.0)
         b = tl.load(w_ptr + (g * K + ks[:, None]) * Og + cols[None, :],
-                    mask=(ks < K)[:, None] & col_ok[None, :], other=0.0)
+                    mask=(ks < k_hi)[:, None] & col_ok[None, :], other=0.0)
         if IEEE:
             acc += tl.dot(a, b, input_precision="ieee")
         else:
             acc += tl.dot(a, b)
     oc = g * Og + cols
+    if SPLIT > 1:  # partial sums in fp32 [SPLIT, M, O]; _splitk_epilogue_kernel adds them up
+        ws = ws_ptr + (split * M + rows).to(tl.int64)[:, None] * O + oc[None, :]
+        tl.store(ws, acc, mask=row_ok[:, None] & col_ok[None, :])
+    else:
+        _conv_epilogue(acc, b_ptr, r_ptr, y_ptr, n, oh, ow, oc, row_ok, col_ok, O, OH, OW,
+                       HAS_BIAS, ACT, a0, a1, HAS_RES, RACT, r0, r1)
+
+
+@jit
+def _conv_epilogue(acc, b_ptr, r_ptr, y_ptr, n, oh, ow, oc, row_ok, col_ok, O, OH, OW,
+                   HAS_BIAS: tl.constexpr, ACT: tl.constexpr, a0, a1, HAS_RES: tl.constexpr, RACT: tl.constexpr,
+                   r0, r1):
+    """+ bias, act, + residual, res_act, stored to the NCHW output: rows (n, oh, ow) x channels oc."""
     if HAS_BIAS:
         acc += tl.load(b_ptr + oc, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     acc = _act(acc, ACT, a0, a1)
@@ -97,6 +116,25 @@ def _conv_igemm_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr,
         acc += tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         acc = _act(acc, RACT, r0, r1)
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@jit
+def _splitk_epilogue_kernel(ws_ptr, b_ptr, r_ptr, y_ptr, M, O, OH, OW,
+                            HAS_BIAS: tl.constexpr, ACT: tl.constexpr, a0, a1, HAS_RES: tl.constexpr,
+                            RACT: tl.constexpr, r0, r1, SPLIT: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    oc = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = oc < O
+    mask = row_ok[:, None] & col_ok[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(ws_ptr + (s * M + rows).to(tl.int64)[:, None] * O + oc[None, :], mask=mask, other=0.0)
+    n = rows // (OH * OW)
+    rem = rows % (OH * OW)
+    _conv_epilogue(acc, b_ptr, r_ptr, y_ptr, n, rem // OW, rem % OW, oc, row_ok, col_ok, O, OH, OW,
+                   HAS_BIAS, ACT, a0, a1, HAS_RES, RACT, r0, r1)
 
 
 @jit
@@ -198,7 +236,23 @@ _IGEMM_CONFIGS = [
                               (128, 32, 32, 4, 3), (256, 64, 32, 8, 3)]
 ]
 _conv_igemm_tuned = None if INTERPRET else triton.autotune(
-    configs=_IGEMM_CONFIGS, key=["N", "OH", "OW", "Og", "K", "SH", "KH", "HAS_RES"])(_conv_igemm_kernel)
+    configs=_IGEMM_CONFIGS, key=["N", "OH", "OW", "Og", "K", "SH", "KH", "HAS_RES", "SPLIT"])(_conv_igemm_kernel)
+
+
+def splitk_count(m: int, og: int, groups: int, k: int, sms: int) -> int:
+    """K-ranges the implicit GEMM splits into: late ResNet stages at batch 1 are GEMMs of 49-196
+    rows by 256-512 channels over K = 2,304-4,608, which 64x64 tiles cover in 8-16 programs,
+    a tenth of an H100's SMs, each walking the whole K. Split until about one program per SM,
+    keeping at least 256 of K per range (8 = the most; 1 where the tiles fill the GPU already).
+    EDGELLM_CONV_SPLITK=N fixes the count (1: never split)."""
+    env = _os.environ.get("EDGELLM_CONV_SPLITK")
+    if env is not None:
+        return max(1, int(env))
+    tiles = triton.cdiv(m, 64) * triton.cdiv(og, 64) * groups
+    split = 1
+    while split < 8 and tiles * split * 2 <= sms and k // (split * 2) >= 256:
+        split *= 2
+    return split
 
 # The depthwise tile, on the GPU, is also chosen by timing (once per shape, at the first eager call):
 # planes x pixels per program from one plane of 64 pixels (late ConvNeXt / MobileNet stages at
@@ -262,10 +316,12 @@ def _act_args(act: str | None, args: dict | None) -> tuple[int, float, float]:
 def conv2d(x: torch.Tensor, w_packed: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None, *,
            out_channels: int, kernel: tuple[int, int], strides, pads, dilations, groups: int, out_hw,
            act=None, act_args=None, res_act=None, res_act_args=None, depthwise_w: torch.Tensor | None = None,
-           block: tuple[int, int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+           block: tuple[int, int, int] | None = None, out: torch.Tensor | None = None,
+           split_k: int | None = None) -> torch.Tensor:
     """y = res_act(act(conv(x, w) + bias) + residual); pads = (top, left) (the bottom/right padding
     only shows in out_hw). depthwise_w ([C, KH*KW]) selects the depthwise kernel. block: a fixed
-    tile instead of the tuned one ((BLOCK_M, BLOCK_N, BLOCK_K); depthwise: (BLOCK_C, BLOCK_P))."""
+    tile instead of the tuned one ((BLOCK_M, BLOCK_N, BLOCK_K); depthwise: (BLOCK_C, BLOCK_P)).
+    split_k: K-ranges of the implicit GEMM summed by a second kernel (default: splitk_count's)."""
     require_device(x, "conv2d input")
     x = x.contiguous()
     n, c, h, wd = x.shape
@@ -291,17 +347,29 @@ def conv2d(x: torch.Tensor, w_packed: torch.Tensor, bias: torch.Tensor | None, r
         return y
     cg, og = c // groups, out_channels // groups
     k = cg * kh * kw
+    m = n * oh * ow
+    if split_k is None:
+        from ._common import device_sm_count
+
+        split_k = splitk_count(m, og, groups, k, device_sm_count(x))
+    ws = torch.empty((split_k, m, out_channels), device=x.device, dtype=torch.float32) if split_k > 1 else y
     args = (x, w_packed, b, r, y, n, c, h, wd, out_channels, oh, ow, cg, og, k,
             strides[0], strides[1], pads[0], pads[1], dilations[0], dilations[1], kh, kw,
-            bias is not None, act_c, a0, a1, residual is not None, ract_c, r0, r1, x.dtype == torch.float32)
+            bias is not None, act_c, a0, a1, residual is not None, ract_c, r0, r1, x.dtype == torch.float32,
+            ws, split_k)
     if _conv_igemm_tuned is not None and block is None:
         def grid(meta):
-            return (triton.cdiv(n * oh * ow, meta["BLOCK_M"]), triton.cdiv(og, meta["BLOCK_N"]), groups)
+            return (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(og, meta["BLOCK_N"]), groups * split_k)
         _conv_igemm_tuned[grid](*args)
-        return y
-    bm, bn, bk = block or (32, 32, 32)
-    grid = (triton.cdiv(n * oh * ow, bm), triton.cdiv(og, bn), groups)
-    _conv_igemm_kernel[grid](*args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    else:
+        bm, bn, bk = block or (32, 32, 32)
+        grid = (triton.cdiv(m, bm), triton.cdiv(og, bn), groups * split_k)
+        _conv_igemm_kernel[grid](*args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    if split_k > 1:
+        bm, bn = 32, 64
+        _splitk_epilogue_kernel[(triton.cdiv(m, bm), triton.cdiv(out_channels, bn))](
+            ws, b, r, y, m, out_channels, oh, ow, bias is not None, act_c, a0, a1, residual is not None, ract_c,
+            r0, r1, split_k, BLOCK_M=bm, BLOCK_N=bn)
     return y
 
 
