@@ -94,6 +94,10 @@ def gemv_config(fmt: str, act_int8: bool = False, glu: bool = False, n_elements:
         cfg = dict(GEMV_SMALL_DEFAULT[fmt])
     else:
         cfg = dict(GEMV_DEFAULT[fmt])
+    return _fit_k(cfg, fmt, K)
+
+
+def _fit_k(cfg: dict, fmt: str, K: int) -> dict:
     # a K-tile longer than the row leaves whole warps masked off, and the float-Q4 loop is bound by
     # instruction issue: the large tile (4096 columns, 4 warps) ran the 128256 x 2048 output
     # projection at 44% of copy bandwidth and SmolLM2's 49152 x 576 one at 15% (H100 profile,
@@ -104,6 +108,16 @@ def gemv_config(fmt: str, act_int8: bool = False, glu: bool = False, n_elements:
             cfg["BLOCK_K"] //= 2
             cfg["num_warps"] //= 2
     return cfg
+
+
+def gemv_interpreter_config(fmt: str, act_int8: bool = False, glu: bool = False, K: int = 0) -> dict:
+    """The decode GEMV tile under Triton's interpreter: it runs programs one after another in
+    Python at a cost per operation almost independent of the tile, so the largest of the tiles
+    the GPU uses (default and tuner candidates, each tested on both) runs fastest there. With the
+    H100's two-row defaults a whole-model test took four to eight times longer interpreted."""
+    tiles = [gemv_config(fmt, act_int8, glu)] + gemv_tune_candidates(fmt, act_int8 and fmt != "F16", glu)
+    cfg = dict(max(tiles, key=lambda c: (c["BLOCK_N"] * c["BLOCK_K"], c["BLOCK_N"])))
+    return _fit_k(cfg, fmt, K)
 
 
 def gemv_tune_candidates(fmt: str, act_int8: bool = False, glu: bool = False) -> list[dict]:

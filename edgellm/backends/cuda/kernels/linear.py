@@ -41,8 +41,8 @@ import triton
 import triton.language as tl
 
 from . import configs
-from ._common import (USE_DP4A, check_2d, device_sm_count, dp4a, int_or_tensor, jit, or_under_one, out_buffer, pdl,
-                      pdl_prologue)
+from ._common import (INTERPRET, USE_DP4A, check_2d, device_sm_count, dp4a, int_or_tensor, jit, or_under_one,
+                      out_buffer, pdl, pdl_prologue)
 from .elementwise import ACT_CODES, gate_act
 from .norm import NormTail, norm_tail_epilogue
 from .packing import PackedWeight
@@ -616,7 +616,9 @@ def _check_weight(x: torch.Tensor, w: PackedWeight, name: str = "w") -> None:
 
 def _decode_cfg(fmt: str, config, act_int8: bool = False, glu: bool = False, n_elements: int = 0,
                 K: int = 0) -> dict:
-    cfg = {**configs.gemv_config(fmt, act_int8, glu, n_elements, K), **(config or {})}
+    pick = configs.gemv_interpreter_config(fmt, act_int8, glu, K) if INTERPRET else configs.gemv_config(
+        fmt, act_int8, glu, n_elements, K)
+    cfg = {**pick, **(config or {})}
     if fmt != "F16" and cfg["BLOCK_K"] % 32:
         raise ValueError(f"BLOCK_K={cfg['BLOCK_K']} must be a multiple of 32 for {fmt}")
     return cfg
