@@ -170,11 +170,15 @@ def test_decode_fusions_match_unfused_program(tmp_path, monkeypatch, name):
     assert prog._splits == 3
     plain, _ = decode_steps("0", 512)
     scale = np.abs(ref).max()
-    # the first step (position 0, no rotation, one split) is the same arithmetic; later ones differ by
-    # fp16 rounding (q|k rotated before rounding, split partials in fp32), which int8 re-quantization
-    # of the next activations amplifies to ~1% (test_cuda_logits_match_cpu checks the float path tightly)
-    assert np.abs(fused[0] - plain[0]).max() <= 1e-4 * scale
+    # the first step (position 0, no rotation, one split) is nearly the same arithmetic: the norm
+    # tail quantizes the norm's int8 copy from float32 values where the norm kernel quantizes the
+    # float16 values it stores, so a few codes are a rounding step apart (1.6e-3 of the largest
+    # logit, 3e-4 without heads of 32). Later steps differ by fp16 rounding too (q|k rotated before
+    # rounding, split partials in fp32), which int8 re-quantization of the next activations
+    # amplifies to ~1% (test_cuda_logits_match_cpu checks the float path tightly)
+    assert np.abs(fused[0] - plain[0]).max() <= 3e-3 * scale
     assert np.abs(fused - plain).max() <= 2e-2 * scale
+    assert np.abs(fused - ref).max() <= 1.5 * np.abs(plain - ref).max()  # no less accurate
     # int8 activations against the float32 cpu reference
     assert np.abs(fused - ref).max() <= 3e-2 * scale and (fused.argmax(-1) == ref.argmax(-1)).mean() >= 0.8
 
