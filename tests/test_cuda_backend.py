@@ -140,14 +140,17 @@ def test_unsupported_ops_are_delegated_to_cpu(tmp_path, monkeypatch):
     assert np.abs(np.stack(steps) - ref[3:]).max() <= 5e-3 * np.abs(ref).max()
 
 
-@pytest.mark.parametrize("name", ["llama-q4_0-gqa2", "llama-q4_0-hd32"])
-def test_decode_fusions_match_unfused_program(tmp_path, monkeypatch, name):
+@pytest.mark.parametrize("name,int8", [("llama-q4_0-gqa2", True), ("llama-q4_0-hd32", True),
+                                       ("llama-q4_0-hd32", False)])
+def test_decode_fusions_match_unfused_program(tmp_path, monkeypatch, name, int8):
     """The decode-stage kernel fusions (RoPE + KV write in the q|k|v GEMV epilogue, the int8 copy
     of the norm output written by the norm kernel and, with heads of 32-multiples, of the attention
     output by the attention kernel, the residual add + norm in the GEMV before it) give the logits
     of the unfused kernels, and the split-count buckets of decode attention (1 split, then more)
     agree with each other."""
-    monkeypatch.setenv("EDGELLM_ACT_INT8", "1")  # every GEMV on int8 activations: the norm writes them
+    # int8: every GEMV on int8 activations (the norm writes them); else every one on float ones (the
+    # norm tail writes the weighted sums in float32 for them)
+    monkeypatch.setenv("EDGELLM_ACT_INT8", "1" if int8 else "0")
     monkeypatch.setenv("EDGELLM_NORM_TAIL", "1")  # opt-in
     spec = MODELS[name] if name in MODELS else HD32
     path = write_synthetic_gguf(tmp_path / "m.gguf", spec)
@@ -159,11 +162,11 @@ def test_decode_fusions_match_unfused_program(tmp_path, monkeypatch, name):
         monkeypatch.setattr("edgellm.backends.cuda.kernels.configs.ATTN_DECODE_KEYS_PER_SPLIT", keys_per_split)
         m = edgellm.load(path, backend="cuda", ctx=256)  # up to 4 splits of 64 keys
         prog = m.programs["decode"]
-        assert bool(prog._rope_into_gemv) == (fusion == "1") and bool(prog._xq_for) == (fusion == "1")
+        assert bool(prog._rope_into_gemv) == (fusion == "1") and bool(prog._xq_for) == (fusion == "1" and int8)
         assert bool(prog._norm_tail) == (fusion == "1")  # residual add + norm in the o / down GEMVs
         attn_out = {op.outputs[0] for op in prog.graph.ops if op.kind == "attention"}
         head_dim = spec.d_model // spec.n_heads
-        assert bool(attn_out & set(prog._xq_for)) == (fusion == "1" and head_dim % 32 == 0)
+        assert bool(attn_out & set(prog._xq_for)) == (fusion == "1" and int8 and head_dim % 32 == 0)
         out = [m.forward([t], i, all_logits=False)[-1] for i, t in enumerate(ids)]
         return np.stack(out), prog
     fused, prog = decode_steps("1", 3)  # 1 split up to 3 keys, then 2, 3 splits

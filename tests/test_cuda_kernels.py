@@ -373,16 +373,16 @@ def _group_sumsq(s: np.ndarray) -> np.ndarray:
     return (s * s).reshape(s.shape[0], -1, 32).sum(axis=2)
 
 
-@pytest.mark.parametrize("fmt,int8,T,in_place,block_n", [("Q4_0", False, 1, True, 8), ("F16", False, 2, False, 4),
-                                                         ("Q8_0", True, 3, True, 2), ("Q4_1", True, 1, True, 32),
-                                                         ("Q8_0", True, 2, False, 64)])
-def test_linear_norm_tail(rng, fmt, int8, T, in_place, block_n):
+@pytest.mark.parametrize("fmt,int8,T,in_place,block_n,both", [
+    ("Q4_0", False, 1, True, 8, False), ("F16", False, 2, False, 4, False), ("Q8_0", True, 3, True, 2, False),
+    ("Q4_1", True, 1, True, 32, True), ("Q8_0", True, 2, False, 64, True)])
+def test_linear_norm_tail(rng, fmt, int8, T, in_place, block_n, both):
     """The GEMV's norm tail gives add_rms_norm's work without the 1/rms factor: the residual sum as
     stored, its sums of squares per 32 columns and the weighted sum (or its int8 copy, bit for bit
     what quantize_activations makes of it); the per-group counters are back at zero, so a second
     launch with other inputs is right too. N = 224 rows: tiles of 64 do not divide it; 2-8 rows per
     program make 4-16 programs finish each group (the last one from L2), 32 and 64 finish their
-    groups in registers."""
+    groups in registers. both: the int8 copy and the float32 weighted sums (readers of each kind)."""
     N, Kin = 224, 160
     pw, w = make_weight(rng, fmt, N, Kin)
     nw = torch.from_numpy(rng.uniform(0.5, 1.5, N).astype(np.float32)).to(DEV)
@@ -394,7 +394,8 @@ def test_linear_norm_tail(rng, fmt, int8, T, in_place, block_n):
                                     poisoned((T, N // 32), torch.float32), poisoned((T, N // 32), torch.float32))
         sum_out = res if in_place else poisoned((T, N))
         sumsq = poisoned((T, N // 32), torch.float32)
-        nt = K.NormTail(res, sum_out, poisoned((T, N)), nw, 1e-5, counter, sumsq, xq if int8 else None)
+        out = poisoned((T, N), torch.float32 if both else torch.float16)
+        nt = K.NormTail(res, sum_out, out, nw, 1e-5, counter, sumsq, xq if int8 else None, both)
         got = K.linear(x, pw, act_int8=int8, config=dict(BLOCK_N=block_n, BLOCK_K=64, num_warps=4), norm=nt)
         assert got is nt.out
         y = (_q8_act_ref(np64(x)) if int8 else np64(x)) @ w.T
@@ -408,8 +409,10 @@ def test_linear_norm_tail(rng, fmt, int8, T, in_place, block_n):
             assert torch.equal(xq.xq, ref.xq)
             check(xq.xd, np64(ref.xd), 1e-6, "int8 scales")
             check(xq.xs, np64(ref.xs), 1e-5, "int8 scaled sums")
+        if both or not int8:
+            check(nt.out, z, 1e-6 if both else 1e-3, f"{fmt} weighted sum")
         else:
-            check(nt.out, z, 1e-3, f"{fmt} weighted sum")
+            assert torch.isnan(out).all(), "the float weighted sums were written, though only the int8 copy was asked for"
         assert int(counter.abs().sum().item()) == 0
 
 

@@ -216,7 +216,8 @@ class CudaProgram:
         self._absorbed: set[str] = set()  # ops whose work another op's kernel does
         self._xq_for: dict[str, object] = {}  # norm output -> int8 copy written by the norm kernel
         self._own_buffers: dict[str, torch.Tensor] = {}  # tensors kept out of the arena (see below)
-        self._norm_tail: dict[str, tuple[Op, str]] = {}  # linear -> (the add_rms_norm it absorbs, residual)
+        # linear -> (the add_rms_norm it absorbs, residual, whether float readers need the norm's floats)
+        self._norm_tail: dict[str, tuple[Op, str, bool]] = {}
         self._norm_scale_of: dict[str, tuple[torch.Tensor, int, float]] = {}  # absorbed norm's output -> sumsq
         self._aliases: dict[str, str] = {}  # tensor -> the tensor whose buffer it is (no op writes it)
         if self.rows_mode:  # first: the decode fusions below see which projections it stacks
@@ -335,11 +336,10 @@ class CudaProgram:
                 continue
             if int(self.graph.tensors[op.outputs[1]].shape[-1]) % 32:
                 continue
-            # its readers get the norm without the 1/rms factor: GEMVs on int8 activations only
-            # (they read the int8 copy and take the factor in their epilogue)
+            # its readers get the norm without the 1/rms factor: GEMVs only (they read it, or its int8
+            # copy, and take the factor in their epilogue)
             if not all(r.kind in ("linear", "linear_qkv", "linear_swiglu") and r.inputs[0] == op.outputs[1]
-                       and r.inputs.count(op.outputs[1]) == 1 and self._linear_uses_int8(r, W)
-                       for r in readers.get(op.outputs[1], [])):
+                       and r.inputs.count(op.outputs[1]) == 1 for r in readers.get(op.outputs[1], [])):
                 continue
             for i in (0, 1):
                 lin = producer.get(op.inputs[i])
@@ -376,7 +376,12 @@ class CudaProgram:
             sumsq = self.backend.shared_buffer(("norm_sumsq", self.max_seq, width), lambda: torch.zeros(
                 (self.max_seq, width // 32), dtype=torch.float32, device=self.dev))
             self._norm_scale_of[norm.outputs[1]] = (sumsq, width, float(norm.attrs["eps"]))
-            self._norm_tail[lin.name] = (norm, residual)
+            write_out = not all(self._linear_uses_int8(r, W) for r in readers.get(norm.outputs[1], []))
+            if write_out:  # float readers: not normalised, so float32 (the residual stream may outgrow float16)
+                self._own_buffers[norm.outputs[1]] = self.backend.shared_buffer(
+                    ("tail_out", self.max_seq, width),
+                    lambda: torch.empty((self.max_seq, width), dtype=torch.float32, device=self.dev))
+            self._norm_tail[lin.name] = (norm, residual, write_out)
             self._absorbed.add(name)
 
     def _plan_rows_fusions(self) -> None:
@@ -709,7 +714,7 @@ class CudaProgram:
         bias = W.vector(wname(ins[2])) if a.get("has_bias") else None
         res = ins[-1] if a.get("has_residual") else None
         if op.name in self._norm_tail:
-            norm, residual = self._norm_tail[op.name]
+            norm, residual, write_out = self._norm_tail[op.name]
             nw, eps = W.vector(wname(norm.inputs[2])), norm.attrs["eps"]
             s_name, n_name = norm.outputs
             nxq = self._xq_for.get(n_name)
@@ -719,7 +724,7 @@ class CudaProgram:
 
             def run_linear_norm(env, s, c):
                 tail = K.NormTail(env[residual], env[s_name], env[n_name], nw, eps, counter, sumsq,
-                                  None if nxq is None else self._xq_rows(nxq, s))
+                                  None if nxq is None else self._xq_rows(nxq, s), write_out)
                 K.linear(env[ins[0]], w, bias=bias, act_int8=i8, config=cfg, norm=tail,
                          xq=None if xq is None else self._xq_rows(xq, s), norm_scale=ns)
             return run_linear_norm

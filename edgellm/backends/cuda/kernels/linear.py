@@ -204,8 +204,8 @@ def _gemv_kernel(x_ptr, stride_xm,
                  FMT: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MASKED: tl.constexpr, USE_ASM: tl.constexpr,
                  ROPE: tl.constexpr, POS_FROM_PTR: tl.constexpr, HEAD_DIM: tl.constexpr, N_ROT: tl.constexpr,
-                 HAS_FF: tl.constexpr, NORM: tl.constexpr, NORM_QUANT: tl.constexpr, NSCALE: tl.constexpr,
-                 NS_BLOCK: tl.constexpr, PDL: tl.constexpr):
+                 HAS_FF: tl.constexpr, NORM: tl.constexpr, NORM_QUANT: tl.constexpr, NORM_OUT: tl.constexpr,
+                 NSCALE: tl.constexpr, NS_BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
     pid = tl.program_id(0)
     tok = pid % M
@@ -260,7 +260,7 @@ def _gemv_kernel(x_ptr, stride_xm,
     _gemv_epilogue(acc_a, acc_b, rows, rmask, tok, bias_ptr, out_ptr, stride_om, FMT == 0, GLU, HAS_BIAS, BLOCK_N,
                    pos_ptr, pos_val, ff_ptr, log2_theta, qo_ptr, stride_qo, kc_ptr, vc_ptr, stride_c, QD, KVD,
                    ROPE, POS_FROM_PTR, HEAD_DIM, N_ROT, HAS_FF, M, N, res_ptr, stride_r, sum_ptr, stride_s,
-                   nrm_ptr, stride_n, nw_ptr, cnt_ptr, sq_ptr, nxq_ptr, nxd_ptr, nxs_ptr, NORM, NORM_QUANT,
+                   nrm_ptr, stride_n, nw_ptr, cnt_ptr, sq_ptr, nxq_ptr, nxd_ptr, nxs_ptr, NORM, NORM_QUANT, NORM_OUT,
                    ns_ptr, ns_groups, ns_eps, NSCALE, NS_BLOCK)
 
 
@@ -271,7 +271,7 @@ def _gemv_epilogue(acc_a, acc_b, rows, rmask, tok, bias_ptr, out_ptr, stride_om,
                    ROPE: tl.constexpr, POS_FROM_PTR: tl.constexpr, HEAD_DIM: tl.constexpr, N_ROT: tl.constexpr,
                    HAS_FF: tl.constexpr, M, N, res_ptr, stride_r, sum_ptr, stride_s, nrm_ptr, stride_n, nw_ptr,
                    cnt_ptr, sq_ptr, nxq_ptr, nxd_ptr, nxs_ptr, NORM: tl.constexpr, NORM_QUANT: tl.constexpr,
-                   ns_ptr, ns_groups, ns_eps, NSCALE: tl.constexpr, NS_BLOCK: tl.constexpr):
+                   NORM_OUT: tl.constexpr, ns_ptr, ns_groups, ns_eps, NSCALE: tl.constexpr, NS_BLOCK: tl.constexpr):
     if ROWS_FIRST:  # accumulators are [rows, k] (dense) or [blocks, rows] (quantized)
         y = tl.sum(acc_a, axis=1)
     else:
@@ -313,7 +313,7 @@ def _gemv_epilogue(acc_a, acc_b, rows, rmask, tok, bias_ptr, out_ptr, stride_om,
     elif NORM:
         # the residual add and the RMSNorm that follow this projection (NormTail)
         norm_tail_epilogue(y, rows, rmask, tok, N, res_ptr, stride_r, sum_ptr, stride_s, nrm_ptr, stride_n, nw_ptr,
-                           cnt_ptr, sq_ptr, nxq_ptr, nxd_ptr, nxs_ptr, NORM_QUANT, BLOCK_N)
+                           cnt_ptr, sq_ptr, nxq_ptr, nxd_ptr, nxs_ptr, NORM_QUANT, NORM_OUT, BLOCK_N)
     else:
         tl.store(out_ptr + tok.to(tl.int64) * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=rmask)
 
@@ -437,8 +437,8 @@ def _gemv_i8_kernel(xq_ptr, xd_ptr, xs_ptr,
                     FMT: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr, MASKED: tl.constexpr,
                     ROPE: tl.constexpr, POS_FROM_PTR: tl.constexpr, HEAD_DIM: tl.constexpr, N_ROT: tl.constexpr,
-                    HAS_FF: tl.constexpr, NORM: tl.constexpr, NORM_QUANT: tl.constexpr, NSCALE: tl.constexpr,
-                    NS_BLOCK: tl.constexpr, PDL: tl.constexpr):
+                    HAS_FF: tl.constexpr, NORM: tl.constexpr, NORM_QUANT: tl.constexpr, NORM_OUT: tl.constexpr,
+                    NSCALE: tl.constexpr, NS_BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
     pid = tl.program_id(0)
     tok = pid % M
@@ -485,7 +485,7 @@ def _gemv_i8_kernel(xq_ptr, xd_ptr, xs_ptr,
     _gemv_epilogue(acc_a, acc_b, rows, rmask, tok, bias_ptr, out_ptr, stride_om, False, GLU, HAS_BIAS, BLOCK_N,
                    pos_ptr, pos_val, ff_ptr, log2_theta, qo_ptr, stride_qo, kc_ptr, vc_ptr, stride_c, QD, KVD,
                    ROPE, POS_FROM_PTR, HEAD_DIM, N_ROT, HAS_FF, M, N, res_ptr, stride_r, sum_ptr, stride_s,
-                   nrm_ptr, stride_n, nw_ptr, cnt_ptr, sq_ptr, nxq_ptr, nxd_ptr, nxs_ptr, NORM, NORM_QUANT,
+                   nrm_ptr, stride_n, nw_ptr, cnt_ptr, sq_ptr, nxq_ptr, nxd_ptr, nxs_ptr, NORM, NORM_QUANT, NORM_OUT,
                    ns_ptr, ns_groups, ns_eps, NSCALE, NS_BLOCK)
 
 
@@ -647,7 +647,8 @@ def _rope_args(rope, x, out) -> tuple[list, dict]:
 def _norm_args(norm, norm_scale, out) -> tuple[list, dict]:
     """Runtime arguments and constexprs of the GEMV's norm tail and norm scale (each inactive when None)."""
     if norm is None:
-        rt, ce = [out, 0, out, 0, out, 0, out, out, out, out, out, out], dict(NORM=False, NORM_QUANT=False)
+        rt, ce = [out, 0, out, 0, out, 0, out, out, out, out, out, out], dict(NORM=False, NORM_QUANT=False,
+                                                                            NORM_OUT=False)
     else:
         rt, ce = norm.kernel_args()
     if norm_scale is None:

@@ -215,8 +215,9 @@ class NormTail:
     """add_rms_norm's work done by the matrix-vector kernel that produces its branch input y, with
     the 1/rms factor left to the kernels that read the norm (they are linear in it):
     sum_out = residual + y (rounded as stored); sumsq [T, width / 32] = sums of squares of sum_out
-    per 32 columns; z = sum_out * weight, as its int8 copy xq (quantized from float32 z) or, without
-    xq, into out. A reader multiplies its product by rsqrt(mean(sum_out^2) + eps) (NormScale over
+    per 32 columns; z = sum_out * weight, as its int8 copy xq (quantized from float32 z) and, without
+    xq or with write_out, into out (float32 wants out to be float32 where the residual stream
+    outgrows float16: z is not normalised). A reader multiplies its product by rsqrt(mean(sum_out^2) + eps) (NormScale over
     sumsq), which is rms_norm(sum_out) * weight read through a linear map.
 
     Each program adds its rows; where a program's rows are a part of a 32-column group, the last of
@@ -234,6 +235,7 @@ class NormTail:
     counter: torch.Tensor
     sumsq: torch.Tensor
     xq: object = None  # QuantizedActivations
+    write_out: bool = False  # out too where xq is given (readers of both kinds)
 
     def checked(self, T: int, width: int) -> "NormTail":
         for name in ("residual", "sum_out", "out"):
@@ -276,7 +278,7 @@ class NormTail:
         qa = [self.xq.xq, self.xq.xd, self.xq.xs] if self.xq is not None else [self.out] * 3
         return ([self.residual, self.residual.stride(0), self.sum_out, self.sum_out.stride(0), self.out,
                  self.out.stride(0), self.weight, self.counter, self.sumsq, *qa],
-                dict(NORM=True, NORM_QUANT=self.xq is not None))
+                dict(NORM=True, NORM_QUANT=self.xq is not None, NORM_OUT=self.xq is None or self.write_out))
 
 
 @dataclass
@@ -315,23 +317,23 @@ def norm_scale_factor(tok, ns_ptr, groups, eps, NS_BLOCK: tl.constexpr):
 
 @jit
 def _norm_groups(h, cols, cmask, tok, N, w_ptr, n_ptr, stride_n, sq_ptr, xq_ptr, xd_ptr, xs_ptr,
-                 QUANT: tl.constexpr, BLOCK: tl.constexpr):
+                 QUANT: tl.constexpr, OUT: tl.constexpr, BLOCK: tl.constexpr):
     """Whole 32-column groups of one token's sum (h, float32, BLOCK columns from a group start):
-    their sums of squares, and z = h * weight as int8 blocks (QUANT) or floats."""
+    their sums of squares, and z = h * weight as int8 blocks (QUANT) and/or floats (OUT)."""
     hb = tl.reshape(h, [BLOCK // 32, 32])
     g = tl.min(cols, axis=0) // 32 + tl.arange(0, BLOCK // 32)
     tl.store(sq_ptr + tok * (N // 32) + g, tl.sum(hb * hb, axis=1), mask=g < N // 32)
     z = h * tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     if QUANT:
         _store_int8_blocks(z, tok, N, xq_ptr, xd_ptr, xs_ptr, cols, BLOCK)
-    else:
+    if OUT:
         tl.store(n_ptr + tok.to(tl.int64) * stride_n + cols, z.to(n_ptr.dtype.element_ty), mask=cmask)
 
 
 @jit
 def norm_tail_epilogue(y, rows, rmask, tok, N,
                        res_ptr, stride_r, sum_ptr, stride_s, n_ptr, stride_n, w_ptr, cnt_ptr, sq_ptr,
-                       xq_ptr, xd_ptr, xs_ptr, QUANT: tl.constexpr, BLOCK_N: tl.constexpr):
+                       xq_ptr, xd_ptr, xs_ptr, QUANT: tl.constexpr, OUT: tl.constexpr, BLOCK_N: tl.constexpr):
     """In a GEMV epilogue: y (fp32, this program's rows of token tok) is rounded as the unfused
     kernel would store it and added to the residual; then the 32-column groups are finished
     (NormTail): by this program where it owns whole groups, else by the group's last program."""
@@ -342,7 +344,7 @@ def norm_tail_epilogue(y, rows, rmask, tok, N,
     tl.store(sum_ptr + t64 * stride_s + rows, h, mask=rmask)
     if BLOCK_N >= 32:
         _norm_groups(h.to(tl.float32), rows, rmask, tok, N, w_ptr, n_ptr, stride_n, sq_ptr, xq_ptr, xd_ptr, xs_ptr,
-                     QUANT, BLOCK_N)
+                     QUANT, OUT, BLOCK_N)
     else:
         tl.debug_barrier()  # all of this program's stores come before its release of the counter
         g = tl.min(rows, axis=0) // 32
@@ -352,5 +354,6 @@ def norm_tail_epilogue(y, rows, rmask, tok, N,
             cols = g * 32 + tl.arange(0, 32)
             cm = cols < N
             hg = tl.load(sum_ptr + t64 * stride_s + cols, mask=cm, other=0.0, cache_modifier=".cg").to(tl.float32)
-            _norm_groups(hg, cols, cm, tok, N, w_ptr, n_ptr, stride_n, sq_ptr, xq_ptr, xd_ptr, xs_ptr, QUANT, 32)
+            _norm_groups(hg, cols, cm, tok, N, w_ptr, n_ptr, stride_n, sq_ptr, xq_ptr, xd_ptr, xs_ptr, QUANT, OUT,
+                         32)
             tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next launch
