@@ -216,9 +216,9 @@ class NormTail:
     the 1/rms factor left to the kernels that read the norm (they are linear in it):
     sum_out = residual + y (rounded as stored); sumsq [T, width / 32] = sums of squares of sum_out
     per 32 columns; z = sum_out * weight, as its int8 copy xq (quantized from float32 z) and, without
-    xq or with write_out, into out (float32 wants out to be float32 where the residual stream
-    outgrows float16: z is not normalised). A reader multiplies its product by rsqrt(mean(sum_out^2) + eps) (NormScale over
-    sumsq), which is rms_norm(sum_out) * weight read through a linear map.
+    xq or with write_out, into out (which should be float32 where the residual stream outgrows
+    float16: z is not normalised). A reader multiplies its product by rsqrt(mean(sum_out^2) + eps)
+    (NormScale over sumsq), which is rms_norm(sum_out) * weight read through a linear map.
 
     Each program adds its rows; where a program's rows are a part of a 32-column group, the last of
     the group's programs to finish (counted per token and group in `counter`, int32 zeros between
