@@ -8,6 +8,7 @@ residual branch adds it into the residual stream in its epilogue and finishes ea
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -127,8 +128,6 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _norm_slice(T: int, D: int, block: int, ro, inputs) -> int:
     """Columns per program: the whole row, or NORM_SLICE when the row is wide and no program's
     writes can reach what another still reads (an in-place residual update needs one program)."""
-    import os
-
     if (T > NORM_SPLIT_MAX_ROWS or D < NORM_SPLIT_MIN_D or block <= NORM_SLICE
             or os.environ.get("EDGELLM_NORM_SPLIT", "1") == "0"):
         return block
