@@ -216,9 +216,10 @@ class CudaProgram:
         self._absorbed: set[str] = set()  # ops whose work another op's kernel does
         self._xq_for: dict[str, object] = {}  # norm output -> int8 copy written by the norm kernel
         self._own_buffers: dict[str, torch.Tensor] = {}  # tensors kept out of the arena (see below)
-        # linear -> (the add_rms_norm it absorbs, residual, whether float readers need the norm's floats)
-        self._norm_tail: dict[str, tuple[Op, str, bool]] = {}
-        self._norm_scale_of: dict[str, tuple[torch.Tensor, int, float]] = {}  # absorbed norm's output -> sumsq
+        # linear -> (the add_rms_norm it absorbs, residual, whether float readers need the norm's floats,
+        # the tail's group counters)
+        self._norm_tail: dict[str, tuple[Op, str, bool, torch.Tensor]] = {}
+        self._norm_scale_of: dict[str, object] = {}  # absorbed norm's output -> the NormScale its readers apply
         self._aliases: dict[str, str] = {}  # tensor -> the tensor whose buffer it is (no op writes it)
         if self.rows_mode:  # first: the decode fusions below see which projections it stacks
             self._plan_rows_fusions()
@@ -375,13 +376,15 @@ class CudaProgram:
             # one per width for every norm: each is read by the norm's GEMVs before the next tail writes
             sumsq = self.backend.shared_buffer(("norm_sumsq", self.max_seq, width), lambda: torch.zeros(
                 (self.max_seq, width // 32), dtype=torch.float32, device=self.dev))
-            self._norm_scale_of[norm.outputs[1]] = (sumsq, width, float(norm.attrs["eps"]))
+            counter = self.backend.shared_buffer(("norm_counter", self.max_seq, width), lambda: torch.zeros(
+                self.max_seq * (width // 32), dtype=torch.int32, device=self.dev))
+            self._norm_scale_of[norm.outputs[1]] = self.K.NormScale(sumsq, width, float(norm.attrs["eps"]))
             write_out = not all(self._linear_uses_int8(r, W) for r in readers.get(norm.outputs[1], []))
             if write_out:  # float readers: not normalised, so float32 (the residual stream may outgrow float16)
                 self._own_buffers[norm.outputs[1]] = self.backend.shared_buffer(
                     ("tail_out", self.max_seq, width),
                     lambda: torch.empty((self.max_seq, width), dtype=torch.float32, device=self.dev))
-            self._norm_tail[lin.name] = (norm, residual, write_out)
+            self._norm_tail[lin.name] = (norm, residual, write_out, counter)
             self._absorbed.add(name)
 
     def _plan_rows_fusions(self) -> None:
@@ -688,7 +691,6 @@ class CudaProgram:
         # (tuned GEMV tiles are for the single-token program: a rows step may take the GEMM kernel)
         cfg = self._tuned_gemv(op, w, i8) if self.decode_stage and not self.rows_mode else None
         ns = self._norm_scale_of.get(ins[0])  # x is a norm tail's output without its 1/rms factor
-        ns = None if ns is None else K.NormScale(*ns)
         if kind == "linear_swiglu":
             act = a.get("act", "silu")
             return lambda env, s, c: K.linear_silu_mul(env[ins[0]], w, out=env[outs[0]], act_int8=i8, config=cfg,
@@ -714,13 +716,11 @@ class CudaProgram:
         bias = W.vector(wname(ins[2])) if a.get("has_bias") else None
         res = ins[-1] if a.get("has_residual") else None
         if op.name in self._norm_tail:
-            norm, residual, write_out = self._norm_tail[op.name]
+            norm, residual, write_out, counter = self._norm_tail[op.name]
             nw, eps = W.vector(wname(norm.inputs[2])), norm.attrs["eps"]
             s_name, n_name = norm.outputs
             nxq = self._xq_for.get(n_name)
-            sumsq, width, _ = self._norm_scale_of[n_name]
-            counter = self.backend.shared_buffer(("norm_counter", self.max_seq, width), lambda: torch.zeros(
-                self.max_seq * (width // 32), dtype=torch.int32, device=self.dev))
+            sumsq = self._norm_scale_of[n_name].sumsq
 
             def run_linear_norm(env, s, c):
                 tail = K.NormTail(env[residual], env[s_name], env[n_name], nw, eps, counter, sumsq,

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, jit, require_device
+from ._common import INTERPRET, device_sm_count, jit, require_device
 
 ACT_CODES = {None: 0, "relu": 1, "clip": 2, "hardswish": 3, "hardsigmoid": 4, "sigmoid": 5, "silu": 6,
              "gelu": 7, "tanh": 8}
@@ -290,8 +290,6 @@ def _depthwise_min_programs(x: torch.Tensor) -> int:
     env = _os.environ.get("EDGELLM_DW_MIN_PROGRAMS")
     if env is not None:
         return int(env)
-    from ._common import device_sm_count
-
     return 2 * device_sm_count(x)
 
 
@@ -349,8 +347,6 @@ def conv2d(x: torch.Tensor, w_packed: torch.Tensor, bias: torch.Tensor | None, r
     k = cg * kh * kw
     m = n * oh * ow
     if split_k is None:
-        from ._common import device_sm_count
-
         split_k = splitk_count(m, og, groups, k, device_sm_count(x))
     ws = torch.empty((split_k, m, out_channels), device=x.device, dtype=torch.float32) if split_k > 1 else y
     args = (x, w_packed, b, r, y, n, c, h, wd, out_channels, oh, ow, cg, og, k,

@@ -713,6 +713,17 @@ def _launch_gemm(x, w, bias, out, config):
                        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl())
 
 
+def _scaled_for_gemm(x, xq, norm_scale, decode_max_tokens: int):
+    """norm_scale checked; for more tokens than a GEMV takes, x scaled by it here instead (the
+    matrix-matrix kernel has no such epilogue), its int8 copy and the scale dropped."""
+    if norm_scale is None:
+        return x, xq, None
+    norm_scale = norm_scale.checked(x.shape[0], x.shape[1])
+    if x.shape[0] > decode_max_tokens:
+        return (x.float() * norm_scale.factor(x.shape[0])).to(x.dtype), None, None
+    return x, xq, norm_scale
+
+
 def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
            *, act_int8: bool = False, xq: QuantizedActivations | None = None, config: dict | None = None,
            decode_max_tokens: int = configs.DECODE_MAX_TOKENS, rope: RopeStore | None = None,
@@ -739,10 +750,7 @@ def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, o
     check_2d(x, "x")
     _check_weight(x, w)
     M = x.shape[0]
-    if norm_scale is not None:
-        norm_scale = norm_scale.checked(M, x.shape[1])
-        if M > decode_max_tokens:
-            x, xq, norm_scale = (x.float() * norm_scale.factor(M)).to(x.dtype), None, None
+    x, xq, norm_scale = _scaled_for_gemm(x, xq, norm_scale, decode_max_tokens)
     if bias is not None and bias.numel() != w.out_features:
         raise ValueError(f"bias has {bias.numel()} elements, expected {w.out_features}")
     if rope is not None and norm is not None:
@@ -804,10 +812,7 @@ def linear_silu_mul(x: torch.Tensor, w_gate: PackedWeight, w_up: PackedWeight | 
     out = out_buffer(out, (M, F), x.dtype, x.device)
     if M == 0:
         return out
-    if norm_scale is not None:
-        norm_scale = norm_scale.checked(M, x.shape[1])
-        if M > decode_max_tokens:
-            x, xq, norm_scale = (x.float() * norm_scale.factor(M)).to(x.dtype), None, None
+    x, xq, norm_scale = _scaled_for_gemm(x, xq, norm_scale, decode_max_tokens)
     if M <= decode_max_tokens:
         _launch_gemv(x, w_gate, wb, b_off, None, out, True, act_int8, xq, config, act=act, norm_scale=norm_scale)
         return out
