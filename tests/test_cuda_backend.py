@@ -140,17 +140,14 @@ def test_unsupported_ops_are_delegated_to_cpu(tmp_path, monkeypatch):
     assert np.abs(np.stack(steps) - ref[3:]).max() <= 5e-3 * np.abs(ref).max()
 
 
-@pytest.mark.parametrize("name,int8", [("llama-q4_0-gqa2", True), ("llama-q4_0-hd32", True),
-                                       ("llama-q4_0-hd32", False)])
-def test_decode_fusions_match_unfused_program(tmp_path, monkeypatch, name, int8):
+@pytest.mark.parametrize("name", ["llama-q4_0-gqa2", "llama-q4_0-hd32"])
+def test_decode_fusions_match_unfused_program(tmp_path, monkeypatch, name):
     """The decode-stage kernel fusions (RoPE + KV write in the q|k|v GEMV epilogue, the int8 copy
     of the norm output written by the norm kernel and, with heads of 32-multiples, of the attention
     output by the attention kernel, the residual add + norm in the GEMV before it) give the logits
     of the unfused kernels, and the split-count buckets of decode attention (1 split, then more)
     agree with each other."""
-    # int8: every GEMV on int8 activations (the norm writes them); else every one on float ones (the
-    # norm tail writes the weighted sums in float32 for them)
-    monkeypatch.setenv("EDGELLM_ACT_INT8", "1" if int8 else "0")
+    monkeypatch.setenv("EDGELLM_ACT_INT8", "1")  # every GEMV on int8 activations: the norm writes them
     monkeypatch.setenv("EDGELLM_NORM_TAIL", "1")  # opt-in
     spec = MODELS[name] if name in MODELS else HD32
     path = write_synthetic_gguf(tmp_path / "m.gguf", spec)
@@ -162,26 +159,22 @@ def test_decode_fusions_match_unfused_program(tmp_path, monkeypatch, name, int8)
         monkeypatch.setattr("edgellm.backends.cuda.kernels.configs.ATTN_DECODE_KEYS_PER_SPLIT", keys_per_split)
         m = edgellm.load(path, backend="cuda", ctx=256)  # up to 4 splits of 64 keys
         prog = m.programs["decode"]
-        assert bool(prog._rope_into_gemv) == (fusion == "1") and bool(prog._xq_for) == (fusion == "1" and int8)
+        assert bool(prog._rope_into_gemv) == (fusion == "1") and bool(prog._xq_for) == (fusion == "1")
         assert bool(prog._norm_tail) == (fusion == "1")  # residual add + norm in the o / down GEMVs
         attn_out = {op.outputs[0] for op in prog.graph.ops if op.kind == "attention"}
         head_dim = spec.d_model // spec.n_heads
-        assert bool(attn_out & set(prog._xq_for)) == (fusion == "1" and int8 and head_dim % 32 == 0)
+        assert bool(attn_out & set(prog._xq_for)) == (fusion == "1" and head_dim % 32 == 0)
         out = [m.forward([t], i, all_logits=False)[-1] for i, t in enumerate(ids)]
         return np.stack(out), prog
     fused, prog = decode_steps("1", 3)  # 1 split up to 3 keys, then 2, 3 splits
     assert prog._splits == 3
     plain, _ = decode_steps("0", 512)
     scale = np.abs(ref).max()
-    # the first step (position 0, no rotation, one split) is nearly the same arithmetic: the norm
-    # tail quantizes the norm's int8 copy from float32 values where the norm kernel quantizes the
-    # float16 values it stores, so a few codes are a rounding step apart (1.6e-3 of the largest
-    # logit, 3e-4 without heads of 32). Later steps differ by fp16 rounding too (q|k rotated before
-    # rounding, split partials in fp32), which int8 re-quantization of the next activations
-    # amplifies to ~1% (test_cuda_logits_match_cpu checks the float path tightly)
-    assert np.abs(fused[0] - plain[0]).max() <= 3e-3 * scale
+    # the first step (position 0, no rotation, one split) is the same arithmetic; later ones differ by
+    # fp16 rounding (q|k rotated before rounding, split partials in fp32), which int8 re-quantization
+    # of the next activations amplifies to ~1% (test_cuda_logits_match_cpu checks the float path tightly)
+    assert np.abs(fused[0] - plain[0]).max() <= 1e-4 * scale
     assert np.abs(fused - plain).max() <= 2e-2 * scale
-    assert np.abs(fused - ref).max() <= 1.5 * np.abs(plain - ref).max()  # no less accurate
     # int8 activations against the float32 cpu reference
     assert np.abs(fused - ref).max() <= 3e-2 * scale and (fused.argmax(-1) == ref.argmax(-1)).mean() >= 0.8
 

@@ -216,10 +216,7 @@ class CudaProgram:
         self._absorbed: set[str] = set()  # ops whose work another op's kernel does
         self._xq_for: dict[str, object] = {}  # norm output -> int8 copy written by the norm kernel
         self._own_buffers: dict[str, torch.Tensor] = {}  # tensors kept out of the arena (see below)
-        # linear -> (the add_rms_norm it absorbs, residual, whether float readers need the norm's floats,
-        # the tail's group counters)
-        self._norm_tail: dict[str, tuple[Op, str, bool, torch.Tensor]] = {}
-        self._norm_scale_of: dict[str, object] = {}  # absorbed norm's output -> the NormScale its readers apply
+        self._norm_tail: dict[str, tuple[Op, str, torch.Tensor]] = {}  # linear -> (norm, residual, counter)
         self._aliases: dict[str, str] = {}  # tensor -> the tensor whose buffer it is (no op writes it)
         if self.rows_mode:  # first: the decode fusions below see which projections it stacks
             self._plan_rows_fusions()
@@ -266,8 +263,7 @@ class CudaProgram:
           whose output feeds the output projection's int8 GEMV (its programs own whole heads);
         - a residual add + RMSNorm (add_rms_norm) whose branch input comes from a projection is done
           by that projection's GEMV (NormTail: each program adds its rows into the residual stream,
-          32-column groups are finished by their last program, int8 copy included), and the GEMVs
-          that read the norm apply its 1/rms factor (NormScale): one launch less, twice per layer.
+          the last one to finish normalises): one launch less, twice per layer.
         Prefill stages keep separate kernels (their matrix-matrix products have no such epilogue)."""
         if not self.decode_stage or os.environ.get("EDGELLM_DECODE_FUSION", "1") == "0":
             return
@@ -283,12 +279,9 @@ class CudaProgram:
                 readers.setdefault(t, []).append(op)
             for t in op.outputs:
                 producer[t] = op
-        # off by default until measured on a GPU: an earlier form (one program normalising the whole
-        # row after every program had counted itself done) saved 24 us per token on Llama-3.2-1B Q4_0
-        # in one run and cost up to 25% of SmolLM2's decode speed in two later ones (H100,
-        # docs/benchmarks.md section 1d); this one finishes each 32-column group in its own program
-        # (not in rows programs: their stacked q|k|v product takes no norm scale)
-        if os.environ.get("EDGELLM_NORM_TAIL", "0") == "1" and not self.rows_mode:
+        # off by default: on the H100 it saved 24 us per token on Llama-3.2-1B Q4_0 in one run and
+        # cost up to 25% of SmolLM2's decode speed in two later ones (docs/benchmarks.md section 1d)
+        if os.environ.get("EDGELLM_NORM_TAIL", "0") == "1":
             self._plan_norm_tails(readers, producer)
         for op in self.graph.ops:
             if op.kind == "linear_qkv":
@@ -317,8 +310,7 @@ class CudaProgram:
             width = int(self.graph.tensors[op.inputs[0]].shape[-1])
             if width % 32 or (src.kind == "attention" and src.attrs["head_dim"] % 32):
                 continue  # (an attention program writes whole heads: they must be whole 32-blocks)
-            self._xq_for[op.inputs[0]] = self._xq_buffer(width, "xq_tail" if op.inputs[0] in self._norm_scale_of
-                                                         else "xq")
+            self._xq_for[op.inputs[0]] = self._xq_buffer(width)
 
     def _plan_norm_tails(self, readers: dict[str, list[Op]], producer: dict[str, Op]) -> None:
         """Which add_rms_norm ops the GEMV before them absorbs (see _plan_decode_fusions). The sums
@@ -330,17 +322,9 @@ class CudaProgram:
         order = {op.name: i for i, op in enumerate(ops)}
         if "add_rms_norm" not in self.backend.SUPPORTED_OPS:  # delegated to the cpu: it runs as it is
             return
-        W = self.backend.weights
         cand: dict[str, tuple[Op, Op, str]] = {}  # norm name -> (norm, the linear it follows, residual)
         for op in ops:
-            if op.kind != "add_rms_norm" or op.outputs[0] in self.graph.outputs or op.outputs[1] in self.graph.outputs:
-                continue
-            if int(self.graph.tensors[op.outputs[1]].shape[-1]) % 32:
-                continue
-            # its readers get the norm without the 1/rms factor: GEMVs only (they read it, or its int8
-            # copy, and take the factor in their epilogue)
-            if not all(r.kind in ("linear", "linear_qkv", "linear_swiglu") and r.inputs[0] == op.outputs[1]
-                       and r.inputs.count(op.outputs[1]) == 1 for r in readers.get(op.outputs[1], [])):
+            if op.kind != "add_rms_norm" or op.outputs[0] in self.graph.outputs:
                 continue
             for i in (0, 1):
                 lin = producer.get(op.inputs[i])
@@ -355,10 +339,6 @@ class CudaProgram:
             writers = sorted(order[lin.name] for _, lin, _ in cand.values())
             for name, (norm, lin, _) in list(cand.items()):
                 nxt = next((w for w in writers if w > order[lin.name]), len(ops))
-                if any(order[r.name] >= nxt for r in readers.get(norm.outputs[1], [])):
-                    del cand[name]  # its sums of squares would be overwritten before they are read
-                    changed = True
-                    continue
                 for r in readers.get(norm.outputs[0], []):
                     in_place = (r.name in cand and cand[r.name][2] == norm.outputs[0]
                                 and order[cand[r.name][1].name] == nxt)
@@ -368,23 +348,13 @@ class CudaProgram:
                         break
         if not cand:
             return
-        for name, (norm, lin, residual) in cand.items():
+        self._norm_counters = torch.zeros(len(cand), dtype=torch.int32, device=self.dev)
+        for i, (name, (norm, lin, residual)) in enumerate(cand.items()):
             width = int(self.graph.tensors[norm.outputs[0]].shape[-1])
             self._own_buffers[norm.outputs[0]] = self.backend.shared_buffer(
                 ("resid", self.max_seq, width),
                 lambda: torch.empty((self.max_seq, width), dtype=torch.float32, device=self.dev))
-            # one per width for every norm: each is read by the norm's GEMVs before the next tail writes
-            sumsq = self.backend.shared_buffer(("norm_sumsq", self.max_seq, width), lambda: torch.zeros(
-                (self.max_seq, width // 32), dtype=torch.float32, device=self.dev))
-            counter = self.backend.shared_buffer(("norm_counter", self.max_seq, width), lambda: torch.zeros(
-                self.max_seq * (width // 32), dtype=torch.int32, device=self.dev))
-            self._norm_scale_of[norm.outputs[1]] = self.K.NormScale(sumsq, width, float(norm.attrs["eps"]))
-            write_out = not all(self._linear_uses_int8(r, W) for r in readers.get(norm.outputs[1], []))
-            if write_out:  # float readers: not normalised, so float32 (the residual stream may outgrow float16)
-                self._own_buffers[norm.outputs[1]] = self.backend.shared_buffer(
-                    ("tail_out", self.max_seq, width),
-                    lambda: torch.empty((self.max_seq, width), dtype=torch.float32, device=self.dev))
-            self._norm_tail[lin.name] = (norm, residual, write_out, counter)
+            self._norm_tail[lin.name] = (norm, residual, self._norm_counters[i:i + 1])
             self._absorbed.add(name)
 
     def _plan_rows_fusions(self) -> None:
@@ -444,11 +414,10 @@ class CudaProgram:
         return self.backend.shared_buffer(("q", self.max_seq, width), lambda: torch.empty(
             (self.max_seq, width), dtype=torch.float16, device=self.dev))
 
-    def _xq_buffer(self, width: int, tag: str = "xq"):
-        """One int8 activation buffer per width, shared: each is read right after it is written.
-        A norm tail's copy (tag "xq_tail") has its own: it is written while its GEMV reads one."""
+    def _xq_buffer(self, width: int):
+        """One int8 activation buffer per width, shared: each is read right after it is written."""
         n = self.max_seq
-        return self.backend.shared_buffer((tag, n, width), lambda: self.K.QuantizedActivations(
+        return self.backend.shared_buffer(("xq", n, width), lambda: self.K.QuantizedActivations(
             torch.empty((n, width), dtype=torch.int8, device=self.dev),
             torch.empty((n, width // 32), dtype=torch.float32, device=self.dev),
             torch.empty((n, width // 32), dtype=torch.float32, device=self.dev)))
@@ -690,18 +659,16 @@ class CudaProgram:
         xq = self._xq_for.get(ins[0]) if i8 else None
         # (tuned GEMV tiles are for the single-token program: a rows step may take the GEMM kernel)
         cfg = self._tuned_gemv(op, w, i8) if self.decode_stage and not self.rows_mode else None
-        ns = self._norm_scale_of.get(ins[0])  # x is a norm tail's output without its 1/rms factor
         if kind == "linear_swiglu":
             act = a.get("act", "silu")
             return lambda env, s, c: K.linear_silu_mul(env[ins[0]], w, out=env[outs[0]], act_int8=i8, config=cfg,
-                                                       xq=None if xq is None else self._xq_rows(xq, s), act=act,
-                                                       norm_scale=ns)
+                                                       xq=None if xq is None else self._xq_rows(xq, s), act=act)
         if kind == "linear_qkv":
             bias = W.vector(*(wname(t) for t in ins[4:7])) if a.get("has_bias") else None
             rope_op = self._rope_into_gemv.get(op.name)
             if rope_op is None:
                 return lambda env, s, c: K.linear(env[ins[0]], w, bias=bias, out=env[outs[0]], act_int8=i8, config=cfg,
-                                                  xq=None if xq is None else self._xq_rows(xq, s), norm_scale=ns)
+                                                  xq=None if xq is None else self._xq_rows(xq, s))
             ra = rope_op.attrs
             freqs = W.vector(wname(rope_op.inputs[4])) if len(rope_op.inputs) > 4 else None
 
@@ -711,27 +678,26 @@ class CudaProgram:
                                    freq_factors=freqs, n_rot=ra.get("rope_dim", ra["head_dim"]),
                                    q_out=env[rope_op.outputs[0]])
                 K.linear(env[ins[0]], w, bias=bias, act_int8=i8, config=cfg, rope=rope,
-                         xq=None if xq is None else self._xq_rows(xq, s), norm_scale=ns)
+                         xq=None if xq is None else self._xq_rows(xq, s))
             return run_qkv_rope
         bias = W.vector(wname(ins[2])) if a.get("has_bias") else None
         res = ins[-1] if a.get("has_residual") else None
         if op.name in self._norm_tail:
-            norm, residual, write_out, counter = self._norm_tail[op.name]
+            norm, residual, counter = self._norm_tail[op.name]
             nw, eps = W.vector(wname(norm.inputs[2])), norm.attrs["eps"]
             s_name, n_name = norm.outputs
             nxq = self._xq_for.get(n_name)
-            sumsq = self._norm_scale_of[n_name].sumsq
 
             def run_linear_norm(env, s, c):
-                tail = K.NormTail(env[residual], env[s_name], env[n_name], nw, eps, counter, sumsq,
-                                  None if nxq is None else self._xq_rows(nxq, s), write_out)
+                tail = K.NormTail(env[residual], env[s_name], env[n_name], nw, eps, counter,
+                                  None if nxq is None else self._xq_rows(nxq, s))
                 K.linear(env[ins[0]], w, bias=bias, act_int8=i8, config=cfg, norm=tail,
-                         xq=None if xq is None else self._xq_rows(xq, s), norm_scale=ns)
+                         xq=None if xq is None else self._xq_rows(xq, s))
             return run_linear_norm
 
         def run_linear(env, s, c):
             y = K.linear(env[ins[0]], w, bias=bias, out=env[outs[0]], act_int8=i8, config=cfg,
-                         xq=None if xq is None else self._xq_rows(xq, s), norm_scale=ns)
+                         xq=None if xq is None else self._xq_rows(xq, s))
             if res is not None:
                 y.add_(env[res])
         return run_linear

@@ -22,7 +22,7 @@ from .attention import (attention_decode, attention_prefill, attention_rows, dec
 from .elementwise import silu_mul, unary
 from .embedding import embedding
 from .linear import QuantizedActivations, linear, linear_silu_mul, quantize_activations
-from .norm import NormScale, NormTail, head_rms_norm, rms_norm
+from .norm import NormTail, head_rms_norm, rms_norm
 from .packing import (PACKED_FORMATS, SUPPORTED_FORMATS, PackedWeight, UnsupportedFormatError, can_repack,
                       convert_packed, unify_formats,
                       concat_packed, dequantize, pack_float, repack)
@@ -31,7 +31,7 @@ from .sampling import argmax, sample
 
 __all__ = [
     "INTERPRET", "USE_DP4A", "PACKED_FORMATS", "SUPPORTED_FORMATS", "PackedWeight", "UnsupportedFormatError",
-    "NormScale", "NormTail", "QuantizedActivations", "RopeStore", "argmax", "attention_decode", "attention_prefill", "can_repack",
+    "NormTail", "QuantizedActivations", "RopeStore", "argmax", "attention_decode", "attention_prefill", "can_repack",
     "concat_packed", "convert_packed", "unify_formats", "decode_workspace", "default_decode_splits", "dequantize", "embedding", "linear",
     "linear_silu_mul", "pack_float", "quantize_activations", "repack", "rms_norm", "rope_qkv_cache", "sample", "set_pdl", "silu_mul",
     "unary", "head_rms_norm", "attention_rows", "kv_store_rows", "rope_rows", "rows_splits",

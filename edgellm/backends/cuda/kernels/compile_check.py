@@ -89,7 +89,7 @@ def summarise(kernel, sass_dir: str | None = None, tag: str = "") -> dict:
 
 
 def _cases():
-    from . import NormScale, NormTail, PackedWeight, QuantizedActivations, quantize_activations
+    from . import NormTail, PackedWeight, QuantizedActivations, quantize_activations
     from . import attention_decode, attention_prefill, embedding, linear, linear_silu_mul, rms_norm
     from . import rope_qkv_cache, silu_mul, argmax, head_rms_norm, unary
 
@@ -120,15 +120,12 @@ def _cases():
 
     def norm_tail(fmt, int8):  # the o projection with the residual add + RMSNorm after it
         xq = QuantizedActivations(torch.empty(1, 4096, dtype=torch.int8), torch.empty(1, 128), torch.empty(1, 128))
-        nt = NormTail(x1, x1, x1.clone(), torch.empty(4096), 1e-5, torch.empty(128, dtype=torch.int32),
-                      torch.empty(1, 128), xq if int8 else None)
+        nt = NormTail(x1, x1, x1.clone(), torch.empty(4096), 1e-5, torch.empty(1, dtype=torch.int32),
+                      xq if int8 else None)
         return linear(x1, pw(fmt, 4096, 4096), act_int8=int8, norm=nt)
     for fmt in ("Q4_0", "Q8_0", "F16"):
         yield f"gemv-norm {fmt}", lambda fmt=fmt: norm_tail(fmt, False)
     yield "gemv-norm-int8 Q4_0", lambda: norm_tail("Q4_0", True)
-    # a GEMV reading a norm tail's int8 copy: the 1/rms factor in its epilogue
-    yield "glu-int8-normscale Q4_0", lambda: linear_silu_mul(x1, pw("Q4_0", 2 * 14336, 4096), act_int8=True,
-                                                            norm_scale=NormScale(torch.empty(1, 128), 4096, 1e-5))
     # Llama-3.1-8B Q4_K_M's output projection (Q6_K, float path, the large tile)
     yield "gemv-output Q6", lambda: linear(x1, pw("Q6", 128256, 4096))
     kc = torch.empty(8192, 1024, dtype=h16)

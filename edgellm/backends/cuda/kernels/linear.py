@@ -44,7 +44,7 @@ from . import configs
 from ._common import (INTERPRET, USE_DP4A, check_2d, device_sm_count, dp4a, int_or_tensor, jit, or_under_one,
                       out_buffer, pdl, pdl_prologue)
 from .elementwise import ACT_CODES, gate_act
-from .norm import NormScale, NormTail, norm_scale_factor, norm_tail_epilogue
+from .norm import NormTail, norm_tail_epilogue
 from .packing import PackedWeight
 from .rope import RopeStore, rope_cos_sin
 
@@ -199,13 +199,13 @@ def _gemv_kernel(x_ptr, stride_xm,
                  bias_ptr, out_ptr, stride_om,
                  M, N, K, stride_q, stride_d,
                  pos_ptr, pos_val, ff_ptr, log2_theta, qo_ptr, stride_qo, kc_ptr, vc_ptr, stride_c, QD, KVD,
-                 res_ptr, stride_r, sum_ptr, stride_s, nrm_ptr, stride_n, nw_ptr, cnt_ptr, sq_ptr,
-                 nxq_ptr, nxd_ptr, nxs_ptr, ns_ptr, ns_groups, ns_eps,
+                 res_ptr, stride_r, sum_ptr, stride_s, nrm_ptr, stride_n, nw_ptr, eps, cnt_ptr,
+                 nxq_ptr, nxd_ptr, nxs_ptr,
                  FMT: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MASKED: tl.constexpr, USE_ASM: tl.constexpr,
                  ROPE: tl.constexpr, POS_FROM_PTR: tl.constexpr, HEAD_DIM: tl.constexpr, N_ROT: tl.constexpr,
-                 HAS_FF: tl.constexpr, NORM: tl.constexpr, NORM_QUANT: tl.constexpr, NORM_OUT: tl.constexpr,
-                 NSCALE: tl.constexpr, NS_BLOCK: tl.constexpr, PDL: tl.constexpr):
+                 HAS_FF: tl.constexpr, NORM: tl.constexpr, NORM_QUANT: tl.constexpr, NORM_CHUNK: tl.constexpr,
+                 PDL: tl.constexpr):
     pdl_prologue(PDL)
     pid = tl.program_id(0)
     tok = pid % M
@@ -260,8 +260,7 @@ def _gemv_kernel(x_ptr, stride_xm,
     _gemv_epilogue(acc_a, acc_b, rows, rmask, tok, bias_ptr, out_ptr, stride_om, FMT == 0, GLU, HAS_BIAS, BLOCK_N,
                    pos_ptr, pos_val, ff_ptr, log2_theta, qo_ptr, stride_qo, kc_ptr, vc_ptr, stride_c, QD, KVD,
                    ROPE, POS_FROM_PTR, HEAD_DIM, N_ROT, HAS_FF, M, N, res_ptr, stride_r, sum_ptr, stride_s,
-                   nrm_ptr, stride_n, nw_ptr, cnt_ptr, sq_ptr, nxq_ptr, nxd_ptr, nxs_ptr, NORM, NORM_QUANT, NORM_OUT,
-                   ns_ptr, ns_groups, ns_eps, NSCALE, NS_BLOCK)
+                   nrm_ptr, stride_n, nw_ptr, eps, cnt_ptr, nxq_ptr, nxd_ptr, nxs_ptr, NORM, NORM_QUANT, NORM_CHUNK)
 
 
 @jit
@@ -269,16 +268,13 @@ def _gemv_epilogue(acc_a, acc_b, rows, rmask, tok, bias_ptr, out_ptr, stride_om,
                    ROWS_FIRST: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                    pos_ptr, pos_val, ff_ptr, log2_theta, qo_ptr, stride_qo, kc_ptr, vc_ptr, stride_c, QD, KVD,
                    ROPE: tl.constexpr, POS_FROM_PTR: tl.constexpr, HEAD_DIM: tl.constexpr, N_ROT: tl.constexpr,
-                   HAS_FF: tl.constexpr, M, N, res_ptr, stride_r, sum_ptr, stride_s, nrm_ptr, stride_n, nw_ptr,
-                   cnt_ptr, sq_ptr, nxq_ptr, nxd_ptr, nxs_ptr, NORM: tl.constexpr, NORM_QUANT: tl.constexpr,
-                   NORM_OUT: tl.constexpr, ns_ptr, ns_groups, ns_eps, NSCALE: tl.constexpr, NS_BLOCK: tl.constexpr):
+                   HAS_FF: tl.constexpr, M, N, res_ptr, stride_r, sum_ptr, stride_s, nrm_ptr, stride_n, nw_ptr, eps,
+                   cnt_ptr, nxq_ptr, nxd_ptr, nxs_ptr, NORM: tl.constexpr, NORM_QUANT: tl.constexpr,
+                   NORM_CHUNK: tl.constexpr):
     if ROWS_FIRST:  # accumulators are [rows, k] (dense) or [blocks, rows] (quantized)
         y = tl.sum(acc_a, axis=1)
     else:
         y = tl.sum(acc_a, axis=0)
-    if NSCALE:  # x was a norm without its 1/rms factor (NormTail): the product takes it
-        r = norm_scale_factor(tok, ns_ptr, ns_groups, ns_eps, NS_BLOCK)
-        y = y * r
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
     if GLU:
@@ -286,8 +282,6 @@ def _gemv_epilogue(acc_a, acc_b, rows, rmask, tok, bias_ptr, out_ptr, stride_om,
             u = tl.sum(acc_b, axis=1)
         else:
             u = tl.sum(acc_b, axis=0)
-        if NSCALE:
-            u = u * r
         y = gate_act(y, GLU) * u  # GLU: 1 silu, 2 gelu_tanh
     if ROPE:
         # y holds rows of the q|k|v projection: rotate (q, k) pairs (2i, 2i+1) of each head, then
@@ -312,8 +306,8 @@ def _gemv_epilogue(acc_a, acc_b, rows, rmask, tok, bias_ptr, out_ptr, stride_om,
         tl.store(dst + 1, o2.to(qo_ptr.dtype.element_ty), mask=pm)
     elif NORM:
         # the residual add and the RMSNorm that follow this projection (NormTail)
-        norm_tail_epilogue(y, rows, rmask, tok, N, res_ptr, stride_r, sum_ptr, stride_s, nrm_ptr, stride_n, nw_ptr,
-                           cnt_ptr, sq_ptr, nxq_ptr, nxd_ptr, nxs_ptr, NORM_QUANT, NORM_OUT, BLOCK_N)
+        norm_tail_epilogue(y, rows, rmask, tok, M, N, tl.num_programs(0), res_ptr, stride_r, sum_ptr, stride_s,
+                           nrm_ptr, stride_n, nw_ptr, eps, cnt_ptr, nxq_ptr, nxd_ptr, nxs_ptr, NORM_QUANT, NORM_CHUNK)
     else:
         tl.store(out_ptr + tok.to(tl.int64) * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=rmask)
 
@@ -432,13 +426,13 @@ def _gemv_i8_kernel(xq_ptr, xd_ptr, xs_ptr,
                     bias_ptr, out_ptr, stride_om,
                     M, N, K, stride_q, stride_d,
                     pos_ptr, pos_val, ff_ptr, log2_theta, qo_ptr, stride_qo, kc_ptr, vc_ptr, stride_c, QD, KVD,
-                    res_ptr, stride_r, sum_ptr, stride_s, nrm_ptr, stride_n, nw_ptr, cnt_ptr, sq_ptr,
-                    nxq_ptr, nxd_ptr, nxs_ptr, ns_ptr, ns_groups, ns_eps,
+                    res_ptr, stride_r, sum_ptr, stride_s, nrm_ptr, stride_n, nw_ptr, eps, cnt_ptr,
+                    nxq_ptr, nxd_ptr, nxs_ptr,
                     FMT: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr, MASKED: tl.constexpr,
                     ROPE: tl.constexpr, POS_FROM_PTR: tl.constexpr, HEAD_DIM: tl.constexpr, N_ROT: tl.constexpr,
-                    HAS_FF: tl.constexpr, NORM: tl.constexpr, NORM_QUANT: tl.constexpr, NORM_OUT: tl.constexpr,
-                    NSCALE: tl.constexpr, NS_BLOCK: tl.constexpr, PDL: tl.constexpr):
+                    HAS_FF: tl.constexpr, NORM: tl.constexpr, NORM_QUANT: tl.constexpr, NORM_CHUNK: tl.constexpr,
+                    PDL: tl.constexpr):
     pdl_prologue(PDL)
     pid = tl.program_id(0)
     tok = pid % M
@@ -485,8 +479,7 @@ def _gemv_i8_kernel(xq_ptr, xd_ptr, xs_ptr,
     _gemv_epilogue(acc_a, acc_b, rows, rmask, tok, bias_ptr, out_ptr, stride_om, False, GLU, HAS_BIAS, BLOCK_N,
                    pos_ptr, pos_val, ff_ptr, log2_theta, qo_ptr, stride_qo, kc_ptr, vc_ptr, stride_c, QD, KVD,
                    ROPE, POS_FROM_PTR, HEAD_DIM, N_ROT, HAS_FF, M, N, res_ptr, stride_r, sum_ptr, stride_s,
-                   nrm_ptr, stride_n, nw_ptr, cnt_ptr, sq_ptr, nxq_ptr, nxd_ptr, nxs_ptr, NORM, NORM_QUANT, NORM_OUT,
-                   ns_ptr, ns_groups, ns_eps, NSCALE, NS_BLOCK)
+                   nrm_ptr, stride_n, nw_ptr, eps, cnt_ptr, nxq_ptr, nxd_ptr, nxs_ptr, NORM, NORM_QUANT, NORM_CHUNK)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -644,21 +637,14 @@ def _rope_args(rope, x, out) -> tuple[list, dict]:
             dict(ROPE=True, POS_FROM_PTR=from_ptr, HEAD_DIM=D, N_ROT=rope.rot_dims, HAS_FF=ff is not None))
 
 
-def _norm_args(norm, norm_scale, out) -> tuple[list, dict]:
-    """Runtime arguments and constexprs of the GEMV's norm tail and norm scale (each inactive when None)."""
+def _norm_args(norm, out) -> tuple[list, dict]:
+    """Runtime arguments and constexprs of the GEMV's norm tail (inactive when norm is None)."""
     if norm is None:
-        rt, ce = [out, 0, out, 0, out, 0, out, out, out, out, out, out], dict(NORM=False, NORM_QUANT=False,
-                                                                            NORM_OUT=False)
-    else:
-        rt, ce = norm.kernel_args()
-    if norm_scale is None:
-        return rt + [out, 1, 0.0], {**ce, "NSCALE": False, "NS_BLOCK": 1}
-    srt, sce = norm_scale.kernel_args()
-    return rt + srt, {**ce, **sce}
+        return [out, 0, out, 0, out, 0, out, 0.0, out, out, out, out], dict(NORM=False, NORM_QUANT=False, NORM_CHUNK=32)
+    return norm.kernel_args()
 
 
-def _launch_gemv(x, wa, wb, b_offset, bias, out, glu, act_int8, xq, config, rope=None, norm=None, act="silu",
-                 norm_scale=None):
+def _launch_gemv(x, wa, wb, b_offset, bias, out, glu, act_int8, xq, config, rope=None, norm=None, act="silu"):
     M, K = x.shape
     N = wa.out_features - b_offset if glu and wb is wa else wa.out_features
     fmt = wa.fmt
@@ -669,7 +655,7 @@ def _launch_gemv(x, wa, wb, b_offset, bias, out, glu, act_int8, xq, config, rope
     has_bias = bias is not None
     bias_arg = bias if has_bias else out
     rope_rt, rope_ce = _rope_args(rope, x, out)
-    norm_rt, norm_ce = _norm_args(norm, norm_scale, out)
+    norm_rt, norm_ce = _norm_args(norm, out)
     if act_int8 and fmt != "F16":
         if xq is None:
             xq = quantize_activations(x)
@@ -713,21 +699,10 @@ def _launch_gemm(x, w, bias, out, config):
                        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl())
 
 
-def _scaled_for_gemm(x, xq, norm_scale, decode_max_tokens: int):
-    """norm_scale checked; for more tokens than a GEMV takes, x scaled by it here instead (the
-    matrix-matrix kernel has no such epilogue), its int8 copy and the scale dropped."""
-    if norm_scale is None:
-        return x, xq, None
-    norm_scale = norm_scale.checked(x.shape[0], x.shape[1])
-    if x.shape[0] > decode_max_tokens:
-        return (x.float() * norm_scale.factor(x.shape[0])).to(x.dtype), None, None
-    return x, xq, norm_scale
-
-
 def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
            *, act_int8: bool = False, xq: QuantizedActivations | None = None, config: dict | None = None,
            decode_max_tokens: int = configs.DECODE_MAX_TOKENS, rope: RopeStore | None = None,
-           norm: NormTail | None = None, norm_scale: NormScale | None = None) -> torch.Tensor:
+           norm: NormTail | None = None) -> torch.Tensor:
     """out[M, N] = x[M, K] @ W.T (+ bias), for W packed by `repack`.
 
     M <= decode_max_tokens: matrix-vector kernel (act_int8: x quantized to int8 per 32-block and
@@ -739,18 +714,13 @@ def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, o
     does it in the matrix-vector kernel's epilogue (style "norm"); otherwise two launches.
 
     norm: the residual add and RMSNorm that follow (see NormTail): the product is added into
-    norm.residual (stored to norm.sum_out), its sums of squares go to norm.sumsq and the norm
-    without its 1/rms factor to norm.out (or norm.xq), which is returned; out is not written.
-    Decode does it in the matrix-vector kernel; otherwise torch ops run after the product.
-
-    norm_scale: x (or xq) is such a norm without its 1/rms factor (NormTail.scale()); the product
-    is multiplied by the factor per token before bias, activation or RoPE. Decode does it in the
-    kernel's epilogue; otherwise x is scaled first (x must then hold the norm's float values).
+    norm.residual (stored to norm.sum_out) and normalised into norm.out, which is returned; out is
+    not written. Decode does it in the matrix-vector kernel (the last program normalises); otherwise
+    the rms_norm kernel runs after the product.
     """
     check_2d(x, "x")
     _check_weight(x, w)
     M = x.shape[0]
-    x, xq, norm_scale = _scaled_for_gemm(x, xq, norm_scale, decode_max_tokens)
     if bias is not None and bias.numel() != w.out_features:
         raise ValueError(f"bias has {bias.numel()} elements, expected {w.out_features}")
     if rope is not None and norm is not None:
@@ -760,19 +730,16 @@ def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, o
         if M == 0:
             return rope.q_out
         if M <= decode_max_tokens and rope.fusable(x) and _decode_cfg(w.fmt, config, act_int8)["BLOCK_N"] % 2 == 0:
-            _launch_gemv(x, w, None, 0, bias, rope.q_out, False, act_int8, xq, config, rope=rope,
-                         norm_scale=norm_scale)
+            _launch_gemv(x, w, None, 0, bias, rope.q_out, False, act_int8, xq, config, rope=rope)
             return rope.q_out
-        qkv = linear(x, w, bias, out, act_int8=act_int8, xq=xq, config=config, decode_max_tokens=decode_max_tokens,
-                     norm_scale=norm_scale)
+        qkv = linear(x, w, bias, out, act_int8=act_int8, xq=xq, config=config, decode_max_tokens=decode_max_tokens)
         return rope.apply(qkv)
     if norm is not None:
         norm = norm.checked(M, w.out_features)
         if M == 0:
             return norm.out
         if M <= decode_max_tokens:
-            _launch_gemv(x, w, None, 0, bias, norm.out, False, act_int8, xq, config, norm=norm,
-                         norm_scale=norm_scale)
+            _launch_gemv(x, w, None, 0, bias, norm.out, False, act_int8, xq, config, norm=norm)
             return norm.out
         y = linear(x, w, bias, out, act_int8=act_int8, xq=xq, config=config, decode_max_tokens=decode_max_tokens)
         return norm.unfused(y)
@@ -780,7 +747,7 @@ def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, o
     if M == 0:
         return out
     if M <= decode_max_tokens:
-        _launch_gemv(x, w, None, 0, bias, out, False, act_int8, xq, config, norm_scale=norm_scale)
+        _launch_gemv(x, w, None, 0, bias, out, False, act_int8, xq, config)
     else:
         _launch_gemm(x, w, bias, out, config)
     return out
@@ -789,10 +756,9 @@ def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, o
 def linear_silu_mul(x: torch.Tensor, w_gate: PackedWeight, w_up: PackedWeight | None = None,
                     out: torch.Tensor | None = None, *, act_int8: bool = False,
                     xq: QuantizedActivations | None = None, config: dict | None = None,
-                    decode_max_tokens: int = configs.DECODE_MAX_TOKENS, act: str = "silu",
-                    norm_scale: NormScale | None = None) -> torch.Tensor:
+                    decode_max_tokens: int = configs.DECODE_MAX_TOKENS, act: str = "silu") -> torch.Tensor:
     """act(x @ Wg.T) * (x @ Wu.T) in one kernel for decode (tokens <= decode_max_tokens); act is
-    silu (SwiGLU) or gelu_tanh (GeGLU). norm_scale: as for linear (both products take the factor).
+    silu (SwiGLU) or gelu_tanh (GeGLU).
 
     w_up None: w_gate holds both, gate rows first then up rows (concat_packed([gate, up])).
     Prefill: one matrix-matrix product per half, then silu_mul.
@@ -812,9 +778,8 @@ def linear_silu_mul(x: torch.Tensor, w_gate: PackedWeight, w_up: PackedWeight | 
     out = out_buffer(out, (M, F), x.dtype, x.device)
     if M == 0:
         return out
-    x, xq, norm_scale = _scaled_for_gemm(x, xq, norm_scale, decode_max_tokens)
     if M <= decode_max_tokens:
-        _launch_gemv(x, w_gate, wb, b_off, None, out, True, act_int8, xq, config, act=act, norm_scale=norm_scale)
+        _launch_gemv(x, w_gate, wb, b_off, None, out, True, act_int8, xq, config, act=act)
         return out
     from .elementwise import silu_mul
     if w_up is None:

@@ -1,14 +1,12 @@
 """RMSNorm with the residual add fused in: one read of x and the residual, one write of each result.
 
 Also the norm as a matrix-vector kernel's tail (NormTail): the decode GEMV that produces the
-residual branch adds it into the residual stream in its epilogue and finishes each 32-column group
-(sums of squares, the weighted values or their int8 copy); the GEMVs that read the norm apply its
-1/rms factor in their epilogue (NormScale), so the add + norm costs no launch of its own.
+residual branch adds it into the residual stream in its epilogue, and the last of its programs to
+finish normalises the whole row, so the add + norm costs no launch of its own.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -128,6 +126,8 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _norm_slice(T: int, D: int, block: int, ro, inputs) -> int:
     """Columns per program: the whole row, or NORM_SLICE when the row is wide and no program's
     writes can reach what another still reads (an in-place residual update needs one program)."""
+    import os
+
     if (T > NORM_SPLIT_MAX_ROWS or D < NORM_SPLIT_MIN_D or block <= NORM_SLICE
             or os.environ.get("EDGELLM_NORM_SPLIT", "1") == "0"):
         return block
@@ -211,20 +211,12 @@ def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.
 
 @dataclass
 class NormTail:
-    """add_rms_norm's work done by the matrix-vector kernel that produces its branch input y, with
-    the 1/rms factor left to the kernels that read the norm (they are linear in it):
-    sum_out = residual + y (rounded as stored); sumsq [T, width / 32] = sums of squares of sum_out
-    per 32 columns; z = sum_out * weight, as its int8 copy xq (quantized from float32 z) and, without
-    xq or with write_out, into out (which should be float32 where the residual stream outgrows
-    float16: z is not normalised). A reader multiplies its product by rsqrt(mean(sum_out^2) + eps)
-    (NormScale over sumsq), which is rms_norm(sum_out) * weight read through a linear map.
-
-    Each program adds its rows; where a program's rows are a part of a 32-column group, the last of
-    the group's programs to finish (counted per token and group in `counter`, int32 zeros between
-    launches, at least T * width / 32 of them) finishes the group from L2. So no program waits for
-    the whole row, and no launch is spent on the norm. width must be a multiple of 32. sum_out may
-    be residual itself (an in-place residual stream), but neither may overlap the kernel's input x:
-    they are written while other programs still read x."""
+    """add_rms_norm's work done by the matrix-vector kernel that produces its branch input y:
+    sum_out = residual + y (rounded as stored), out = rms_norm(sum_out) * weight, and with xq the
+    int8 copy of out (as rms_norm(..., xq=) writes it). Every program adds its rows; the last one to
+    finish (counted in `counter`, an int32 that is zero between launches) normalises whole rows.
+    sum_out may be residual itself (an in-place residual stream), but neither may overlap the
+    kernel's input x: they are written while other programs still read x."""
 
     residual: torch.Tensor
     sum_out: torch.Tensor
@@ -232,9 +224,7 @@ class NormTail:
     weight: torch.Tensor
     eps: float
     counter: torch.Tensor
-    sumsq: torch.Tensor
     xq: object = None  # QuantizedActivations
-    write_out: bool = False  # out too where xq is given (readers of both kinds)
 
     def checked(self, T: int, width: int) -> "NormTail":
         for name in ("residual", "sum_out", "out"):
@@ -242,117 +232,60 @@ class NormTail:
             check_2d(t, f"norm {name}")
             if tuple(t.shape) != (T, width):
                 raise ValueError(f"norm {name} has shape {tuple(t.shape)}, expected {(T, width)}")
-        if width % 32:
-            raise ValueError(f"norm width {width} is not a multiple of 32")
         if self.weight.numel() != width or not self.weight.is_contiguous():
             raise ValueError(f"norm weight has {self.weight.numel()} elements (contiguous), expected {width}")
-        if self.counter.dtype != torch.int32 or self.counter.numel() < T * (width // 32):
-            raise ValueError(f"norm counter must be an int32 tensor of at least {T * (width // 32)} zeros")
-        if (self.sumsq.dtype != torch.float32 or not self.sumsq.is_contiguous()
-                or self.sumsq.numel() < T * (width // 32)):
-            raise ValueError(f"norm sumsq must be a contiguous float32 tensor of at least {T * (width // 32)} elements")
-        if self.xq is not None and tuple(self.xq.shape) != (T, width):
-            raise ValueError(f"norm xq holds activations of shape {self.xq.shape}, expected {(T, width)}")
+        if self.counter.dtype != torch.int32 or self.counter.numel() < 1:
+            raise ValueError("norm counter must be an int32 tensor (zero when no kernel runs)")
+        if self.xq is not None and (tuple(self.xq.shape) != (T, width) or width % 32):
+            raise ValueError(f"norm xq holds activations of shape {self.xq.shape}, expected {(T, width)} "
+                             f"with a width that is a multiple of 32")
         return self
 
-    def scale(self) -> "NormScale":
-        """What the readers of z pass to linear(norm_scale=) to read the norm itself."""
-        return NormScale(self.sumsq, self.out.shape[1], self.eps)
-
     def unfused(self, y: torch.Tensor) -> torch.Tensor:
-        """The same results from y with torch ops (more tokens than the matrix-vector kernel takes)."""
-        T, width = self.out.shape
-        self.sum_out.copy_((self.residual.float() + y.to(self.sum_out.dtype).float()).to(self.sum_out.dtype))
-        s = self.sum_out.float()
-        self.sumsq.view(-1)[:T * (width // 32)].copy_((s * s).view(T, width // 32, 32).sum(-1).reshape(-1))
-        z = s * self.weight.float()
-        self.out.copy_(z)  # (the kernel writes it only without xq; readers of more tokens take it here)
-        if self.xq is not None:
-            from .linear import quantize_activations
-
-            quantize_activations(z, out=self.xq)
-        return self.out
+        """The same result from y with the rms_norm kernel (prefill sizes)."""
+        return rms_norm(y, self.weight, self.eps, residual=self.residual, out=self.out, residual_out=self.sum_out,
+                        xq=self.xq)
 
     def kernel_args(self) -> tuple[list, dict]:
         qa = [self.xq.xq, self.xq.xd, self.xq.xs] if self.xq is not None else [self.out] * 3
+        width = self.out.shape[1]
         return ([self.residual, self.residual.stride(0), self.sum_out, self.sum_out.stride(0), self.out,
-                 self.out.stride(0), self.weight, self.counter, self.sumsq, *qa],
-                dict(NORM=True, NORM_QUANT=self.xq is not None, NORM_OUT=self.xq is None or self.write_out))
+                 self.out.stride(0), self.weight, float(self.eps), self.counter, *qa],
+                dict(NORM=True, NORM_QUANT=self.xq is not None, NORM_CHUNK=min(next_pow2(width), NORM_TAIL_CHUNK)))
 
 
-@dataclass
-class NormScale:
-    """The 1/rms factor a NormTail left out: a linear map of z reads rms_norm(sum_out) * weight when
-    its product is multiplied by rsqrt(sum(sumsq[t]) / width + eps) per token t."""
-
-    sumsq: torch.Tensor
-    width: int
-    eps: float
-
-    def checked(self, T: int, K: int) -> "NormScale":
-        if self.width != K:
-            raise ValueError(f"norm_scale is for rows of {self.width} columns, x has {K}")
-        if self.sumsq.dtype != torch.float32 or self.sumsq.numel() < T * (K // 32):
-            raise ValueError(f"norm_scale sumsq must be float32 with at least {T * (K // 32)} elements")
-        return self
-
-    def factor(self, T: int) -> torch.Tensor:
-        """[T, 1] float32: the factors (for the matrix-matrix path)."""
-        ss = self.sumsq.view(-1)[:T * (self.width // 32)].view(T, -1).sum(-1, keepdim=True)
-        return torch.rsqrt(ss / self.width + self.eps)
-
-    def kernel_args(self) -> tuple[list, dict]:
-        groups = self.width // 32
-        return [self.sumsq, groups, float(self.eps)], dict(NSCALE=True, NS_BLOCK=next_pow2(groups))
+# columns the tail normalises per step: a chunk stays in the registers of a 1-warp program
+NORM_TAIL_CHUNK = 1024
 
 
 @jit
-def norm_scale_factor(tok, ns_ptr, groups, eps, NS_BLOCK: tl.constexpr):
-    """In a GEMV epilogue: token tok's 1/rms from the per-32-column sums of squares (NormScale)."""
-    g = tl.arange(0, NS_BLOCK)
-    ss = tl.sum(tl.load(ns_ptr + tok * groups + g, mask=g < groups, other=0.0), axis=0)
-    return 1.0 / tl.sqrt(ss / (groups * 32) + eps)
-
-
-@jit
-def _norm_groups(h, cols, cmask, tok, N, w_ptr, n_ptr, stride_n, sq_ptr, xq_ptr, xd_ptr, xs_ptr,
-                 QUANT: tl.constexpr, OUT: tl.constexpr, BLOCK: tl.constexpr):
-    """Whole 32-column groups of one token's sum (h, float32, BLOCK columns from a group start):
-    their sums of squares, and z = h * weight as int8 blocks (QUANT) and/or floats (OUT)."""
-    hb = tl.reshape(h, [BLOCK // 32, 32])
-    g = tl.min(cols, axis=0) // 32 + tl.arange(0, BLOCK // 32)
-    tl.store(sq_ptr + tok * (N // 32) + g, tl.sum(hb * hb, axis=1), mask=g < N // 32)
-    z = h * tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-    if QUANT:
-        _store_int8_blocks(z, tok, N, xq_ptr, xd_ptr, xs_ptr, cols, BLOCK)
-    if OUT:
-        tl.store(n_ptr + tok.to(tl.int64) * stride_n + cols, z.to(n_ptr.dtype.element_ty), mask=cmask)
-
-
-@jit
-def norm_tail_epilogue(y, rows, rmask, tok, N,
-                       res_ptr, stride_r, sum_ptr, stride_s, n_ptr, stride_n, w_ptr, cnt_ptr, sq_ptr,
-                       xq_ptr, xd_ptr, xs_ptr, QUANT: tl.constexpr, OUT: tl.constexpr, BLOCK_N: tl.constexpr):
+def norm_tail_epilogue(y, rows, rmask, tok, M, N, n_programs,
+                       res_ptr, stride_r, sum_ptr, stride_s, n_ptr, stride_n, w_ptr, eps, cnt_ptr,
+                       xq_ptr, xd_ptr, xs_ptr, QUANT: tl.constexpr, CHUNK: tl.constexpr):
     """In a GEMV epilogue: y (fp32, this program's rows of token tok) is rounded as the unfused
-    kernel would store it and added to the residual; then the 32-column groups are finished
-    (NormTail): by this program where it owns whole groups, else by the group's last program."""
+    kernel would store it and added to the residual; then the program counts itself done, and
+    the last one normalises every token's row (reading the sums from L2: other SMs wrote them)."""
     y = y.to(sum_ptr.dtype.element_ty).to(tl.float32)
-    t64 = tok.to(tl.int64)
-    a = tl.load(res_ptr + t64 * stride_r + rows, mask=rmask, other=0.0).to(tl.float32)
-    h = (a + y).to(sum_ptr.dtype.element_ty)
-    tl.store(sum_ptr + t64 * stride_s + rows, h, mask=rmask)
-    if BLOCK_N >= 32:
-        _norm_groups(h.to(tl.float32), rows, rmask, tok, N, w_ptr, n_ptr, stride_n, sq_ptr, xq_ptr, xd_ptr, xs_ptr,
-                     QUANT, OUT, BLOCK_N)
-    else:
-        tl.debug_barrier()  # all of this program's stores come before its release of the counter
-        g = tl.min(rows, axis=0) // 32
-        cnt = cnt_ptr + tok * (N // 32) + g
-        done = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-        if done == 32 // BLOCK_N - 1:
-            cols = g * 32 + tl.arange(0, 32)
-            cm = cols < N
-            hg = tl.load(sum_ptr + t64 * stride_s + cols, mask=cm, other=0.0, cache_modifier=".cg").to(tl.float32)
-            _norm_groups(hg, cols, cm, tok, N, w_ptr, n_ptr, stride_n, sq_ptr, xq_ptr, xd_ptr, xs_ptr, QUANT, OUT,
-                         32)
-            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+    a = tl.load(res_ptr + tok.to(tl.int64) * stride_r + rows, mask=rmask, other=0.0).to(tl.float32)
+    tl.store(sum_ptr + tok.to(tl.int64) * stride_s + rows, (a + y).to(sum_ptr.dtype.element_ty), mask=rmask)
+    tl.debug_barrier()  # all of this program's stores come before its release of the counter
+    done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+    if done == n_programs - 1:
+        c0 = tl.arange(0, CHUNK)
+        for t in range(M):  # M <= 8 tokens: int32 offsets suffice
+            srow = sum_ptr + t * stride_s
+            acc = tl.zeros([CHUNK], dtype=tl.float32)
+            for k in range(0, N, CHUNK):
+                x = tl.load(srow + k + c0, mask=k + c0 < N, other=0.0, cache_modifier=".cg").to(tl.float32)
+                acc += x * x
+            r = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / N + eps)
+            for k in range(0, N, CHUNK):
+                c = k + c0
+                cm = c < N
+                x = tl.load(srow + c, mask=cm, other=0.0, cache_modifier=".cg").to(tl.float32)
+                w = tl.load(w_ptr + c, mask=cm, other=0.0).to(tl.float32)
+                out = (x * r * w).to(n_ptr.dtype.element_ty)
+                tl.store(n_ptr + t * stride_n + c, out, mask=cm)
+                if QUANT:
+                    _store_int8_blocks(out, t, N, xq_ptr, xd_ptr, xs_ptr, c, CHUNK)
+        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")  # ready for the next launch
