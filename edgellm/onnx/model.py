@@ -1,6 +1,6 @@
 """OnnxModel: an imported network on a backend, called with numpy arrays.
 
-    m = edgellm.load("resnet18.onnx")             # backend="cpu" (reference) or "cuda"
+    m = edgellm.load("resnet18.onnx")             # backend="cpu" (reference), "cuda" or "webgpu"
     out = m(image_batch)                           # positional, in the model's input order
     out = m({"input": image_batch})                # or by name
     out["logits"]                                  # a dict: output name -> numpy array
@@ -45,14 +45,28 @@ class OnnxModel:
             if tdtype is None:
                 raise EdgeLLMError(f"dtype must be 'f16' or 'f32', got {dtype!r}")
             kernels, supported = CUDA_ND_KERNELS, set(CUDA_ND_KERNELS)
+        elif backend == "webgpu":
+            from ..backends.webgpu.vision import WebgpuNd
+
+            if dtype not in (None, "f32", "float32"):
+                raise EdgeLLMError(f"the webgpu backend runs ONNX models in float32, got dtype={dtype!r}")
+            tensor_ops = WebgpuNd()  # BackendUnavailableError without wgpu or an adapter
+            device, tdtype = torch.device("cpu"), torch.float32  # the delegated ops' host tensors
+            kernels = tensor_ops.kernels()
+            supported = set(kernels)
         else:
-            raise BackendUnavailableError(f"backend '{backend}' cannot run ONNX models (cpu, cuda)")
+            raise BackendUnavailableError(f"backend '{backend}' cannot run ONNX models (cpu, cuda, webgpu)")
         self.device, self.dtype = device, tdtype
-        weights = {n: _weight(a, device, tdtype) for n, a in imported.weights.items()}
+        self.tensor_ops = tensor_ops if backend == "webgpu" else None
+        if backend == "webgpu":
+            weights = {n: tensor_ops.weight(a) for n, a in imported.weights.items()}
+        else:
+            weights = {n: _weight(a, device, tdtype) for n, a in imported.weights.items()}
         # cuda: CUDA graphs per input sizes (EDGELLM_CUDA_GRAPHS=0 turns them off, as for language models)
         graphs = device.type == "cuda" and os.environ.get("EDGELLM_CUDA_GRAPHS", "1") != "0"
         self.runner = GraphRunner(self.graph, weights, kernels, supported, backend, device, tdtype, fuse=fuse,
-                                  use_arena=device.type == "cpu", graphs=graphs)
+                                  use_arena=device.type == "cpu" or backend == "webgpu", graphs=graphs,
+                                  tensor_ops=self.tensor_ops)
         self.load_s = time.perf_counter() - t0
 
     def _arrays(self, args, kwargs) -> dict[str, np.ndarray]:
@@ -100,7 +114,22 @@ class OnnxModel:
         return self.runner.compile(sizes)
 
     def describe(self) -> str:
-        return f"{self.backend_name} ({self.device}, {str(self.dtype).replace('torch.', '')})"
+        if self.backend_name == "webgpu":
+            ops = self.tensor_ops
+            d = f"webgpu ({ops.dev.info.line()}; WGSL kernels, float32, {'tiled' if ops.tiled else 'untiled'} GEMM"
+        else:
+            d = f"{self.backend_name} ({self.device}, {str(self.dtype).replace('torch.', '')}"
+        return d + self.delegation() + ")"
+
+    def delegation(self) -> str:
+        """'; N of M ops delegated to the cpu: kinds' for the sizes run last ('' when none are)."""
+        if self.backend_name == "cpu" or not self.runner._bound:
+            return ""
+        b = list(self.runner._bound.values())[-1]
+        if not b.delegated:
+            return ""
+        kinds = sorted({op.kind for op in b.ops if op.name in set(b.delegated)})
+        return f"; {len(b.delegated)} of {len(b.ops)} ops delegated to the cpu: {', '.join(kinds)}"
 
 
 def _weight(a: np.ndarray, device: torch.device, dtype: torch.dtype) -> torch.Tensor:

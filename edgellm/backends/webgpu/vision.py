@@ -1,0 +1,493 @@
+"""The webgpu backend for imported networks (ONNX): the N-D op kinds as WGSL kernels (nd_kernels.py)
+behind the ONNX runner's tensor interface (edgellm.onnx.runtime.TensorOps).
+
+How a network runs: for each set of input sizes, the runner calls the kernels below once on
+placeholder tensors (NdTensor: a range of a wgpu buffer), and each call *records* its dispatches
+(pipeline, bind group, grid) instead of computing; every intermediate lives in one arena buffer
+laid out by the runner's memory plan (the planned byte offsets are the bindings' offsets), the
+inputs and outputs in buffers of their own, weights uploaded once at load. A call then writes
+the inputs, replays the recording into one command encoder and one compute pass (one submit),
+and reads back only the outputs.
+
+On the GPU (float32): conv2d (implicit GEMM, grouped, strided, dilated, padded, with the fused
+epilogue: bias, activation, residual add, activation after it), depthwise convolution, maxpool,
+avgpool, global_avgpool, linear / linear_act / matmul (tiled GEMM, bias and activation in the
+epilogue), the element-wise kinds (add, sub, mul, div, pow with numpy broadcasting; mul_add),
+the activations (relu, clip, hardswish, hardsigmoid, sigmoid, silu, gelu, tanh, erf, sqrt, exp,
+neg), softmax (any axis), layer_norm, add_layer_norm, sdpa, reduce_mean, and the layout kinds as
+strided copies (reshape, transpose, expand, slice, gather, concat).
+
+Delegated to the cpu reference kernels (edgellm.backends.cpu_nd; the replay submits what it has
+recorded, reads the op's inputs back, runs the kernel on the host and writes its outputs to their
+planned place): resize, and any kind not in WEBGPU_KINDS; also an op whose weight operand is a
+computed tensor where the kernel binds it read-only. `OnnxModel.describe()` and `edgellm plan
+model.onnx --backend webgpu` name the delegated ops.
+
+Tiling: on a hardware adapter the GEMM stages its tiles in workgroup memory; on a software one
+(lavapipe) every thread reads its operands directly (no barriers, which lavapipe runs slowly).
+EDGELLM_WEBGPU_TILED=0/1 overrides, as for language models.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Callable
+
+import numpy as np
+
+from ...errors import GraphError
+from ...graph.ir import Op
+from . import nd_kernels as nd
+from .device import Device, get_device
+from .launch import encode_dispatch, grid2, raw_pass_functions
+
+WEBGPU_KINDS = frozenset({
+    "conv2d", "maxpool", "avgpool", "global_avgpool", "linear", "linear_act", "matmul", "sdpa", "softmax",
+    "layer_norm", "add_layer_norm", "reduce_mean", "mul_add", *nd.BINARY, *nd.ACTS, "hardsigmoid", "reshape",
+    "transpose", "expand", "slice", "gather", "concat",
+})
+
+_RAW = raw_pass_functions()
+
+
+class NdTensor:
+    """A contiguous row-major float32 tensor in a wgpu buffer (byte offset); weights also keep
+    their host array (what a delegated op reads, without a read-back)."""
+
+    def __init__(self, buffer, offset: int, shape: tuple[int, ...], host: np.ndarray | None = None):
+        self.buffer, self.offset, self.shape, self.host = buffer, int(offset), tuple(int(s) for s in shape), host
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def binding(self) -> dict:
+        return {"buffer": self.buffer, "offset": self.offset, "size": max(16, -(-4 * self.size // 16) * 16)}
+
+    def read(self, dev: Device) -> np.ndarray:
+        if self.host is not None:
+            return np.asarray(self.host, dtype=np.float32).reshape(self.shape)
+        if self.size == 0:
+            return np.zeros(self.shape, np.float32)
+        raw = np.frombuffer(dev.read(self.buffer, self.offset, 4 * self.size), np.float32)
+        return raw.reshape(self.shape).copy()
+
+
+class Recording:
+    """A network's dispatches for one set of input sizes: ('gpu', pipeline, bind group, grid) or
+    ('host', op, cpu kernel, input tensors, output tensors) steps, in order."""
+
+    def __init__(self):
+        self.steps: list[tuple] = []
+        self.inputs: dict[str, NdTensor] = {}
+        self.outputs: list = []
+        self.arena = None
+        self.delegated: list[str] = []
+
+    @property
+    def dispatches(self) -> int:
+        return sum(1 for s in self.steps if s[0] == "gpu")
+
+
+def _strides(shape) -> tuple[int, ...]:
+    return nd._contiguous(tuple(shape))
+
+
+def _broadcast_strides(shape, out_shape) -> tuple[int, ...]:
+    """Strides reading a tensor of `shape` at the coordinates of `out_shape` (numpy broadcasting)."""
+    shape = (1,) * (len(out_shape) - len(shape)) + tuple(shape)
+    st = _strides(shape)
+    return tuple(0 if s == 1 and o != 1 else t for s, o, t in zip(shape, out_shape, st))
+
+
+class WebgpuNd:
+    """The runner's TensorOps for webgpu (records = True: see the module docstring), and the
+    kernel table (`kernels()`: op kind -> f(op, inputs) recording the op's dispatches)."""
+
+    records = True
+
+    def __init__(self, dev: Device | None = None, tiled: bool | None = None):
+        self.dev = dev or get_device()
+        want = os.environ.get("EDGELLM_WEBGPU_TILED")
+        if tiled is None:
+            tiled = (want == "1") if want in ("0", "1") else not self.dev.info.software
+        self.tiled = tiled
+        self._rec: Recording | None = None
+        self._bound = None
+        self._outs: list[tuple[str, tuple[int, ...], tuple | None]] = []
+
+    # -- TensorOps -------------------------------------------------------------------------------
+    def from_host(self, a: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(a, dtype=np.float32)
+
+    def to_host(self, value) -> np.ndarray:
+        return value.read(self.dev) if isinstance(value, NdTensor) else np.asarray(value, dtype=np.float32)
+
+    def weight(self, a: np.ndarray) -> NdTensor:
+        host = np.ascontiguousarray(a, dtype=np.float32)
+        return NdTensor(self.dev.upload(host.reshape(-1) if host.size else np.zeros(4, np.float32)), 0, host.shape, host)
+
+    def reserve(self, plan_bytes: int) -> None:
+        if self._rec is not None and self._rec.arena is None:
+            self._rec.arena = self.dev.buffer(int(plan_bytes) + 256)
+
+    def begin_op(self, op: Op) -> None:
+        b = self._bound
+        g = b.compiled.graph
+        self._op = op
+        self._outs = [(n, tuple(g.tensors[n].concrete_shape(**b.sizes)), b.views.get(n)) for n in op.outputs]
+
+    def store(self, value, offset: int, shape: tuple[int, ...]):
+        slot = NdTensor(self._rec.arena, offset, shape)
+        if isinstance(value, NdTensor) and value.buffer is slot.buffer and value.offset == offset:
+            return value
+        self._copy(value, slot)
+        return slot
+
+    def delegate(self, fn: Callable) -> Callable:
+        def run(op, ins):
+            return self._host(op, ins, fn)
+        return run
+
+    def record(self, b, run_ops: Callable) -> Recording:
+        """The bound program's recording: the runner's op loop over placeholders."""
+        from ...backends.webgpu.backend import _device_errors
+
+        rec = Recording()
+        self._rec, self._bound = rec, b
+        g = b.compiled.graph
+        env = {}
+        for n in g.inputs:
+            shape = tuple(g.tensors[n].concrete_shape(**b.sizes))
+            rec.inputs[n] = env[n] = NdTensor(self.dev.buffer(4 * math.prod(shape)), 0, shape)
+        try:
+            with _device_errors(f"recording '{g.name}' for sizes {b.sizes}"):
+                rec.outputs = run_ops(b, env)
+        finally:
+            self._rec = self._bound = None
+        return rec
+
+    def replay(self, rec: Recording, env: dict) -> list:
+        from ...backends.webgpu.backend import _device_errors
+
+        dev = self.dev
+        with _device_errors("running the network"):
+            for n, t in rec.inputs.items():
+                a = np.ascontiguousarray(np.asarray(env[n]), dtype=np.float32).reshape(-1)
+                if a.size:
+                    dev.write(t.buffer, a, t.offset)
+            enc = dev.device.create_command_encoder()
+            cpass = enc.begin_compute_pass()
+            for st in rec.steps:
+                if st[0] == "gpu":
+                    encode_dispatch(cpass, st[1], st[2], st[3], _RAW)
+                    continue
+                cpass.end()
+                dev.queue.submit([enc.finish()])
+                _, op, fn, ins, outs = st
+                self._run_host(op, fn, ins, outs)
+                enc = dev.device.create_command_encoder()
+                cpass = enc.begin_compute_pass()
+            cpass.end()
+            dev.queue.submit([enc.finish()])
+        return list(rec.outputs)
+
+    # -- recording helpers -------------------------------------------------------------------------
+    def _out(self, k: int = 0) -> NdTensor:
+        name, shape, view = self._outs[k]
+        if view is not None:
+            return NdTensor(self._rec.arena, view[0], shape)
+        return NdTensor(self.dev.buffer(4 * math.prod(shape)), 0, shape)
+
+    def _dispatch(self, kern, tensors: dict, grid: tuple[int, int, int]) -> None:
+        if 0 in grid:
+            return
+        dev = self.dev
+        layout = dev.layout(kern.kinds)
+        pipeline = dev.pipeline(kern.source, layout)
+        entries = []
+        for i, bd in enumerate(kern.bindings):
+            t = tensors[bd.name]
+            entries.append({"binding": i, "resource": t.binding()})
+        bg = dev.device.create_bind_group(layout=layout, entries=entries)
+        self._rec.steps.append(("gpu", pipeline, bg, tuple(int(v) for v in grid)))
+
+    def _flat(self, kern, tensors: dict, threads: int, per_group: int = 256) -> None:
+        x, y = grid2(-(-threads // per_group), self.dev.max_groups)
+        self._dispatch(kern, tensors, (x, y, 1))
+
+    def _host(self, op: Op, ins: list, fn: Callable):
+        from ..cpu import CPU_KERNELS
+
+        fn = fn or CPU_KERNELS[op.kind]
+        outs = [self._out(k) for k in range(len(op.outputs))]
+        self._rec.steps.append(("host", op, fn, list(ins), outs))
+        self._rec.delegated.append(op.name)
+        return tuple(outs) if len(outs) > 1 else outs[0]
+
+    def _run_host(self, op: Op, fn: Callable, ins: list, outs: list) -> None:
+        import torch
+
+        args = [torch.from_numpy(t.read(self.dev)) if isinstance(t, NdTensor) else t for t in ins]
+        with torch.inference_mode():
+            y = fn(op, args)
+        for t, v in zip(outs, y if isinstance(y, tuple) else (y,)):
+            a = np.ascontiguousarray(v.float().numpy(), dtype=np.float32).reshape(-1)
+            if tuple(v.shape) != t.shape:
+                raise GraphError(f"op '{op.name}' ({op.kind}) on the cpu gave shape {tuple(v.shape)}, expected {t.shape}")
+            if a.size:
+                self.dev.write(t.buffer, a, t.offset)
+
+    def _copy(self, src: NdTensor, dst: NdTensor) -> None:
+        """src's elements into dst (same count, any shapes): one flat copy."""
+        self._elementwise("a", [src], dst.shape, [(1,)], dst, flat=True)
+
+    def _elementwise(self, expr: str, ins: list[NdTensor], shape, strides, y: NdTensor, offsets=None, y_strides=None,
+                     y_offset: int = 0, flat: bool = False) -> NdTensor:
+        if flat:  # same elements, another shape (reshape): one flat copy
+            shape, strides = (math.prod(shape),), [(1,)] * len(ins)
+        kern = nd.elementwise(expr, tuple(shape), [tuple(s) for s in strides], list(offsets or [0] * len(ins)),
+                              tuple(y_strides) if y_strides is not None else None, y_offset,
+                              tuple(t.host is not None for t in ins))
+        tensors = dict(zip("ABC", ins))
+        tensors["Y"] = y
+        self._flat(kern, tensors, math.prod(shape))
+        return y
+
+    @staticmethod
+    def _weight(t) -> bool:
+        return isinstance(t, NdTensor) and t.host is not None
+
+    # -- the kernel table -------------------------------------------------------------------------
+    def kernels(self) -> dict[str, Callable]:
+        table = {k: self._binary for k in nd.BINARY}
+        table.update({k: self._unary for k in nd.ACTS})
+        table.update(hardsigmoid=self._unary, conv2d=self._conv2d, maxpool=self._pool, avgpool=self._pool,
+                     global_avgpool=self._global_avgpool, linear=self._linear, linear_act=self._linear,
+                     matmul=self._matmul, sdpa=self._sdpa, softmax=self._softmax, layer_norm=self._layer_norm,
+                     add_layer_norm=self._layer_norm, reduce_mean=self._reduce_mean, mul_add=self._mul_add,
+                     reshape=self._reshape, transpose=self._transpose, expand=self._expand, slice=self._slice,
+                     gather=self._gather, concat=self._concat)
+        assert set(table) == WEBGPU_KINDS
+        return table
+
+    def _conv2d(self, op: Op, ins: list):
+        from ..cpu_nd import spatial_pads
+
+        a = op.attrs
+        x, w = ins[0], ins[1]
+        k, bias = 2, None
+        if a.get("has_bias"):
+            bias, k = ins[2], 3
+        res = ins[k] if a.get("has_residual") else None
+        if not self._weight(w) or (bias is not None and not self._weight(bias)):
+            return self._host(op, ins, None)
+        y = self._out()
+        N, C, H, W = x.shape
+        O, Cg, KH, KW = w.shape
+        t, l, _, _ = spatial_pads(a, (H, W), (KH, KW))
+        (sh, sw), (dh, dw), G = a["strides"], a["dilations"], a["groups"]
+        geom = dict(N=N, C=C, H=H, W=W, O=O, OH=y.shape[2], OW=y.shape[3], KH=KH, KW=KW, SH=sh, SW=sw, PT=t, PL=l,
+                    DH=dh, DW=dw, G=G)
+        epi = dict(bias=bias is not None, act=a.get("act"), act_args=a.get("act_args"), residual=res is not None,
+                   res_act=a.get("res_act"), res_act_args=a.get("res_act_args"))
+        tensors = {"X": x, "W": w, "Y": y, "B": bias, "R": res}
+        if G == C and Cg == 1:
+            self._flat(nd.depthwise(geom, **epi), tensors, y.size)
+        else:
+            kern, grid = nd.gemm("conv", geom, tiled=self.tiled, **epi)
+            self._dispatch(kern, tensors, grid)
+        return y
+
+    def _pool(self, op: Op, ins: list):
+        from ..cpu_nd import spatial_pads
+
+        a, x = op.attrs, ins[0]
+        kh, kw = a["kernel"]
+        t, l, b, r = spatial_pads(a, tuple(x.shape[2:]), (kh, kw))
+        y = self._out()
+        N, C, H, W = x.shape
+        geom = dict(N=N, C=C, H=H, W=W, OH=y.shape[2], OW=y.shape[3], KH=kh, KW=kw, SH=a["strides"][0],
+                    SW=a["strides"][1], PT=t, PL=l, PB=b, PR=r, DH=a["dilations"][0], DW=a["dilations"][1])
+        kern = nd.pool(geom, is_max=op.kind == "maxpool", count_include_pad=bool(a.get("count_include_pad")))
+        self._flat(kern, {"X": x, "Y": y}, y.size)
+        return y
+
+    def _global_avgpool(self, op: Op, ins: list):
+        x = ins[0]
+        y = self._out()
+        rows, cols = x.shape[0] * x.shape[1], math.prod(x.shape[2:])
+        kern, per_row = nd.global_avgpool(rows, cols, tiled=self.tiled)
+        self._flat(kern, {"X": x, "Y": y}, rows, 1 if per_row else 256)
+        return y
+
+    def _linear(self, op: Op, ins: list):
+        a = op.attrs
+        x, w = ins[0], ins[1]
+        bias = ins[2] if a.get("has_bias") else None
+        res = ins[-1] if a.get("has_residual") else None
+        if bias is not None and not self._weight(bias):
+            return self._host(op, ins, None)
+        y = self._out()
+        geom = dict(M=math.prod(x.shape[:-1]), N=w.shape[0], K=w.shape[1])
+        kern, grid = nd.gemm("linear", geom, tiled=self.tiled, bias=bias is not None, act=a.get("act"),
+                             act_args=a.get("act_args"), residual=res is not None, weight_b=self._weight(w))
+        self._dispatch(kern, {"X": x, "W": w, "Y": y, "B": bias, "R": res}, grid)
+        return y
+
+    def _matmul(self, op: Op, ins: list):
+        a, b = ins
+        y = self._out()
+        M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
+        zdims = y.shape[:-2]
+        za = _broadcast_strides(a.shape[:-2], zdims)
+        zb = _broadcast_strides(b.shape[:-2], zdims)
+        geom = dict(M=M, N=N, K=K, zdims=zdims, zsa=tuple(s * M * K for s in za), zsb=tuple(s * K * N for s in zb))
+        kern, grid = nd.gemm("matmul", geom, tiled=self.tiled, weight_b=self._weight(b))
+        self._dispatch(kern, {"X": a, "W": b, "Y": y}, grid)
+        return y
+
+    def _sdpa(self, op: Op, ins: list):
+        q, k, v = ins
+        y = self._out()
+        kern = nd.sdpa(math.prod(q.shape[:-2]), q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1], op.attrs["scale"])
+        self._flat(kern, {"Q": q, "K": k, "V": v, "Y": y}, math.prod(q.shape[:-1]))
+        return y
+
+    def _softmax(self, op: Op, ins: list):
+        x = ins[0]
+        y = self._out()
+        ax = op.attrs["axis"] % len(x.shape)
+        outer, inner = math.prod(x.shape[:ax]), math.prod(x.shape[ax + 1:])
+        self._flat(nd.softmax(outer, x.shape[ax], inner), {"X": x, "Y": y}, outer * inner)
+        return y
+
+    def _layer_norm(self, op: Op, ins: list):
+        a = op.attrs
+        add = op.kind == "add_layer_norm"
+        x = ins[0]
+        rest = ins[2:] if add else ins[1:]
+        scale = rest[0]
+        bias = rest[1] if a.get("has_bias") else None
+        ax = a["axis"] % len(x.shape)
+        rows, cols = math.prod(x.shape[:ax]), math.prod(x.shape[ax:])
+        if not self._weight(scale) or (bias is not None and not self._weight(bias)) or scale.size != cols \
+                or (bias is not None and bias.size != cols):
+            return self._host(op, ins, None)
+        kern = nd.layer_norm(rows, cols, a["eps"], bias=bias is not None, add=add,
+                             weights=(self._weight(x), add and self._weight(ins[1])))
+        if add:
+            s, n = self._out(0), self._out(1)
+            self._flat(kern, {"X": x, "X2": ins[1], "G": scale, "Bi": bias, "Y": n, "S": s}, rows)
+            return s, n
+        y = self._out()
+        self._flat(kern, {"X": x, "G": scale, "Bi": bias, "Y": y}, rows)
+        return y
+
+    def _reduce_mean(self, op: Op, ins: list):
+        x = ins[0]
+        y = self._out()
+        axes = tuple(sorted({ax % len(x.shape) for ax in op.attrs["axes"]}))
+        self._flat(nd.reduce_mean(x.shape, axes), {"X": x, "Y": y}, y.size)
+        return y
+
+    def _binary(self, op: Op, ins: list):
+        y = self._out()
+        return self._elementwise(nd.BINARY[op.kind], ins, y.shape, [_broadcast_strides(t.shape, y.shape) for t in ins], y)
+
+    def _mul_add(self, op: Op, ins: list):
+        y = self._out()
+        return self._elementwise("a * b + c", ins, y.shape, [_broadcast_strides(t.shape, y.shape) for t in ins], y)
+
+    def _unary(self, op: Op, ins: list):
+        y = self._out()
+        args = {k: v for k, v in op.attrs.items() if k in ("min", "max", "alpha", "beta", "approximate")}
+        return self._elementwise(nd.act_expr(op.kind, args, "a"), ins, y.shape, [_strides(y.shape)], y)
+
+    # -- layout: strided copies -------------------------------------------------------------------------
+    def _reshape(self, op: Op, ins: list):
+        y = self._out()
+        return self._elementwise("a", ins, y.shape, [(1,)], y, flat=True)
+
+    def _transpose(self, op: Op, ins: list):
+        x = ins[0]
+        y = self._out()
+        xs = _strides(x.shape)
+        return self._elementwise("a", ins, y.shape, [tuple(xs[p] for p in op.attrs["perm"])], y)
+
+    def _expand(self, op: Op, ins: list):
+        y = self._out()
+        return self._elementwise("a", ins, y.shape, [_broadcast_strides(ins[0].shape, y.shape)], y)
+
+    def _slice(self, op: Op, ins: list):
+        from ...graph.nd_ops import slice_bounds
+
+        x = ins[0]
+        y = self._out()
+        xs = list(_strides(x.shape))
+        st, off = list(xs), 0
+        a = op.attrs
+        for start, end, ax, sp in zip(a["starts"], a["ends"], a["axes"], a["steps"]):
+            ax = ax % len(x.shape)
+            s, _ = (int(v) for v in slice_bounds(x.shape[ax], start, end, sp))
+            off += s * xs[ax]
+            st[ax] = xs[ax] * sp
+        return self._elementwise("a", ins, y.shape, [tuple(st)], y, offsets=[off])
+
+    def _gather(self, op: Op, ins: list):
+        x = ins[0]
+        y = self._out()
+        ax = op.attrs["axis"] % len(x.shape)
+        idx = op.attrs["index"]
+        xs = _strides(x.shape)
+        rest = tuple(s for d, s in enumerate(xs) if d != ax)
+        if isinstance(idx, int):
+            return self._elementwise("a", ins, y.shape, [rest], y, offsets=[(idx % x.shape[ax]) * xs[ax]])
+        ys = _strides(y.shape)
+        sub = tuple(d for k, d in enumerate(y.shape) if k != ax)
+        ys_rest = tuple(s for k, s in enumerate(ys) if k != ax)
+        for j, i in enumerate(idx):
+            self._elementwise("a", ins, sub, [rest], y, offsets=[(i % x.shape[ax]) * xs[ax]], y_strides=ys_rest,
+                              y_offset=j * ys[ax])
+        return y
+
+    def _concat(self, op: Op, ins: list):
+        y = self._out()
+        ax = op.attrs["axis"] % len(y.shape)
+        ys = _strides(y.shape)
+        at = 0
+        for t in ins:
+            if t.size:
+                self._elementwise("a", [t], t.shape, [_strides(t.shape)], y, y_strides=ys, y_offset=at * ys[ax])
+            at += t.shape[ax]
+        return y
+
+
+def run_op(op: Op, inputs: list[np.ndarray], out_shapes: list[tuple[int, ...]], *, tiled: bool | None = None,
+           weights: tuple[int, ...] = (), fill: float = float("nan"), dev: Device | None = None) -> list[np.ndarray]:
+    """One op through its webgpu kernel on host arrays (tests): inputs uploaded (those at the
+    positions in `weights` as weights), outputs in buffers of their own first filled with `fill`
+    (NaN: an element never written shows), read back after one replay."""
+    ex = WebgpuNd(dev, tiled)
+    table = ex.kernels()
+    if op.kind not in table:
+        raise GraphError(f"op '{op.name}': kind {op.kind} has no webgpu kernel")
+    rec = Recording()
+    ex._rec = rec
+    ex._op = op
+    ins = []
+    for k, a in enumerate(inputs):
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        ins.append(ex.weight(a) if k in weights else NdTensor(ex.dev.upload(a.reshape(-1) if a.size else np.zeros(4, np.float32)), 0, a.shape))
+    outs = []
+    for k, shape in enumerate(out_shapes):
+        n = math.prod(shape)
+        outs.append(NdTensor(ex.dev.upload(np.full(max(n, 4), fill, np.float32)), 0, shape))
+    ex._outs = [(f"out{k}", s, None) for k, s in enumerate(out_shapes)]
+    ex._out = lambda k=0: outs[k]  # the filled buffers
+    got = table[op.kind](op, ins)
+    rec.outputs = list(got) if isinstance(got, tuple) else [got]
+    ex._rec = None
+    ex.replay(rec, {})
+    return [t.read(ex.dev) for t in rec.outputs]
