@@ -2,7 +2,7 @@
 
   edgellm run model.onnx --input image.jpg [--labels labels.txt]     top-5, or output shapes + values
   edgellm plan model.onnx [--size batch=1,height=224,width=224]       passes, kernels, memory plans
-  edgellm bench model.onnx [--backend cuda] [-r 20]                   latency/throughput at batch 1 and 8
+  edgellm bench model.onnx [--backend cuda|webgpu] [-r 20]            latency/throughput at batch 1 and 8
 """
 
 from __future__ import annotations
@@ -167,6 +167,10 @@ def plan_onnx(args: argparse.Namespace, path: str) -> int:
         from ..backends.cuda.vision import CUDA_ND_KERNELS
 
         supported = set(CUDA_ND_KERNELS)
+    elif args.backend == "webgpu":  # the N-D kinds with WGSL kernels (the rest run on the cpu)
+        from ..backends.webgpu.vision import WEBGPU_KINDS
+
+        supported = set(WEBGPU_KINDS)
     elif args.backend != "cpu":
         supported = getattr(get_backend_info(args.backend), "SUPPORTED_OPS", None)
     c = compile_graph(imp.graph, supported_ops=supported, backend=args.backend, fuse=not args.no_fuse, sizes=sizes)

@@ -48,7 +48,7 @@ WEBGPU_KINDS = frozenset({
     "transpose", "expand", "slice", "gather", "concat",
 })
 
-_RAW = raw_pass_functions()
+_RAW: list = []  # [raw_pass_functions()], made at the first replay (importing this module loads no wgpu)
 
 
 class NdTensor:
@@ -177,11 +177,14 @@ class WebgpuNd:
                 a = np.ascontiguousarray(np.asarray(env[n]), dtype=np.float32).reshape(-1)
                 if a.size:
                     dev.write(t.buffer, a, t.offset)
+            if not _RAW:
+                _RAW.append(raw_pass_functions())
+            raw = _RAW[0]
             enc = dev.device.create_command_encoder()
             cpass = enc.begin_compute_pass()
             for st in rec.steps:
                 if st[0] == "gpu":
-                    encode_dispatch(cpass, st[1], st[2], st[3], _RAW)
+                    encode_dispatch(cpass, st[1], st[2], st[3], raw)
                     continue
                 cpass.end()
                 dev.queue.submit([enc.finish()])
