@@ -279,7 +279,8 @@ def test_architecture_matches_onnxruntime(dev, exported, name):
     assert out["logits"].shape == ref.shape
     assert rel_err(out["logits"], ref) < 1e-4
     b = next(iter(m.runner._bound.values()))
-    assert [s.backend for s in b.compiled.segments] == ["webgpu"] and not b.delegated  # every op on the GPU
+    assert [s.backend for s in b.compiled.segments] == ["webgpu"]  # every op on the GPU
+    assert not b.delegated and not b.recording.delegated
     assert b.recording.dispatches >= len(b.ops) and "delegated" not in m.describe()
 
 
@@ -320,6 +321,19 @@ def test_delegated_op_between_gpu_ops(dev, tmp_path):
     x = rng.standard_normal((1, 3, 6, 7)).astype(np.float32)
     assert rel_err(m(x)["y"], onnxruntime_run(path, {"x": x})[0]) < 1e-5
     assert "1 of 3 ops delegated to the cpu: resize" in m.describe()
+
+
+def test_ops_larger_than_a_binding_are_delegated(dev, exported, monkeypatch):
+    """An op with a tensor over the adapter's largest storage binding runs on the cpu instead,
+    its neighbours on the GPU reading and writing the same arena."""
+    path, size = exported("mobilenet_v3_small")
+    monkeypatch.setattr(dev, "max_binding", 4 * 20000)
+    m = edgellm.load(path, backend="webgpu")
+    x = np.random.default_rng(7).standard_normal((1, 3, size, size)).astype(np.float32)
+    assert rel_err(m(x)["logits"], onnxruntime_run(path, {"input": x})[0]) < 1e-4
+    b = next(iter(m.runner._bound.values()))
+    assert 0 < len(b.recording.delegated) < len(b.ops) // 2
+    assert f"{len(b.recording.delegated)} of {len(b.ops)} ops delegated to the cpu: conv2d, linear" in m.describe()
 
 
 def test_unavailable_adapter_is_a_clear_error(exported, monkeypatch):

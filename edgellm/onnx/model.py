@@ -126,10 +126,11 @@ class OnnxModel:
         if self.backend_name == "cpu" or not self.runner._bound:
             return ""
         b = list(self.runner._bound.values())[-1]
-        if not b.delegated:
+        names = set(b.delegated) | set(getattr(b.recording, "delegated", ()))  # webgpu: also what its kernels handed back
+        if not names:
             return ""
-        kinds = sorted({op.kind for op in b.ops if op.name in set(b.delegated)})
-        return f"; {len(b.delegated)} of {len(b.ops)} ops delegated to the cpu: {', '.join(kinds)}"
+        kinds = sorted({op.kind for op in b.ops if op.name in names})
+        return f"; {len(names)} of {len(b.ops)} ops delegated to the cpu: {', '.join(kinds)}"
 
 
 def _weight(a: np.ndarray, device: torch.device, dtype: torch.dtype) -> torch.Tensor:

@@ -20,7 +20,8 @@ strided copies (reshape, transpose, expand, slice, gather, concat).
 Delegated to the cpu reference kernels (edgellm.backends.cpu_nd; the replay submits what it has
 recorded, reads the op's inputs back, runs the kernel on the host and writes its outputs to their
 planned place): resize, and any kind not in WEBGPU_KINDS; also an op whose weight operand is a
-computed tensor where the kernel binds it read-only. `OnnxModel.describe()` and `edgellm plan
+computed tensor where the kernel binds it read-only, and an op with a tensor larger than the
+adapter's largest storage binding. `OnnxModel.describe()` and `edgellm plan
 model.onnx --backend webgpu` name the delegated ops.
 
 Tiling: on a hardware adapter the GEMM stages its tiles in workgroup memory; on a software one
@@ -206,15 +207,25 @@ class WebgpuNd:
     def _dispatch(self, kern, tensors: dict, grid: tuple[int, int, int]) -> None:
         if 0 in grid:
             return
+        import wgpu
+
         dev = self.dev
-        layout = dev.layout(kern.kinds)
-        pipeline = dev.pipeline(kern.source, layout)
-        entries = []
-        for i, bd in enumerate(kern.bindings):
-            t = tensors[bd.name]
-            entries.append({"binding": i, "resource": t.binding()})
-        bg = dev.device.create_bind_group(layout=layout, entries=entries)
+        try:
+            layout = dev.layout(kern.kinds)
+            pipeline = dev.pipeline(kern.source, layout)
+            entries = [{"binding": i, "resource": tensors[bd.name].binding()} for i, bd in enumerate(kern.bindings)]
+            bg = dev.device.create_bind_group(layout=layout, entries=entries)
+        except wgpu.GPUError as e:  # a driver's refusal (a limit, a shader it cannot compile): name the op
+            from .backend import _first_line
+
+            raise GraphError(f"op '{self._op.name}' ({self._op.kind}): the webgpu kernel '{kern.name}' failed: "
+                             f"{_first_line(e)}") from None
         self._rec.steps.append(("gpu", pipeline, bg, tuple(int(v) for v in grid)))
+
+    def _fits(self, op: Op, ins: list) -> bool:
+        """Whether every operand and result fits in one storage binding (else the op is delegated)."""
+        sizes = [t.size for t in ins if isinstance(t, NdTensor)] + [math.prod(s) for _, s, _ in self._outs]
+        return 4 * max(sizes, default=0) + 16 <= self.dev.max_binding
 
     def _flat(self, kern, tensors: dict, threads: int, per_group: int = 256) -> None:
         x, y = grid2(-(-threads // per_group), self.dev.max_groups)
@@ -273,7 +284,12 @@ class WebgpuNd:
                      reshape=self._reshape, transpose=self._transpose, expand=self._expand, slice=self._slice,
                      gather=self._gather, concat=self._concat)
         assert set(table) == WEBGPU_KINDS
-        return table
+
+        def guarded(fn):
+            def run(op, ins):
+                return fn(op, ins) if self._fits(op, ins) else self._host(op, ins, None)
+            return run
+        return {k: guarded(fn) for k, fn in table.items()}
 
     def _conv2d(self, op: Op, ins: list):
         from ..cpu_nd import spatial_pads
