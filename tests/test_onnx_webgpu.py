@@ -195,23 +195,29 @@ def test_unary(dev, rng, kind, attrs):
 
 
 # -- rows ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tiled", [False, True], ids=["row-per-thread", "row-per-workgroup"])
 @pytest.mark.parametrize("axis", [-1, 1, 0])
-def test_softmax(dev, rng, axis):
-    check(*run(dev, "softmax", [f32(rng, 3, 7, 19) * 4], axis=axis))
+def test_softmax(dev, rng, axis, tiled):
+    check(*run(dev, "softmax", [f32(rng, 3, 7, 19) * 4], axis=axis, tiled=tiled))
+    check(*run(dev, "softmax", [f32(rng, 3, 2, 197) * 4], axis=axis, tiled=tiled))
 
 
+@pytest.mark.parametrize("tiled", [False, True], ids=["row-per-thread", "row-per-workgroup"])
 @pytest.mark.parametrize("axis,bias", [(-1, True), (2, False), (1, True)])
-def test_layer_norm(dev, rng, axis, bias):
-    x = f32(rng, 2, 5, 6, 24) + 0.7
-    norm_shape = x.shape[axis % 4:]
-    ins = [x, f32(rng, *norm_shape)] + ([f32(rng, *norm_shape)] if bias else [])
-    check(*run(dev, "layer_norm", ins, weights=(1, 2), axis=axis, eps=1e-6, has_bias=bias))
+def test_layer_norm(dev, rng, axis, bias, tiled):
+    for last in (24, 150):
+        x = f32(rng, 2, 5, 6, last) + 0.7
+        norm_shape = x.shape[axis % 4:]
+        ins = [x, f32(rng, *norm_shape)] + ([f32(rng, *norm_shape)] if bias else [])
+        check(*run(dev, "layer_norm", ins, weights=(1, 2), axis=axis, eps=1e-6, has_bias=bias, tiled=tiled))
 
 
-def test_add_layer_norm(dev, rng):
-    a, b = f32(rng, 2, 5, 48), f32(rng, 2, 5, 48)
-    got, want = run(dev, "add_layer_norm", [a, b, f32(rng, 48), f32(rng, 48)], weights=(2, 3), n_out=2, axis=-1,
-                    eps=1e-5, has_bias=True)
+@pytest.mark.parametrize("tiled", [False, True], ids=["row-per-thread", "row-per-workgroup"])
+@pytest.mark.parametrize("cols", [48, 200])
+def test_add_layer_norm(dev, rng, cols, tiled):
+    a, b = f32(rng, 2, 5, cols), f32(rng, 2, 5, cols)
+    got, want = run(dev, "add_layer_norm", [a, b, f32(rng, cols), f32(rng, cols)], weights=(2, 3), n_out=2, axis=-1,
+                    eps=1e-5, has_bias=True, tiled=tiled)
     check(got, want)
 
 

@@ -400,8 +400,26 @@ def _contiguous(shape) -> tuple[int, ...]:
 
 
 # -- reductions over rows ---------------------------------------------------------------------------
-def softmax(outer: int, length: int, inner: int) -> Kernel:
-    """Softmax along an axis of `length` elements at stride `inner`: one (outer, inner) row per thread."""
+def softmax(outer: int, length: int, inner: int, wg: int = 0) -> Kernel:
+    """Softmax along an axis of `length` elements at stride `inner`: one (outer, inner) row per
+    thread, or with wg > 0 (the last axis: inner 1) one row per workgroup of wg threads."""
+    if wg:
+        assert inner == 1
+        body = f"var<workgroup> red: array<f32, {wg}>;\n" + _MAIN + f"""    let row = wid.x + wid.y * nwg.x;
+    let b = min(row, {outer - 1}u) * {length}u;
+    var m = bitcast<f32>(0xff800000u);
+    for (var j = lid; j < {length}u; j += {wg}u) {{ m = max(m, X_ld(b + j)); }}
+    red[lid] = m; workgroupBarrier();
+    for (var st = {wg // 2}u; st > 0u; st = st >> 1u) {{ if (lid < st) {{ red[lid] = max(red[lid], red[lid + st]); }} workgroupBarrier(); }}
+    let mx = red[0]; workgroupBarrier();
+    var e = 0.0;
+    for (var j = lid; j < {length}u; j += {wg}u) {{ e += exp(X_ld(b + j) - mx); }}
+    {_row_sum("e", wg)}
+    let inv = 1.0 / tot_e;
+    if (row < {outer}u) {{ for (var j = lid; j < {length}u; j += {wg}u) {{ Y_st(b + j, exp(X_ld(b + j) - mx) * inv); }} }}
+}}
+"""
+        return _nd("softmax_wg", [_act("X"), _act("Y")], body, wg)
     body = _MAIN + f"""    {_flat_id()}
     if (i >= {outer * inner}u) {{ return; }}
     let base = (i / {inner}u) * {length * inner}u + i % {inner}u;
@@ -416,9 +434,20 @@ def softmax(outer: int, length: int, inner: int) -> Kernel:
     return _nd("softmax", [_act("X"), _act("Y")], body, 256)
 
 
-def layer_norm(rows: int, cols: int, eps: float, *, bias: bool, add: bool, weights: tuple[bool, bool] = (False, False)) -> Kernel:
+def _row_sum(var: str, wg: int) -> str:
+    """WGSL: the sum of `var` over the workgroup's threads into `tot` (workgroup memory `red`)."""
+    return (f"red[lid] = {var}; workgroupBarrier();\n"
+            f"    for (var st = {wg // 2}u; st > 0u; st = st >> 1u) {{ if (lid < st) {{ red[lid] += red[lid + st]; }} "
+            f"workgroupBarrier(); }}\n"
+            f"    let tot_{var} = red[0]; workgroupBarrier();\n")
+
+
+def layer_norm(rows: int, cols: int, eps: float, *, bias: bool, add: bool, weights: tuple[bool, bool] = (False, False),
+               wg: int = 0) -> Kernel:
     """Y = (x - mean) / sqrt(var + eps) * G + Bi over rows of `cols` (two passes: mean, then the
-    centred variance); add: x = A + B2, the sum also written to S. One row per thread."""
+    centred variance); add: x = A + B2, the sum also written to S. One row per thread, or with
+    wg > 0 one row per workgroup of wg threads (coalesced reads, sums reduced in workgroup
+    memory; grid: one workgroup per row, 2-D when many)."""
     parts = [_act("X", "read" if weights[0] else "storage")]
     if add:
         parts.append(_act("X2", "read" if weights[1] else "storage"))
@@ -431,6 +460,22 @@ def layer_norm(rows: int, cols: int, eps: float, *, bias: bool, add: bool, weigh
     again = "S_ld(b + k)" if add else "X_ld(b + k)"
     first = "let v = " + ld + ";" + (" S_st(b + k, v);" if add else "")
     out = "(" + again + " - mean) * inv * G_ld(k)" + (" + Bi_ld(k)" if bias else "")
+    if wg:
+        body = f"var<workgroup> red: array<f32, {wg}>;\n" + _MAIN + f"""    let row = wid.x + wid.y * nwg.x;
+    let ok = row < {rows}u;
+    let b = min(row, {rows - 1}u) * {cols}u;
+    var s = 0.0;
+    for (var k = lid; k < {cols}u; k += {wg}u) {{ {first.replace("S_st(", "if (ok) { S_st(").replace("v);", "v); }") if add else first} s += v; }}
+    {_row_sum("s", wg)}
+    let mean = tot_s / {_f(cols)};
+    var q = 0.0;
+    for (var k = lid; k < {cols}u; k += {wg}u) {{ let d = {again if not add else "(X_ld(b + k) + X2_ld(b + k))"} - mean; q = fma(d, d, q); }}
+    {_row_sum("q", wg)}
+    let inv = inverseSqrt(tot_q / {_f(cols)} + {_f(eps)});
+    if (ok) {{ for (var k = lid; k < {cols}u; k += {wg}u) {{ Y_st(b + k, {out.replace("S_ld(b + k)", "(X_ld(b + k) + X2_ld(b + k))") if add else out}); }} }}
+}}
+"""
+        return _nd("add_layer_norm_wg" if add else "layer_norm_wg", parts, body, wg)
     body = _MAIN + f"""    {_flat_id()}
     if (i >= {rows}u) {{ return; }}
     let b = i * {cols}u;

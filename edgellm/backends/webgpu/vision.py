@@ -49,6 +49,7 @@ WEBGPU_KINDS = frozenset({
     "transpose", "expand", "slice", "gather", "concat",
 })
 
+ROW_WG = 64  # threads of the workgroup-per-row variants (layer norm, softmax) on GPUs
 _RAW: list = []  # [raw_pass_functions()], made at the first replay (importing this module loads no wgpu)
 
 
@@ -379,7 +380,10 @@ class WebgpuNd:
         y = self._out()
         ax = op.attrs["axis"] % len(x.shape)
         outer, inner = math.prod(x.shape[:ax]), math.prod(x.shape[ax + 1:])
-        self._flat(nd.softmax(outer, x.shape[ax], inner), {"X": x, "Y": y}, outer * inner)
+        if self.tiled and inner == 1 and x.shape[ax] > ROW_WG:  # a workgroup per row (GPUs)
+            self._flat(nd.softmax(outer, x.shape[ax], 1, wg=ROW_WG), {"X": x, "Y": y}, outer, 1)
+        else:
+            self._flat(nd.softmax(outer, x.shape[ax], inner), {"X": x, "Y": y}, outer * inner)
         return y
 
     def _layer_norm(self, op: Op, ins: list):
@@ -394,14 +398,15 @@ class WebgpuNd:
         if not self._weight(scale) or (bias is not None and not self._weight(bias)) or scale.size != cols \
                 or (bias is not None and bias.size != cols):
             return self._host(op, ins, None)
+        wg = ROW_WG if self.tiled and cols > ROW_WG else 0  # a workgroup per row (GPUs)
         kern = nd.layer_norm(rows, cols, a["eps"], bias=bias is not None, add=add,
-                             weights=(self._weight(x), add and self._weight(ins[1])))
+                             weights=(self._weight(x), add and self._weight(ins[1])), wg=wg)
         if add:
             s, n = self._out(0), self._out(1)
-            self._flat(kern, {"X": x, "X2": ins[1], "G": scale, "Bi": bias, "Y": n, "S": s}, rows)
+            self._flat(kern, {"X": x, "X2": ins[1], "G": scale, "Bi": bias, "Y": n, "S": s}, rows, 1 if wg else 256)
             return s, n
         y = self._out()
-        self._flat(kern, {"X": x, "G": scale, "Bi": bias, "Y": y}, rows)
+        self._flat(kern, {"X": x, "G": scale, "Bi": bias, "Y": y}, rows, 1 if wg else 256)
         return y
 
     def _reduce_mean(self, op: Op, ins: list):
