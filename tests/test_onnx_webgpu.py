@@ -287,7 +287,12 @@ def test_architecture_matches_onnxruntime(dev, exported, name):
     b = next(iter(m.runner._bound.values()))
     assert [s.backend for s in b.compiled.segments] == ["webgpu"]  # every op on the GPU
     assert not b.delegated and not b.recording.delegated
-    assert b.recording.dispatches >= len(b.ops) and "delegated" not in m.describe()
+    assert "delegated" not in m.describe()
+    # one dispatch per op, but for reshapes read in place (ViT's attention has dozens)
+    reshapes = sum(op.kind == "reshape" for op in b.ops)
+    assert b.recording.dispatches >= len(b.ops) - reshapes and b.recording.aliases <= reshapes
+    if name == "vit_b_16":
+        assert b.recording.aliases >= 12
 
 
 def test_dynamic_sizes_and_tiled_network(dev, exported, monkeypatch):

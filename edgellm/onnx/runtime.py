@@ -79,6 +79,7 @@ class TensorOps:
     per input sizes on placeholder handles, record a program (record), and each call replays it."""
 
     records = False
+    in_place: frozenset = frozenset()  # op kinds whose result may be the first input's storage (compile_graph)
 
     def __init__(self, device: torch.device, dtype: torch.dtype):
         self.device, self.dtype = device, dtype
@@ -140,7 +141,7 @@ class GraphRunner:
 
     def compile(self, sizes: dict[str, int]) -> CompiledGraph:
         return compile_graph(self.graph, supported_ops=self.supported, backend=self.backend, fuse=self.fuse,
-                             sizes=sizes)
+                             sizes=sizes, in_place=self.tensor_ops.in_place)
 
     def bind(self, sizes: dict[str, int]) -> BoundProgram:
         key = tuple(sorted(sizes.items()))

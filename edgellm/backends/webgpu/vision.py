@@ -15,7 +15,9 @@ avgpool, global_avgpool, linear / linear_act / matmul (tiled GEMM, bias and acti
 epilogue), the element-wise kinds (add, sub, mul, div, pow with numpy broadcasting; mul_add),
 the activations (relu, clip, hardswish, hardsigmoid, sigmoid, silu, gelu, tanh, erf, sqrt, exp,
 neg), softmax (any axis), layer_norm, add_layer_norm, sdpa, reduce_mean, and the layout kinds as
-strided copies (reshape, transpose, expand, slice, gather, concat).
+strided copies (reshape, transpose, expand, slice, gather, concat). A reshape reads its input's
+storage in place (no dispatch) where the memory plan writes nothing over it while the result is
+live (WebgpuNd._may_alias), else it is a copy.
 
 Delegated to the cpu reference kernels (edgellm.backends.cpu_nd; the replay submits what it has
 recorded, reads the op's inputs back, runs the kernel on the host and writes its outputs to their
@@ -86,6 +88,7 @@ class Recording:
         self.outputs: list = []
         self.arena = None
         self.delegated: list[str] = []
+        self.aliases = 0  # reshapes that read their input in place (no copy)
 
     @property
     def dispatches(self) -> int:
@@ -108,6 +111,7 @@ class WebgpuNd:
     kernel table (`kernels()`: op kind -> f(op, inputs) recording the op's dispatches)."""
 
     records = True
+    in_place = frozenset({"reshape"})  # planned with its input live while it is read (_may_alias)
 
     def __init__(self, dev: Device | None = None, tiled: bool | None = None):
         self.dev = dev or get_device()
@@ -138,9 +142,14 @@ class WebgpuNd:
         b = self._bound
         g = b.compiled.graph
         self._op = op
+        self._index += 1
+        self._alias_next = False
         self._outs = [(n, tuple(g.tensors[n].concrete_shape(**b.sizes)), b.views.get(n)) for n in op.outputs]
 
     def store(self, value, offset: int, shape: tuple[int, ...]):
+        if self._alias_next:  # a reshape that reads its input's storage in place (_may_alias)
+            self._alias_next = False
+            return value
         slot = NdTensor(self._rec.arena, offset, shape)
         if isinstance(value, NdTensor) and value.buffer is slot.buffer and value.offset == offset:
             return value
@@ -158,6 +167,8 @@ class WebgpuNd:
 
         rec = Recording()
         self._rec, self._bound = rec, b
+        self._records = {r.tensor: r for r in b.compiled.records}
+        self._index = -1
         g = b.compiled.graph
         env = {}
         for n in g.inputs:
@@ -431,8 +442,30 @@ class WebgpuNd:
 
     # -- layout: strided copies -------------------------------------------------------------------------
     def _reshape(self, op: Op, ins: list):
+        x = ins[0]
+        name, shape, view = self._outs[0]
+        if view is not None and self._may_alias(x, name):
+            self._alias_next = True
+            self._rec.aliases += 1
+            return NdTensor(x.buffer, x.offset, shape, x.host)
         y = self._out()
         return self._elementwise("a", ins, y.shape, [(1,)], y, flat=True)
+
+    def _may_alias(self, x: NdTensor, name: str) -> bool:
+        """Whether the planned tensor `name` (this op's result) can be x's storage read in place:
+        nothing the memory plan writes while it is live (ops after this one up to its last use)
+        overlaps x's bytes. Inputs, weights and outputs have buffers no op of a replay rewrites."""
+        r = self._records.get(name)
+        if r is None or x.buffer is not self._rec.arena:
+            return r is not None
+        lo, hi = x.offset, x.offset + 4 * x.size
+        views = self._bound.views
+        for o in self._records.values():
+            if r.first < o.first <= r.last and o.tensor in views:
+                off = views[o.tensor][0]
+                if off < hi and lo < off + o.size:
+                    return False
+        return True
 
     def _transpose(self, op: Op, ins: list):
         x = ins[0]
