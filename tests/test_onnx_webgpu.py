@@ -189,6 +189,7 @@ def test_mul_add(dev, rng):
                                         ("clip", {"min": 0.0}), ("erf", {}), ("sqrt", {}), ("exp", {}), ("neg", {})])
 def test_unary(dev, rng, kind, attrs):
     x = f32(rng, 3, 37, 11) * 3
+    x[0, 0, :5] = [1e-4, -0.03, 0.0625, 20.0, -40.0]  # near zero, at the tanh series' bound, far out
     if kind == "sqrt":
         x = np.abs(x) + 0.01
     check(*run(dev, kind, [x.astype(np.float32)], **attrs))
@@ -293,6 +294,28 @@ def test_architecture_matches_onnxruntime(dev, exported, name):
     assert b.recording.dispatches >= len(b.ops) - reshapes and b.recording.aliases <= reshapes
     if name == "vit_b_16":
         assert b.recording.aliases >= 12
+
+
+def test_in_place_reshape_keeps_its_input_live(exported):
+    """compile_graph(in_place={'reshape'}): a reshape's input stays live while the result is read,
+    so reading the result from the input's bytes is safe; without it the plans are as before."""
+    from edgellm.compiler.compile import usage_records
+    from edgellm.onnx.importer import import_onnx
+    from edgellm.onnx.runtime import GraphRunner
+
+    path, _ = exported("vit_b_16")
+    runner = GraphRunner(import_onnx(path).graph, {}, {}, set(), "cpu", torch.device("cpu"), torch.float32)
+    g = runner.compile({"batch": 1}).graph
+    plain, kept = usage_records(g, {"batch": 1}), usage_records(g, {"batch": 1}, frozenset({"reshape"}))
+    last = {r.tensor: r.last for r in plain}
+    kept_last = {r.tensor: r.last for r in kept}
+    assert [(r.tensor, r.first, r.size) for r in plain] == [(r.tensor, r.first, r.size) for r in kept]
+    extended = 0
+    for op in g.ops:
+        if op.kind == "reshape" and op.inputs[0] in last and op.outputs[0] in last:
+            assert kept_last[op.inputs[0]] >= kept_last[op.outputs[0]]
+            extended += kept_last[op.inputs[0]] > last[op.inputs[0]]
+    assert extended >= 12 and all(kept_last[t] >= last[t] for t in last)
 
 
 def test_dynamic_sizes_and_tiled_network(dev, exported, monkeypatch):

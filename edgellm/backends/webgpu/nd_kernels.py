@@ -37,7 +37,12 @@ fn nd_erf(x: f32) -> f32 {  // Abramowitz & Stegun 7.1.26: |error| <= 1.5e-7
     let y = 1.0 - p * exp(-x * x);
     return select(-y, y, x >= 0.0);
 }
-fn nd_tanh(x: f32) -> f32 { return select(tanh(x), sign(x), abs(x) > 15.0); }
+fn nd_tanh(x: f32) -> f32 {  // from exp (drivers may map tanh() to a fast approximation of ~2^-11)
+    let a = abs(x);
+    if (a < 0.0625) { let x2 = x * x; return x * (1.0 + x2 * (-0.3333333333 + x2 * 0.1333333333)); }
+    let t = 1.0 - 2.0 / (exp(2.0 * min(a, 15.0)) + 1.0);
+    return select(-t, t, x >= 0.0);
+}
 fn nd_sigmoid(x: f32) -> f32 { return 1.0 / (1.0 + exp(-x)); }
 fn nd_pow(a: f32, b: f32) -> f32 {  // torch.pow: integer exponents of negative bases, x^0 = 1
     if (b == 0.0) { return 1.0; }
