@@ -330,9 +330,21 @@ def test_dynamic_sizes_and_tiled_network(dev, exported, monkeypatch):
     assert len(m.runner._bound) == 2
 
 
-def test_delegated_op_between_gpu_ops(dev, tmp_path):
-    """Resize has no WGSL kernel: it runs on the cpu between GPU kernels, from and to the arena."""
+@pytest.mark.parametrize("attrs", [dict(mode="nearest", coord="asymmetric", nearest_mode="floor"),
+                                   dict(mode="nearest", coord="half_pixel", nearest_mode="round_prefer_ceil"),
+                                   dict(mode="linear", coord="half_pixel"), dict(mode="linear", coord="align_corners"),
+                                   dict(mode="linear", coord="pytorch_half_pixel")])
+@pytest.mark.parametrize("out_hw", [(11, 7), (4, 13)])
+def test_resize(dev, rng, attrs, out_hw):
+    check(*run(dev, "resize", [f32(rng, 2, 3, 6, 9)], out_hw=out_hw, **attrs))
+
+
+def test_delegated_op_between_gpu_ops(dev, tmp_path, monkeypatch):
+    """An op kind without a WGSL kernel (here resize, its kernel taken out of the table) runs on
+    the cpu between GPU kernels, reading from and writing to the arena; with the kernel, on the GPU."""
     from onnx import TensorProto, helper, numpy_helper
+
+    from edgellm.backends.webgpu.vision import WebgpuNd
 
     rng = np.random.default_rng(5)
     w = rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
@@ -351,9 +363,14 @@ def test_delegated_op_between_gpu_ops(dev, tmp_path):
     model.ir_version = 8
     path = tmp_path / "resize.onnx"
     onnx.save(model, str(path))
-    m = edgellm.load(path, backend="webgpu")
     x = rng.standard_normal((1, 3, 6, 7)).astype(np.float32)
-    assert rel_err(m(x)["y"], onnxruntime_run(path, {"x": x})[0]) < 1e-5
+    ref = onnxruntime_run(path, {"x": x})[0]
+    m = edgellm.load(path, backend="webgpu")
+    assert rel_err(m(x)["y"], ref) < 1e-5 and "delegated" not in m.describe()
+    table = WebgpuNd.kernels
+    monkeypatch.setattr(WebgpuNd, "kernels", lambda self: {k: v for k, v in table(self).items() if k != "resize"})
+    m = edgellm.load(path, backend="webgpu")
+    assert rel_err(m(x)["y"], ref) < 1e-5
     assert "1 of 3 ops delegated to the cpu: resize" in m.describe()
 
 

@@ -19,7 +19,8 @@ reads element i of A, `Y_st(i, v)` writes one. Weights bind read-only.
   stride 0; transposes; slices with steps; offsets), written through strides: element-wise ops,
   the activations, and every layout copy (reshape, transpose, expand, slice, gather, concat).
 - `softmax` (any axis), `layer_norm` (trailing axes; with `add`, the residual sum written too),
-  `sdpa` (one query row per thread, online softmax), `reduce_mean` (any axes).
+  `sdpa` (one query row per thread, online softmax), `reduce_mean` (any axes), `resize` (nearest,
+  linear; through the cpu reference's own coordinate tables).
 """
 
 from __future__ import annotations
@@ -545,3 +546,27 @@ def reduce_mean(shape: tuple[int, ...], axes: tuple[int, ...]) -> Kernel:
 }}
 """
     return _nd("reduce_mean", [_act("X"), _act("Y")], body, 256)
+
+
+def resize(nc: int, h: int, w: int, oh: int, ow: int, *, linear: bool) -> Kernel:
+    """NCHW resize through per-axis tables T (resize_tables' values, float32; indices exact):
+    nearest: T = [row index (oh), column index (ow)]; linear: T = [y0, y1, fy (oh each), x0, x1,
+    fx (ow each)], the cpu reference's blend (top and bottom rows, then between them). One output
+    element per thread."""
+    if linear:
+        val = (f"let y0 = u32(T_ld(oy)); let y1 = u32(T_ld({oh}u + oy)); let fy = T_ld({2 * oh}u + oy);\n"
+               f"    let x0 = u32(T_ld({3 * oh}u + ox)); let x1 = u32(T_ld({3 * oh + ow}u + ox)); "
+               f"let fx = T_ld({3 * oh + 2 * ow}u + ox);\n"
+               f"    let top = X_ld(b + y0 * {w}u + x0) * (1.0 - fx) + X_ld(b + y0 * {w}u + x1) * fx;\n"
+               f"    let bot = X_ld(b + y1 * {w}u + x0) * (1.0 - fx) + X_ld(b + y1 * {w}u + x1) * fx;\n"
+               f"    let v = top * (1.0 - fy) + bot * fy;")
+    else:
+        val = f"let v = X_ld(b + u32(T_ld(oy)) * {w}u + u32(T_ld({oh}u + ox)));"
+    body = _MAIN + f"""    {_flat_id()}
+    if (i >= {nc * oh * ow}u) {{ return; }}
+    let ox = i % {ow}u; let oy = (i / {ow}u) % {oh}u; let b = (i / {oh * ow}u) * {h * w}u;
+    {val}
+    Y_st(i, v);
+}}
+"""
+    return _nd("resize_linear" if linear else "resize_nearest", [_act("X"), _act("T", "read"), _act("Y")], body, 256)

@@ -14,17 +14,18 @@ epilogue: bias, activation, residual add, activation after it), depthwise convol
 avgpool, global_avgpool, linear / linear_act / matmul (tiled GEMM, bias and activation in the
 epilogue), the element-wise kinds (add, sub, mul, div, pow with numpy broadcasting; mul_add),
 the activations (relu, clip, hardswish, hardsigmoid, sigmoid, silu, gelu, tanh, erf, sqrt, exp,
-neg), softmax (any axis), layer_norm, add_layer_norm, sdpa, reduce_mean, and the layout kinds as
-strided copies (reshape, transpose, expand, slice, gather, concat). A reshape reads its input's
-storage in place (no dispatch) where the memory plan writes nothing over it while the result is
-live (WebgpuNd._may_alias), else it is a copy.
+neg), softmax (any axis), layer_norm, add_layer_norm, sdpa, reduce_mean, resize (nearest, linear),
+and the layout kinds as strided copies (transpose, expand, slice, gather, concat; reshape too,
+but a reshape usually reads its input's storage in place, no dispatch: the plan keeps the input
+live while the result is read (compile_graph's in_place) and WebgpuNd._may_alias checks it).
 
 Delegated to the cpu reference kernels (edgellm.backends.cpu_nd; the replay submits what it has
 recorded, reads the op's inputs back, runs the kernel on the host and writes its outputs to their
-planned place): resize, and any kind not in WEBGPU_KINDS; also an op whose weight operand is a
-computed tensor where the kernel binds it read-only, and an op with a tensor larger than the
-adapter's largest storage binding. `OnnxModel.describe()` and `edgellm plan
-model.onnx --backend webgpu` name the delegated ops.
+planned place): any kind not in WEBGPU_KINDS (every kind the ONNX importer emits has a kernel
+today); an op whose weight operand is a computed tensor where the kernel binds it read-only
+(conv2d's weight and bias, linear's bias, layer norm's scale and bias); an op with a tensor larger
+than the adapter's largest storage binding. `OnnxModel.describe()` counts and names them;
+`edgellm plan model.onnx --backend webgpu` shows the segments.
 
 Tiling: on a hardware adapter the GEMM stages its tiles in workgroup memory; on a software one
 (lavapipe) every thread reads its operands directly (no barriers, which lavapipe runs slowly).
@@ -48,7 +49,7 @@ from .launch import encode_dispatch, grid2, raw_pass_functions
 WEBGPU_KINDS = frozenset({
     "conv2d", "maxpool", "avgpool", "global_avgpool", "linear", "linear_act", "matmul", "sdpa", "softmax",
     "layer_norm", "add_layer_norm", "reduce_mean", "mul_add", *nd.BINARY, *nd.ACTS, "hardsigmoid", "reshape",
-    "transpose", "expand", "slice", "gather", "concat",
+    "transpose", "expand", "slice", "gather", "concat", "resize",
 })
 
 ROW_WG = 64  # threads of the workgroup-per-row variants (layer norm, softmax) on GPUs
@@ -89,6 +90,7 @@ class Recording:
         self.arena = None
         self.delegated: list[str] = []
         self.aliases = 0  # reshapes that read their input in place (no copy)
+        self.keep: list = []  # tables uploaded while recording (a resize's coordinates)
 
     @property
     def dispatches(self) -> int:
@@ -294,7 +296,7 @@ class WebgpuNd:
                      matmul=self._matmul, sdpa=self._sdpa, softmax=self._softmax, layer_norm=self._layer_norm,
                      add_layer_norm=self._layer_norm, reduce_mean=self._reduce_mean, mul_add=self._mul_add,
                      reshape=self._reshape, transpose=self._transpose, expand=self._expand, slice=self._slice,
-                     gather=self._gather, concat=self._concat)
+                     gather=self._gather, concat=self._concat, resize=self._resize)
         assert set(table) == WEBGPU_KINDS
 
         def guarded(fn):
@@ -439,6 +441,19 @@ class WebgpuNd:
         y = self._out()
         args = {k: v for k, v in op.attrs.items() if k in ("min", "max", "alpha", "beta", "approximate")}
         return self._elementwise(nd.act_expr(op.kind, args, "a"), ins, y.shape, [_strides(y.shape)], y)
+
+    def _resize(self, op: Op, ins: list):
+        from ..cpu_nd import resize_tables
+
+        x = ins[0]
+        y = self._out()
+        N, C, H, W = x.shape
+        linear = op.attrs["mode"] != "nearest"
+        tables = np.concatenate([t.numpy().astype(np.float32) for t in resize_tables(op.attrs, H, W)])
+        self._rec.keep.append(t := self.weight(tables))
+        kern = nd.resize(N * C, H, W, y.shape[2], y.shape[3], linear=linear)
+        self._flat(kern, {"X": x, "T": t, "Y": y}, y.size)
+        return y
 
     # -- layout: strided copies -------------------------------------------------------------------------
     def _reshape(self, op: Op, ins: list):
