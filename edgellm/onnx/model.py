@@ -102,7 +102,9 @@ class OnnxModel:
 
     def run_device(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Device tensors in, device tensors out (no host copies; for timing and pipelines). The
-        outputs of a CUDA-graph replay are the graph's own buffers: copy them to keep them."""
+        outputs of a CUDA-graph replay are the graph's own buffers: copy them to keep them.
+        webgpu: host tensors in (written to the recording's input buffers), its output buffers out
+        (vision.NdTensor; `.read(m.tensor_ops.dev)` reads one), valid until the next call."""
         missing = [n for n in self.input_names if n not in tensors]
         if missing:
             raise InputError(f"{os.path.basename(self.path)}: inputs {missing} not given")

@@ -144,7 +144,6 @@ class WebgpuNd:
         b = self._bound
         g = b.compiled.graph
         self._op = op
-        self._index += 1
         self._alias_next = False
         self._outs = [(n, tuple(g.tensors[n].concrete_shape(**b.sizes)), b.views.get(n)) for n in op.outputs]
 
@@ -170,7 +169,6 @@ class WebgpuNd:
         rec = Recording()
         self._rec, self._bound = rec, b
         self._records = {r.tensor: r for r in b.compiled.records}
-        self._index = -1
         g = b.compiled.graph
         env = {}
         for n in g.inputs:
