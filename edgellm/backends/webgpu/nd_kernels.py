@@ -30,7 +30,7 @@ import math
 from .codegen import ActDesc
 from .kernels import Kernel, _f, _render
 
-# activation name -> WGSL expression of v (the fused epilogues' and the unary kinds' codes)
+# WGSL helpers every N-D kernel may call (erf, a driver-independent tanh, sigmoid, torch's pow)
 ND_HELPERS = """
 fn nd_erf(x: f32) -> f32 {  // Abramowitz & Stegun 7.1.26: |error| <= 1.5e-7
     let t = 1.0 / (1.0 + 0.3275911 * abs(x));
@@ -59,7 +59,8 @@ fn nd_pow(a: f32, b: f32) -> f32 {  // torch.pow: integer exponents of negative 
 
 
 def act_expr(act: str | None, args: dict | None, v: str) -> str:
-    """WGSL for activation `act` of the f32 expression v (None: v itself)."""
+    """WGSL for activation `act` of the f32 expression v (None: v itself): the fused epilogues'
+    codes and the unary kinds (cpu_nd.ACTIVATIONS' semantics)."""
     a = args or {}
     if act is None:
         return v
@@ -126,8 +127,9 @@ def gemm(kind: str, geom: dict, *, tiled: bool, bias: bool = False, act: str | N
     M = N*OH*OW output pixels, the product's N = O/G channels of group z, K = C/G*KH*KW; A
     (input X) gathered through the window, B the weight W [O, C/G*KH*KW] (rows contiguous).
     kind 'linear': geom M, N, K: A = X [M, K], B = W^T (W [N, K]).
-    kind 'matmul': geom M, N, K, batch offsets: a list of (z, a offset, b offset) folded to
-    strides: 'zdims' (batch sizes), 'zsa', 'zsb' (their strides in A and B); B [K, N] per batch.
+    kind 'matmul': geom M, N, K and the batch axes: 'zdims' (the output's batch sizes; Z is
+    their product), 'zsa', 'zsb' (their strides in A and B in elements, 0 where broadcast);
+    A [M, K] and B [K, N] per batch.
     weight_b: B is a weight (bound read-only)."""
     if kind == "conv":
         g = geom
