@@ -12,8 +12,9 @@ median and the min-max spread; throughput is batch / median. Agreement: max |y -
 max |y_fp32| against PyTorch fp32 eager on the same weights. --variant adds an edgellm row per
 variant: the same file loaded again and run (compiled, CUDA graph captured) with those environment
 variables set, for A/B rows measured in the same run (e.g. split:EDGELLM_CONV_SPLITK=1).
---webgpu adds an "edgellm webgpu fp32" row: the same file on the webgpu backend (WGSL kernels,
-through the NVIDIA Vulkan driver on an NVIDIA machine; needs wgpu), timed on the host clock
+--webgpu adds "edgellm webgpu fp32" and (with shader-f16) "edgellm webgpu fp16" rows (float16
+storage, float32 maths): the same file on the webgpu backend (WGSL kernels, through the NVIDIA
+Vulkan driver on an NVIDIA machine; needs wgpu), timed on the host clock
 around one call with host arrays in and out (the input upload and the output read-back included:
 the backend has no device-tensor interface to time without them).
 Needs: torch with CUDA, triton (3.6), onnx, onnxruntime-gpu (else onnxruntime's CPU provider is
@@ -145,13 +146,15 @@ def main() -> int:
             except Exception as e:  # recorded, not fatal (ELIB's rule)
                 print(f"{name:<20} edgellm{' ' + vname if vname else ''} load failed: {type(e).__name__}: {e}")
         em = variants.get("", (None, {}))[0]
-        wm = None
-        if args.webgpu:
+        wms = {}  # webgpu storage type -> model
+        for wdt in (("f32", "f16") if args.webgpu else ()):
             try:
-                wm = edgellm.load(path, backend="webgpu")
-                print(f"{name:<20} edgellm webgpu on {wm.describe()}")
-            except Exception as e:  # recorded, not fatal
-                print(f"{name:<20} edgellm webgpu load failed: {type(e).__name__}: {e}")
+                from edgellm.onnx import load_onnx
+
+                wms[wdt] = load_onnx(path, backend="webgpu", dtype=wdt)
+                print(f"{name:<20} edgellm webgpu on {wms[wdt].describe()}")
+            except Exception as e:  # recorded, not fatal (no shader-f16: no f16 row)
+                print(f"{name:<20} edgellm webgpu {wdt} load failed: {type(e).__name__}: {e}")
         sess = None
         if ort is not None:
             prov = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in ort.get_available_providers()]
@@ -182,10 +185,10 @@ def main() -> int:
                                 {}))
             except Exception as e:
                 print(f"{name:<20} {batch:>5} torch CUDA graph capture failed: {e}")
-            if wm is not None:
+            for wdt, wm in wms.items():
                 xw = {wm.input_names[0]: xn}
-                engines.append(("edgellm webgpu fp32", lambda xw=xw: wm(xw), lambda xw=xw: list(wm(xw).values())[0],
-                                {"host_clock": True}))
+                engines.append((f"edgellm webgpu {'fp16' if wdt == 'f16' else 'fp32'}", lambda wm=wm, xw=xw: wm(xw),
+                                lambda wm=wm, xw=xw: list(wm(xw).values())[0], {"host_clock": True}))
             if sess is not None:
                 inp = sess.get_inputs()[0].name
                 engines.append((ort_name, lambda: sess.run(None, {inp: xn}), lambda: sess.run(None, {inp: xn})[0], {}))
@@ -209,7 +212,7 @@ def main() -> int:
             for vname, (vm, _) in variants.items():
                 if vm.runner.graph_errors:
                     print(f"{name:<20} {batch:>5} (edgellm {vname} ran without a CUDA graph: {vm.runner.graph_errors})")
-        del fp32, half, em, sess, variants, wm
+        del fp32, half, em, sess, variants, wms
         torch.cuda.empty_cache()
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))

@@ -37,14 +37,17 @@ def rng(request):
     return np.random.default_rng(zlib.crc32(request.node.name.encode()))
 
 
-def run(dev, kind: str, inputs: list, weights=(), tiled=None, n_out: int = 1, **attrs):
-    """The webgpu kernel's outputs and the cpu kernel's (float64) for one op on these inputs."""
+def run(dev, kind: str, inputs: list, weights=(), tiled=None, n_out: int = 1, dtype="f32", **attrs):
+    """The webgpu kernel's outputs and the cpu kernel's (float64) for one op on these inputs
+    (dtype f16: float16 storage; the reference gets the inputs rounded to float16 too)."""
     from edgellm.backends.webgpu.vision import run_op
 
+    if dtype == "f16":
+        inputs = [np.asarray(a, dtype=np.float16).astype(np.float32) for a in inputs]
     op = Op("t", kind, tuple(f"i{k}" for k in range(len(inputs))), tuple(f"o{k}" for k in range(n_out)), attrs)
     want = CPU_KERNELS[kind](op, [torch.from_numpy(np.asarray(a, dtype=np.float64)) for a in inputs])
     want = [w.numpy() for w in (want if isinstance(want, tuple) else (want,))]
-    got = run_op(op, inputs, [w.shape for w in want], tiled=tiled, weights=weights, dev=dev)
+    got = run_op(op, inputs, [w.shape for w in want], tiled=tiled, weights=weights, dev=dev, dtype=dtype)
     return got, want
 
 
@@ -246,6 +249,43 @@ def test_layout_copies(dev, rng):
     check(*run(dev, "concat", [x, f32(rng, 2, 3, 2, 5), f32(rng, 2, 3, 1, 5)], axis=2))
 
 
+# -- float16 storage --------------------------------------------------------------------------------
+@pytest.fixture
+def f16(dev):
+    if not dev.has_f16:
+        pytest.skip("the adapter has no shader-f16")
+    return "f16"
+
+
+@pytest.mark.parametrize("tiled", [False, True], ids=["untiled", "tiled"])
+def test_f16_storage_kernels(dev, rng, f16, tiled):
+    """Float16 storage, float32 maths: within float16's rounding of the float64 reference on the
+    same (float16-rounded) inputs; odd element counts (the two-byte stores' neighbours)."""
+    tol = 2e-3
+    for case in (CONVS[1], CONVS[3]):
+        N, C, H, W, O, KH, KW, g, st, pads, dil = case
+        ins = [f32(rng, N, C, H, W), f32(rng, O, C // g, KH, KW), f32(rng, O)]
+        check(*run(dev, "conv2d", ins, weights=(1, 2), tiled=tiled, dtype=f16, strides=st, pads=pads, dilations=dil,
+                   groups=g, has_bias=True, act="hardswish"), tol)
+    check(*run(dev, "linear_act", [f32(rng, 3, 7, 33), f32(rng, 21, 33), f32(rng, 21)], weights=(1, 2), tiled=tiled,
+               dtype=f16, has_bias=True, act="gelu", act_args={"approximate": "none"}), tol)
+    check(*run(dev, "matmul", [f32(rng, 2, 9, 20), f32(rng, 2, 20, 11)], tiled=tiled, dtype=f16), tol)
+    check(*run(dev, "mul", [f32(rng, 3, 1, 5), f32(rng, 2, 3, 7, 5)], dtype=f16), tol)
+    check(*run(dev, "mul_add", [f32(rng, 5, 1, 1), f32(rng, 1, 5, 3, 3), f32(rng, 1, 5, 3, 3)], weights=(0,), dtype=f16), tol)
+    check(*run(dev, "layer_norm", [f32(rng, 3, 5, 77), f32(rng, 77), f32(rng, 77)], weights=(1, 2), tiled=tiled, dtype=f16,
+               axis=-1, eps=1e-5, has_bias=True), tol)
+    check(*run(dev, "add_layer_norm", [f32(rng, 3, 99), f32(rng, 3, 99), f32(rng, 99)], weights=(2,), n_out=2,
+               tiled=tiled, dtype=f16, axis=-1, eps=1e-5, has_bias=False), tol)
+    check(*run(dev, "softmax", [f32(rng, 3, 101)], tiled=tiled, dtype=f16, axis=-1), tol)
+    check(*run(dev, "sdpa", [f32(rng, 1, 2, 5, 8), f32(rng, 1, 2, 7, 8), f32(rng, 1, 2, 7, 3)], dtype=f16, scale=0.3), tol)
+    check(*run(dev, "maxpool", [f32(rng, 1, 3, 7, 7)], dtype=f16, kernel=(3, 3), strides=(2, 2), pads=(1, 1, 1, 1),
+               dilations=(1, 1)), tol)
+    check(*run(dev, "global_avgpool", [f32(rng, 1, 3, 9, 11)], tiled=tiled, dtype=f16), tol)
+    check(*run(dev, "concat", [f32(rng, 1, 3, 5), f32(rng, 1, 1, 5)], dtype=f16, axis=1), tol)
+    check(*run(dev, "transpose", [f32(rng, 3, 5, 7)], dtype=f16, perm=(2, 0, 1)), tol)
+    check(*run(dev, "resize", [f32(rng, 1, 2, 5, 7)], dtype=f16, out_hw=(9, 13), mode="linear", coord="half_pixel"), tol)
+
+
 # -- whole networks -------------------------------------------------------------------------------------
 pytest.importorskip("onnx")
 from onnx_models import export, onnxruntime_run, randomize, rel_err, torchvision_models  # noqa: E402
@@ -294,6 +334,26 @@ def test_architecture_matches_onnxruntime(dev, exported, name):
     assert b.recording.dispatches >= len(b.ops) - reshapes and b.recording.aliases <= reshapes
     if name == "vit_b_16":
         assert b.recording.aliases >= 12
+
+
+@pytest.mark.parametrize("name", ["mobilenet_v3_small", "convnext_tiny"])
+def test_f16_storage_network(dev, f16, exported, name):
+    """Float16 activations and weights (float32 maths): within 1e-2 of onnxruntime's float32."""
+    from edgellm.onnx import load_onnx
+
+    path, size = exported(name)
+    m = load_onnx(path, backend="webgpu", dtype="f16")
+    x = np.random.default_rng(8).standard_normal((2, 3, size, size)).astype(np.float32)
+    assert rel_err(m(x)["logits"], onnxruntime_run(path, {"input": x})[0]) < 1e-2
+    assert "float16 storage" in m.describe() and "delegated" not in m.describe()
+
+
+def test_f16_needs_the_adapter_feature(dev, exported, monkeypatch):
+    from edgellm.onnx import load_onnx
+
+    monkeypatch.setattr(dev, "has_f16", False)
+    with pytest.raises(BackendUnavailableError, match="shader-f16"):
+        load_onnx(exported("mobilenet_v3_small")[0], backend="webgpu", dtype="f16")
 
 
 def test_in_place_reshape_keeps_its_input_live(exported):
@@ -374,14 +434,19 @@ def test_delegated_op_between_gpu_ops(dev, tmp_path, monkeypatch):
     assert "1 of 3 ops delegated to the cpu: resize" in m.describe()
 
 
-def test_ops_larger_than_a_binding_are_delegated(dev, exported, monkeypatch):
+@pytest.mark.parametrize("dtype,tol", [("f32", 1e-4), ("f16", 1e-2)])
+def test_ops_larger_than_a_binding_are_delegated(dev, exported, monkeypatch, dtype, tol):
     """An op with a tensor over the adapter's largest storage binding runs on the cpu instead,
-    its neighbours on the GPU reading and writing the same arena."""
+    its neighbours on the GPU reading and writing the same arena (float16 storage too)."""
+    from edgellm.onnx import load_onnx
+
+    if dtype == "f16" and not dev.has_f16:
+        pytest.skip("the adapter has no shader-f16")
     path, size = exported("mobilenet_v3_small")
     monkeypatch.setattr(dev, "max_binding", 4 * 20000)
-    m = edgellm.load(path, backend="webgpu")
+    m = load_onnx(path, backend="webgpu", dtype=dtype)
     x = np.random.default_rng(7).standard_normal((1, 3, size, size)).astype(np.float32)
-    assert rel_err(m(x)["logits"], onnxruntime_run(path, {"input": x})[0]) < 1e-4
+    assert rel_err(m(x)["logits"], onnxruntime_run(path, {"input": x})[0]) < tol
     b = next(iter(m.runner._bound.values()))
     assert 0 < len(b.recording.delegated) < len(b.ops) // 2
     assert f"{len(b.recording.delegated)} of {len(b.ops)} ops delegated to the cpu: conv2d, linear" in m.describe()

@@ -48,9 +48,10 @@ class OnnxModel:
         elif backend == "webgpu":
             from ..backends.webgpu.vision import WebgpuNd
 
-            if dtype not in (None, "f32", "float32"):
-                raise EdgeLLMError(f"the webgpu backend runs ONNX models in float32, got dtype={dtype!r}")
-            tensor_ops = WebgpuNd()  # BackendUnavailableError without wgpu or an adapter
+            storage = {None: "f32", "f32": "f32", "float32": "f32", "f16": "f16", "float16": "f16"}.get(dtype)
+            if storage is None:
+                raise EdgeLLMError(f"dtype must be 'f32' or 'f16' (storage; the kernels compute in float32), got {dtype!r}")
+            tensor_ops = WebgpuNd(dtype=storage)  # BackendUnavailableError without wgpu or an adapter
             device, tdtype = torch.device("cpu"), torch.float32  # the delegated ops' host tensors
             kernels = tensor_ops.kernels()
             supported = set(kernels)
@@ -118,7 +119,8 @@ class OnnxModel:
     def describe(self) -> str:
         if self.backend_name == "webgpu":
             ops = self.tensor_ops
-            d = f"webgpu ({ops.dev.info.line()}; WGSL kernels, float32, {'tiled' if ops.tiled else 'untiled'} GEMM"
+            store = "float16 storage, float32 maths" if ops.dtype == "f16" else "float32"
+            d = f"webgpu ({ops.dev.info.line()}; WGSL kernels, {store}, {'tiled' if ops.tiled else 'untiled'} GEMM"
         else:
             d = f"{self.backend_name} ({self.device}, {str(self.dtype).replace('torch.', '')}"
         return d + self.delegation() + ")"

@@ -103,9 +103,11 @@ def _act(name: str, kind: str = "storage") -> tuple:
     return (ActDesc(name, kind=kind), None)
 
 
-def _nd(name: str, parts: list, body: str, wg: int, **consts) -> Kernel:
-    """_render without the Step uniform, with the N-D helpers in front of the body."""
-    return _render(name, parts, ND_HELPERS + body, wg, step=False, **consts)
+def _nd(name: str, parts: list, body: str, wg: int, dtypes: dict | None = None, **consts) -> Kernel:
+    """_render without the Step uniform, with the N-D helpers in front of the body. dtypes:
+    binding name -> element type of the tensor bound there ('f32', 'f16': storage; the maths
+    stays float32)."""
+    return _render(name, parts, ND_HELPERS + body, wg, dtypes=dtypes, step=False, **consts)
 
 
 def _flat_id() -> str:
@@ -120,7 +122,7 @@ _MAIN = ("@compute @workgroup_size(${WG})\n"
 # -- matrix products --------------------------------------------------------------------------------
 def gemm(kind: str, geom: dict, *, tiled: bool, bias: bool = False, act: str | None = None, act_args: dict | None = None,
          residual: bool = False, res_act: str | None = None, res_act_args: dict | None = None,
-         weight_b: bool = True) -> tuple[Kernel, tuple[int, int, int]]:
+         weight_b: bool = True, dtypes: dict | None = None) -> tuple[Kernel, tuple[int, int, int]]:
     """Y = act2(act(A B + bias) + R) as a tiled matrix product: (kernel, grid (ceil(N / 64), ceil(M / 64), Z)).
 
     kind 'conv': geom N, C, H, W (input), O, OH, OW, KH, KW, SH, SW, PT, PL, DH, DW, G (groups);
@@ -246,12 +248,13 @@ ${LOOP}
 ${STORES}
 }
 """
-    k = _nd(f"{kind}_gemm", parts, body, 256, ACCS=accs, LOOP=loop, STORES="\n".join(stores))
+    k = _nd(f"{kind}_gemm", parts, body, 256, dtypes, ACCS=accs, LOOP=loop, STORES="\n".join(stores))
     return k, (-(-N // 64), -(-M // 64), Z)
 
 
 # -- convolution windows ---------------------------------------------------------------------------
-def depthwise(g: dict, *, bias: bool, act=None, act_args=None, residual=False, res_act=None, res_act_args=None) -> Kernel:
+def depthwise(g: dict, *, bias: bool, act=None, act_args=None, residual=False, res_act=None, res_act_args=None,
+              dtypes: dict | None = None) -> Kernel:
     """Grouped convolution with one input channel per group (C = G; O = G * mult): one output
     element per thread. Grid: ceil(N*O*OH*OW / 256) workgroups (2-D when many)."""
     mult = g["O"] // g["G"]
@@ -287,10 +290,10 @@ def depthwise(g: dict, *, bias: bool, act=None, act_args=None, residual=False, r
     Y_st(i, v);
 }}
 """
-    return _nd("depthwise", parts, body, 256)
+    return _nd("depthwise", parts, body, 256, dtypes)
 
 
-def pool(g: dict, *, is_max: bool, count_include_pad: bool) -> Kernel:
+def pool(g: dict, *, is_max: bool, count_include_pad: bool, dtypes: dict | None = None) -> Kernel:
     """Max / average pooling over NCHW, one output per thread. geom: N, C, H, W, OH, OW, KH, KW,
     SH, SW, PT, PL, PB, PR, DH, DW. Average: the divisor counts the real elements, or
     (count_include_pad) the window's positions inside the padded input (the cpu reference's
@@ -324,11 +327,11 @@ def pool(g: dict, *, is_max: bool, count_include_pad: bool) -> Kernel:
 """
     body = body.replace("${INIT}", init).replace("${UPD}", upd).replace("${PADCOUNT}", pad_count)
     consts = {k: g[k] for k in ("H", "W", "OH", "OW", "KH", "KW", "SH", "SW", "PT", "PL", "PB", "PR")}
-    return _nd("maxpool" if is_max else "avgpool", [_act("X"), _act("Y")], body, 256, TOTAL=total, DH=dh, DW=dw,
+    return _nd("maxpool" if is_max else "avgpool", [_act("X"), _act("Y")], body, 256, dtypes, TOTAL=total, DH=dh, DW=dw,
                FIN=fin, **consts)
 
 
-def global_avgpool(rows: int, cols: int, *, tiled: bool, wg: int = 64) -> tuple[Kernel, bool]:
+def global_avgpool(rows: int, cols: int, *, tiled: bool, wg: int = 64, dtypes: dict | None = None) -> tuple[Kernel, bool]:
     """Mean of each row of X [rows, cols]: one row per thread, or (tiled, cols > wg) one row per
     workgroup of wg threads reduced in workgroup memory (grid: rows workgroups, 2-D when many);
     returns (kernel, whether a workgroup takes one row)."""
@@ -343,7 +346,7 @@ var<workgroup> red: array<f32, {wg}>;
     if (lid == 0u && row < {rows}u) {{ Y_st(row, red[0] / {_f(cols)}); }}
 }}
 """
-        return _nd("global_avgpool_wg", [_act("X"), _act("Y")], body, wg), True
+        return _nd("global_avgpool_wg", [_act("X"), _act("Y")], body, wg, dtypes), True
     body = _MAIN + f"""    {_flat_id()}
     if (i >= {rows}u) {{ return; }}
     var s = 0.0;
@@ -351,7 +354,7 @@ var<workgroup> red: array<f32, {wg}>;
     Y_st(i, s / {_f(cols)});
 }}
 """
-    return _nd("global_avgpool", [_act("X"), _act("Y")], body, 256), False
+    return _nd("global_avgpool", [_act("X"), _act("Y")], body, 256, dtypes), False
 
 
 # -- element-wise and layout ----------------------------------------------------------------------
@@ -371,7 +374,8 @@ def coalesce(shape: tuple[int, ...], strides: list[tuple[int, ...]]) -> tuple[tu
 
 
 def elementwise(expr: str, shape: tuple[int, ...], strides: list[tuple[int, ...]], offsets: list[int],
-                y_strides: tuple[int, ...] | None = None, y_offset: int = 0, weights: tuple[bool, ...] = ()) -> Kernel:
+                y_strides: tuple[int, ...] | None = None, y_offset: int = 0, weights: tuple[bool, ...] = (),
+                dtypes: dict | None = None) -> Kernel:
     """Y[y_offset + sum c_d ys_d] = expr(a, b, c) with a = A[off_A + sum c_d sA_d], ... over the
     coordinates c of `shape`; strides may be 0 (broadcast) or negative (reversed slices).
     Y contiguous unless y_strides. weights[k]: input k binds read-only. Grid: ceil(total / 256)."""
@@ -396,7 +400,7 @@ def elementwise(expr: str, shape: tuple[int, ...], strides: list[tuple[int, ...]
     Y_st({idx[-1]}, {expr});
 }}
 """
-    return _nd("elementwise", parts, body, 256)
+    return _nd("elementwise", parts, body, 256, dtypes)
 
 
 def _contiguous(shape) -> tuple[int, ...]:
@@ -408,7 +412,7 @@ def _contiguous(shape) -> tuple[int, ...]:
 
 
 # -- reductions over rows ---------------------------------------------------------------------------
-def softmax(outer: int, length: int, inner: int, wg: int = 0) -> Kernel:
+def softmax(outer: int, length: int, inner: int, wg: int = 0, dtypes: dict | None = None) -> Kernel:
     """Softmax along an axis of `length` elements at stride `inner`: one (outer, inner) row per
     thread, or with wg > 0 (the last axis: inner 1) one row per workgroup of wg threads."""
     if wg:
@@ -427,7 +431,7 @@ def softmax(outer: int, length: int, inner: int, wg: int = 0) -> Kernel:
     if (row < {outer}u) {{ for (var j = lid; j < {length}u; j += {wg}u) {{ Y_st(b + j, exp(X_ld(b + j) - mx) * inv); }} }}
 }}
 """
-        return _nd("softmax_wg", [_act("X"), _act("Y")], body, wg)
+        return _nd("softmax_wg", [_act("X"), _act("Y")], body, wg, dtypes)
     body = _MAIN + f"""    {_flat_id()}
     if (i >= {outer * inner}u) {{ return; }}
     let base = (i / {inner}u) * {length * inner}u + i % {inner}u;
@@ -439,7 +443,7 @@ def softmax(outer: int, length: int, inner: int, wg: int = 0) -> Kernel:
     for (var j = 0u; j < {length}u; j++) {{ Y_st(base + j * {inner}u, exp(X_ld(base + j * {inner}u) - m) * inv); }}
 }}
 """
-    return _nd("softmax", [_act("X"), _act("Y")], body, 256)
+    return _nd("softmax", [_act("X"), _act("Y")], body, 256, dtypes)
 
 
 def _row_sum(var: str, wg: int) -> str:
@@ -451,7 +455,7 @@ def _row_sum(var: str, wg: int) -> str:
 
 
 def layer_norm(rows: int, cols: int, eps: float, *, bias: bool, add: bool, weights: tuple[bool, bool] = (False, False),
-               wg: int = 0) -> Kernel:
+               wg: int = 0, dtypes: dict | None = None) -> Kernel:
     """Y = (x - mean) / sqrt(var + eps) * G + Bi over rows of `cols` (two passes: mean, then the
     centred variance); add: x = A + B2, the sum also written to S. One row per thread, or with
     wg > 0 one row per workgroup of wg threads (coalesced reads, sums reduced in workgroup
@@ -483,7 +487,7 @@ def layer_norm(rows: int, cols: int, eps: float, *, bias: bool, add: bool, weigh
     if (ok) {{ for (var k = lid; k < {cols}u; k += {wg}u) {{ Y_st(b + k, {out.replace("S_ld(b + k)", "(X_ld(b + k) + X2_ld(b + k))") if add else out}); }} }}
 }}
 """
-        return _nd("add_layer_norm_wg" if add else "layer_norm_wg", parts, body, wg)
+        return _nd("add_layer_norm_wg" if add else "layer_norm_wg", parts, body, wg, dtypes)
     body = _MAIN + f"""    {_flat_id()}
     if (i >= {rows}u) {{ return; }}
     let b = i * {cols}u;
@@ -496,10 +500,10 @@ def layer_norm(rows: int, cols: int, eps: float, *, bias: bool, add: bool, weigh
     for (var k = 0u; k < {cols}u; k++) {{ Y_st(b + k, {out}); }}
 }}
 """
-    return _nd("add_layer_norm" if add else "layer_norm", parts, body, 256)
+    return _nd("add_layer_norm" if add else "layer_norm", parts, body, 256, dtypes)
 
 
-def sdpa(batch: int, sq: int, sk: int, d: int, dv: int, scale: float) -> Kernel:
+def sdpa(batch: int, sq: int, sk: int, d: int, dv: int, scale: float, dtypes: dict | None = None) -> Kernel:
     """softmax(scale q k^T) v with q [batch, sq, d], k [batch, sk, d], v [batch, sk, dv]: one
     query row per thread, the keys in one pass (online softmax: running maximum and sum, the
     accumulated output rescaled when the maximum grows)."""
@@ -523,10 +527,10 @@ def sdpa(batch: int, sq: int, sk: int, d: int, dv: int, scale: float) -> Kernel:
     for (var t = 0u; t < {dv}u; t++) {{ Y_st(i * {dv}u + t, acc[t] * inv); }}
 }}
 """
-    return _nd("sdpa", [_act("Q"), _act("K"), _act("V"), _act("Y")], body, 256)
+    return _nd("sdpa", [_act("Q"), _act("K"), _act("V"), _act("Y")], body, 256, dtypes)
 
 
-def reduce_mean(shape: tuple[int, ...], axes: tuple[int, ...]) -> Kernel:
+def reduce_mean(shape: tuple[int, ...], axes: tuple[int, ...], dtypes: dict | None = None) -> Kernel:
     """The mean over `axes` of X (shape), one output element per thread (the kept axes in order)."""
     st = _contiguous(shape)
     kept = [d for d in range(len(shape)) if d not in axes]
@@ -547,10 +551,10 @@ def reduce_mean(shape: tuple[int, ...], axes: tuple[int, ...]) -> Kernel:
     Y_st(i, s / {_f(n_red)});
 }}
 """
-    return _nd("reduce_mean", [_act("X"), _act("Y")], body, 256)
+    return _nd("reduce_mean", [_act("X"), _act("Y")], body, 256, dtypes)
 
 
-def resize(nc: int, h: int, w: int, oh: int, ow: int, *, linear: bool) -> Kernel:
+def resize(nc: int, h: int, w: int, oh: int, ow: int, *, linear: bool, dtypes: dict | None = None) -> Kernel:
     """NCHW resize through per-axis tables T (resize_tables' values, float32; indices exact):
     nearest: T = [row index (oh), column index (ow)]; linear: T = [y0, y1, fy (oh each), x0, x1,
     fx (ow each)], the cpu reference's blend (top and bottom rows, then between them). One output
@@ -571,4 +575,5 @@ def resize(nc: int, h: int, w: int, oh: int, ow: int, *, linear: bool) -> Kernel
     Y_st(i, v);
 }}
 """
-    return _nd("resize_linear" if linear else "resize_nearest", [_act("X"), _act("T", "read"), _act("Y")], body, 256)
+    return _nd("resize_linear" if linear else "resize_nearest", [_act("X"), _act("T", "read"), _act("Y")], body, 256,
+               dtypes)

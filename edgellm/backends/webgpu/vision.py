@@ -27,6 +27,10 @@ today); an op whose weight operand is a computed tensor where the kernel binds i
 than the adapter's largest storage binding. `OnnxModel.describe()` counts and names them;
 `edgellm plan model.onnx --backend webgpu` shows the segments.
 
+Storage: float32, or (dtype 'f16', adapters with shader-f16) float16 activations and weights
+with float32 maths in every kernel (each tensor keeps its float32-sized slot in the arena, so
+the plan and its offsets are the same; a weight past float16's range stays float32).
+
 Tiling: on a hardware adapter the GEMM stages its tiles in workgroup memory; on a software one
 (lavapipe) every thread reads its operands directly (no barriers, which lavapipe runs slowly).
 EDGELLM_WEBGPU_TILED=0/1 overrides, as for language models.
@@ -40,7 +44,7 @@ from typing import Callable
 
 import numpy as np
 
-from ...errors import GraphError
+from ...errors import BackendUnavailableError, GraphError
 from ...graph.ir import Op
 from . import nd_kernels as nd
 from .device import Device, get_device
@@ -57,26 +61,43 @@ _RAW: list = []  # [raw_pass_functions()], made at the first replay (importing t
 
 
 class NdTensor:
-    """A contiguous row-major float32 tensor in a wgpu buffer (byte offset); weights also keep
-    their host array (what a delegated op reads, without a read-back)."""
+    """A contiguous row-major tensor in a wgpu buffer (byte offset), stored as float32 or float16
+    (dtype 'f32' / 'f16'); weights also keep their host array (what a delegated op reads,
+    without a read-back)."""
 
-    def __init__(self, buffer, offset: int, shape: tuple[int, ...], host: np.ndarray | None = None):
+    def __init__(self, buffer, offset: int, shape: tuple[int, ...], host: np.ndarray | None = None,
+                 dtype: str = "f32"):
         self.buffer, self.offset, self.shape, self.host = buffer, int(offset), tuple(int(s) for s in shape), host
+        self.dtype = dtype
 
     @property
     def size(self) -> int:
         return math.prod(self.shape)
 
+    @property
+    def itemsize(self) -> int:
+        return 2 if self.dtype == "f16" else 4
+
     def binding(self) -> dict:
-        return {"buffer": self.buffer, "offset": self.offset, "size": max(16, -(-4 * self.size // 16) * 16)}
+        return {"buffer": self.buffer, "offset": self.offset, "size": max(16, -(-self.itemsize * self.size // 16) * 16)}
 
     def read(self, dev: Device) -> np.ndarray:
         if self.host is not None:
             return np.asarray(self.host, dtype=np.float32).reshape(self.shape)
         if self.size == 0:
             return np.zeros(self.shape, np.float32)
-        raw = np.frombuffer(dev.read(self.buffer, self.offset, 4 * self.size), np.float32)
-        return raw.reshape(self.shape).copy()
+        n = self.itemsize * self.size
+        raw = np.frombuffer(dev.read(self.buffer, self.offset, -(-n // 4) * 4), np.float16 if self.dtype == "f16" else np.float32)
+        return raw[:self.size].astype(np.float32).reshape(self.shape)
+
+    def write(self, dev: Device, a) -> None:
+        """Host values into the tensor's storage (float16 storage: rounded; an odd count is padded by
+        one element, which lies inside the float32-sized slot every tensor is given)."""
+        data = np.ascontiguousarray(np.asarray(a), dtype=np.float16 if self.dtype == "f16" else np.float32).reshape(-1)
+        if data.size % 2 and self.dtype == "f16":
+            data = np.concatenate([data, np.zeros(1, np.float16)])
+        if data.size:
+            dev.write(self.buffer, data, self.offset)
 
 
 class Recording:
@@ -97,6 +118,12 @@ class Recording:
         return sum(1 for s in self.steps if s[0] == "gpu")
 
 
+def _dt(tensors: dict) -> dict | None:
+    """Binding name -> storage type, for the tensors not stored as float32 (nd_kernels' dtypes)."""
+    d = {k: t.dtype for k, t in tensors.items() if isinstance(t, NdTensor) and t.dtype != "f32"}
+    return d or None
+
+
 def _strides(shape) -> tuple[int, ...]:
     return nd._contiguous(tuple(shape))
 
@@ -115,8 +142,14 @@ class WebgpuNd:
     records = True
     in_place = frozenset({"reshape"})  # planned with its input live while it is read (_may_alias)
 
-    def __init__(self, dev: Device | None = None, tiled: bool | None = None):
+    def __init__(self, dev: Device | None = None, tiled: bool | None = None, dtype: str = "f32"):
         self.dev = dev or get_device()
+        if dtype not in ("f32", "f16"):
+            raise GraphError(f"webgpu: storage type {dtype!r} is not one of f32, f16")
+        if dtype == "f16" and not self.dev.has_f16:
+            raise BackendUnavailableError(f"webgpu: float16 storage needs the adapter's shader-f16 feature, which "
+                             f"{self.dev.info.name} lacks; use float32")
+        self.dtype = dtype  # activations' and weights' storage (the kernels compute in float32)
         want = os.environ.get("EDGELLM_WEBGPU_TILED")
         if tiled is None:
             tiled = (want == "1") if want in ("0", "1") else not self.dev.info.software
@@ -132,9 +165,15 @@ class WebgpuNd:
     def to_host(self, value) -> np.ndarray:
         return value.read(self.dev) if isinstance(value, NdTensor) else np.asarray(value, dtype=np.float32)
 
-    def weight(self, a: np.ndarray) -> NdTensor:
+    def weight(self, a: np.ndarray, dtype: str | None = None) -> NdTensor:
+        """A weight uploaded once, in the storage type (float16 storage: a weight with values past
+        float16's range stays float32)."""
         host = np.ascontiguousarray(a, dtype=np.float32)
-        return NdTensor(self.dev.upload(host.reshape(-1) if host.size else np.zeros(4, np.float32)), 0, host.shape, host)
+        dtype = dtype or self.dtype
+        if dtype == "f16" and host.size and not float(np.abs(host).max()) <= 65504.0:
+            dtype = "f32"
+        data = host.astype(np.float16 if dtype == "f16" else np.float32).reshape(-1)
+        return NdTensor(self.dev.upload(data if data.size else np.zeros(4, np.float32)), 0, host.shape, host, dtype)
 
     def reserve(self, plan_bytes: int) -> None:
         if self._rec is not None and self._rec.arena is None:
@@ -151,7 +190,7 @@ class WebgpuNd:
         if self._alias_next:  # a reshape that reads its input's storage in place (_may_alias)
             self._alias_next = False
             return value
-        slot = NdTensor(self._rec.arena, offset, shape)
+        slot = NdTensor(self._rec.arena, offset, shape, dtype=self.dtype)
         if isinstance(value, NdTensor) and value.buffer is slot.buffer and value.offset == offset:
             return value
         self._copy(value, slot)
@@ -173,7 +212,7 @@ class WebgpuNd:
         env = {}
         for n in g.inputs:
             shape = tuple(g.tensors[n].concrete_shape(**b.sizes))
-            rec.inputs[n] = env[n] = NdTensor(self.dev.buffer(4 * math.prod(shape)), 0, shape)
+            rec.inputs[n] = env[n] = NdTensor(self.dev.buffer(4 * math.prod(shape)), 0, shape, dtype=self.dtype)
         try:
             with _device_errors(f"recording '{g.name}' for sizes {b.sizes}"):
                 rec.outputs = run_ops(b, env)
@@ -187,9 +226,7 @@ class WebgpuNd:
         dev = self.dev
         with _device_errors("running the network"):
             for n, t in rec.inputs.items():
-                a = np.ascontiguousarray(np.asarray(env[n]), dtype=np.float32).reshape(-1)
-                if a.size:
-                    dev.write(t.buffer, a, t.offset)
+                t.write(dev, env[n])
             if not _RAW:
                 _RAW.append(raw_pass_functions())
             raw = _RAW[0]
@@ -213,8 +250,8 @@ class WebgpuNd:
     def _out(self, k: int = 0) -> NdTensor:
         name, shape, view = self._outs[k]
         if view is not None:
-            return NdTensor(self._rec.arena, view[0], shape)
-        return NdTensor(self.dev.buffer(4 * math.prod(shape)), 0, shape)
+            return NdTensor(self._rec.arena, view[0], shape, dtype=self.dtype)
+        return NdTensor(self.dev.buffer(4 * math.prod(shape)), 0, shape, dtype=self.dtype)
 
     def _dispatch(self, kern, tensors: dict, grid: tuple[int, int, int]) -> None:
         if 0 in grid:
@@ -259,11 +296,9 @@ class WebgpuNd:
         with torch.inference_mode():
             y = fn(op, args)
         for t, v in zip(outs, y if isinstance(y, tuple) else (y,)):
-            a = np.ascontiguousarray(v.float().numpy(), dtype=np.float32).reshape(-1)
             if tuple(v.shape) != t.shape:
                 raise GraphError(f"op '{op.name}' ({op.kind}) on the cpu gave shape {tuple(v.shape)}, expected {t.shape}")
-            if a.size:
-                self.dev.write(t.buffer, a, t.offset)
+            t.write(self.dev, v.float().numpy())
 
     def _copy(self, src: NdTensor, dst: NdTensor) -> None:
         """src's elements into dst (same count, any shapes): one flat copy."""
@@ -273,11 +308,11 @@ class WebgpuNd:
                      y_offset: int = 0, flat: bool = False) -> NdTensor:
         if flat:  # same elements, another shape (reshape): one flat copy
             shape, strides = (math.prod(shape),), [(1,)] * len(ins)
-        kern = nd.elementwise(expr, tuple(shape), [tuple(s) for s in strides], list(offsets or [0] * len(ins)),
-                              tuple(y_strides) if y_strides is not None else None, y_offset,
-                              tuple(t.host is not None for t in ins))
         tensors = dict(zip("ABC", ins))
         tensors["Y"] = y
+        kern = nd.elementwise(expr, tuple(shape), [tuple(s) for s in strides], list(offsets or [0] * len(ins)),
+                              tuple(y_strides) if y_strides is not None else None, y_offset,
+                              tuple(t.host is not None for t in ins), dtypes=_dt(tensors))
         self._flat(kern, tensors, math.prod(shape))
         return y
 
@@ -325,9 +360,9 @@ class WebgpuNd:
                    res_act=a.get("res_act"), res_act_args=a.get("res_act_args"))
         tensors = {"X": x, "W": w, "Y": y, "B": bias, "R": res}
         if G == C and Cg == 1:
-            self._flat(nd.depthwise(geom, **epi), tensors, y.size)
+            self._flat(nd.depthwise(geom, **epi, dtypes=_dt(tensors)), tensors, y.size)
         else:
-            kern, grid = nd.gemm("conv", geom, tiled=self.tiled, **epi)
+            kern, grid = nd.gemm("conv", geom, tiled=self.tiled, **epi, dtypes=_dt(tensors))
             self._dispatch(kern, tensors, grid)
         return y
 
@@ -341,7 +376,8 @@ class WebgpuNd:
         N, C, H, W = x.shape
         geom = dict(N=N, C=C, H=H, W=W, OH=y.shape[2], OW=y.shape[3], KH=kh, KW=kw, SH=a["strides"][0],
                     SW=a["strides"][1], PT=t, PL=l, PB=b, PR=r, DH=a["dilations"][0], DW=a["dilations"][1])
-        kern = nd.pool(geom, is_max=op.kind == "maxpool", count_include_pad=bool(a.get("count_include_pad")))
+        kern = nd.pool(geom, is_max=op.kind == "maxpool", count_include_pad=bool(a.get("count_include_pad")),
+                       dtypes=_dt({"X": x, "Y": y}))
         self._flat(kern, {"X": x, "Y": y}, y.size)
         return y
 
@@ -349,7 +385,7 @@ class WebgpuNd:
         x = ins[0]
         y = self._out()
         rows, cols = x.shape[0] * x.shape[1], math.prod(x.shape[2:])
-        kern, per_row = nd.global_avgpool(rows, cols, tiled=self.tiled)
+        kern, per_row = nd.global_avgpool(rows, cols, tiled=self.tiled, dtypes=_dt({"X": x, "Y": y}))
         self._flat(kern, {"X": x, "Y": y}, rows, 1 if per_row else 256)
         return y
 
@@ -362,9 +398,11 @@ class WebgpuNd:
             return self._host(op, ins, None)
         y = self._out()
         geom = dict(M=math.prod(x.shape[:-1]), N=w.shape[0], K=w.shape[1])
+        tensors = {"X": x, "W": w, "Y": y, "B": bias, "R": res}
         kern, grid = nd.gemm("linear", geom, tiled=self.tiled, bias=bias is not None, act=a.get("act"),
-                             act_args=a.get("act_args"), residual=res is not None, weight_b=self._weight(w))
-        self._dispatch(kern, {"X": x, "W": w, "Y": y, "B": bias, "R": res}, grid)
+                             act_args=a.get("act_args"), residual=res is not None, weight_b=self._weight(w),
+                             dtypes=_dt(tensors))
+        self._dispatch(kern, tensors, grid)
         return y
 
     def _matmul(self, op: Op, ins: list):
@@ -375,15 +413,18 @@ class WebgpuNd:
         za = _broadcast_strides(a.shape[:-2], zdims)
         zb = _broadcast_strides(b.shape[:-2], zdims)
         geom = dict(M=M, N=N, K=K, zdims=zdims, zsa=tuple(s * M * K for s in za), zsb=tuple(s * K * N for s in zb))
-        kern, grid = nd.gemm("matmul", geom, tiled=self.tiled, weight_b=self._weight(b))
-        self._dispatch(kern, {"X": a, "W": b, "Y": y}, grid)
+        tensors = {"X": a, "W": b, "Y": y}
+        kern, grid = nd.gemm("matmul", geom, tiled=self.tiled, weight_b=self._weight(b), dtypes=_dt(tensors))
+        self._dispatch(kern, tensors, grid)
         return y
 
     def _sdpa(self, op: Op, ins: list):
         q, k, v = ins
         y = self._out()
-        kern = nd.sdpa(math.prod(q.shape[:-2]), q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1], op.attrs["scale"])
-        self._flat(kern, {"Q": q, "K": k, "V": v, "Y": y}, math.prod(q.shape[:-1]))
+        tensors = {"Q": q, "K": k, "V": v, "Y": y}
+        kern = nd.sdpa(math.prod(q.shape[:-2]), q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1], op.attrs["scale"],
+                       dtypes=_dt(tensors))
+        self._flat(kern, tensors, math.prod(q.shape[:-1]))
         return y
 
     def _softmax(self, op: Op, ins: list):
@@ -392,9 +433,11 @@ class WebgpuNd:
         ax = op.attrs["axis"] % len(x.shape)
         outer, inner = math.prod(x.shape[:ax]), math.prod(x.shape[ax + 1:])
         if self.tiled and inner == 1 and x.shape[ax] > ROW_WG:  # a workgroup per row (GPUs)
-            self._flat(nd.softmax(outer, x.shape[ax], 1, wg=ROW_WG), {"X": x, "Y": y}, outer, 1)
+            self._flat(nd.softmax(outer, x.shape[ax], 1, wg=ROW_WG, dtypes=_dt({"X": x, "Y": y})), {"X": x, "Y": y},
+                       outer, 1)
         else:
-            self._flat(nd.softmax(outer, x.shape[ax], inner), {"X": x, "Y": y}, outer * inner)
+            self._flat(nd.softmax(outer, x.shape[ax], inner, dtypes=_dt({"X": x, "Y": y})), {"X": x, "Y": y},
+                       outer * inner)
         return y
 
     def _layer_norm(self, op: Op, ins: list):
@@ -410,21 +453,21 @@ class WebgpuNd:
                 or (bias is not None and bias.size != cols):
             return self._host(op, ins, None)
         wg = ROW_WG if self.tiled and cols > ROW_WG else 0  # a workgroup per row (GPUs)
-        kern = nd.layer_norm(rows, cols, a["eps"], bias=bias is not None, add=add,
-                             weights=(self._weight(x), add and self._weight(ins[1])), wg=wg)
         if add:
             s, n = self._out(0), self._out(1)
-            self._flat(kern, {"X": x, "X2": ins[1], "G": scale, "Bi": bias, "Y": n, "S": s}, rows, 1 if wg else 256)
-            return s, n
-        y = self._out()
-        self._flat(kern, {"X": x, "G": scale, "Bi": bias, "Y": y}, rows, 1 if wg else 256)
-        return y
+            tensors = {"X": x, "X2": ins[1], "G": scale, "Bi": bias, "Y": n, "S": s}
+        else:
+            tensors = {"X": x, "G": scale, "Bi": bias, "Y": self._out()}
+        kern = nd.layer_norm(rows, cols, a["eps"], bias=bias is not None, add=add,
+                             weights=(self._weight(x), add and self._weight(ins[1])), wg=wg, dtypes=_dt(tensors))
+        self._flat(kern, tensors, rows, 1 if wg else 256)
+        return (s, n) if add else tensors["Y"]
 
     def _reduce_mean(self, op: Op, ins: list):
         x = ins[0]
         y = self._out()
         axes = tuple(sorted({ax % len(x.shape) for ax in op.attrs["axes"]}))
-        self._flat(nd.reduce_mean(x.shape, axes), {"X": x, "Y": y}, y.size)
+        self._flat(nd.reduce_mean(x.shape, axes, dtypes=_dt({"X": x, "Y": y})), {"X": x, "Y": y}, y.size)
         return y
 
     def _binary(self, op: Op, ins: list):
@@ -448,8 +491,8 @@ class WebgpuNd:
         N, C, H, W = x.shape
         linear = op.attrs["mode"] != "nearest"
         tables = np.concatenate([t.numpy().astype(np.float32) for t in resize_tables(op.attrs, H, W)])
-        self._rec.keep.append(t := self.weight(tables))
-        kern = nd.resize(N * C, H, W, y.shape[2], y.shape[3], linear=linear)
+        self._rec.keep.append(t := self.weight(tables, "f32"))  # indices: exact in float32 only
+        kern = nd.resize(N * C, H, W, y.shape[2], y.shape[3], linear=linear, dtypes=_dt({"X": x, "T": t, "Y": y}))
         self._flat(kern, {"X": x, "T": t, "Y": y}, y.size)
         return y
 
@@ -460,7 +503,7 @@ class WebgpuNd:
         if view is not None and self._may_alias(x, name):
             self._alias_next = True
             self._rec.aliases += 1
-            return NdTensor(x.buffer, x.offset, shape, x.host)
+            return NdTensor(x.buffer, x.offset, shape, x.host, x.dtype)
         y = self._out()
         return self._elementwise("a", ins, y.shape, [(1,)], y, flat=True)
 
@@ -471,7 +514,7 @@ class WebgpuNd:
         r = self._records.get(name)
         if r is None or x.buffer is not self._rec.arena:
             return r is not None
-        lo, hi = x.offset, x.offset + 4 * x.size
+        lo, hi = x.offset, x.offset + x.itemsize * x.size
         views = self._bound.views
         for o in self._records.values():
             if r.first < o.first <= r.last and o.tensor in views:
@@ -535,11 +578,13 @@ class WebgpuNd:
 
 
 def run_op(op: Op, inputs: list[np.ndarray], out_shapes: list[tuple[int, ...]], *, tiled: bool | None = None,
-           weights: tuple[int, ...] = (), fill: float = float("nan"), dev: Device | None = None) -> list[np.ndarray]:
+           weights: tuple[int, ...] = (), fill: float = float("nan"), dev: Device | None = None,
+           dtype: str = "f32") -> list[np.ndarray]:
     """One op through its webgpu kernel on host arrays (tests): inputs uploaded (those at the
     positions in `weights` as weights), outputs in buffers of their own first filled with `fill`
     (NaN: an element never written shows), read back after one replay."""
-    ex = WebgpuNd(dev, tiled)
+    ex = WebgpuNd(dev, tiled, dtype)
+    npt = np.float16 if dtype == "f16" else np.float32
     table = ex.kernels()
     if op.kind not in table:
         raise GraphError(f"op '{op.name}': kind {op.kind} has no webgpu kernel")
@@ -549,11 +594,15 @@ def run_op(op: Op, inputs: list[np.ndarray], out_shapes: list[tuple[int, ...]], 
     ins = []
     for k, a in enumerate(inputs):
         a = np.ascontiguousarray(a, dtype=np.float32)
-        ins.append(ex.weight(a) if k in weights else NdTensor(ex.dev.upload(a.reshape(-1) if a.size else np.zeros(4, np.float32)), 0, a.shape))
+        if k in weights:
+            ins.append(ex.weight(a))
+        else:
+            ins.append(NdTensor(ex.dev.upload(np.concatenate([a.reshape(-1), np.zeros(4, np.float32)]).astype(npt)), 0,
+                                a.shape, dtype=dtype))
     outs = []
     for k, shape in enumerate(out_shapes):
         n = math.prod(shape)
-        outs.append(NdTensor(ex.dev.upload(np.full(max(n, 4), fill, np.float32)), 0, shape))
+        outs.append(NdTensor(ex.dev.upload(np.full(max(n, 4), fill, npt)), 0, shape, dtype=dtype))
     ex._outs = [(f"out{k}", s, None) for k, s in enumerate(out_shapes)]
     ex._out = lambda k=0: outs[k]  # the filled buffers
     got = table[op.kind](op, ins)
