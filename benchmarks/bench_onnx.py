@@ -2,7 +2,8 @@
 PyTorch with CUDA graphs, and onnxruntime on the same ONNX file; output agreement vs fp32.
 
     python benchmarks/bench_onnx.py [--models resnet18,mobilenet_v2,...] [--size 224] [--batches 1,8]
-                                    [--reps 50] [--variant NAME:VAR=VAL[,VAR=VAL]] [--no-ort] [--out results.json]
+                                    [--reps 50] [--variant NAME:VAR=VAL[,VAR=VAL]] [--no-ort] [--webgpu]
+                                    [--out results.json]
 
 Each architecture is built with random weights (nothing is downloaded), exported once to ONNX
 (opset 17, dynamic batch) in a temporary folder, and run by every engine in this one process on
@@ -11,6 +12,11 @@ median and the min-max spread; throughput is batch / median. Agreement: max |y -
 max |y_fp32| against PyTorch fp32 eager on the same weights. --variant adds an edgellm row per
 variant: the same file loaded again and run (compiled, CUDA graph captured) with those environment
 variables set, for A/B rows measured in the same run (e.g. split:EDGELLM_CONV_SPLITK=1).
+--webgpu adds "edgellm webgpu fp32" and (with shader-f16) "edgellm webgpu fp16" rows (float16
+storage, float32 maths): the same file on the webgpu backend (WGSL kernels, through the NVIDIA
+Vulkan driver on an NVIDIA machine; needs wgpu), timed on the host clock
+around one call with host arrays in and out (the input upload and the output read-back included:
+the backend has no device-tensor interface to time without them).
 Needs: torch with CUDA, triton (3.6), onnx, onnxruntime-gpu (else onnxruntime's CPU provider is
 timed and marked so), torchvision (or its wheel unpacked as tests/onnx_models.py describes).
 """
@@ -62,6 +68,20 @@ def timed(fn, reps: int, warmup: int = 10) -> list[float]:
     return out
 
 
+def host_timed(fn, reps: int, warmup: int = 10) -> list[float]:
+    """Milliseconds per call on the host clock (fn returns after its results are on the host)."""
+    import time
+
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
 def rel(y: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(y.astype(np.float64) - ref).max() / max(np.abs(ref).max(), 1e-30))
 
@@ -90,6 +110,7 @@ def main() -> int:
     ap.add_argument("--variant", action="append", default=[], type=variant_arg,
                     help="NAME:VAR=VAL[,VAR=VAL]: another edgellm row with these environment variables set")
     ap.add_argument("--no-ort", action="store_true", help="leave onnxruntime out")
+    ap.add_argument("--webgpu", action="store_true", help="add an edgellm webgpu (float32, WGSL) row")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_onnx: needs a CUDA GPU", file=sys.stderr)
@@ -125,6 +146,15 @@ def main() -> int:
             except Exception as e:  # recorded, not fatal (ELIB's rule)
                 print(f"{name:<20} edgellm{' ' + vname if vname else ''} load failed: {type(e).__name__}: {e}")
         em = variants.get("", (None, {}))[0]
+        wms = {}  # webgpu storage type -> model
+        for wdt in (("f32", "f16") if args.webgpu else ()):
+            try:
+                from edgellm.onnx import load_onnx
+
+                wms[wdt] = load_onnx(path, backend="webgpu", dtype=wdt)
+                print(f"{name:<20} edgellm webgpu on {wms[wdt].describe()}")
+            except Exception as e:  # recorded, not fatal (no shader-f16: no f16 row)
+                print(f"{name:<20} edgellm webgpu {wdt} load failed: {type(e).__name__}: {e}")
         sess = None
         if ort is not None:
             prov = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in ort.get_available_providers()]
@@ -155,13 +185,19 @@ def main() -> int:
                                 {}))
             except Exception as e:
                 print(f"{name:<20} {batch:>5} torch CUDA graph capture failed: {e}")
+            for wdt, wm in wms.items():
+                xw = {wm.input_names[0]: xn}
+                engines.append((f"edgellm webgpu {'fp16' if wdt == 'f16' else 'fp32'}", lambda wm=wm, xw=xw: wm(xw),
+                                lambda wm=wm, xw=xw: list(wm(xw).values())[0], {"host_clock": True}))
             if sess is not None:
                 inp = sess.get_inputs()[0].name
                 engines.append((ort_name, lambda: sess.run(None, {inp: xn}), lambda: sess.run(None, {inp: xn})[0], {}))
             for ename, fn, outfn, env in engines:
                 try:
+                    host_clock = env.get("host_clock")
+                    env = {k: v for k, v in env.items() if k != "host_clock"}
                     with environment(env):  # a variant's first calls compile and capture under its settings
-                        t = timed(fn, args.reps)
+                        t = host_timed(fn, args.reps) if host_clock else timed(fn, args.reps)
                         err = rel(np.asarray(outfn()), ref)
                 except Exception as e:
                     print(f"{name:<20} {batch:>5} {ename:<26} failed: {type(e).__name__}: {str(e)[:120]}")
@@ -176,7 +212,7 @@ def main() -> int:
             for vname, (vm, _) in variants.items():
                 if vm.runner.graph_errors:
                     print(f"{name:<20} {batch:>5} (edgellm {vname} ran without a CUDA graph: {vm.runner.graph_errors})")
-        del fp32, half, em, sess, variants
+        del fp32, half, em, sess, variants, wms
         torch.cuda.empty_cache()
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))

@@ -116,15 +116,15 @@ def _layer_norm(op: Op, i: list) -> torch.Tensor:
     return F.layer_norm(x, tuple(x.shape[ax:]), scale, i[2] if op.attrs.get("has_bias") else None, op.attrs["eps"])
 
 
-def _resize(op: Op, i: list) -> torch.Tensor:
-    a, x = op.attrs, i[0]
+def resize_tables(a: dict, h: int, w: int, device=None) -> tuple:
+    """Resize's source rows and columns for output (out_hw) from input (h, w): nearest: (row
+    index per output row, column index per output column); linear: (y0, y1, fy, x0, x1, fx): the
+    two neighbours and the weight of the second (float64). Shared with the webgpu kernel."""
     oh, ow = (int(v) for v in a["out_hw"])
-    h, w = x.shape[2], x.shape[3]
     coord = a["coord"]
-    dev = x.device
 
     def src(n_out, n_in, scale):
-        o = torch.arange(n_out, dtype=torch.float64, device=dev)
+        o = torch.arange(n_out, dtype=torch.float64, device=device)
         if coord == "align_corners":
             return o * ((n_in - 1) / (n_out - 1)) if n_out > 1 else torch.zeros_like(o)
         if coord == "asymmetric":
@@ -138,14 +138,22 @@ def _resize(op: Op, i: list) -> torch.Tensor:
     if a["mode"] == "nearest":
         rnd = {"round_prefer_floor": lambda v: torch.ceil(v - 0.5), "round_prefer_ceil": lambda v: torch.floor(v + 0.5),
                "floor": torch.floor, "ceil": torch.ceil}[a.get("nearest_mode", "round_prefer_floor")]
-        yi = rnd(ys).long().clamp(0, h - 1)
-        xi = rnd(xs).long().clamp(0, w - 1)
-        return x[:, :, yi][:, :, :, xi]
+        return rnd(ys).long().clamp(0, h - 1), rnd(xs).long().clamp(0, w - 1)
     ys, xs = ys.clamp(0, h - 1), xs.clamp(0, w - 1)
     y0, x0 = ys.floor().long(), xs.floor().long()
     y1, x1 = (y0 + 1).clamp(max=h - 1), (x0 + 1).clamp(max=w - 1)
-    fy = (ys - y0).to(x.dtype)[:, None]
-    fx = (xs - x0).to(x.dtype)[None, :]
+    return y0, y1, ys - y0, x0, x1, xs - x0
+
+
+def _resize(op: Op, i: list) -> torch.Tensor:
+    a, x = op.attrs, i[0]
+    t = resize_tables(a, x.shape[2], x.shape[3], x.device)
+    if a["mode"] == "nearest":
+        yi, xi = t
+        return x[:, :, yi][:, :, :, xi]
+    y0, y1, fy, x0, x1, fx = t
+    fy = fy.to(x.dtype)[:, None]
+    fx = fx.to(x.dtype)[None, :]
     rows0, rows1 = x[:, :, y0], x[:, :, y1]
     top = rows0[:, :, :, x0] * (1 - fx) + rows0[:, :, :, x1] * fx
     bot = rows1[:, :, :, x0] * (1 - fx) + rows1[:, :, :, x1] * fx
@@ -209,4 +217,4 @@ ND_KERNELS: dict[str, Callable] = {
     "add_layer_norm": _add_layer_norm,
 }
 
-__all__ = ["ND_KERNELS", "ACTIVATIONS", "activate", "spatial_pads"]
+__all__ = ["ND_KERNELS", "ACTIVATIONS", "activate", "resize_tables", "spatial_pads"]

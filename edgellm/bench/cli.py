@@ -57,7 +57,7 @@ def _add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--quant", action="append", metavar="TYPES",
                    help="quantizations to produce from each model and measure, e.g. q4_0,q8_0 "
                         "('source' = the file as given; default: source)")
-    b.add_argument("--backend", action="append", metavar="NAMES", help="cpu, cuda (default: cpu)")
+    b.add_argument("--backend", action="append", metavar="NAMES", help="cpu, cuda, webgpu (default: cpu)")
     b.add_argument("--engine", action="append", metavar="NAMES",
                    help="edgellm, llama.cpp, transformers, or package.module:Class (default: edgellm)")
     b.add_argument("-p", "--n-prompt", action="append", metavar="N", help="prompt lengths of the prefill tests (default: 512)")

@@ -36,9 +36,11 @@ def tensor_bytes(graph: Graph, name: str, sizes: dict[str, int]) -> int:
     return n * DTYPE_BYTES.get(t.dtype, 4)
 
 
-def usage_records(graph: Graph, sizes: dict[str, int]) -> list[UsageRecord]:
+def usage_records(graph: Graph, sizes: dict[str, int], in_place: frozenset = frozenset()) -> list[UsageRecord]:
     """One record per intermediate tensor (activations that are not graph outputs and do not
-    alias state): produced at its op's index, live until the last op reading it."""
+    alias state): produced at its op's index, live until the last op reading it.
+    in_place: op kinds whose backend may read the result from the first input's storage (a
+    reshape of contiguous data): that input then stays live as long as the result is read."""
     last = graph.last_uses()
     records = []
     for i, op in enumerate(graph.ops):
@@ -51,6 +53,13 @@ def usage_records(graph: Graph, sizes: dict[str, int]) -> list[UsageRecord]:
             else:
                 last_use = last[o]
             records.append(UsageRecord(o, max(tensor_bytes(graph, o, sizes), 1), i, last_use))
+    if in_place:
+        at = {r.tensor: k for k, r in enumerate(records)}
+        for op in reversed(graph.ops):  # later reads first, so that chains pass them back to their root
+            if op.kind in in_place and op.inputs and op.inputs[0] in at and op.outputs[0] in at:
+                src, out = records[at[op.inputs[0]]], records[at[op.outputs[0]]]
+                if out.last > src.last:
+                    records[at[src.tensor]] = UsageRecord(src.tensor, src.size, src.first, out.last)
     return records
 
 
@@ -92,12 +101,13 @@ def partition(graph: Graph, supported: set[str], backend: str) -> list[Segment]:
 def compile_graph(graph: Graph, *, supported_ops: set[str] | None = None, backend: str = "cpu",
                   seq: int = 512, ctx: int = 4096, fuse: bool = True, alignment: int = 256,
                   planner: str = "all", sizes: dict[str, int] | None = None,
-                  skip_passes: frozenset = frozenset()) -> CompiledGraph:
+                  skip_passes: frozenset = frozenset(), in_place: frozenset = frozenset()) -> CompiledGraph:
     """planner: "all" runs every memory planner and keeps the smallest plan (what `edgellm plan`
     reports); a strategy name (memory.STRATEGIES) runs only that one, as a model's load does:
     the min-cost-flow planner alone took 1.5 s of a 135M model's load and its plan is not used.
     sizes: values of further symbols (an imported network's batch, height, ...) for the plan.
-    skip_passes: fusion passes the backend does without (its SKIP_PASSES)."""
+    skip_passes: fusion passes the backend does without (its SKIP_PASSES).
+    in_place: op kinds the backend may run in place (usage_records)."""
     check_graph(graph)
     original = len(graph.ops)
     g, reports = run_passes(graph, fuse=fuse, skip=frozenset(skip_passes))
@@ -105,7 +115,7 @@ def compile_graph(graph: Graph, *, supported_ops: set[str] | None = None, backen
     supported = ALL_OPS if supported_ops is None else set(supported_ops)
     segments = partition(g, supported, backend)
     sizes = {"seq": seq, "ctx": ctx, **(sizes or {})}
-    records = usage_records(g, sizes)
+    records = usage_records(g, sizes, frozenset(in_place))
     if not records:
         plans = {}
     elif planner == "all":

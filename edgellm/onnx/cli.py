@@ -2,7 +2,7 @@
 
   edgellm run model.onnx --input image.jpg [--labels labels.txt]     top-5, or output shapes + values
   edgellm plan model.onnx [--size batch=1,height=224,width=224]       passes, kernels, memory plans
-  edgellm bench model.onnx [--backend cuda] [-r 20]                   latency/throughput at batch 1 and 8
+  edgellm bench model.onnx [--backend cuda|webgpu] [-r 20]            latency/throughput at batch 1 and 8
 """
 
 from __future__ import annotations
@@ -162,14 +162,19 @@ def plan_onnx(args: argparse.Namespace, path: str) -> int:
 
     imp = import_onnx(path)
     sizes = default_sizes(imp, parse_sizes(getattr(args, "size", None)))
-    supported = None
+    supported, in_place = None, frozenset()
     if args.backend == "cuda":
         from ..backends.cuda.vision import CUDA_ND_KERNELS
 
         supported = set(CUDA_ND_KERNELS)
+    elif args.backend == "webgpu":  # the N-D kinds with WGSL kernels (the rest run on the cpu)
+        from ..backends.webgpu.vision import WEBGPU_KINDS, WebgpuNd
+
+        supported, in_place = set(WEBGPU_KINDS), WebgpuNd.in_place  # reshapes planned to read in place
     elif args.backend != "cpu":
         supported = getattr(get_backend_info(args.backend), "SUPPORTED_OPS", None)
-    c = compile_graph(imp.graph, supported_ops=supported, backend=args.backend, fuse=not args.no_fuse, sizes=sizes)
+    c = compile_graph(imp.graph, supported_ops=supported, backend=args.backend, fuse=not args.no_fuse, sizes=sizes,
+                      in_place=in_place)
     from ..graph.ir import SYMBOLS
     from ..graph.ops import flops as op_flops
 

@@ -1,6 +1,6 @@
 """OnnxModel: an imported network on a backend, called with numpy arrays.
 
-    m = edgellm.load("resnet18.onnx")             # backend="cpu" (reference) or "cuda"
+    m = edgellm.load("resnet18.onnx")             # backend="cpu" (reference), "cuda" or "webgpu"
     out = m(image_batch)                           # positional, in the model's input order
     out = m({"input": image_batch})                # or by name
     out["logits"]                                  # a dict: output name -> numpy array
@@ -45,14 +45,29 @@ class OnnxModel:
             if tdtype is None:
                 raise EdgeLLMError(f"dtype must be 'f16' or 'f32', got {dtype!r}")
             kernels, supported = CUDA_ND_KERNELS, set(CUDA_ND_KERNELS)
+        elif backend == "webgpu":
+            from ..backends.webgpu.vision import WebgpuNd
+
+            storage = {None: "f32", "f32": "f32", "float32": "f32", "f16": "f16", "float16": "f16"}.get(dtype)
+            if storage is None:
+                raise EdgeLLMError(f"dtype must be 'f32' or 'f16' (storage; the kernels compute in float32), got {dtype!r}")
+            tensor_ops = WebgpuNd(dtype=storage)  # BackendUnavailableError without wgpu or an adapter
+            device, tdtype = torch.device("cpu"), torch.float32  # the delegated ops' host tensors
+            kernels = tensor_ops.kernels()
+            supported = set(kernels)
         else:
-            raise BackendUnavailableError(f"backend '{backend}' cannot run ONNX models (cpu, cuda)")
+            raise BackendUnavailableError(f"backend '{backend}' cannot run ONNX models (cpu, cuda, webgpu)")
         self.device, self.dtype = device, tdtype
-        weights = {n: _weight(a, device, tdtype) for n, a in imported.weights.items()}
+        self.tensor_ops = tensor_ops if backend == "webgpu" else None
+        if backend == "webgpu":
+            weights = {n: tensor_ops.weight(a) for n, a in imported.weights.items()}
+        else:
+            weights = {n: _weight(a, device, tdtype) for n, a in imported.weights.items()}
         # cuda: CUDA graphs per input sizes (EDGELLM_CUDA_GRAPHS=0 turns them off, as for language models)
         graphs = device.type == "cuda" and os.environ.get("EDGELLM_CUDA_GRAPHS", "1") != "0"
         self.runner = GraphRunner(self.graph, weights, kernels, supported, backend, device, tdtype, fuse=fuse,
-                                  use_arena=device.type == "cpu", graphs=graphs)
+                                  use_arena=device.type == "cpu" or backend == "webgpu", graphs=graphs,
+                                  tensor_ops=self.tensor_ops)
         self.load_s = time.perf_counter() - t0
 
     def _arrays(self, args, kwargs) -> dict[str, np.ndarray]:
@@ -88,7 +103,9 @@ class OnnxModel:
 
     def run_device(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Device tensors in, device tensors out (no host copies; for timing and pipelines). The
-        outputs of a CUDA-graph replay are the graph's own buffers: copy them to keep them."""
+        outputs of a CUDA-graph replay are the graph's own buffers: copy them to keep them.
+        webgpu: host tensors in (written to the recording's input buffers), its output buffers out
+        (vision.NdTensor; `.read(m.tensor_ops.dev)` reads one), valid until the next call."""
         missing = [n for n in self.input_names if n not in tensors]
         if missing:
             raise InputError(f"{os.path.basename(self.path)}: inputs {missing} not given")
@@ -100,7 +117,24 @@ class OnnxModel:
         return self.runner.compile(sizes)
 
     def describe(self) -> str:
-        return f"{self.backend_name} ({self.device}, {str(self.dtype).replace('torch.', '')})"
+        if self.backend_name == "webgpu":
+            ops = self.tensor_ops
+            store = "float16 storage, float32 maths" if ops.dtype == "f16" else "float32"
+            d = f"webgpu ({ops.dev.info.line()}; WGSL kernels, {store}, {'tiled' if ops.tiled else 'untiled'} GEMM"
+        else:
+            d = f"{self.backend_name} ({self.device}, {str(self.dtype).replace('torch.', '')}"
+        return d + self.delegation() + ")"
+
+    def delegation(self) -> str:
+        """'; N of M ops delegated to the cpu: kinds' for the sizes run last ('' when none are)."""
+        if self.backend_name == "cpu" or not self.runner._bound:
+            return ""
+        b = list(self.runner._bound.values())[-1]
+        names = set(b.delegated) | set(getattr(b.recording, "delegated", ()))  # webgpu: also what its kernels handed back
+        if not names:
+            return ""
+        kinds = sorted({op.kind for op in b.ops if op.name in names})
+        return f"; {len(names)} of {len(b.ops)} ops delegated to the cpu: {', '.join(kinds)}"
 
 
 def _weight(a: np.ndarray, device: torch.device, dtype: torch.dtype) -> torch.Tensor:

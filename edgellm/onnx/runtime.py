@@ -10,7 +10,7 @@ would corrupt the results the tests compare with onnxruntime).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -66,6 +66,51 @@ class BoundProgram:
     kernels: list[Callable]
     free_after: list[list[str]]
     views: dict[str, tuple[int, tuple[int, ...]]]  # planned tensor -> (byte offset, shape)
+    sizes: dict[str, int] = field(default_factory=dict)
+    delegated: list[str] = field(default_factory=list)  # names of the ops run by the cpu kernels
+    recording: object = None  # a recording backend's replayable program (TensorOps.records)
+
+
+class TensorOps:
+    """How a backend holds the runner's tensors: torch tensors on a device (the cpu and cuda
+    backends; this class), or another backend's handles (webgpu: edgellm.backends.webgpu.vision).
+
+    records: False: every call runs the kernels op by op on values. True: the kernels, called once
+    per input sizes on placeholder handles, record a program (record), and each call replays it."""
+
+    records = False
+    in_place: frozenset = frozenset()  # op kinds whose result may be the first input's storage (compile_graph)
+
+    def __init__(self, device: torch.device, dtype: torch.dtype):
+        self.device, self.dtype = device, dtype
+        self._arena: torch.Tensor | None = None
+        self.esize = torch.tensor([], dtype=dtype).element_size()
+
+    def from_host(self, a: np.ndarray):
+        return torch.as_tensor(np.ascontiguousarray(a)).to(self.device, self.dtype)
+
+    def to_host(self, value) -> np.ndarray:
+        return value.float().cpu().numpy()
+
+    def reserve(self, plan_bytes: int) -> None:
+        """An arena for a memory plan of plan_bytes (planned in float32 bytes)."""
+        need = plan_bytes * self.esize // 4
+        if self._arena is None or self._arena.numel() < need:
+            self._arena = torch.empty(need, dtype=torch.uint8, device=self.device)
+
+    def begin_op(self, op: Op) -> None:
+        """Called before each op's kernel (a recording backend learns where its outputs go)."""
+
+    def store(self, value, offset: int, shape: tuple[int, ...]):
+        """The value in its planned place in the arena (offset in float32 plan bytes)."""
+        off = offset * self.esize // 4
+        view = self._arena[off: off + self.esize * math.prod(shape)].view(self.dtype).view(shape)
+        view.copy_(value)
+        return view
+
+    def delegate(self, fn: Callable) -> Callable:
+        """A cpu reference kernel for an op the backend does not run itself."""
+        return _on_cpu(fn, self.device, self.dtype)
 
 
 class GraphRunner:
@@ -76,7 +121,8 @@ class GraphRunner:
 
     def __init__(self, graph: Graph, weights: dict[str, torch.Tensor], kernels: dict[str, Callable],
                  supported: set[str], backend: str, device: torch.device, dtype: torch.dtype,
-                 fuse: bool = True, use_arena: bool = True, graphs: bool = False):
+                 fuse: bool = True, use_arena: bool = True, graphs: bool = False,
+                 tensor_ops: TensorOps | None = None):
         self.graph = graph
         self.weights = weights
         self.kernels = kernels
@@ -87,7 +133,7 @@ class GraphRunner:
         self.fuse = fuse
         self.use_arena = use_arena
         self._bound: dict[tuple, BoundProgram] = {}
-        self._arena: torch.Tensor | None = None
+        self.tensor_ops = tensor_ops if tensor_ops is not None else TensorOps(device, dtype)
         self.graphs = graphs
         self._graphs: dict[tuple, tuple] = {}
         self._warmed: set[tuple] = set()
@@ -95,7 +141,7 @@ class GraphRunner:
 
     def compile(self, sizes: dict[str, int]) -> CompiledGraph:
         return compile_graph(self.graph, supported_ops=self.supported, backend=self.backend, fuse=self.fuse,
-                             sizes=sizes)
+                             sizes=sizes, in_place=self.tensor_ops.in_place)
 
     def bind(self, sizes: dict[str, int]) -> BoundProgram:
         key = tuple(sorted(sizes.items()))
@@ -110,12 +156,13 @@ class GraphRunner:
         ops = [Op(op.name, op.kind, op.inputs, op.outputs, {k: _concrete(v, subs) for k, v in op.attrs.items()})
                for op in g.ops]
         on_backend = {i for s in c.segments if s.backend == self.backend for i in s.ops}
-        kernels = []
+        kernels, delegated = [], []
         for i, op in enumerate(ops):
             if i in on_backend and op.kind in self.kernels:
                 kernels.append(self.kernels[op.kind])
             else:
-                kernels.append(_on_cpu(CPU_KERNELS[op.kind], self.device, self.dtype))
+                kernels.append(self.tensor_ops.delegate(CPU_KERNELS[op.kind]))
+                delegated.append(op.name)
         last = g.last_uses()
         free: list[list[str]] = [[] for _ in ops]
         for name, i in last.items():
@@ -126,14 +173,14 @@ class GraphRunner:
             offsets = _offsets(c.plan)
             for name, off in offsets.items():
                 views[name] = (off, g.tensors[name].concrete_shape(**sizes))
-        b = BoundProgram(c, ops, kernels, free, views)
+        b = BoundProgram(c, ops, kernels, free, views, dict(sizes), delegated)
         self._bound[key] = b
         return b
 
     def run(self, arrays: dict[str, np.ndarray]) -> list[np.ndarray]:
         sizes = bind_sizes(self.graph, arrays)
-        env = {n: torch.as_tensor(np.ascontiguousarray(arrays[n])).to(self.device, self.dtype) for n in self.graph.inputs}
-        return [o.float().cpu().numpy() for o in self.execute(sizes, env)]
+        env = {n: self.tensor_ops.from_host(arrays[n]) for n in self.graph.inputs}
+        return [self.tensor_ops.to_host(o) for o in self.execute(sizes, env)]
 
     def run_device(self, tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """Inputs already on the device in the backend's dtype; outputs stay there. With
@@ -166,18 +213,25 @@ class GraphRunner:
         graph.replay()
         return static_out
 
-    def execute(self, sizes: dict[str, int], env: dict) -> list[torch.Tensor]:
+    def execute(self, sizes: dict[str, int], env: dict) -> list:
         b = self.bind(sizes)
+        ops = self.tensor_ops
+        if ops.records:  # recorded once per input sizes (the kernels on placeholders), replayed per call
+            if b.recording is None:
+                b.recording = ops.record(b, self._run_ops)
+            return ops.replay(b.recording, env)
+        return self._run_ops(b, env)
+
+    def _run_ops(self, b: BoundProgram, env: dict) -> list:
         g = b.compiled.graph
-        esize = torch.tensor([], dtype=self.dtype).element_size()
+        ops = self.tensor_ops
         if b.views:
-            need = b.compiled.plan.total_bytes * esize // 4  # planned in float32 bytes
-            if self._arena is None or self._arena.numel() < need:
-                self._arena = torch.empty(need, dtype=torch.uint8, device=self.device)
+            ops.reserve(b.compiled.plan.total_bytes)
         for t in g.weights():
             env[t.name] = self.weights[t.source or t.name]
         with torch.inference_mode():
             for op, kern, free in zip(b.ops, b.kernels, b.free_after):
+                ops.begin_op(op)
                 try:
                     value = kern(op, [env[i] for i in op.inputs])
                 except (RuntimeError, ValueError, IndexError) as e:
@@ -186,11 +240,7 @@ class GraphRunner:
                 for name, value in zip(op.outputs, values):
                     v = b.views.get(name)
                     if v is not None:
-                        off, shape = v
-                        off = off * esize // 4
-                        view = self._arena[off: off + esize * math.prod(shape)].view(self.dtype).view(shape)
-                        view.copy_(value)
-                        value = view
+                        value = ops.store(value, *v)
                     env[name] = value
                 for n in free:
                     env.pop(n, None)

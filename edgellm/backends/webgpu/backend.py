@@ -37,6 +37,8 @@ from ..cpu import plan_offsets
 from ..info import WebgpuInfo
 from . import codegen, kernels
 from .device import Device, get_device
+from .launch import grid2 as _grid2
+from .launch import encode_dispatch, raw_pass_functions
 
 GEMV_MAX_ROWS = 4  # steps of at most this many tokens use the matrix-vector kernel
 SPLIT_KEYS = 256  # decode attention: one split per this many cached keys ...
@@ -220,46 +222,12 @@ class _Dispatch:
         x, y, z = g
         if x * y * z == 0:
             return
-        if _RAW is not None:
-            sp, sb, dw, null = _RAW
-            c = cpass._internal
-            sp(c, self.pipeline._internal)
-            sb(c, 0, self.bind_group._internal, 0, null)
-            dw(c, x, y, z)
-            return
-        cpass.set_pipeline(self.pipeline)
-        cpass.set_bind_group(0, self.bind_group)
-        cpass.dispatch_workgroups(x, y, z)
+        encode_dispatch(cpass, self.pipeline, self.bind_group, g, _RAW)
 
 
-def _raw_encoder():
-    """wgpu-native's own compute-pass functions, called without wgpu-py's per-call wrapper: a
-    decode token records a few hundred dispatches from Python, and the wrapper cost 4-17 us per
-    dispatch against about 3 us here (lavapipe machine, 300 dispatches). wgpu-py's private API, so
-    anything unexpected falls back to the public calls (EDGELLM_WEBGPU_RAW=0 forces that)."""
-    if os.environ.get("EDGELLM_WEBGPU_RAW", "1") == "0":
-        return None
-    try:
-        from .device import import_wgpu
-
-        import_wgpu()
-        from wgpu.backends.wgpu_native._api import ffi, libf
-
-        return (libf.wgpuComputePassEncoderSetPipeline, libf.wgpuComputePassEncoderSetBindGroup,
-                libf.wgpuComputePassEncoderDispatchWorkgroups, ffi.NULL)
-    except Exception:  # noqa: BLE001 - another wgpu-py layout: the public API works the same
-        return None
-
-
-_RAW = _raw_encoder()
-
-
-def _grid2(n: int, limit: int) -> tuple[int, int]:
-    """n workgroups as (x, y) within the per-dimension limit (kernels flatten wid.x + wid.y * nwg.x)."""
-    if n <= limit:
-        return n, 1
-    y = -(-n // limit)
-    return -(-n // y), y
+# wgpu-native's compute-pass functions without wgpu-py's wrapper (launch.raw_pass_functions);
+# a module global so that tests can turn it off (monkeypatch backend._RAW = None)
+_RAW = raw_pass_functions()
 
 
 class WebgpuProgram:

@@ -79,22 +79,26 @@ class ActDesc:
     """An activation (or KV-cache, bias, norm weight) tensor read and written element-wise.
 
     dtype: f32, or f16 (needs the adapter's shader-f16); vec: 1, or 4 for a second view of the
-    same storage read four elements at a time (rows must then be multiples of 4 elements)."""
+    same storage read four elements at a time (rows must then be multiples of 4 elements).
+    kind: the binding's kind (Binding.kind): 'storage', or 'read' for a tensor no kernel writes
+    (an imported network's weights)."""
 
     name: str
     dtype: str = "f32"
     vec: int = 1
+    kind: str = "storage"
 
     def bindings(self) -> list[Binding]:
-        b = [Binding(self.name, f"array<{self.dtype}>")]
+        b = [Binding(self.name, f"array<{self.dtype}>", self.kind)]
         if self.vec == 4:
-            b.append(Binding(self.name + "_v4", f"array<vec4<{self.dtype}>>"))
+            b.append(Binding(self.name + "_v4", f"array<vec4<{self.dtype}>>", self.kind))
         return b
 
     def accessors(self) -> str:
         n, t = self.name, self.dtype
-        src = (f"fn {n}_ld(i: u32) -> f32 {{ return f32({n}[i]); }}\n"
-               f"fn {n}_st(i: u32, v: f32) {{ {n}[i] = {t}(v); }}\n")
+        src = f"fn {n}_ld(i: u32) -> f32 {{ return f32({n}[i]); }}\n"
+        if self.kind != "read":
+            src += f"fn {n}_st(i: u32, v: f32) {{ {n}[i] = {t}(v); }}\n"
         if self.vec == 4:
             src += f"fn {n}_ld4(i4: u32) -> vec4<f32> {{ return vec4<f32>({n}_v4[i4]); }}\n"
         else:

@@ -40,12 +40,14 @@ class Kernel:
         return tuple(b.kind for b in self.bindings)
 
 
-def _render(name: str, parts: list, body: str, wg: int, dtypes: dict | None = None, **consts) -> Kernel:
+def _render(name: str, parts: list, body: str, wg: int, dtypes: dict | None = None, step: bool = True,
+            **consts) -> Kernel:
     """Assemble a kernel: Step + the parts' bindings, helpers, accessors, then the body template
     with ${...} constants substituted. dtypes: binding name -> element type of the tensor bound
     there ("f32", "f16"), overriding the template's default: the caller's storage decides, the
-    template's maths stays the same."""
-    bindings: list[Binding] = [STEP]
+    template's maths stays the same. step=False leaves the Step uniform out (kernels whose every
+    size is a constant: the imported networks' kernels, nd_kernels.py)."""
+    bindings: list[Binding] = [STEP] if step else []
     acc = []
     f16 = False
     for p, x in parts:  # (descriptor, accessor argument) pairs
@@ -55,7 +57,7 @@ def _render(name: str, parts: list, body: str, wg: int, dtypes: dict | None = No
         acc.append(p.accessors(x) if isinstance(p, WeightDesc) else p.accessors())
         f16 |= getattr(p, "dtype", "f32") == "f16"
     decls = "\n".join(b.decl(i) for i, b in enumerate(bindings))
-    src = "\n".join([("enable f16;" if f16 else ""), STEP_STRUCT, decls, HELPERS, *acc,
+    src = "\n".join([("enable f16;" if f16 else ""), STEP_STRUCT if step else "", decls, HELPERS, *acc,
                      Template(body).substitute(WG=wg, **consts)])
     return Kernel(name, src, tuple(bindings), wg)
 

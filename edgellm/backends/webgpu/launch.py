@@ -4,6 +4,7 @@ own clock, no submit overhead), else the host clock around a waited submit."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -88,3 +89,46 @@ def upload_f32(dev: Device, a: np.ndarray):
 
 def read_f32(dev: Device, buf, n: int) -> np.ndarray:
     return np.frombuffer(dev.read(buf, 0, 4 * n), np.float32).copy()
+
+
+def raw_pass_functions():
+    """wgpu-native's own compute-pass functions, called without wgpu-py's per-call wrapper: a
+    decode token records a few hundred dispatches from Python, and the wrapper cost 4-17 us per
+    dispatch against about 3 us here (lavapipe machine, 300 dispatches). wgpu-py's private API, so
+    anything unexpected falls back to the public calls (EDGELLM_WEBGPU_RAW=0 forces that).
+    Returns (set_pipeline, set_bind_group, dispatch, NULL) or None."""
+    if os.environ.get("EDGELLM_WEBGPU_RAW", "1") == "0":
+        return None
+    try:
+        from .device import import_wgpu
+
+        import_wgpu()
+        from wgpu.backends.wgpu_native._api import ffi, libf
+
+        return (libf.wgpuComputePassEncoderSetPipeline, libf.wgpuComputePassEncoderSetBindGroup,
+                libf.wgpuComputePassEncoderDispatchWorkgroups, ffi.NULL)
+    except Exception:  # noqa: BLE001 - another wgpu-py layout: the public API works the same
+        return None
+
+
+def encode_dispatch(cpass, pipeline, bind_group, grid: tuple[int, int, int], raw=None) -> None:
+    """One dispatch into a compute pass (through raw_pass_functions' calls when given)."""
+    x, y, z = grid
+    if raw is not None:
+        sp, sb, dw, null = raw
+        c = cpass._internal
+        sp(c, pipeline._internal)
+        sb(c, 0, bind_group._internal, 0, null)
+        dw(c, x, y, z)
+        return
+    cpass.set_pipeline(pipeline)
+    cpass.set_bind_group(0, bind_group)
+    cpass.dispatch_workgroups(x, y, z)
+
+
+def grid2(n: int, limit: int) -> tuple[int, int]:
+    """n workgroups as (x, y) within the per-dimension limit (kernels flatten wid.x + wid.y * nwg.x)."""
+    if n <= limit:
+        return n, 1
+    y = -(-n // limit)
+    return -(-n // y), y
