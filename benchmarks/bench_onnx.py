@@ -2,7 +2,7 @@
 PyTorch with CUDA graphs, and onnxruntime on the same ONNX file; output agreement vs fp32.
 
     python benchmarks/bench_onnx.py [--models resnet18,mobilenet_v2,...] [--size 224] [--batches 1,8]
-                                    [--reps 50] [--variant NAME:VAR=VAL[,VAR=VAL]] [--no-ort] [--webgpu]
+                                    [--reps 50] [--variant NAME:VAR=VAL[,VAR=VAL]] [--no-ort] [--webgpu] [--no-cuda]
                                     [--out results.json]
 
 Each architecture is built with random weights (nothing is downloaded), exported once to ONNX
@@ -111,6 +111,7 @@ def main() -> int:
                     help="NAME:VAR=VAL[,VAR=VAL]: another edgellm row with these environment variables set")
     ap.add_argument("--no-ort", action="store_true", help="leave onnxruntime out")
     ap.add_argument("--webgpu", action="store_true", help="add an edgellm webgpu (float32, WGSL) row")
+    ap.add_argument("--no-cuda", action="store_true", help="leave the edgellm cuda rows out (the webgpu rows alone)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_onnx: needs a CUDA GPU", file=sys.stderr)
@@ -139,7 +140,7 @@ def main() -> int:
         fp32 = model.cuda()
         half = __import__("copy").deepcopy(model).half().to(memory_format=torch.channels_last).cuda()
         variants = {}  # engine name suffix -> (model, environment)
-        for vname, env in [("", {})] + args.variant:
+        for vname, env in ([] if args.no_cuda else [("", {})] + args.variant):
             try:
                 with environment(env):
                     variants[vname] = (edgellm.load(path, backend="cuda"), env)
