@@ -154,6 +154,34 @@ def test_matmul_broadcast(dev, rng, tiled, sa, sb):
     check(*run(dev, "matmul", [f32(rng, *sa), f32(rng, *sb)], tiled=tiled))
 
 
+@pytest.mark.parametrize("splits", [2, 5])
+@pytest.mark.parametrize("tiled", [False, True], ids=["untiled", "tiled"])
+def test_split_k_products(dev, rng, monkeypatch, splits, tiled):
+    """Split-K (EDGELLM_WEBGPU_SPLITK forces the count; on a GPU nd.splitk_count picks it): partial
+    sums of K ranges, then the epilogue kernel adds them with bias, activation and residual."""
+    from edgellm.backends.webgpu import nd_kernels as nd
+
+    monkeypatch.setenv("EDGELLM_WEBGPU_SPLITK", str(splits))
+    assert nd.splitk_count(49, 512, 1, 4608) == splits
+    _conv(dev, rng, CONVS[1], dict(act="relu", has_residual=True, res_act="hardswish"), tiled)  # grouped, 3 x 3
+    _conv(dev, rng, CONVS[5], dict(act="silu"), tiled)  # 1 x 1, K = 33: ranges of 16 and an empty one
+    x, w, b, r = f32(rng, 3, 23, 70), f32(rng, 77, 70), f32(rng, 77), f32(rng, 3, 23, 77)
+    check(*run(dev, "linear_act", [x, w, b], weights=(1, 2), tiled=tiled, has_bias=True, act="gelu",
+               act_args={"approximate": "none"}))
+    check(*run(dev, "linear", [x, w, r], weights=(1,), tiled=tiled, has_residual=True))
+    check(*run(dev, "matmul", [f32(rng, 2, 3, 9, 40), f32(rng, 3, 40, 11)], tiled=tiled))
+
+
+def test_split_k_count():
+    """Few long tiles split (resnet18's last stage at batch 1), many tiles or short K do not."""
+    from edgellm.backends.webgpu import nd_kernels as nd
+
+    assert nd.splitk_count(49, 512, 1, 4608) == 16  # 8 tiles, K = 4,608
+    assert nd.splitk_count(196, 256, 1, 2304) == 9  # 16 tiles: 256 // 16 = 16, K // 256 = 9
+    assert nd.splitk_count(12544, 64, 1, 147) == 1  # 196 tiles: enough already
+    assert nd.splitk_count(49, 512, 1, 200) == 1  # K too short to share
+
+
 def test_matmul_weight_operand(dev, rng):
     check(*run(dev, "matmul", [f32(rng, 3, 7, 20), f32(rng, 20, 9)], weights=(1,)))
 

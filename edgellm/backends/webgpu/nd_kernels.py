@@ -122,8 +122,13 @@ _MAIN = ("@compute @workgroup_size(${WG})\n"
 # -- matrix products --------------------------------------------------------------------------------
 def gemm(kind: str, geom: dict, *, tiled: bool, bias: bool = False, act: str | None = None, act_args: dict | None = None,
          residual: bool = False, res_act: str | None = None, res_act_args: dict | None = None,
-         weight_b: bool = True, dtypes: dict | None = None) -> tuple[Kernel, tuple[int, int, int]]:
+         weight_b: bool = True, splits: int = 1, dtypes: dict | None = None) -> tuple[Kernel, tuple[int, int, int]]:
     """Y = act2(act(A B + bias) + R) as a tiled matrix product: (kernel, grid (ceil(N / 64), ceil(M / 64), Z)).
+
+    splits > 1 (split-K): workgroup z' = s * Z + z sums only the s-th of `splits` equal ranges of K
+    (multiples of 16) and writes its raw sums to P[s * |Y| + y_index] (float32); the epilogue is
+    then `gemm_splitk_epilogue`'s, which adds the partial sums. For products whose 64 x 64 tiles
+    are too few to fill the GPU while each walks a long K (late convolutions at batch 1).
 
     kind 'conv': geom N, C, H, W (input), O, OH, OW, KH, KW, SH, SW, PT, PL, DH, DW, G (groups);
     M = N*OH*OW output pixels, the product's N = O/G channels of group z, K = C/G*KH*KW; A
@@ -185,7 +190,15 @@ fn bias_index(n: u32, z: u32) -> u32 {{ return n; }}
         parts = [_act("X"), _act("W", "read" if weight_b else "storage")]
     else:
         raise ValueError(f"gemm kind {kind!r}")
-    parts.append(_act("Y"))
+    if splits > 1:
+        ks = -(-K // (16 * splits)) * 16  # each split's share of K, a multiple of the 16-deep tiles
+        parts.append(_act("P"))
+        ysize = M * N * Z
+        bias = residual = False
+        act = None
+    else:
+        ks = K
+        parts.append(_act("Y"))
     if bias:
         parts.append(_act("B", "read"))
     if residual:
@@ -201,7 +214,7 @@ fn bias_index(n: u32, z: u32) -> u32 {{ return n; }}
         bn = "i / 16u" if b_k_fast else "i % 64u"
         bk = "i % 16u" if b_k_fast else "i / 64u"
         loop = f"""
-    for (var k0 = 0u; k0 < {K}u; k0 += 16u) {{
+    for (var k0 = kb; k0 < ke; k0 += 16u) {{
         for (var i = lid; i < 1024u; i += 256u) {{
             let am = {ai}; let ak = {ak};
             As[ak * 64u + am] = a_at(m0 + am, k0 + ak, z);
@@ -219,7 +232,7 @@ fn bias_index(n: u32, z: u32) -> u32 {{ return n; }}
         decl = "var<workgroup> As: array<f32, 1024>;\nvar<workgroup> Bs: array<f32, 1024>;"
     else:
         loop = f"""
-    for (var k = 0u; k < {K}u; k++) {{
+    for (var k = kb; k < ke; k++) {{
 {chr(10).join(f"            let a{i} = a_at(min(m0 + {tm} + {16 * i}u, {M - 1}u), k, z);" for i in range(4))}
 {chr(10).join(f"            let b{j} = b_at(k, min(n0 + {tn} + {16 * j}u, {N - 1}u), z);" for j in range(4))}
 {fmas}
@@ -229,6 +242,10 @@ fn bias_index(n: u32, z: u32) -> u32 {{ return n; }}
     for i in range(4):
         for j in range(4):
             v = f"c{i}{j}"
+            if splits > 1:
+                stores.append(f"    {{ let m = m0 + {tm} + {16 * i}u; let n = n0 + {tn} + {16 * j}u;\n"
+                              f"      if (m < {M}u && n < {N}u) {{ P_st(s * {ysize}u + y_index(m, n, z), {v}); }} }}")
+                continue
             e = [f"var v = {v};"]
             if bias:
                 e.append("v += B_ld(bias_index(n, z));")
@@ -242,14 +259,59 @@ fn bias_index(n: u32, z: u32) -> u32 {{ return n; }}
 @compute @workgroup_size(256)
 fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {
     let tx = lid % 16u; let ty = lid / 16u;
-    let m0 = wid.y * 64u; let n0 = wid.x * 64u; let z = wid.z;
+    let m0 = wid.y * 64u; let n0 = wid.x * 64u; let z = wid.z % ${Z}u; let s = wid.z / ${Z}u;
+    let kb = s * ${KS}u; let ke = min(kb + ${KS}u, ${K}u);
     ${ACCS}
 ${LOOP}
 ${STORES}
 }
 """
-    k = _nd(f"{kind}_gemm", parts, body, 256, dtypes, ACCS=accs, LOOP=loop, STORES="\n".join(stores))
-    return k, (-(-N // 64), -(-M // 64), Z)
+    k = _nd(f"{kind}_gemm" + ("_splitk" if splits > 1 else ""), parts, body, 256, dtypes, ACCS=accs, LOOP=loop,
+            STORES="\n".join(stores), Z=Z, KS=ks, K=K)
+    return k, (-(-N // 64), -(-M // 64), Z * splits)
+
+
+def gemm_splitk_epilogue(ysize: int, splits: int, channel: str, *, bias: bool = False, act: str | None = None,
+                         act_args: dict | None = None, residual: bool = False, res_act: str | None = None,
+                         res_act_args: dict | None = None, dtypes: dict | None = None) -> Kernel:
+    """The split-K GEMM's epilogue, one output element per thread (flat grid): Y[i] = act2(act(sum
+    over s of P[s * ysize + i] + bias[channel(i)]) + R[i]). channel: a WGSL expression of the flat
+    index i giving the bias element (conv: (i / OH*OW) % O; linear: i % N)."""
+    parts = [_act("P"), _act("Y")]
+    e = []
+    if bias:
+        parts.append(_act("B", "read"))
+        e.append(f"v += B_ld({channel});")
+    e.append(f"v = {act_expr(act, act_args, 'v')};")
+    if residual:
+        parts.append(_act("R"))
+        e.append("v += R_ld(i);")
+        e.append(f"v = {act_expr(res_act, res_act_args, 'v')};")
+    body = _MAIN + "    " + _flat_id() + f"""
+    if (i >= {ysize}u) {{ return; }}
+    var v = 0.0;
+    for (var s = 0u; s < {splits}u; s++) {{ v += P_ld(s * {ysize}u + i); }}
+    {' '.join(e)}
+    Y_st(i, v);
+}}
+"""
+    return _nd("gemm_splitk_epilogue", parts, body, 256, dtypes)
+
+
+def splitk_count(m: int, n: int, z: int, k: int, target: int = 256, most: int = 16) -> int:
+    """How many K ranges a product of M x N (x Z) over K is split into: enough workgroups of 64 x 64
+    tiles to reach `target` (about two per SM of a large GPU; the adapter does not say how many it
+    has), each range at least 256 deep (16 tiles of 16), at most `most`. EDGELLM_WEBGPU_SPLITK=N
+    forces N (1: never split)."""
+    import os
+
+    want = os.environ.get("EDGELLM_WEBGPU_SPLITK")
+    if want:
+        return max(1, min(int(want), -(-k // 16)))
+    tiles = -(-m // 64) * -(-n // 64) * z
+    if tiles * 2 > target:
+        return 1
+    return max(1, min(most, target // tiles, k // 256))
 
 
 # -- convolution windows ---------------------------------------------------------------------------

@@ -362,9 +362,30 @@ class WebgpuNd:
         if G == C and Cg == 1:
             self._flat(nd.depthwise(geom, **epi, dtypes=_dt(tensors)), tensors, y.size)
         else:
-            kern, grid = nd.gemm("conv", geom, tiled=self.tiled, **epi, dtypes=_dt(tensors))
-            self._dispatch(kern, tensors, grid)
+            self._gemm("conv", geom, (N * y.shape[2] * y.shape[3], O // G, G, Cg * KH * KW), tensors, epi,
+                       f"(i / {y.shape[2] * y.shape[3]}u) % {O}u")
         return y
+
+    def _gemm(self, kind: str, geom: dict, mnzk: tuple[int, int, int, int], tensors: dict, epi: dict, channel: str,
+              weight_b: bool = True) -> None:
+        """One product through nd.gemm; split over K (nd.splitk_count) into a float32 workspace of
+        the recording's own and summed by nd.gemm_splitk_epilogue where its tiles are few and long."""
+        m, n, z, k = mnzk
+        y = tensors["Y"]
+        splits = nd.splitk_count(m, n, z, k) if self.tiled or os.environ.get("EDGELLM_WEBGPU_SPLITK") else 1
+        if splits > 1 and 4 * splits * y.size + 16 > self.dev.max_binding:
+            splits = 1
+        if splits == 1:
+            kern, grid = nd.gemm(kind, geom, tiled=self.tiled, weight_b=weight_b, **epi, dtypes=_dt(tensors))
+            self._dispatch(kern, tensors, grid)
+            return
+        part = NdTensor(self.dev.buffer(4 * splits * y.size), 0, (splits * y.size,))
+        self._rec.keep.append(part)
+        kern, grid = nd.gemm(kind, geom, tiled=self.tiled, weight_b=weight_b, splits=splits,
+                             dtypes=_dt({**tensors, "P": part}))
+        self._dispatch(kern, {**tensors, "P": part}, grid)
+        et = {"P": part, "Y": y, "B": tensors.get("B"), "R": tensors.get("R")}
+        self._flat(nd.gemm_splitk_epilogue(y.size, splits, channel, **epi, dtypes=_dt(et)), et, y.size)
 
     def _pool(self, op: Op, ins: list):
         from ..cpu_nd import spatial_pads
@@ -399,10 +420,9 @@ class WebgpuNd:
         y = self._out()
         geom = dict(M=math.prod(x.shape[:-1]), N=w.shape[0], K=w.shape[1])
         tensors = {"X": x, "W": w, "Y": y, "B": bias, "R": res}
-        kern, grid = nd.gemm("linear", geom, tiled=self.tiled, bias=bias is not None, act=a.get("act"),
-                             act_args=a.get("act_args"), residual=res is not None, weight_b=self._weight(w),
-                             dtypes=_dt(tensors))
-        self._dispatch(kern, tensors, grid)
+        epi = dict(bias=bias is not None, act=a.get("act"), act_args=a.get("act_args"), residual=res is not None)
+        self._gemm("linear", geom, (geom["M"], geom["N"], 1, geom["K"]), tensors, epi, f"i % {geom['N']}u",
+                   weight_b=self._weight(w))
         return y
 
     def _matmul(self, op: Op, ins: list):
@@ -414,8 +434,7 @@ class WebgpuNd:
         zb = _broadcast_strides(b.shape[:-2], zdims)
         geom = dict(M=M, N=N, K=K, zdims=zdims, zsa=tuple(s * M * K for s in za), zsb=tuple(s * K * N for s in zb))
         tensors = {"X": a, "W": b, "Y": y}
-        kern, grid = nd.gemm("matmul", geom, tiled=self.tiled, weight_b=self._weight(b), dtypes=_dt(tensors))
-        self._dispatch(kern, tensors, grid)
+        self._gemm("matmul", geom, (M, N, math.prod(zdims), K), tensors, {}, "0u", weight_b=self._weight(b))
         return y
 
     def _sdpa(self, op: Op, ins: list):
