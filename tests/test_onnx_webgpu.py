@@ -253,9 +253,11 @@ def test_add_layer_norm(dev, rng, cols, tiled):
     check(got, want)
 
 
-def test_sdpa(dev, rng):
-    q, k, v = f32(rng, 2, 3, 7, 16), f32(rng, 2, 3, 9, 16), f32(rng, 2, 3, 9, 12)
-    check(*run(dev, "sdpa", [q * 2, k * 2, v], scale=0.25))
+@pytest.mark.parametrize("tiled", [False, True], ids=["row-per-thread", "row-per-workgroup"])
+@pytest.mark.parametrize("sk", [9, 150])  # fewer keys than the workgroup's threads, and more
+def test_sdpa(dev, rng, tiled, sk):
+    q, k, v = f32(rng, 2, 3, 7, 16), f32(rng, 2, 3, sk, 16), f32(rng, 2, 3, sk, 12)
+    check(*run(dev, "sdpa", [q * 2, k * 2, v], scale=0.25, tiled=tiled))
 
 
 @pytest.mark.parametrize("axes,keep", [((-1,), True), ((1, 3), False), ((0, 2), True)])

@@ -101,7 +101,8 @@ class NdTensor:
 
 
 class Recording:
-    """A network's dispatches for one set of input sizes: ('gpu', pipeline, bind group, grid) or
+    """A network's dispatches for one set of input sizes: ('gpu', pipeline, bind group, grid, label
+    'op name:kernel name') or
     ('host', op, cpu kernel, input tensors, output tensors) steps, in order."""
 
     def __init__(self):
@@ -269,7 +270,7 @@ class WebgpuNd:
 
             raise GraphError(f"op '{self._op.name}' ({self._op.kind}): the webgpu kernel '{kern.name}' failed: "
                              f"{_first_line(e)}") from None
-        self._rec.steps.append(("gpu", pipeline, bg, tuple(int(v) for v in grid)))
+        self._rec.steps.append(("gpu", pipeline, bg, tuple(int(v) for v in grid), f"{self._op.name}:{kern.name}"))
 
     def _fits(self, op: Op, ins: list) -> bool:
         """Whether every operand and result fits in one storage binding (else the op is delegated)."""
@@ -441,9 +442,11 @@ class WebgpuNd:
         q, k, v = ins
         y = self._out()
         tensors = {"Q": q, "K": k, "V": v, "Y": y}
-        kern = nd.sdpa(math.prod(q.shape[:-2]), q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1], op.attrs["scale"],
-                       dtypes=_dt(tensors))
-        self._flat(kern, tensors, math.prod(q.shape[:-1]))
+        geom = (math.prod(q.shape[:-2]), q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1], op.attrs["scale"])
+        if self.tiled and nd.sdpa_rows_fits(v.shape[-1], ROW_WG):  # a workgroup per query row (GPUs)
+            self._flat(nd.sdpa_rows(*geom, wg=ROW_WG, dtypes=_dt(tensors)), tensors, math.prod(q.shape[:-1]), 1)
+        else:
+            self._flat(nd.sdpa(*geom, dtypes=_dt(tensors)), tensors, math.prod(q.shape[:-1]))
         return y
 
     def _softmax(self, op: Op, ins: list):
