@@ -12,6 +12,8 @@ reads element i of A, `Y_st(i, v)` writes one. Weights bind read-only.
   4 x 4 outputs per thread; `tiled` stages A and B tiles 16 deep in workgroup memory (GPUs),
   else every thread reads its operands from the buffers (no barriers: a software adapter such
   as lavapipe runs those slowly). Epilogue: bias, activation, residual add, activation after it.
+  Split-K (`splits`, `splitk_count`): few tiles over a long K sum K ranges into a float32
+  workspace that `gemm_splitk_epilogue` adds up before the epilogue.
 - `depthwise`: one output element per thread, the window's products summed in registers.
 - `pool`: max / average pooling, one output per thread; `global_avgpool`: one row per thread,
   or (`tiled`, long rows) one row per workgroup reduced in workgroup memory.
@@ -19,7 +21,8 @@ reads element i of A, `Y_st(i, v)` writes one. Weights bind read-only.
   stride 0; transposes; slices with steps; offsets), written through strides: element-wise ops,
   the activations, and every layout copy (reshape, transpose, expand, slice, gather, concat).
 - `softmax` (any axis), `layer_norm` (trailing axes; with `add`, the residual sum written too),
-  `sdpa` (one query row per thread, online softmax), `reduce_mean` (any axes), `resize` (nearest,
+  `sdpa` (one query row per thread, online softmax; `sdpa_rows`: one per workgroup, for few rows),
+  `reduce_mean` (any axes), `resize` (nearest,
   linear; through the cpu reference's own coordinate tables).
 """
 
@@ -598,7 +601,7 @@ def sdpa_rows(batch: int, sq: int, sk: int, d: int, dv: int, scale: float, wg: i
     keeps an online softmax over keys t, t + wg, ...; the partial maxima, sums and weighted values
     are then combined in workgroup memory (each thread finishes output columns t, t + wg, ...).
     The one-row-per-thread kernel left ViT-B/16's 2,364 query rows on 10 workgroups (76% of its
-    time on the H100). Needs wg * dv floats of workgroup memory (`sdpa_rows_fits`)."""
+    time on the H100). Needs wg * (dv + 2) floats of workgroup memory (`sdpa_rows_fits`)."""
     body = _MAIN + f"""    let row = wid.x + wid.y * nwg.x;
     if (row >= {batch * sq}u) {{ return; }}
     let bq = row * {d}u; let bk = (row / {sq}u) * {sk * d}u; let bv = (row / {sq}u) * {sk * dv}u;
