@@ -20,6 +20,32 @@ os.environ.setdefault("EDGELLM_CACHE_DIR", tempfile.mkdtemp(prefix="edgellm-test
 sys.path.insert(0, os.path.dirname(__file__))  # tests/reference.py, tests/vocab_fixtures.py
 
 
+@pytest.fixture
+def rng(request):
+    """A different random stream for every test (fresh inputs), reproducible from the test's name;
+    torch's generator seeded the same way where torch is loaded."""
+    import zlib
+
+    import numpy as np
+
+    seed = zlib.crc32(request.node.name.encode())
+    if "torch" in sys.modules:
+        sys.modules["torch"].manual_seed(seed)
+    return np.random.default_rng(seed)
+
+
+@pytest.fixture(scope="session")
+def webgpu_dev():
+    """The first WebGPU adapter's device (lavapipe on a machine without a GPU); skips without one."""
+    from edgellm.backends.webgpu.device import get_device
+    from edgellm.errors import BackendUnavailableError
+
+    try:
+        return get_device()
+    except BackendUnavailableError as e:
+        pytest.skip(f"no WebGPU adapter: {e}")
+
+
 @pytest.fixture(scope="session")
 def default_model_path() -> Path:
     from edgellm.default_model import default_model_path as find

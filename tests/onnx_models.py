@@ -18,6 +18,18 @@ from pathlib import Path
 import numpy as np
 
 
+# the architectures the tests export (random weights, small images): constructor kwargs, image size,
+# whether height and width are dynamic in the exported file
+ARCHS = {
+    "resnet18": ({}, 32, True),
+    "mobilenet_v2": ({}, 32, True),
+    "mobilenet_v3_small": ({}, 32, True),
+    "efficientnet_b0": ({}, 32, True),
+    "convnext_tiny": ({}, 32, True),
+    "vit_b_16": ({"image_size": 32}, 32, False),
+}
+
+
 def torchvision_models():
     """torchvision.models from the unpacked wheel (EDGELLM_TORCHVISION_MODELS names its folder
     elsewhere, e.g. on a GPU machine without a matching torchvision)."""

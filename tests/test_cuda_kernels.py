@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import os
 import sys
-import zlib
 
 import numpy as np
 import pytest
@@ -34,14 +33,6 @@ from edgellm.backends.cuda import kernels as K  # noqa: E402
 DEV = torch.device("cuda" if CUDA else "cpu")
 QFORMATS = ["Q4_0", "Q4_1", "Q8_0"]
 ALL_FORMATS = QFORMATS + ["F16"]
-
-
-@pytest.fixture
-def rng(request):
-    # a different stream for every test (fresh inputs), reproducible from the test's name
-    seed = zlib.crc32(request.node.name.encode())
-    torch.manual_seed(seed)
-    return np.random.default_rng(seed)
 
 
 def poisoned(shape, dtype=torch.float16):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import sys
-import zlib
 
 import numpy as np
 import pytest
@@ -25,13 +24,6 @@ from edgellm.backends.cuda import kernels as K  # noqa: E402
 from edgellm.graph.ir import Op  # noqa: E402
 
 DEV = torch.device("cuda" if CUDA else "cpu")
-
-
-@pytest.fixture
-def rng(request):
-    seed = zlib.crc32(request.node.name.encode())
-    torch.manual_seed(seed)
-    return np.random.default_rng(seed)
 
 
 def rand(rng, *shape):

@@ -7,19 +7,9 @@ import numpy as np
 import pytest
 
 pytest.importorskip("onnx")
-from onnx_models import export, onnxruntime_run, randomize, rel_err, torchvision_models  # noqa: E402
+from onnx_models import ARCHS, export, onnxruntime_run, randomize, rel_err, torchvision_models  # noqa: E402
 
 import edgellm  # noqa: E402
-
-# architecture -> (constructor kwargs, image size, dynamic height/width)
-ARCHS = {
-    "resnet18": ({}, 32, True),
-    "mobilenet_v2": ({}, 32, True),
-    "mobilenet_v3_small": ({}, 32, True),
-    "efficientnet_b0": ({}, 32, True),
-    "convnext_tiny": ({}, 32, True),
-    "vit_b_16": ({"image_size": 32}, 32, False),
-}
 
 
 @pytest.fixture(scope="module")

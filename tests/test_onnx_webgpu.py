@@ -21,20 +21,8 @@ from edgellm.graph.ir import Op  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def dev():
-    from edgellm.backends.webgpu.device import get_device
-
-    try:
-        return get_device()
-    except BackendUnavailableError as e:
-        pytest.skip(f"no WebGPU adapter: {e}")
-
-
-@pytest.fixture
-def rng(request):
-    import zlib
-
-    return np.random.default_rng(zlib.crc32(request.node.name.encode()))
+def dev(webgpu_dev):
+    return webgpu_dev
 
 
 def run(dev, kind: str, inputs: list, weights=(), tiled=None, n_out: int = 1, dtype="f32", **attrs):
@@ -318,18 +306,9 @@ def test_f16_storage_kernels(dev, rng, f16, tiled):
 
 # -- whole networks -------------------------------------------------------------------------------------
 pytest.importorskip("onnx")
-from onnx_models import export, onnxruntime_run, randomize, rel_err, torchvision_models  # noqa: E402
+from onnx_models import ARCHS, export, onnxruntime_run, randomize, rel_err, torchvision_models  # noqa: E402
 
 import edgellm  # noqa: E402
-
-ARCHS = {  # architecture -> (constructor kwargs, image size, dynamic height/width)
-    "resnet18": ({}, 32, True),
-    "mobilenet_v2": ({}, 32, True),
-    "mobilenet_v3_small": ({}, 32, True),
-    "efficientnet_b0": ({}, 32, True),
-    "convnext_tiny": ({}, 32, True),
-    "vit_b_16": ({"image_size": 32}, 32, False),
-}
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,6 @@ from gguf.quants import dequantize as gg_dequantize  # noqa: E402
 from gguf.quants import quantize as gg_quantize  # noqa: E402
 
 from edgellm.backends.cpu import CPU_KERNELS  # noqa: E402
-from edgellm.errors import BackendUnavailableError  # noqa: E402
 from edgellm.graph.ir import Op  # noqa: E402
 from edgellm.backends.webgpu import codegen, kernels  # noqa: E402
 from edgellm.backends.webgpu.backend import DeviceWeight  # noqa: E402
@@ -32,20 +31,8 @@ FORMATS = ["F16", "Q8_0", "Q4_0", "Q4_1"]
 
 
 @pytest.fixture(scope="module")
-def dev():
-    from edgellm.backends.webgpu.device import get_device
-
-    try:
-        return get_device()
-    except BackendUnavailableError as e:
-        pytest.skip(f"no WebGPU adapter: {e}")
-
-
-@pytest.fixture
-def rng(request):
-    import zlib
-
-    return np.random.default_rng(zlib.crc32(request.node.name.encode()))
+def dev(webgpu_dev):
+    return webgpu_dev
 
 
 def quantized(rng, rows: int, cols: int, fmt: str):
