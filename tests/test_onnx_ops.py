@@ -179,6 +179,20 @@ def test_unsupported_ops_are_all_listed(tmp_path):
     assert "norm_a (LpNormalization)" in msg and "hard_b (Hardmax)" in msg and "2 node(s)" in msg
 
 
+def test_unsupported_forms_of_supported_ops_are_named(tmp_path):
+    """Forms the kernels do not compute are refused at import, naming the node, never run wrongly:
+    a dilated AveragePool (opset 19) and negative Gather indices on a dynamic axis."""
+    pool = helper.make_node("AveragePool", ["x"], ["y"], name="dil_pool", kernel_shape=[2, 2], dilations=[2, 2])
+    path = _model(tmp_path, [pool], [("x", [1, 2, 8, 8])], ["y"], opset=19, name="dilated")
+    with pytest.raises(UnsupportedOpError, match=r"dilated\.onnx.*dil_pool.*AveragePool.*dilations"):
+        edgellm.load(path)
+    gather = helper.make_node("Gather", ["x", "i"], ["y"], name="neg_gather", axis=0)
+    path = _model(tmp_path, [gather], [("x", ["batch", 3])], ["y"], inits=[("i", np.array([0, -1], np.int64))],
+                  name="gather")
+    with pytest.raises(UnsupportedOpError, match=r"neg_gather.*negative index on a dynamic axis"):
+        edgellm.load(path)
+
+
 # -- the cuda kernels, in Triton's interpreter (tiny shapes), against torch float64 ----------------
 
 @pytest.fixture(scope="module")

@@ -624,6 +624,9 @@ def _c_pool(kind):
             raise UnsupportedOpError(f"{im.path}: node '{node.name}' ({node.op_type}): the indices output is not supported")
         kernel = _two_d(im, node, "kernel_shape", a.get("kernel_shape"), (1, 1))
         attrs = _spatial_attrs(im, node, a, kernel)
+        if kind == "avgpool" and attrs["dilations"] != (1, 1):  # opset 19's dilated average pooling
+            raise UnsupportedOpError(f"{im.path}: node '{node.name}' (AveragePool) with dilations "
+                                     f"{attrs['dilations']} is not supported (only 1, 1)")
         im.emit(kind, node, [node.input[0]], ceil_mode=bool(a.get("ceil_mode", 0)),
                 count_include_pad=bool(a.get("count_include_pad", 0)), **attrs)
     return conv
@@ -773,6 +776,8 @@ def _c_gather(im, node, a):
             i += int(dim)
         im.emit("gather", node, [node.input[0]], axis=ax, index=i)
     elif idx.ndim == 1:
+        if (idx < 0).any() and not dim.is_Integer:
+            raise UnsupportedOpError(f"{im.path}: node '{node.name}' (Gather): negative index on a dynamic axis")
         vals = [int(v) + (int(dim) if v < 0 else 0) for v in idx]
         im.emit("gather", node, [node.input[0]], axis=ax, index=vals)
     else:
