@@ -32,8 +32,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--dtype", default="f32")
     a = ap.parse_args()
-    import edgellm
     from edgellm.backends.webgpu.launch import encode_dispatch, raw_pass_functions
+    from edgellm.onnx import load_onnx
 
     path = a.model
     if a.torchvision:
@@ -45,7 +45,7 @@ def main() -> int:
         path = str(export(m, Path(tempfile.mkdtemp()) / f"{name}.onnx", a.size, dynamic_hw=not name.startswith("vit")))
     if not path:
         ap.error("give an ONNX file or --torchvision NAME")
-    om = edgellm.load(path, backend="webgpu") if a.dtype == "f32" else edgellm.onnx.load_onnx(path, "webgpu", dtype=a.dtype)
+    om = load_onnx(path, backend="webgpu", dtype=a.dtype)
     x = {om.input_names[0]: np.random.default_rng(0).standard_normal((a.batch, 3, a.size, a.size)).astype(np.float32)}
     for _ in range(3):
         om(x)

@@ -301,16 +301,18 @@ def gemm_splitk_epilogue(ysize: int, splits: int, channel: str, *, bias: bool = 
     return _nd("gemm_splitk_epilogue", parts, body, 256, dtypes)
 
 
-def splitk_count(m: int, n: int, z: int, k: int, target: int = 256, most: int = 16) -> int:
+def splitk_count(m: int, n: int, z: int, k: int, target: int = 256, most: int = 16, auto: bool = True) -> int:
     """How many K ranges a product of M x N (x Z) over K is split into: enough workgroups of 64 x 64
     tiles to reach `target` (about two per SM of a large GPU; the adapter does not say how many it
-    has), each range at least 256 deep (16 tiles of 16), at most `most`. EDGELLM_WEBGPU_SPLITK=N
-    forces N (1: never split)."""
+    has), each range at least 256 deep (16 tiles of 16), at most `most`; 1 without `auto`
+    (software adapters: the caller's choice). EDGELLM_WEBGPU_SPLITK=N forces N (1: never split)."""
     import os
 
     want = os.environ.get("EDGELLM_WEBGPU_SPLITK")
     if want:
         return max(1, min(int(want), -(-k // 16)))
+    if not auto:
+        return 1
     tiles = -(-m // 64) * -(-n // 64) * z
     if tiles * 2 > target:
         return 1

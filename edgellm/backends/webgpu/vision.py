@@ -113,7 +113,7 @@ class Recording:
         self.arena = None
         self.delegated: list[str] = []
         self.aliases = 0  # reshapes that read their input in place (no copy)
-        self.keep: list = []  # tables uploaded while recording (a resize's coordinates)
+        self.keep: list = []  # buffers made while recording (a resize's coordinates, split-K workspaces)
 
     @property
     def dispatches(self) -> int:
@@ -374,7 +374,7 @@ class WebgpuNd:
         the recording's own and summed by nd.gemm_splitk_epilogue where its tiles are few and long."""
         m, n, z, k = mnzk
         y = tensors["Y"]
-        splits = nd.splitk_count(m, n, z, k) if self.tiled or os.environ.get("EDGELLM_WEBGPU_SPLITK") else 1
+        splits = nd.splitk_count(m, n, z, k, auto=self.tiled)
         if splits > 1 and 4 * splits * y.size + 16 > self.dev.max_binding:
             splits = 1
         if splits == 1:
@@ -450,9 +450,9 @@ class WebgpuNd:
         # than 32 workgroups): on the H100, ViT-B/16 at batch 1 (2,364 rows) 22.8 -> 5.1 ms; at
         # batch 8 (18,912 rows on 74 workgroups) the thread per row was faster (57.7 vs 70.2 ms a call)
         if self.tiled and wg and rows < SDPA_ROWS_BELOW:
-            self._flat(nd.sdpa_rows(*geom, wg=wg, dtypes=_dt(tensors)), tensors, math.prod(q.shape[:-1]), 1)
+            self._flat(nd.sdpa_rows(*geom, wg=wg, dtypes=_dt(tensors)), tensors, rows, 1)
         else:
-            self._flat(nd.sdpa(*geom, dtypes=_dt(tensors)), tensors, math.prod(q.shape[:-1]))
+            self._flat(nd.sdpa(*geom, dtypes=_dt(tensors)), tensors, rows)
         return y
 
     def _softmax(self, op: Op, ins: list):
