@@ -1,7 +1,7 @@
 """Batched decode on the cuda backend (the rows program of edgellm.session.SlotPool), on a GPU.
 
     python benchmarks/bench_rows.py [--model llama-3.2-1b:Q4_0] [--rows 1 2 4 8 16 32] [--ctx 1024]
-                                    [--gemm-sweep] [--json OUT.json]
+                                    [--profile N ...] [--gemm-sweep] [--set NAME=VALUE] [--json OUT.json]
 
 1. check: every slot holds its own prompt (lengths differ); one rows step over all slots is
    compared with each slot's single-token program at the same position (logits, argmax).
@@ -9,9 +9,13 @@
    the token read-back included) for each row count, its aggregate tok/s, and the weights' read
    rate (resident weights / step time); beside it the single-sequence greedy decode loop (as
    `edgellm run`) of the same file. (A step of one row runs the slot's single-token program.)
-3. --gemm-sweep: the linear kernel at M = 16 and 32 rows on the model's weight shapes, every
-   candidate tile timed (CUDA graph, weights rotated past the L2), best vs the default
-   (configs.gemm_default), to set the skinny-GEMM default.
+3. --profile N [N ...]: torch.profiler over steps of N rows (CUPTI records the kernels inside the
+   graph replays): per kernel and grid, launches and device time per step; the step's wall time,
+   its span on the device and the kernels' busy time (wall - busy: host work and launch gaps).
+4. --gemm-sweep: the GEMM kernel at M = 4, 8, 16 and 32 rows on the model's weight shapes (q|k|v
+   and gate|up stacked, as the rows program runs them), every candidate tile and split-K count
+   timed (CUDA graph, weights rotated past the L2), best vs the default (configs.gemm_default),
+   and the decode GEMV beside it at M <= 8, to set the skinny-GEMM defaults.
 A synthetic file of the preset's shape is written once (no network needed).
 """
 
@@ -93,6 +97,44 @@ def time_steps(m, pool, row_counts, reps: int, weight_bytes: int) -> list[dict]:
     return out
 
 
+def profile_steps(m, pool, rows: int, reps: int) -> dict:
+    import tempfile
+    from collections import defaultdict
+
+    from profile_decode import _busy_us, _kernels
+    from torch.profiler import ProfilerActivity, profile
+
+    slots = pool.slots[:rows]
+    pos = [len(s.tokens) for s in slots]
+    need = [False] * rows
+    for _ in range(3):
+        pool.decode_tokens([(s, 1, p) for s, p in zip(slots, pos)], need)
+    sync()
+    with profile(activities=[ProfilerActivity.CPU if DRY else ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for i in range(reps):
+            pool.decode_tokens([(s, 1 + i, p) for s, p in zip(slots, pos)], need)
+        sync()
+        wall = time.perf_counter() - t0
+    with tempfile.TemporaryDirectory() as tmp:
+        kernels = _kernels(prof, tmp)
+    per = defaultdict(lambda: [0, 0.0])
+    for e in kernels:
+        per[f"{e['name'][:60]} {list(e['grid']) if e['grid'] else ''}"][0] += 1
+        per[f"{e['name'][:60]} {list(e['grid']) if e['grid'] else ''}"][1] += e["dur"]
+    spans = [(e["ts"], e["ts"] + e["dur"]) for e in kernels]
+    busy = _busy_us(spans) / reps
+    table = sorted(({"kernel": k, "per_step": c / reps, "us_per_step": t / reps} for k, (c, t) in per.items()),
+                   key=lambda r: -r["us_per_step"])
+    res = {"rows": rows, "wall_us_per_step": 1e6 * wall / reps, "busy_us_per_step": busy,
+           "kernels_per_step": len(kernels) / reps, "kernels": table}
+    print(f"profile, {rows} rows: wall {res['wall_us_per_step']:.1f} us/step, kernels busy {busy:.1f} us/step, "
+          f"{res['kernels_per_step']:.0f} kernels/step", flush=True)
+    for r in table[:25]:
+        print(f"  {r['us_per_step']:8.1f} us  x{r['per_step']:5.1f}  {r['kernel']}", flush=True)
+    return res
+
+
 def single_stream(m, tokens: int) -> float:
     from edgellm.model import GenerationStats
 
@@ -104,55 +146,66 @@ def single_stream(m, tokens: int) -> float:
     return st.decode_tps
 
 
-def gemm_sweep(m, rows=(16, 32)) -> list[dict]:
+def gemm_sweep(m, rows=(4, 8, 16, 32)) -> list[dict]:
+    """Each weight shape of the rows program (q|k|v and gate|up stacked, as it runs them) at M rows:
+    the default skinny config, every candidate tile and split-K count, and for M <= 8 the decode
+    GEMV (float and int8 activations) that a rows step of that size runs now."""
+    import dataclasses
+
     from bench_kernels import graph_time, l2_bytes
 
     from edgellm.backends.cuda import kernels as K
     from edgellm.backends.cuda.kernels import configs
 
-    cfg = m.config
     W = m.backend.weights
-    names = {"q": "blk.0.attn_q.weight", "k": "blk.0.attn_k.weight", "o": "blk.0.attn_output.weight",
-             "gate": "blk.0.ffn_gate.weight", "down": "blk.0.ffn_down.weight"}
+    blk = "blk.0."
+    head = "output.weight" if "output.weight" in m.file.tensors else "token_embd.weight"
+    shapes = {"qkv": [blk + "attn_q.weight", blk + "attn_k.weight", blk + "attn_v.weight"],
+              "o": [blk + "attn_output.weight"], "gate_up": [blk + "ffn_gate.weight", blk + "ffn_up.weight"],
+              "down": [blk + "ffn_down.weight"], "head": [head]}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    cands = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
-             for bm in (16, 32) for bn in (32, 64, 128) for bk in (64, 128) for w in (2, 4) for st in (3,)]
+    cands = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=3, SPLIT_K=sk)
+             for bm in (16, 32) for bn in (32, 64) for bk in (64, 128) for w in (2, 4) for sk in (1, 2, 4, 8, 16)]
     out = []
-    for what, name in names.items():
-        w = W.packed(name)
+    for what, names in shapes.items():
+        w = W.packed(*names)
         # copies of the weight, rotated through so that each launch reads DRAM, not the L2
-        raw = m.file.tensor(name)
         n_copies = min(16, max(1, -(-4 * l2_bytes() // max(w.nbytes, 1))))
-        pool = [w] + [K.repack(np.ascontiguousarray(raw.data), raw.type_name, raw.shape, device="cuda")
-                      for _ in range(n_copies - 1 if K.can_repack(raw.type_name) else 0)]
+        pool = [w] + [dataclasses.replace(w, qs=w.qs.clone(), d=None if w.d is None else w.d.clone(),
+                                          m=None if w.m is None else w.m.clone()) for _ in range(n_copies - 1)]
         for M in rows:
             x = torch.randn((M, w.in_features), device="cuda").half()
             y = torch.empty((M, w.out_features), device="cuda", dtype=torch.float16)
 
-            def run(c):
+            def run(c, **kw):
                 def fn():
                     for p in pool:
-                        K.linear(x, p, out=y, config=c)
+                        K.linear(x, p, out=y, config=c, **kw)
                 return graph_time(fn, inner=len(pool), reps=5, min_ms=10)
-            default = configs.gemm_default(M, w.out_features, sms)
-            t_def = run(default)
+            r = {"weight": what, "shape": list(w.shape), "fmt": w.fmt, "M": M}
+            if M <= configs.DECODE_MAX_TOKENS:
+                r["gemv_us"] = run(None) * 1e6
+                if w.fmt != "F16":
+                    r["gemv_i8_us"] = run(None, act_int8=True) * 1e6
+            default = configs.gemm_default(M, w.out_features, sms, w.in_features)
+            t_def = run(default, decode_max_tokens=0)  # the GEMM kernel at any M
             best, t_best = default, t_def
             for c in cands:
-                if c["BLOCK_M"] < min(32, max(16, M)) and M > 16:
+                if c["BLOCK_M"] > max(16, M) or (what == "head" and c["SPLIT_K"] > 1):
                     continue
                 try:
-                    t = run(c)
+                    t = run(c, decode_max_tokens=0)
                 except Exception as e:  # a tile that does not compile here
                     print(f"  skip {c}: {type(e).__name__}", flush=True)
                     continue
                 if t < t_best:
                     best, t_best = c, t
-            r = {"weight": what, "shape": list(w.shape), "fmt": w.fmt, "M": M, "default": default,
-                 "default_us": t_def * 1e6, "best": best, "best_us": t_best * 1e6,
-                 "default_GBps": w.nbytes / t_def / 1e9, "best_GBps": w.nbytes / t_best / 1e9}
-            print(f"gemm {what:5s} {str(tuple(w.shape)):14s} {w.fmt} M={M:2d}: default {t_def * 1e6:8.1f} us "
-                  f"({r['default_GBps']:5.0f} GB/s), best {t_best * 1e6:8.1f} us ({r['best_GBps']:5.0f} GB/s) {best}",
-                  flush=True)
+            r.update({"default": default, "default_us": t_def * 1e6, "best": best, "best_us": t_best * 1e6,
+                      "default_GBps": w.nbytes / t_def / 1e9, "best_GBps": w.nbytes / t_best / 1e9})
+            gemv = "".join(f", {k[:-3]} {r[k]:.1f} us" for k in ("gemv_us", "gemv_i8_us") if k in r)
+            print(f"gemm {what:7s} {str(tuple(w.shape)):15s} {w.fmt} M={M:2d}: default {t_def * 1e6:7.1f} us "
+                  f"({r['default_GBps']:5.0f} GB/s), best {t_best * 1e6:7.1f} us ({r['best_GBps']:5.0f} GB/s) "
+                  f"{best}{gemv}", flush=True)
             out.append(r)
     return out
 
@@ -164,7 +217,11 @@ def main() -> int:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     p.add_argument("--ctx", type=int, default=1024, help="context per slot")
     p.add_argument("--reps", type=int, default=50, help="timed steps per row count")
+    p.add_argument("--profile", type=int, nargs="*", default=[], metavar="ROWS",
+                   help="profile the kernels of steps of these row counts")
     p.add_argument("--gemm-sweep", action="store_true")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                   help="set an attribute of the cuda kernels' configs module first (A/B of a default)")
     p.add_argument("--json", default=None)
     p.add_argument("--dry-run", action="store_true", help="a tiny model in Triton's interpreter (no GPU)")
     args = p.parse_args()
@@ -172,6 +229,13 @@ def main() -> int:
         args.rows, args.reps, args.ctx, args.gemm_sweep = [1, 3], 1, 16, False
     elif not torch.cuda.is_available():
         sys.exit("bench_rows: needs a GPU")
+    from edgellm.backends.cuda.kernels import configs
+    for item in args.set:
+        name, _, value = item.partition("=")
+        if not hasattr(configs, name):
+            sys.exit(f"bench_rows: configs has no attribute {name!r}")
+        setattr(configs, name, type(getattr(configs, name))(value))
+        print(f"configs.{name} = {getattr(configs, name)!r}", flush=True)
     os.makedirs(args.folder, exist_ok=True)
     path = args.model if args.model.endswith(".gguf") else model_file(args.model, args.folder)
     m = edgellm.load(path, backend="cuda", ctx=args.ctx)
@@ -187,6 +251,7 @@ def main() -> int:
     res["single_tps"] = single_stream(m, 4 if DRY else 128)
     for r in res["steps"]:
         print(f"rows {r['rows']:3d}: {r['agg_tps'] / res['single_tps']:.2f}x the single sequence's tok/s")
+    res["profile"] = [profile_steps(m, pool, n, 20) for n in args.profile if n <= pool.n]
     if args.gemm_sweep:
         res["gemm"] = gemm_sweep(m)
     if args.json:

@@ -9,6 +9,10 @@ output element compared with a float32 product of the dequantized weights.
 format: default (128x128x64, 8 warps, 3 stages) Q8_0 12; 2 stages Q4_0 4; 4 warps 0; 64x128x64 with
 4 warps Q4_0 16; 128x64x64 0. The default model's 49,152-row output never showed it; Gemma 3's
 262,144-row output in a 512-token prefill did (NaN logits at rows 384-511, benchmarks/nan_probe.py).
+
+    python benchmarks/gemm_stress.py --skinny   (split-K: the GEMM at M = 4, 16, 32 rows on
+    Q4_0, Q8_0 and F16 weights of 2048 x 8192 and 3072 x 2048, the skinny default configuration and
+    split counts 2-16, ten runs each, and the tile counters left zero after each)
 """
 import sys
 
@@ -27,6 +31,52 @@ CONFIGS = [("default", None)] + [
     for bm, bn, bk, w, st in [(128, 128, 64, 8, 3), (128, 128, 64, 4, 3), (128, 64, 64, 8, 3), (128, 64, 64, 4, 3),
                               (64, 128, 64, 4, 3), (64, 64, 64, 4, 3), (64, 128, 64, 4, 2), (32, 64, 64, 4, 3),
                               (16, 64, 64, 4, 3), (16, 32, 64, 2, 3), (32, 32, 64, 2, 3)]]
+
+
+def skinny() -> int:
+    import importlib
+
+    from edgellm.backends.cuda.kernels import configs
+
+    linear_mod = importlib.import_module("edgellm.backends.cuda.kernels.linear")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    bad = 0
+    print("format, N x K, M, config | failed runs of 10")
+    for fmt in ("Q4_0", "Q8_0", "F16"):
+        for N, Kd in ((2048, 8192), (3072, 2048)):
+            raw = random_blocks(fmt, (N, Kd), rng, 0.02) if fmt != "F16" else \
+                (0.02 * rng.standard_normal((N, Kd))).astype(np.float16).view(np.uint8)
+            w = repack(raw, fmt, (N, Kd), device="cuda")
+            wf = torch.from_numpy(np.asarray(dequantize(raw, fmt, (N, Kd)), dtype=np.float32)).cuda()
+            for M in (4, 16, 32):
+                x = torch.randn(M, Kd, device="cuda").half()
+                ref = x.float() @ wf.T
+                default = configs.gemm_default(M, N, sms, Kd)
+                cfgs = [("default", default)] + [
+                    (f"{bn}x{bk} w{nw} split {sk}", dict(BLOCK_M=16 if M <= 16 else 32, BLOCK_N=bn, BLOCK_K=bk,
+                                                           num_warps=nw, num_stages=3, SPLIT_K=sk))
+                    for bn, bk, nw in ((32, 64, 2), (64, 64, 4), (32, 128, 4)) for sk in (2, 4, 8, 16)]
+                for name, cfg in cfgs:
+                    fails = 0
+                    for _ in range(10):
+                        out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.float16)
+                        K.linear(x, w, out=out, config=cfg, decode_max_tokens=0)
+                        torch.cuda.synchronize()
+                        fails += int((~torch.isclose(out.float(), ref, rtol=1e-2, atol=2e-2)).any())
+                    _, cnt = linear_mod._splitk_workspace(x.device, M * N)
+                    dirty = bool(cnt.any())
+                    bad += fails + dirty
+                    if fails or dirty or name == "default":
+                        print(f"{fmt}, {N} x {Kd}, M={M}, {name} {cfg.get('SPLIT_K', 1)} | {fails}"
+                              f"{' COUNTERS DIRTY' if dirty else ''}", flush=True)
+            del wf
+    print("skinny split-K:", "all runs correct" if not bad else f"{bad} failures")
+    return 1 if bad else 0
+
+
+if "--skinny" in sys.argv:
+    sys.exit(skinny())
+
 cases = []
 for fmt in ("Q8_0", "Q4_0", "Q4_1", "F16"):
     for N in (131072, 16384):

@@ -144,6 +144,57 @@ def test_skinny_linear_default_config(rng, fmt, M):
     close(out, want, 3e-3, f"{fmt} M={M}")
 
 
+def _quantized(rng, fmt, n_out, n_in):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gg_dequantize
+    from gguf.quants import quantize as gg_quantize
+
+    w = rng.standard_normal((n_out, n_in)).astype(np.float32)
+    if fmt == "F16":
+        raw, want_w = w.astype(np.float16), w.astype(np.float16).astype(np.float64)
+    else:
+        raw = gg_quantize(w, GGMLQuantizationType[fmt])
+        want_w = gg_dequantize(raw, GGMLQuantizationType[fmt]).astype(np.float64)
+    return K.repack(raw, fmt, (n_out, n_in), device=DEV), want_w
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0", "F16"])
+@pytest.mark.parametrize("split", [2, 3, 5])
+def test_split_k_linear(rng, fmt, split):
+    """Split-K: K in `split` ranges (the last one short when K does not divide), partial sums
+    in the float32 workspace, the last program of a tile adding them and writing out + bias; run
+    twice, and the tile counters are left zero for the next launch."""
+    import importlib
+
+    linear_mod = importlib.import_module("edgellm.backends.cuda.kernels.linear")
+    n_out, n_in, M = 70, 416, 13  # 416 = 6.5 K-tiles of 64: ranges of 128 or 64 columns, one partial tile
+    pw, want_w = _quantized(rng, fmt, n_out, n_in)
+    x, bias = rand(rng, M, n_in), rand(rng, n_out)
+    cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=2, num_stages=3, SPLIT_K=split)
+    want = torch.from_numpy(x.double().cpu().numpy() @ want_w.T + bias.double().cpu().numpy())
+    for rep in range(2):
+        out = poisoned((M, n_out))
+        K.linear(x, pw, bias, out=out, config=cfg)
+        close(out, want, 3e-3, f"{fmt} split {split} run {rep}")
+    _, cnt = linear_mod._splitk_workspace(DEV, M * n_out)
+    assert not cnt.any(), "split-K left its tile counters dirty"
+
+
+def test_skinny_default_splits_k_on_a_long_row(rng):
+    """The default config of a skinny product with a long K and few output tiles splits K
+    (configs.gemm_default) and gives the product."""
+    from edgellm.backends.cuda.kernels import configs
+    from edgellm.backends.cuda.kernels._common import device_sm_count
+
+    M, n_out, n_in = 16, 64, 2048
+    x = rand(rng, M, n_in)
+    assert configs.gemm_default(M, n_out, device_sm_count(x), n_in).get("SPLIT_K", 1) > 1
+    pw, want_w = _quantized(rng, "Q4_0", n_out, n_in)
+    out = poisoned((M, n_out))
+    K.linear(x, pw, out=out)
+    close(out, torch.from_numpy(x.double().cpu().numpy() @ want_w.T), 3e-3, "Q4_0 split by default")
+
+
 # -- the rows program of a tiny model on the cuda backend -----------------------------------------
 import edgellm  # noqa: E402
 from edgellm.sampling import SamplingParams  # noqa: E402

@@ -242,8 +242,10 @@ class CudaProgram:
         self._host_positions = False
         self.delegated: list[str] = []
         # decode-stage fusions across ops (see _plan_decode_fusions); a rows program is a decode
-        # step whatever its size (its steps of up to DECODE_MAX_TOKENS rows take the GEMV kernels)
+        # step whatever its size (its steps of up to ROWS_GEMV_MAX_TOKENS rows take the GEMV kernels)
         self.decode_stage = max_seq <= self.K.configs.DECODE_MAX_TOKENS or self.rows_mode
+        # the largest row count whose linear layers take the decode GEMV (above: the GEMM kernel)
+        self.gemv_max = self.K.configs.ROWS_GEMV_MAX_TOKENS if self.rows_mode else self.K.configs.DECODE_MAX_TOKENS
         self._rope_into_gemv: dict[str, Op] = {}  # linear_qkv op name -> the rope_qkv_store it absorbs
         self._absorbed: set[str] = set()  # ops whose work another op's kernel does
         self._xq_for: dict[str, object] = {}  # norm output -> int8 copy written by the norm kernel
@@ -583,9 +585,9 @@ class CudaProgram:
                     K.attention_decode(q, kc, vc, self.seq_len, a["n_heads"], a["n_kv_heads"], a["scale"], out=out,
                                        head_dim=a["head_dim"], window=window, workspace=ws[s, n],
                                        config=dict(n_splits=n), xq=xq)
-                else:
+                else:  # (a cache of the whole context c is no ring: no row is reused within it)
                     K.attention_prefill(q, kc, vc, self.start, a["n_heads"], a["n_kv_heads"], a["scale"], out=out,
-                                        head_dim=a["head_dim"], window=window, xq=xq)
+                                        head_dim=a["head_dim"], window=window, xq=xq, ring=kc.shape[0] < c)
             return run_attention
         if kind in ("rope_rows", "kv_store_rows", "attention_rows"):
             return self._lower_rows(op)
@@ -679,8 +681,9 @@ class CudaProgram:
         i8 = self._linear_uses_int8(op, W)
         xq = self._xq_for.get(op.inputs[0]) if i8 else None
         buf = self._qkv_buffer(op.name)
+        dmt = self.gemv_max
         return lambda env, s, c: K.linear(env[op.inputs[0]], w, bias=bias, out=buf[:s], act_int8=i8,
-                                          xq=None if xq is None else self._xq_rows(xq, s))
+                                          decode_max_tokens=dmt, xq=None if xq is None else self._xq_rows(xq, s))
 
     def _lower_linear(self, op: Op) -> Callable:
         K, W, a = self.K, self.backend.weights, op.attrs
@@ -691,16 +694,19 @@ class CudaProgram:
         xq = self._xq_for.get(ins[0]) if i8 else None
         # (tuned GEMV tiles are for the single-token program: a rows step may take the GEMM kernel)
         cfg = self._tuned_gemv(op, w, i8) if self.decode_stage and not self.rows_mode else None
+        dmt = self.gemv_max
         if kind == "linear_swiglu":
             act = a.get("act", "silu")
             return lambda env, s, c: K.linear_silu_mul(env[ins[0]], w, out=env[outs[0]], act_int8=i8, config=cfg,
-                                                       xq=None if xq is None else self._xq_rows(xq, s), act=act)
+                                                       xq=None if xq is None else self._xq_rows(xq, s), act=act,
+                                                       decode_max_tokens=dmt)
         if kind == "linear_qkv":
             bias = W.vector(*(wname(t) for t in ins[4:7])) if a.get("has_bias") else None
             rope_op = self._rope_into_gemv.get(op.name)
             if rope_op is None:
                 return lambda env, s, c: K.linear(env[ins[0]], w, bias=bias, out=env[outs[0]], act_int8=i8, config=cfg,
-                                                  xq=None if xq is None else self._xq_rows(xq, s))
+                                                  xq=None if xq is None else self._xq_rows(xq, s),
+                                                  decode_max_tokens=dmt)
             ra = rope_op.attrs
             freqs = W.vector(wname(rope_op.inputs[4])) if len(rope_op.inputs) > 4 else None
 
@@ -709,7 +715,7 @@ class CudaProgram:
                                    ra["n_kv_heads"], ra["head_dim"], theta=ra["theta"], style=ra["style"],
                                    freq_factors=freqs, n_rot=ra.get("rope_dim", ra["head_dim"]),
                                    q_out=env[rope_op.outputs[0]])
-                K.linear(env[ins[0]], w, bias=bias, act_int8=i8, config=cfg, rope=rope,
+                K.linear(env[ins[0]], w, bias=bias, act_int8=i8, decode_max_tokens=dmt, config=cfg, rope=rope,
                          xq=None if xq is None else self._xq_rows(xq, s))
             return run_qkv_rope
         bias = W.vector(wname(ins[2])) if a.get("has_bias") else None
@@ -723,12 +729,12 @@ class CudaProgram:
             def run_linear_norm(env, s, c):
                 tail = K.NormTail(env[residual], env[s_name], env[n_name], nw, eps, counter,
                                   None if nxq is None else self._xq_rows(nxq, s))
-                K.linear(env[ins[0]], w, bias=bias, act_int8=i8, config=cfg, norm=tail,
+                K.linear(env[ins[0]], w, bias=bias, act_int8=i8, decode_max_tokens=dmt, config=cfg, norm=tail,
                          xq=None if xq is None else self._xq_rows(xq, s))
             return run_linear_norm
 
         def run_linear(env, s, c):
-            y = K.linear(env[ins[0]], w, bias=bias, out=env[outs[0]], act_int8=i8, config=cfg,
+            y = K.linear(env[ins[0]], w, bias=bias, out=env[outs[0]], act_int8=i8, decode_max_tokens=dmt, config=cfg,
                          xq=None if xq is None else self._xq_rows(xq, s))
             if res is not None:
                 y.add_(env[res])

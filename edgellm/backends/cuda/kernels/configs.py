@@ -167,28 +167,43 @@ GEMM_DEFAULT_LARGE_M = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, n
 
 # A skinny product (M <= SKINNY_M rows: a batched decode step of that many sequences) streams the
 # weights once for all rows and is bound by that stream: it needs enough programs in flight to
-# fill the GPU, and with 128-row weight tiles a 2048-wide projection has only 16. Its weight tile
-# shrinks (BLOCK_N 128 -> 64 -> 32) until the grid has SKINNY_PROGRAMS_PER_SM programs per SM or
-# the tile is 32 rows. Not yet timed on a GPU: `benchmarks/bench_rows.py --gemm-sweep` measures
-# the candidates.
+# fill the GPU, and with 64-row weight tiles a 2048-wide projection has only 32. K is split
+# (split-K: SPLIT_K ranges whose float32 partial sums the last program of a tile adds) into the
+# fewest power-of-two ranges that give the grid SPLITK_PROGRAMS_PER_SM programs per SM, keeping at
+# least SPLITK_MIN_ITERS K-tiles per range. Measured on the H100 (2026-11-26, the Llama-3.2-1B
+# shapes in Q4_0, `benchmarks/bench_rows.py --gemm-sweep`: every tile of 16/32 x 32/64 x 64/128,
+# 2/4 warps, 1-16 ranges): the best at M = 4-32 was 64 x 64 with 4 warps (2 warps within a few
+# percent) and 8 ranges for q|k|v (3,072 x 2,048) and o (2,048 x 2,048), 2 for gate|up (16,384 x
+# 2,048), 16 for down (2,048 x 8,192) and none for the 128,256-row output: what this rule picks.
 SKINNY_M = 32
-SKINNY_PROGRAMS_PER_SM = 2
+SKINNY_TILE = dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
+SPLITK_PROGRAMS_PER_SM = 3.5
+SPLITK_MIN_ITERS = 4
+# A rows step (batched decode) of up to this many rows runs the decode GEMV (with its fusions),
+# larger ones the skinny GEMM. Whole steps on the H100 (2026-11-26, Llama-3.2-1B shape Q4_0,
+# `bench_rows.py --set ROWS_GEMV_MAX_TOKENS=...`): 4 rows 1.21 ms with the GEMV, 1.52 ms with the
+# GEMM (although the products alone were faster with the GEMM: 44 against 66 us a layer); 8 rows
+# 1.98 ms with the GEMV, 1.50 ms with the GEMM.
+ROWS_GEMV_MAX_TOKENS = 4
 
 
-def gemm_default(M: int, N: int = 0, sms: int = 0) -> dict:
+def gemm_default(M: int, N: int = 0, sms: int = 0, K: int = 0) -> dict:
     """Per token count: dequantizing a weight tile costs the same whatever BLOCK_M, so larger
     token tiles amortise it (compile_check: ~5 instructions per weight per K-step). With the
-    output width N and the device's SM count, skinny products (M <= SKINNY_M) take smaller weight
-    tiles (see above)."""
+    output width N, K and the device's SM count, skinny products (M <= SKINNY_M) take the
+    skinny tile and split K (see above)."""
     if M >= 128:
         return dict(GEMM_DEFAULT_LARGE_M)
     cfg = dict(GEMM_DEFAULT, BLOCK_M=max(16, min(64, 1 << (M - 1).bit_length())))
     if M <= SKINNY_M and N and sms:
-        m_blocks = -(-M // cfg["BLOCK_M"])
-        while cfg["BLOCK_N"] > 32 and m_blocks * -(-N // cfg["BLOCK_N"]) < SKINNY_PROGRAMS_PER_SM * sms:
-            cfg["BLOCK_N"] //= 2
-        if cfg["BLOCK_N"] < 64:
-            cfg["num_warps"] = 2
+        cfg.update(SKINNY_TILE)
+        programs = -(-M // cfg["BLOCK_M"]) * -(-N // cfg["BLOCK_N"])
+        k_iters = -(-K // cfg["BLOCK_K"]) if K else 0
+        split = 1
+        while programs * split < SPLITK_PROGRAMS_PER_SM * sms and k_iters // (2 * split) >= SPLITK_MIN_ITERS:
+            split *= 2
+        if split > 1:
+            cfg["SPLIT_K"] = split
     return cfg
 
 

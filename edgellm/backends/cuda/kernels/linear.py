@@ -504,14 +504,23 @@ def _dot_halves(lo, hi, xcol, k0, K, mmask, acc, BLOCK_N: tl.constexpr, BLOCK_K:
 
 @jit
 def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
-                 M, N, K, stride_q, stride_d,
+                 M, N, K, stride_q, stride_d, ws_ptr, cnt_ptr, k_split, n_splits,
                  FMT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                 PDL: tl.constexpr):
     pdl_prologue(PDL)
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     pid_m = pid % num_m  # token blocks of one weight tile run together: the tile crosses DRAM once
-    pid_n = pid // num_m
+    if not SPLIT:
+        pid_n = pid // num_m
+        k_lo = 0
+        k_hi = K
+    else:  # split-K: program (n, s, m) sums K range s (k_split columns, a multiple of BLOCK_K)
+        pid_k = (pid // num_m) % n_splits
+        pid_n = pid // (num_m * n_splits)
+        k_lo = pid_k * k_split
+        k_hi = tl.minimum(K, k_lo + k_split)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     nmask = rn < N
@@ -520,7 +529,7 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
     xcol = x_ptr + rm.to(tl.int64)[None, :] * stride_xm  # x^T tile: [k, token]
     n_blocks = K // 32
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         if FMT == 0:
             k = k0 + tl.arange(0, BLOCK_K)
             km = k < K
@@ -585,10 +594,32 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
                     lo = (lo - 1024.0) * d + mn
                     hi = (hi - 1024.0) * d + mn
                 acc = _dot_halves(lo, hi, xcol, k0, K, mmask, acc, BLOCK_N, BLOCK_K)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[:, None]
-    optr = out_ptr + rm.to(tl.int64)[None, :] * stride_om + rn[:, None]
-    tl.store(optr, acc.to(out_ptr.dtype.element_ty), mask=nmask[:, None] & mmask[None, :])
+    omask = nmask[:, None] & mmask[None, :]
+    if SPLIT:
+        # each range's partial sum to its own float32 slice of the workspace [splits, M, N]; the
+        # program that counts its tile's ranges complete reads them from L2 and adds them in range
+        # order (the result does not depend on which program finished last), writes the output
+        # and zeroes its counter for the next launch. (Float atomics adding into one [M, N] sum
+        # instead gave wrong tiles on the H100 with triton 3.6.0, every run: gemm_stress.py --skinny.)
+        mn = rm.to(tl.int64)[None, :] * N + rn[:, None]
+        tl.store(ws_ptr + pid_k.to(tl.int64) * M * N + mn, acc, mask=omask)
+        tl.debug_barrier()  # every thread's stores come before this program's release of the counter
+        cnt = cnt_ptr + pid_n * num_m + pid_m
+        done = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+        if done == n_splits - 1:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for s in range(0, n_splits):
+                acc += tl.load(ws_ptr + s * M * N + mn, mask=omask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[:, None]
+            optr = out_ptr + rm.to(tl.int64)[None, :] * stride_om + rn[:, None]
+            tl.store(optr, acc.to(out_ptr.dtype.element_ty), mask=omask)
+            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[:, None]
+        optr = out_ptr + rm.to(tl.int64)[None, :] * stride_om + rn[:, None]
+        tl.store(optr, acc.to(out_ptr.dtype.element_ty), mask=omask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -683,20 +714,48 @@ def _launch_gemv(x, wa, wb, b_offset, bias, out, glu, act_int8, xq, config, rope
                        USE_ASM=USE_DP4A, num_warps=cfg["num_warps"], **rope_ce, **norm_ce, **pdl())
 
 
+# split-K GEMMs: per device, float32 workspaces for the partial sums (by size; each launch writes
+# before it reads) and one array of tile counters, zero between launches (each launch leaves them
+# so). Shared by every product on the device: launches that use them run one after another (one
+# stream, as the programs and their CUDA graphs do).
+_SPLITK_COUNTERS = 1 << 16
+_splitk_buffers: dict[tuple, torch.Tensor] = {}
+
+
+def _splitk_workspace(dev: torch.device, elements: int) -> tuple[torch.Tensor, torch.Tensor]:
+    size = 1 << max(12, (elements - 1).bit_length())
+    key = (str(dev), size)
+    ws = _splitk_buffers.get(key)
+    if ws is None:
+        ws = _splitk_buffers[key] = torch.zeros(size, dtype=torch.float32, device=dev)
+    cnt = _splitk_buffers.get((str(dev), "counters"))
+    if cnt is None:
+        cnt = _splitk_buffers[(str(dev), "counters")] = torch.zeros(_SPLITK_COUNTERS, dtype=torch.int32, device=dev)
+    return ws, cnt
+
+
 def _launch_gemm(x, w, bias, out, config):
     M, K = x.shape
     N = out.shape[1]
-    cfg = {**configs.gemm_default(M, N, device_sm_count(x)), **(config or {})}
+    cfg = {**configs.gemm_default(M, N, device_sm_count(x), K), **(config or {})}
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     if bk % 32:
         raise ValueError(f"BLOCK_K={bk} must be a multiple of 32")
-    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
+    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    k_split = triton.cdiv(triton.cdiv(K, bk), max(1, int(cfg.get("SPLIT_K", 1)))) * bk
+    splits = triton.cdiv(K, k_split)  # no empty split
+    ws = cnt = out
+    if splits > 1:
+        if tiles > _SPLITK_COUNTERS:
+            raise ValueError(f"split-K GEMM: {tiles} output tiles, at most {_SPLITK_COUNTERS}")
+        ws, cnt = _splitk_workspace(x.device, splits * M * N)
     qs, d, m = _weight_args(w, out)
-    _gemm_kernel[grid](x, x.stride(0), qs, d, m, bias if bias is not None else out, out, out.stride(0),
-                       M, N, K, w.qs.stride(0), w.d.stride(0) if w.d is not None else 0,
-                       FMT=_FMT_CODE[w.fmt], HAS_BIAS=bias is not None,
-                       BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                       num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl())
+    _gemm_kernel[(tiles * splits,)](x, x.stride(0), qs, d, m, bias if bias is not None else out, out, out.stride(0),
+                                    M, N, K, w.qs.stride(0), w.d.stride(0) if w.d is not None else 0,
+                                    ws, cnt, k_split, splits,
+                                    FMT=_FMT_CODE[w.fmt], HAS_BIAS=bias is not None,
+                                    BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=splits > 1,
+                                    num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl())
 
 
 def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
