@@ -108,6 +108,29 @@ def test_attention_reads_a_ring(decode):
         K.attention_prefill(_rand(rng, rows - W + 2, H * D), kc, vc, start, H, HKV, 0.3, window=W)
 
 
+def test_windowed_prefill_over_a_whole_context_cache():
+    """A sliding-window layer whose cache holds the whole (short) context is no ring: a prefill of
+    more than rows - window + 1 tokens from a start read on the device (as the programs pass it)
+    is correct (the warm-up's first prefill at ctx 16 raised here on the GPU, 2026-11-26); on a
+    ring the same call is refused."""
+    from edgellm.backends.cuda import kernels as K
+
+    rng = np.random.default_rng(5)
+    H, HKV, D, W, rows, T = 4, 2, 16, 4, 16, 15
+    k, v = _rand(rng, rows, HKV * D), _rand(rng, rows, HKV * D)
+    q = _rand(rng, T, H * D)
+    start = torch.zeros(1, dtype=torch.int32, device=DEV)
+    out = torch.full((T, H * D), float("nan"), dtype=torch.float16, device=DEV)
+    K.attention_prefill(q, k, v, start, H, HKV, 0.3, out=out, window=W, ring=False,
+                        config=dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1))
+    ref = _attn64(q, k, v, list(range(T)), H, HKV, D, 0.3, W)
+    got = out.double().cpu().numpy()
+    assert np.isfinite(got).all()
+    assert np.abs(got - ref).max() <= 3e-3 * np.abs(ref).max()
+    with pytest.raises(ValueError, match="need 18 cache rows"):
+        K.attention_prefill(q, k, v, start, H, HKV, 0.3, window=W)
+
+
 def test_rope_store_writes_a_ring_with_scaled_rope():
     from edgellm.backends.cpu import _rope
     from edgellm.backends.cuda import kernels as K

@@ -288,17 +288,19 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start_pos,
                       n_heads: int, n_kv_heads: int, scale: float | None = None, out: torch.Tensor | None = None,
                       *, head_dim: int | None = None, window: int = 0, config: dict | None = None,
-                      xq=None) -> torch.Tensor:
+                      xq=None, ring: bool = True) -> torch.Tensor:
     """Causal attention of T = q.shape[0] tokens at positions start_pos..start_pos+T-1 over the
     cache rows 0..(own position); the caches must already hold rows 0..start_pos+T-1.
-    xq: also write the output's int8 copy (see attention_decode)."""
+    xq: also write the output's int8 copy (see attention_decode). ring False: the caller knows
+    the cache holds every position of the context (no row is reused), so a window does not bound
+    T by the cache's rows when start_pos is read on the device."""
     H, HKV, D = _check_attn(q, k_cache, v_cache, n_heads, n_kv_heads, head_dim)
     T = q.shape[0]
     G = H // HKV
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     out = out_buffer(out, (T, H * D), q.dtype, q.device)
     pos_ptr, pos_val, from_ptr = int_or_tensor(start_pos, q, "start_pos")
-    _check_rows(pos_val if not from_ptr else None, T, k_cache.shape[0], window)
+    _check_rows(pos_val if not from_ptr else None, T, k_cache.shape[0], window if ring or not from_ptr else 0)
     if T == 0:
         return out
     cfg = {**configs.ATTN_PREFILL_DEFAULT, **(config or {})}
