@@ -11,8 +11,9 @@ format: default (128x128x64, 8 warps, 3 stages) Q8_0 12; 2 stages Q4_0 4; 4 warp
 262,144-row output in a 512-token prefill did (NaN logits at rows 384-511, benchmarks/nan_probe.py).
 
     python benchmarks/gemm_stress.py --skinny   (split-K: the GEMM at M = 4, 16, 32 rows on
-    Q4_0, Q8_0 and F16 weights of 2048 x 8192 and 3072 x 2048, the skinny default configuration and
-    split counts 2-16, ten runs each, and the tile counters left zero after each)
+    Q4_0, Q8_0, F16, Q4_K (as Q4_1), Q6_K (as Q6) and a Q4_K + Q6_K stack (as Q6M) weights of 2048 x 8192
+    and 3072 x 2048, the skinny default configuration and split counts 1-16, ten runs each, and the
+    tile counters left zero after each)
 """
 import sys
 
@@ -42,12 +43,18 @@ def skinny() -> int:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     bad = 0
     print("format, N x K, M, config | failed runs of 10")
-    for fmt in ("Q4_0", "Q8_0", "F16"):
+    for fmt in ("Q4_0", "Q8_0", "F16", "Q4_K", "Q6_K", "Q4_K+Q6_K"):
         for N, Kd in ((2048, 8192), (3072, 2048)):
-            raw = random_blocks(fmt, (N, Kd), rng, 0.02) if fmt != "F16" else \
-                (0.02 * rng.standard_normal((N, Kd))).astype(np.float16).view(np.uint8)
-            w = repack(raw, fmt, (N, Kd), device="cuda")
-            wf = torch.from_numpy(np.asarray(dequantize(raw, fmt, (N, Kd)), dtype=np.float32)).cuda()
+            parts, wfs = [], []
+            for f in fmt.split("+"):  # a stack of two formats: one layout holding both (Q6M)
+                n = N // len(fmt.split("+"))
+                raw = random_blocks(f, (n, Kd), rng, 0.02) if f != "F16" else \
+                    (0.02 * rng.standard_normal((n, Kd))).astype(np.float16).view(np.uint8)
+                parts.append(repack(raw, f, (n, Kd), device="cuda"))
+                wfs.append(torch.from_numpy(np.asarray(dequantize(raw, f, (n, Kd)), dtype=np.float32)).cuda())
+            parts = K.unify_formats(parts)
+            w = parts[0] if len(parts) == 1 else K.concat_packed(parts)
+            wf = torch.cat(wfs)
             for M in (4, 16, 32):
                 x = torch.randn(M, Kd, device="cuda").half()
                 ref = x.float() @ wf.T
@@ -55,7 +62,7 @@ def skinny() -> int:
                 cfgs = [("default", default)] + [
                     (f"{bn}x{bk} w{nw} split {sk}", dict(BLOCK_M=16 if M <= 16 else 32, BLOCK_N=bn, BLOCK_K=bk,
                                                            num_warps=nw, num_stages=3, SPLIT_K=sk))
-                    for bn, bk, nw in ((32, 64, 2), (64, 64, 4), (32, 128, 4)) for sk in (2, 4, 8, 16)]
+                    for bn, bk, nw in ((32, 64, 2), (64, 64, 4), (32, 128, 4)) for sk in (1, 2, 4, 8, 16)]
                 for name, cfg in cfgs:
                     fails = 0
                     for _ in range(10):
@@ -67,7 +74,7 @@ def skinny() -> int:
                     dirty = bool(cnt.any())
                     bad += fails + dirty
                     if fails or dirty or name == "default":
-                        print(f"{fmt}, {N} x {Kd}, M={M}, {name} {cfg.get('SPLIT_K', 1)} | {fails}"
+                        print(f"{fmt} ({w.fmt}), {N} x {Kd}, M={M}, {name} {cfg.get('SPLIT_K', 1)} | {fails}"
                               f"{' COUNTERS DIRTY' if dirty else ''}", flush=True)
             del wf
     print("skinny split-K:", "all runs correct" if not bad else f"{bad} failures")
