@@ -120,30 +120,6 @@ def test_attention_rows_matches_reference(rng, H, HKV, D, window, splits):
     assert torch.equal(out[-1].float().cpu(), torch.zeros(H * D)), "a padding row's output is not zero"
 
 
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0", "F16"])
-@pytest.mark.parametrize("M", [13, 32])
-def test_skinny_linear_default_config(rng, fmt, M):
-    """A batched decode step's linear layers: M rows (9..32, past the GEMV's 8) take the GEMM
-    kernel with the skinny default tile (configs.gemm_default with N and the SM count)."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize as gg_dequantize
-    from gguf.quants import quantize as gg_quantize
-
-    n_out, n_in = 70, 96
-    w = rng.standard_normal((n_out, n_in)).astype(np.float32)
-    if fmt == "F16":
-        raw, want_w = w.astype(np.float16), w.astype(np.float16).astype(np.float64)
-    else:
-        raw = gg_quantize(w, GGMLQuantizationType[fmt])
-        want_w = gg_dequantize(raw, GGMLQuantizationType[fmt]).astype(np.float64)
-    pw = K.repack(raw, fmt, (n_out, n_in), device=DEV)
-    x = rand(rng, M, n_in)
-    out = poisoned((M, n_out))
-    K.linear(x, pw, out=out)
-    want = torch.from_numpy(x.double().cpu().numpy() @ want_w.T)
-    close(out, want, 3e-3, f"{fmt} M={M}")
-
-
 def _quantized(rng, fmt, n_out, n_in):
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize as gg_dequantize
@@ -156,6 +132,20 @@ def _quantized(rng, fmt, n_out, n_in):
         raw = gg_quantize(w, GGMLQuantizationType[fmt])
         want_w = gg_dequantize(raw, GGMLQuantizationType[fmt]).astype(np.float64)
     return K.repack(raw, fmt, (n_out, n_in), device=DEV), want_w
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0", "F16"])
+@pytest.mark.parametrize("M", [13, 32])
+def test_skinny_linear_default_config(rng, fmt, M):
+    """A batched decode step's linear layers: M rows (9..32, past the GEMV's 8) take the GEMM
+    kernel with the skinny default tile (configs.gemm_default with N and the SM count)."""
+    n_out, n_in = 70, 96
+    pw, want_w = _quantized(rng, fmt, n_out, n_in)
+    x = rand(rng, M, n_in)
+    out = poisoned((M, n_out))
+    K.linear(x, pw, out=out)
+    want = torch.from_numpy(x.double().cpu().numpy() @ want_w.T)
+    close(out, want, 3e-3, f"{fmt} M={M}")
 
 
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0", "F16"])
