@@ -202,26 +202,30 @@ class SlotPool:
         len(steps) x vocab floats."""
         return self.decode_start(steps, need_logits)()
 
-    def decode_start(self, steps: list[tuple[KVSlot, int, int]], need_logits: list[bool]):
+    def decode_start(self, steps: list[tuple[KVSlot, int, int]], need_logits: list[bool]) -> "DecodeStep":
         """decode_tokens in two halves: this call does the step's host work and queues its device
-        work; the function it returns waits for the step and returns what decode_tokens does. On
-        a GPU (`overlaps`) the step runs while the caller does other host work in between (the
-        scheduler: the previous step's text and events)."""
-        import numpy as np
+        work; the DecodeStep it returns, called, waits for the step and returns what decode_tokens
+        does. On a GPU (`overlaps`) the step runs while the caller does other host work in between
+        (the scheduler: the previous step's text and events)."""
+        return DecodeStep(self.model.backend, steps, self._run(steps), need_logits)
 
-        logits = self._run(steps)
-        argmax = logits.argmax(dim=-1)  # first maximum, as np.argmax
-        want = [i for i, need in enumerate(need_logits) if need]
+    def decode_next(self, prev: "DecodeStep") -> "DecodeStep":
+        """The step after prev for the same slots in the same order, each at the next position, fed
+        prev's argmax tokens where they are (a copy on the device): queued before prev's tokens are
+        read back, so that a GPU runs the two steps back to back while the host reads and delivers
+        prev's tokens (the scheduler's chain of greedy steps). No logits are read back. The slots'
+        token records get the fed tokens when prev is read (called); read it before the slots run
+        anything else."""
+        steps = [(slot, None, pos + 1) for slot, pos in prev.rows]
+        prev.copy_now()
+        step = DecodeStep(self.model.backend, steps, self._run(steps, feed=prev.argmax), [False] * len(steps))
+        prev.feeds(steps)
+        return step
 
-        def wait():
-            tokens = argmax.cpu().numpy().astype(np.int64)
-            rows = self.model.backend.to_numpy(logits[want]) if want else None
-            return tokens, {i: rows[k] for k, i in enumerate(want)}
-
-        return wait
-
-    def _run(self, steps: list[tuple[KVSlot, int, int]]):
-        """The rows program over the steps; its logits as the backend's tensor [len(steps), vocab]."""
+    def _run(self, steps: list[tuple[KVSlot, int | None, int]], feed=None):
+        """The rows program over the steps; its logits as the backend's tensor [len(steps), vocab].
+        feed: the tokens as a tensor on the backend's device (decode_next), the steps' own tokens
+        then None and recorded in the slots by the step that made them."""
         import numpy as np
 
         from .models.blocks import rows_stage_unsupported
@@ -236,20 +240,78 @@ class SlotPool:
         for slot, token, pos in steps:
             if not 0 <= pos < self.ctx:
                 raise EdgeLLMError(f"position {pos} is outside slot {slot.index}'s context of {self.ctx}")
-            if not 0 <= token < vocab:
+            if feed is None and not 0 <= token < vocab:
                 raise EdgeLLMError(f"token id {token} is outside the vocabulary [0, {vocab})")
-        known = []
         for slot, _, pos in steps:  # as Model.forward: rows from pos on are about to change
             del slot.tokens[pos:]
-            known.append(len(slot.tokens) == pos)
+        tokens = np.array([t for _, t, _ in steps], dtype=np.int32) if feed is None else feed
         if len(steps) == 1:  # one sequence: its own single-token program (the decode fusions of one row)
-            slot, token, pos = steps[0]
-            out = slot.programs["decode"].run({"tokens": np.array([token], dtype=np.int32), "start_pos": int(pos)})
+            slot, _, pos = steps[0]
+            out = slot.programs["decode"].run({"tokens": tokens, "start_pos": int(pos)})
         else:
-            out = self.batch.run({"tokens": np.array([t for _, t, _ in steps], dtype=np.int32),
-                                  "pos": np.array([p for _, _, p in steps], dtype=np.int32),
+            out = self.batch.run({"tokens": tokens, "pos": np.array([p for _, _, p in steps], dtype=np.int32),
                                   "base": np.array([s.index * self.ctx for s, _, _ in steps], dtype=np.int32)})
-        for (slot, token, _), ok in zip(steps, known):
-            if ok:
-                slot.tokens.append(int(token))
+        if feed is None:
+            for slot, token, pos in steps:
+                if len(slot.tokens) == pos:  # the record reached pos: it now holds the token there
+                    slot.tokens.append(int(token))
         return out["logits"]
+
+
+class DecodeStep:
+    """A queued decode step of a SlotPool (decode_start, decode_next). Calling it waits for the
+    step and returns (argmax token of every row, {i: float32 logits of row i} for the rows asked);
+    the result is kept, so a second call returns it again. `argmax` stays on the device, where
+    decode_next feeds it to the following step. The logits rows asked for are gathered when the
+    step is queued: a following step rewrites the program's logits buffer."""
+
+    def __init__(self, backend, steps: list[tuple[KVSlot, int | None, int]], logits, need_logits: list[bool]):
+        self.rows = [(slot, pos) for slot, _, pos in steps]
+        self.argmax = logits.argmax(dim=-1)  # first maximum, as np.argmax
+        self._backend = backend
+        self._want = [i for i, need in enumerate(need_logits) if need]
+        self._logits = logits[self._want] if self._want else None
+        self._copy = None  # (tokens, logits rows) on their way to the host, and the event after them (copy_now)
+        self._fed: list[tuple[KVSlot, int]] = []  # (slot, position) a following step wrote with row i's token
+        self._result = None
+
+    def copy_now(self) -> None:
+        """Queue the copies to the host behind this step now, before a following step is queued:
+        on a GPU, reading this step then waits for it alone, not for the following one too (which
+        would leave the GPU idle while the host delivers this step's tokens). The copies land in
+        pinned memory; an event marks when they are there."""
+        if self._copy is None and self._result is None and self.argmax.is_cuda:
+            import torch
+
+            logits = self._logits.to("cpu", non_blocking=True) if self._want else None
+            self._copy = (self.argmax.to("cpu", non_blocking=True), logits,
+                          torch.cuda.current_stream(self.argmax.device).record_event())
+
+    def __call__(self):
+        import numpy as np
+
+        if self._result is None:
+            if self._copy is not None:
+                tokens, logits, copied = self._copy
+                copied.synchronize()
+            else:
+                tokens, logits = self.argmax.cpu(), self._logits
+            rows = self._backend.to_numpy(logits) if self._want else None
+            self._result = tokens.numpy().astype(np.int64), {i: rows[k] for k, i in enumerate(self._want)}
+            self._record()
+        return self._result
+
+    def feeds(self, steps: list[tuple[KVSlot, int | None, int]]) -> None:
+        """A following step ran these (slot, _, position) rows on this step's tokens: each slot's
+        record gets its token once it is known (now, if this step was read already)."""
+        self._fed = [(slot, pos) for slot, _, pos in steps]
+        if self._result is not None:
+            self._record()
+
+    def _record(self) -> None:
+        # a row whose record ended just before its position (as _run found it) now holds the token there
+        for (slot, pos), token in zip(self._fed, self._result[0]):
+            if len(slot.tokens) == pos:
+                slot.tokens.append(int(token))
+        self._fed = []
+

@@ -21,6 +21,21 @@ before it is queued. A stop string found in the delivered text ends a request th
 run one more step: that token is dropped, so the answer and its usage are those of the
 step-by-step order.
 
+Chaining (on where the steps overlap; Scheduler(chain=...), EDGELLM_SERVE_CHAIN=0 turns it off to
+measure the difference): the overlap alone still leaves the GPU idle between steps, since step
+k+1 is queued only once step k's tokens are back on the host and accepted. When every sequence of
+a step is greedy (no repetition penalty, no logprobs: the argmax on the device is the token), step
+k+1 is queued right after step k, before its tokens are read back, fed step k's argmax by a copy
+on the device (SlotPool.decode_next); the host then reads, accepts and delivers step k's tokens
+while the GPU runs step k+1, whose tokens the next iteration reads if it decodes the same
+sequences. Anything else (a request to admit into a free slot, a cancellation, a prefill, a
+sequence that ended) first settles the step in flight: its tokens are read and accepted for the
+sequences still running, so that no slot changes hands with a step of its old request in flight
+or a token left to record in its cache's token list. A sequence that ends by the token it feeds
+(an end-of-turn token, a stop string) has run one step too many, whose token is dropped: the
+answers, finish reasons and usage are those of the step-by-step order. Endings known in advance
+(max_tokens, the end of the context) stop the chain before that step.
+
 Each request brings its own sampling parameters (and seed), stop strings and max_tokens; its
 events (text pieces, then a final Done or Failed) go to a callback, called on this thread.
 """
@@ -29,6 +44,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -110,10 +126,12 @@ class _Running:
 
 class Scheduler:
     def __init__(self, model, parallel: int = 1, *, max_queue: int = 64, chunk: int = 256,
-                 pool: SlotPool | None = None):
+                 pool: SlotPool | None = None, chain: bool | None = None):
         """pool: the slots and decode step over model (default SlotPool(model, parallel); a stand-in
         with the same slots / batch / decode_start / overlaps measures the serving stack without a
-        model: benchmarks/bench_serve_stack.py)."""
+        model: benchmarks/bench_serve_stack.py). chain: queue greedy steps back to back (see the
+        module docstring); None: where the steps overlap and the pool has decode_next, unless
+        EDGELLM_SERVE_CHAIN=0."""
         if parallel < 1:
             raise EdgeLLMError(f"parallel must be at least 1, got {parallel}")
         if max_queue < 0:
@@ -127,6 +145,11 @@ class Scheduler:
         self.batched = self.pool.batch is not None
         # a decode step's device work runs while this thread delivers the previous step's tokens
         self.overlap = self.batched and bool(getattr(self.pool, "overlaps", False))
+        if chain is None:
+            chain = (self.overlap and hasattr(self.pool, "decode_next")
+                     and os.environ.get("EDGELLM_SERVE_CHAIN", "1") != "0")
+        self.chain = self.batched and chain
+        self._inflight: tuple[list[_Running], object] | None = None  # (runs, chained step): queued, not yet read
         self._deliveries: list[tuple[_Running, int | None, object]] = []
         self._free: list[KVSlot] = list(self.slots)
         self._waiting: collections.deque[Request] = collections.deque()
@@ -179,16 +202,54 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                self._drop_cancelled()
-                self._admit()
-                if not self._running:
-                    if self._stopping:
-                        return
-                    self._cv.wait(0.5)
-                    continue
+                settle = self._inflight is not None and not self._chain_goes_on()
+                if not settle:
+                    self._drop_cancelled()
+                    self._admit()
+                    if not self._running:
+                        if self._stopping:
+                            return
+                        self._cv.wait(0.5)
+                        continue
+            if settle:
+                self._settle()
+                continue
             self._prefill()
             self._decode()
             self.steps += 1
+
+    def _chain_goes_on(self) -> bool:
+        """Whether this iteration only decodes the chained step's sequences once more: none of them
+        ended or was cancelled (stop() cancels them all), no other request runs (a prefill), and no
+        waiting request takes a free slot. (Checked under the lock that submit takes, so that
+        nothing is admitted in between.)"""
+        runs = self._inflight[0]
+        return (self._running == runs and not any(r.req.cancelled or r.ending is not None for r in runs)
+                and not (self._waiting and self._free))
+
+    def _prefills_pending(self) -> bool:
+        """A running request has prompt tokens to prefill, or a waiting one a free slot to take
+        (read without the lock: a request submitted meanwhile is seen by the next iteration)."""
+        return any(r.todo for r in self._running) or bool(self._waiting and self._free)
+
+    def _settle(self) -> None:
+        """Read the chained step in flight and accept its tokens for the sequences still running. The
+        tokens accepted before are delivered first: a sequence that they end (an end-of-turn
+        token, a stop string) is done and drops this step's token, as in the step-by-step order."""
+        runs, step = self._inflight
+        self._inflight = None
+        self._deliver()
+        try:
+            tokens, _ = step()
+        except Exception as e:
+            for run in runs:
+                if not run.done:
+                    self._fail(run, _message(e))
+            return
+        for i, run in enumerate(runs):
+            if not run.done:
+                run.pos += 1
+                self._accept(run, int(tokens[i]), None)
 
     def _drop_cancelled(self) -> None:
         for r in [r for r in self._waiting if r.cancelled]:
@@ -235,9 +296,15 @@ class Scheduler:
     def _decode(self) -> None:
         """One decode step of the running sequences. With overlap the step is queued on the device
         first and the previous step's tokens are delivered while it runs: a sequence that a stop
-        string in those ends has run one step more, whose token is dropped (it is done)."""
-        runs = [r for r in self._running if not r.todo and r.last is not None and not r.req.cancelled
-                and r.ending is None]
+        string in those ends has run one step more, whose token is dropped (it is done). Chained,
+        the step is the one queued last iteration (the loop settled it unless these sequences are
+        its own), and the next one is queued before its tokens are read (see the module docstring)."""
+        if self._inflight is not None:
+            (runs, step), self._inflight = self._inflight, None
+        else:
+            runs = [r for r in self._running if not r.todo and r.last is not None and not r.req.cancelled
+                    and r.ending is None]
+            step = None
         if not runs:
             self._deliver()
             return
@@ -253,14 +320,22 @@ class Scheduler:
         need = [not (r.req.params.greedy and r.req.params.repetition_penalty == 1.0 and r.req.logprobs is None)
                 for r in runs]
         try:
-            wait = self.pool.decode_start([(r.slot, r.last, r.pos) for r in runs], need)
+            if step is None:
+                step = self.pool.decode_start([(r.slot, r.last, r.pos) for r in runs], need)
+            # chain the next step unless a row needs its logits or ends for sure by this step's token,
+            # or prompts wait for their prefill (the next iteration would settle the chained step
+            # before it, and each prefill chunk would then wait for two decode steps instead of one)
+            if self.chain and not any(need) and not self._prefills_pending() and all(
+                    r.generated + 1 < r.req.max_tokens and r.pos + 1 < self.ctx for r in runs):
+                self._inflight = (runs, self.pool.decode_next(step))
             self._deliver()  # the previous step's tokens, while the device runs this step
-            tokens, logits = wait()
+            tokens, logits = step()
         except Exception as e:
+            self._inflight = None
             self._deliver()
             for run in runs:
                 if not run.done:
-                    self._fail(run, f"{type(e).__name__}: {e}" if not isinstance(e, EdgeLLMError) else str(e))
+                    self._fail(run, _message(e))
             return
         for i, run in enumerate(runs):
             if run.done:  # a stop string in the tokens delivered above ended it
@@ -277,7 +352,7 @@ class Scheduler:
         try:
             logits = self.model.forward(ids, run.pos, all_logits=False, slot=run.slot)[-1]
         except Exception as e:  # one request's failure must not take the others down
-            self._fail(run, f"{type(e).__name__}: {e}" if not isinstance(e, EdgeLLMError) else str(e))
+            self._fail(run, _message(e))
             return None
         run.pos += len(ids)
         return logits
@@ -341,6 +416,10 @@ class Scheduler:
                 self._running.remove(run)
             if run.slot not in self._free:
                 self._free.append(run.slot)
+
+
+def _message(e: Exception) -> str:
+    return str(e) if isinstance(e, EdgeLLMError) else f"{type(e).__name__}: {e}"
 
 
 def _send(req: Request, ev) -> None:

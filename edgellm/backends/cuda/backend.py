@@ -908,14 +908,14 @@ class CudaProgram:
         The returned tensors are the program's own buffers, valid until its next run."""
         if self.rows_mode:
             return self._run_rows(inputs)
-        ids = np.asarray(inputs["tokens"], dtype=np.int32).reshape(-1)
-        seq, start = int(ids.size), int(inputs["start_pos"])
+        ids = self._token_ids(inputs["tokens"])
+        seq, start = len(ids), int(inputs["start_pos"])
         if seq > self.max_seq:
             raise GraphError(f"cuda program '{self.graph.name}' was compiled for {self.max_seq} tokens, got {seq}")
         ctx = max(t.shape[0] for t in self.states.values())  # the context (ring caches are shorter)
         padded = self._padded(seq, start, ctx)
         self._host_start = start
-        self.tokens[:seq].copy_(torch.from_numpy(ids), non_blocking=True)
+        self.tokens[:seq].copy_(ids if isinstance(ids, torch.Tensor) else torch.from_numpy(ids), non_blocking=True)
         if padded > seq:
             self.tokens[seq:padded].zero_()
         for n, buf in self._float_inputs.items():
@@ -927,6 +927,17 @@ class CudaProgram:
         self.seq_len.fill_(start + padded)
         env = self._execute((padded, self._set_context(start + padded)), padded, ctx)
         return self._outputs(env, seq, ctx)
+
+    def _token_ids(self, tokens) -> "np.ndarray | torch.Tensor":
+        """A step's token ids: host values as an int32 array, or a 1-D integer tensor already on this
+        program's device (a chained decode step fed the previous step's argmax, which the host
+        never reads: copied on the device, unchecked)."""
+        if not isinstance(tokens, torch.Tensor):
+            return np.asarray(tokens, dtype=np.int32).reshape(-1)
+        if tokens.device.type != self.dev.type or tokens.dim() != 1 or tokens.is_floating_point():
+            raise GraphError(f"cuda program '{self.graph.name}': device tokens must be a 1-D integer tensor on "
+                             f"{self.dev}, got {tuple(tokens.shape)} {tokens.dtype} on {tokens.device}")
+        return tokens
 
     def _outputs(self, env: dict, seq: int, ctx: int) -> dict[str, torch.Tensor]:
         out = {}
@@ -946,13 +957,13 @@ class CudaProgram:
         step runs padded to row_bucket(rows); padding rows have position -1, which the row-wise
         kernels treat as 'no sequence' (no KV write, attention output 0), and their logits are
         dropped. Attention splits follow the longest row (a graph per (bucket, splits))."""
-        ids = np.asarray(inputs["tokens"], dtype=np.int32).reshape(-1)
+        ids = self._token_ids(inputs["tokens"])
         pos = np.asarray(inputs["pos"], dtype=np.int32).reshape(-1)
         base = np.asarray(inputs["base"], dtype=np.int32).reshape(-1)
-        seq = int(ids.size)
+        seq = len(ids)
         if not seq or pos.size != seq or base.size != seq:
             raise GraphError(f"cuda program '{self.graph.name}': a rows step needs one token, position and base "
-                             f"per row, got {ids.size}, {pos.size}, {base.size}")
+                             f"per row, got {seq}, {pos.size}, {base.size}")
         if seq > self.max_seq:
             raise GraphError(f"cuda program '{self.graph.name}' was compiled for {self.max_seq} rows, got {seq}")
         ctx = next(iter(self.states.values())).shape[0]
@@ -961,10 +972,13 @@ class CudaProgram:
                              f"the cache's {ctx} rows")
         padded = self.row_bucket(seq)
         pad = padded - seq
-        host = np.concatenate([ids, np.zeros(pad, np.int32), pos, np.full(pad, -1, np.int32),
-                               base, np.zeros(pad, np.int32)])
+        fed = isinstance(ids, torch.Tensor)  # tokens on the device: copied there after the host's zeros
+        host = np.concatenate([np.zeros(seq, np.int32) if fed else ids, np.zeros(pad, np.int32),
+                               pos, np.full(pad, -1, np.int32), base, np.zeros(pad, np.int32)])
         dev = torch.from_numpy(host).to(self.dev, non_blocking=True)
         self.tokens[:padded].copy_(dev[:padded])
+        if fed:
+            self.tokens[:seq].copy_(ids)
         self.row_pos[:padded].copy_(dev[padded:2 * padded])
         self.row_base[:padded].copy_(dev[2 * padded:])
         self._splits = self._row_splits(padded, int(pos.max()) + 1)
