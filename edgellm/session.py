@@ -267,7 +267,8 @@ class DecodeStep:
 
     def __init__(self, backend, steps: list[tuple[KVSlot, int | None, int]], logits, need_logits: list[bool]):
         self.rows = [(slot, pos) for slot, _, pos in steps]
-        self.argmax = logits.argmax(dim=-1)  # first maximum, as np.argmax
+        # first maximum, as np.argmax: the backend's own reduction where it has one (cuda)
+        self.argmax = backend.argmax(logits) if hasattr(backend, "argmax") else logits.argmax(dim=-1)
         self._backend = backend
         self._want = [i for i, need in enumerate(need_logits) if need]
         self._logits = logits[self._want] if self._want else None

@@ -1094,6 +1094,13 @@ class CudaBackend(CudaInfo):
     def to_numpy(t: torch.Tensor) -> np.ndarray:
         return t.detach().to(torch.float32).cpu().numpy()
 
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """First index of each row's maximum, on the device: the two-stage Triton reduction that the
+        greedy decode loop runs (torch's argmax took 27-34 us over a 128k vocabulary on the H100,
+        docs/results/h100-2026-11-26b/rows_1b_Q4_0_before.txt), so a served greedy step picks exactly
+        `edgellm run`'s token."""
+        return self.K.argmax(logits)
+
     def describe(self) -> str:
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "Triton interpreter (CPU)"
         return f"cuda ({name}, Triton kernels, fp16 activations)"
