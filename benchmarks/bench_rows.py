@@ -120,8 +120,9 @@ def profile_steps(m, pool, rows: int, reps: int) -> dict:
         kernels = _kernels(prof, tmp)
     per = defaultdict(lambda: [0, 0.0])
     for e in kernels:
-        per[f"{e['name'][:60]} {list(e['grid']) if e['grid'] else ''}"][0] += 1
-        per[f"{e['name'][:60]} {list(e['grid']) if e['grid'] else ''}"][1] += e["dur"]
+        entry = per[f"{e['name'][:60]} {list(e['grid']) if e['grid'] else ''}"]
+        entry[0] += 1
+        entry[1] += e["dur"]
     spans = [(e["ts"], e["ts"] + e["dur"]) for e in kernels]
     busy = _busy_us(spans) / reps
     table = sorted(({"kernel": k, "per_step": c / reps, "us_per_step": t / reps} for k, (c, t) in per.items()),

@@ -225,7 +225,7 @@ class Scheduler:
         nothing is admitted in between.)"""
         runs = self._inflight[0]
         return (self._running == runs and not any(r.req.cancelled or r.ending is not None for r in runs)
-                and not (self._waiting and self._free))
+                and not self._prefills_pending())
 
     def _prefills_pending(self) -> bool:
         """A running request has prompt tokens to prefill, or a waiting one a free slot to take
