@@ -268,17 +268,48 @@ class GGUFFile:
     def tensor(self, source: str) -> TensorData:
         """A stored tensor by name, or a block of its rows: 'name[a:b]' (a graph weight that is part
         of a fused tensor, e.g. phi3's q/k/v rows of attn_qkv; see edgellm.graph.ir.row_slice).
-        Rows are whole blocks of the stored format, so the slice is a view in the same format."""
-        if not source.endswith("]") or "[" not in source:
+        Rows are whole blocks of the stored format, so the slice is a view in the same format.
+        'name[:,a:b]' is columns a..b-1 of a 2-D tensor (edgellm.graph.ir.col_slice: a tensor-
+        parallel rank's inputs of a projection): whole blocks of the format, copied out."""
+        name, axis, a, b = _parse_source(source)
+        if axis is None:
             return self.tensors[source]
-        name, rng = source[:-1].rsplit("[", 1)
-        a, b = (int(v) for v in rng.split(":"))
+        if axis == 1:
+            return self._columns(source, name, a, b)
         t = self.tensors[name]
         if not (len(t.shape) >= 1 and 0 <= a < b <= t.shape[0]):
             raise ModelFileError(f"{self.path.name}: rows {a}:{b} are outside tensor '{name}' of shape {t.shape}")
         if len(t.shape) == 1:
             return TensorData(source, t.ggml_type, (b - a,), t.data[a:b], t.offset, t.format)
         return TensorData(source, t.ggml_type, (b - a,) + tuple(t.shape[1:]), t.data[a:b], t.offset, t.format)
+
+    def shape_of(self, source: str) -> tuple[str, tuple[int, ...]]:
+        """(format name, shape) of a stored tensor or a slice of one (as `tensor` names them),
+        without reading or copying its data."""
+        name, axis, a, b = _parse_source(source)
+        t = self.tensors[name]
+        if axis is None:
+            return t.type_name, tuple(t.shape)
+        shape = list(t.shape)
+        shape[axis] = b - a
+        return t.type_name, tuple(shape)
+
+    def _columns(self, source: str, name: str, a: int, b: int) -> TensorData:
+        t = self.tensors[name]
+        if len(t.shape) != 2 or not 0 <= a < b <= t.shape[1]:
+            raise ModelFileError(f"{self.path.name}: columns {a}:{b} are outside tensor '{name}' of shape {t.shape}")
+        if t.format is not None:
+            raise ModelFileError(f"{self.path.name}: tensor '{name}' is in edgellm's own format {t.format}, whose "
+                                 "columns cannot be cut (tensor parallelism needs a GGML type)")
+        block, size = GGML_QUANT_SIZES[t.ggml_type]
+        if a % block or b % block:
+            raise ModelFileError(f"{self.path.name}: columns {a}:{b} of tensor '{name}' are not whole {t.type_name} "
+                                 f"blocks of {block} values")
+        if t.type_name in _FLOAT_DTYPES:
+            data = np.ascontiguousarray(t.data[:, a:b])
+        else:
+            data = np.ascontiguousarray(t.data[:, a // block * size:b // block * size])
+        return TensorData(source, t.ggml_type, (t.shape[0], b - a), data, t.offset, t.format)
 
     @property
     def total_tensor_bytes(self) -> int:
@@ -291,6 +322,17 @@ class GGUFFile:
         mm = getattr(self._map, "_mmap", None)
         if mm is not None and hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
             mm.madvise(mmap.MADV_DONTNEED)
+
+
+def _parse_source(source: str) -> tuple[str, int | None, int, int]:
+    """'name' -> (name, None, 0, 0); 'name[a:b]' -> (name, 0, a, b) (rows); 'name[:,a:b]' ->
+    (name, 1, a, b) (columns). See edgellm.graph.ir.row_slice / col_slice."""
+    if not source.endswith("]") or "[" not in source:
+        return source, None, 0, 0
+    name, rng = source[:-1].rsplit("[", 1)
+    axis = 1 if rng.startswith(":,") else 0
+    a, b = (int(v) for v in rng[2 * axis:].split(":"))
+    return name, axis, a, b
 
 
 def open_gguf(path: str | os.PathLike) -> GGUFFile:

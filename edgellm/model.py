@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import numpy as np
@@ -84,7 +84,9 @@ class Model:
         self.compiled = self._compile_stages(stages)
         t2 = time.perf_counter()
         # backends that repack weights at load keep the packs in the program cache
-        weight_cache = self.program_cache is not None and hasattr(self.backend, "load_weight_cache")
+        # (not for a tensor-parallel rank: its packs are its share, and every rank would write one entry)
+        weight_cache = (self.program_cache is not None and hasattr(self.backend, "load_weight_cache")
+                        and self.config.shard[1] == 1)
         if weight_cache and self.backend.load_weight_cache(self.program_cache, self.fingerprint):
             self.cache_hits.append("weights")
         self.states = self.backend.allocate_states(self.compiled["decode"].graph, self.ctx)
@@ -117,9 +119,10 @@ class Model:
         cache = self.program_cache
         key = None
         if cache is not None:
+            shard = {"shard": list(self.config.shard)} if self.config.shard[1] > 1 else {}
             key = program_key(model=self.fingerprint, backend=self.backend.name,
                               ops=sorted(supported) if supported is not None else None,
-                              ctx=self.ctx, stages=stages, fuse=self.fuse, skip=sorted(skip))
+                              ctx=self.ctx, stages=stages, fuse=self.fuse, skip=sorted(skip), **shard)
             data = cache.get_json(key, "compiled.json")
             if isinstance(data, dict) and set(data) == set(stages):
                 try:
@@ -384,7 +387,8 @@ class Model:
 
 
 def load(path: str | os.PathLike | None = None, backend: str = "cpu", ctx: int | None = None, *,
-         fuse: bool = True, prefill_chunk: int = 512, cache: bool | None = None, warmup: bool = True) -> Model:
+         fuse: bool = True, prefill_chunk: int = 512, cache: bool | None = None, warmup: bool = True,
+         shard: tuple[int, int] = (0, 1)) -> Model:
     """Load a GGUF model (default: the embedded SmolLM2-135M-Instruct Q4_1) on a backend.
     ctx: the KV-cache capacity in tokens (default: min(model's context, 4096)).
     fuse: run the fusion passes (off: the builder's graph as is, for checking the passes).
@@ -393,7 +397,9 @@ def load(path: str | os.PathLike | None = None, backend: str = "cpu", ctx: int |
     cache: read and write the program cache (edgellm.cache: compiled graphs, memory plans, the
     tokenizer); default on unless EDGELLM_CACHE=0.
     warmup: do the backend's first-run work (kernel loads, graph captures) for a short prompt now,
-    counted in load time, rather than in the first request (Model.warmup)."""
+    counted in load time, rather than in the first request (Model.warmup).
+    shard: (rank, world) of tensor parallelism, inside an initialised torch.distributed process
+    group (edgellm.hetero.distributed.load_rank): this process holds its share of every layer."""
     if path is not None and str(path).lower().endswith(".onnx"):  # a network, not a language model
         from .onnx import load_onnx
 
@@ -411,6 +417,8 @@ def load(path: str | os.PathLike | None = None, backend: str = "cpu", ctx: int |
     path = str(path) if path is not None else str(default_model_path())
     f = open_gguf(path)
     cfg = config_from_gguf(f)
+    if tuple(shard) != (0, 1):
+        cfg = replace(cfg, shard=(int(shard[0]), int(shard[1])))
     use_cache = cache_mod.enabled() if cache is None else cache
     pc = cache_mod.ProgramCache() if use_cache else None
     fingerprint = cache_mod.file_fingerprint(path) if pc is not None else None

@@ -76,3 +76,40 @@ def test_plan_gpu_memory_places_layers_within_the_budget(tiny, tmp_path, monkeyp
     assert p["predicted_decode_s"] > 0 and p["predicted_prefill_s"] > 0
     small = subprocess.run(env_cmd + ["--gpu-memory", str(layer // 2)], capture_output=True, text=True, timeout=300)
     assert small.returncode == 1 and "smaller than one layer" in small.stderr and "Traceback" not in small.stderr
+
+
+def test_plan_gpus_weighs_tensor_parallel_against_the_all_reduce(tmp_path):
+    """Tensor parallel over 2 GPUs halves every layer's bytes and the head's and adds two
+    all_reduces a layer and the logits' gather: predicted as the sharded graph's ops plus those
+    collectives at the profile's link; the solver picks it while the link is fast and the pipeline
+    (here: the model on one GPU) when it is slow."""
+    from edgellm.hetero.plan import plan_gpus, unit_tables
+
+    path = write_synthetic_gguf(tmp_path / "m.gguf", SyntheticSpec(n_layers=4, d_model=256, n_heads=8, n_kv_heads=4,
+                                                                   ffn_dim=1024, weight_type="Q8_0", seed=5))
+    p = Profile()
+    for g in ("cuda:0", "cuda:1"):
+        p.processors[g] = ProcessorModel(g, 1e9, 1e12, 1e-9)  # slow memory: the bytes decide
+    p.links["cuda:0>cuda:1"] = p.links["cuda:1>cuda:0"] = Link(1e-6, 1e10)
+    gpus = ["cuda:0", "cuda:1"]
+    p.links["all_reduce*2"] = Link(1e-7, 1e12)
+    fast = plan_gpus(str(path), gpus, ctx=64, prefill=16, profile=p, gpu_memory="1GiB")
+    assert fast["mode"] == "tensor" and fast["tensor"]["collectives_per_token"] == 4 * 2 + 1
+    one = fast["pipeline"]["predicted_decode_s"]
+    assert [r["on"] for r in fast["pipeline"]["runs"]] == ["cuda:0"]  # it fits one GPU: no transfers
+    # the halved layers: the sharded graph's time with free all_reduces is between half and all of one GPU's
+    from dataclasses import replace
+
+    from edgellm.compiler.compile import compile_graph
+    from edgellm.gguf_file import open_gguf
+    from edgellm.models import build_graph, config_from_gguf
+
+    f = open_gguf(path)
+    g = compile_graph(build_graph(replace(config_from_gguf(f), shard=(0, 2)), f, "last"), seq=1, ctx=64).graph
+    p.links["all_reduce*2"] = Link(0.0, float("inf"))
+    free = sum(unit_tables(f, g, "cuda:0", p, 1, 32).values())
+    assert 0.5 * one < free < one
+    link = 8 * (1e-7 + 4 * 256 / 1e12) + (1e-7 + 4 * 256 / 1e12)  # d_model 256; the vocabulary 256 too
+    assert fast["tensor"]["predicted_decode_s"] == pytest.approx(free + link, rel=1e-6)
+    p.links["all_reduce*2"] = Link(1e-3, 1e12)  # a slow link: two of them a layer cost more than they save
+    assert plan_gpus(str(path), gpus, ctx=64, prefill=16, profile=p, gpu_memory="1GiB")["mode"] == "pipeline"

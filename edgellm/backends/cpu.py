@@ -179,6 +179,28 @@ def _kv_store(op: Op, i: list) -> torch.Tensor:
     return cache
 
 
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """x summed over the tensor-parallel ranks (torch.distributed's default process group; gloo
+    on CPUs), into a new tensor."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise GraphError("all_reduce: this graph is one rank's share of a tensor-parallel model and needs "
+                         "torch.distributed initialised (edgellm.hetero.distributed.load_rank)")
+    y = x.clone()
+    dist.all_reduce(y)
+    return y
+
+
+def all_gather(x: torch.Tensor) -> torch.Tensor:
+    """Every tensor-parallel rank's x side by side along the columns, in rank order."""
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=1)
+
+
 CPU_KERNELS: dict[str, Callable] = {
     "embedding": lambda op, i: i[0].index_select(0, i[1].long()),
     "rms_norm": lambda op, i: _rms_norm(i[0], i[1], op.attrs["eps"]),
@@ -198,6 +220,8 @@ CPU_KERNELS: dict[str, Callable] = {
     "rope_rows": lambda op, i: _rope(i[0], 0, i[2] if len(i) > 2 else None, op.attrs, positions=i[1]),
     "kv_store_rows": _kv_store_rows,
     "attention_rows": lambda op, i: _attention_rows(i[0], i[1], i[2], i[3], i[4], op.attrs),
+    "all_reduce": lambda op, i: all_reduce(i[0]),
+    "all_gather": lambda op, i: all_gather(i[0]),
     # fused ops (edgellm.compiler.passes): each the composition it replaces
     "add_rms_norm": _add_rms_norm,
     "swiglu": lambda op, i: GATE_ACTS[op.attrs.get("act", "silu")](i[0]) * i[1],

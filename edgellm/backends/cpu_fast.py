@@ -227,7 +227,7 @@ class CpuFastWeights:
         self.built = 0  # packs built (not restored from the cache) since the last restore or save
 
     def get(self, name: str):
-        src = self.file.tensors[name]
+        src = self.file.tensor(name)
         if len(src.shape) >= 2:
             ref = self._refs.get(name)
             if ref is None:
@@ -244,7 +244,7 @@ class CpuFastWeights:
         key = (names, rows)
         p = self._packs.get(key)
         if p is None:
-            srcs = [self.file.tensors[n] for n in names]
+            srcs = [self.file.tensor(n) for n in names]
             types = {s.type_name for s in srcs}
             ks = {s.shape[1] for s in srcs}
             if len(ks) != 1:
@@ -292,7 +292,7 @@ class CpuFastWeights:
 
     def embedding_rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
         """Rows of an embedding table, dequantized from the file's stored rows."""
-        src = self.file.tensors[name]
+        src = self.file.tensor(name)
         idx = ids.long().numpy()
         return torch.from_numpy(np.ascontiguousarray(
             dequantize(np.asarray(src.data[idx]), src.type_name, (len(idx), src.shape[1])), dtype=np.float32))
@@ -315,7 +315,7 @@ class CpuFastProgram(CpuProgram):
             if op.kind in _WEIGHT_SLOTS:
                 self.prepare_product(self._weight_names(op))
 
-    # the matrix products, overridable (a tensor-parallel rank multiplies its share of the rows)
+    # the matrix products (one place that says how a product reads its packed weights)
     def prepare_product(self, names: tuple[str, ...]) -> None:
         self.weights.pack(names)
 

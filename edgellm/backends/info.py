@@ -3,6 +3,7 @@ it needs for a model (used by `edgellm plan`, which must not load torch or any w
 
 from __future__ import annotations
 
+import math
 import re
 
 from ..gguf_file import GGUFFile
@@ -63,21 +64,22 @@ class CpuFastInfo(CpuInfo):
 
     @staticmethod
     def tensor_bytes(f: GGUFFile, name: str) -> int:
-        """Bytes one tensor of the file takes in this backend's layout."""
-        t = f.tensors[name]
-        if len(t.shape) < 2:
-            return 4 * t.n_elements
+        """Bytes one tensor of the file (or a slice of one, GGUFFile.tensor) takes in this backend's layout."""
+        fmt, shape = f.shape_of(name)
+        n = math.prod(shape)
+        if len(shape) < 2:
+            return 4 * n
         if name == "token_embd.weight" and "output.weight" in f.tensors:
             return 0  # looked up row by row in the memory-mapped file
-        g = int4_group(t.type_name)
-        if g is not None and t.shape[-1] % g[0] == 0:
+        g = int4_group(fmt)
+        if g is not None and shape[-1] % g[0] == 0:
             # codes + bf16 scale and offset per group (+ the offset's float32 rounding residue when it has one)
-            return t.n_elements // 2 + t.n_elements // g[0] * (4 if g[1] else 8)
-        if t.type_name == "Q8_0" and t.shape[-1] % 32 == 0:
-            return t.n_elements + t.n_elements // 32 * 8  # two nibble planes, bf16 scale and offset each
-        if t.type_name == "Q8_PC":
-            return t.n_elements + 2 * t.shape[0]
-        return 2 * t.n_elements
+            return n // 2 + n // g[0] * (4 if g[1] else 8)
+        if fmt == "Q8_0" and shape[-1] % 32 == 0:
+            return n + n // 32 * 8  # two nibble planes, bf16 scale and offset each
+        if fmt == "Q8_PC":
+            return n + 2 * shape[0]
+        return 2 * n
 
     @classmethod
     def resident_weight_bytes(cls, f: GGUFFile) -> int:
@@ -103,12 +105,14 @@ class CudaInfo:
         "rope_qkv_store", "attention", "last_row", "add", "mul", "silu", "rope", "rope_store", "kv_store",
         "gelu", "scale", "softcap",
         "rope_rows", "kv_store_rows", "attention_rows",  # the batched decode step (edgellm.session.SlotPool)
+        "all_reduce", "all_gather",  # a tensor-parallel rank's sum over the ranks, its share of the logits
     })
 
     @staticmethod
     def tensor_bytes(f: GGUFFile, name: str) -> int:
-        t = f.tensors[name]
-        return 4 * t.n_elements if len(t.shape) < 2 else int(t.n_elements * _CUDA_LAYOUT_BYTES.get(t.type_name, 34 / 32))
+        fmt, shape = f.shape_of(name)
+        n = math.prod(shape)
+        return 4 * n if len(shape) < 2 else int(n * _CUDA_LAYOUT_BYTES.get(fmt, 34 / 32))
 
     @classmethod
     def resident_weight_bytes(cls, f: GGUFFile) -> int:

@@ -90,6 +90,12 @@ def row_slice(source: str, start: int, stop: int) -> str:
     return f"{source}[{start}:{stop}]"
 
 
+def col_slice(source: str, start: int, stop: int) -> str:
+    """The source name of columns start..stop-1 of a stored 2-D tensor (whole blocks of its format:
+    a tensor-parallel rank's share of a projection's inputs)."""
+    return f"{source}[:,{start}:{stop}]"
+
+
 @dataclass
 class Op:
     name: str

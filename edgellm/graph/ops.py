@@ -172,6 +172,15 @@ def _last_row(op, ins, attrs):
     return (sympy.Integer(1), x.shape[1]), x.dtype, None
 
 
+def _all_gather(op, ins, attrs):
+    (x,) = ins
+    _rank(op, x, 2)
+    world = attrs.get("world")
+    if not isinstance(world, int) or world < 1:
+        raise _fail(op, f"needs the number of ranks as an integer 'world' attribute, got {world!r}")
+    return (x.shape[0], x.shape[1] * world), x.dtype, None
+
+
 Rule = Callable[[str, list[Tensor], dict[str, Any]], tuple[Shape, str, str | None]]
 
 RULES: dict[str, Rule] = {
@@ -191,6 +200,8 @@ RULES: dict[str, Rule] = {
     "rope_rows": _rope_rows,
     "kv_store_rows": _kv_store_rows,
     "attention_rows": _attention_rows,
+    "all_reduce": _elementwise,  # the sum of this tensor over the tensor-parallel ranks
+    "all_gather": _all_gather,  # the ranks' column blocks side by side, in rank order
 }
 RULES.update({k: v for k, v in ND_RULES.items() if k not in RULES})  # N-D kinds of imported networks
 

@@ -6,7 +6,14 @@ that cross to another rank go by isend/recv (tagged per tensor, so production an
 order never deadlock), and the logits are broadcast from the rank of the head, so every rank
 samples the same token. Written for any number of ranks.
 
+Tensor placement (--mode tensor): every process runs the whole graph on its share of each layer
+(ModelConfig.shard: its attention heads, KV heads and cache, its MLP columns; edgellm.models.blocks)
+and the output and down projections' partial sums meet in an all_reduce, two a layer; norms,
+embedding and head are whole on every rank, so every rank computes the same logits and token.
+On GPUs the all_reduces are NCCL calls captured in each step's CUDA graph.
+
     python -m edgellm.hetero.distributed --devices cuda:0,cuda:1 -m model.gguf "prompt"   # a launcher
+    python -m edgellm.hetero.distributed --devices cuda:0,cuda:1 --mode tensor -m model.gguf "prompt"
     python -m edgellm.hetero.distributed --devices cpu,cpu --backend gloo ...              # CPU processes
 
 In code: `load_rank(path, rank, world, devices)` inside an initialised process group.
@@ -23,7 +30,7 @@ import torch.distributed as dist
 
 from ..errors import EdgeLLMError
 from ..graph.ir import Graph
-from .executor import split_segments, subgraph
+from .executor import compile_segment, split_segments, subgraph
 from .units import graph_units, unit_of_state
 
 
@@ -59,8 +66,7 @@ class DistProgram:
                 self.parts.append((s, None))
                 continue
             sub = subgraph(graph, s, f"{graph.name}.{k}.rank{backend.rank}")
-            self.parts.append((s, backend.local.compile(sub, {t.name: states[t.name] for t in sub.states()},
-                                                        None, max_seq=max_seq)))
+            self.parts.append((s, compile_segment(backend.local, sub, states, max_seq)))
 
     def run(self, inputs: dict) -> dict:
         me, dev = self.b.rank, self.b.device
@@ -104,18 +110,8 @@ class DistBackend:
 
     def __init__(self, f, placement: dict[str, str], rank: int, device: str):
         self.file, self.placement, self.rank = f, dict(placement), rank
-        if device.startswith("cuda"):
-            from ..backends.cuda.backend import CudaBackend
-
-            torch.cuda.set_device(torch.device(device))
-            os.environ["EDGELLM_CUDA_DEVICE"] = device
-            self.local = CudaBackend(f)
-            self.device = torch.device(device)
-        else:
-            from ..backends.cpu_fast import CpuFastBackend
-
-            self.local = CpuFastBackend(f, threads=max(torch.get_num_threads(), 1))
-            self.device = torch.device("cpu")
+        self.local = local_backend(device)(f)
+        self.device = torch.device(device)
         self.ctx = 1
 
     def allocate_states(self, graph: Graph, ctx: int) -> dict:
@@ -138,65 +134,32 @@ class DistBackend:
         return f"rank {self.rank} of a pipeline ({self.local.describe()}): {len(mine)} units"
 
 
-# -- tensor parallel: every rank runs the whole graph, multiplying only its share of each matrix's rows
-def row_share(n: int, rank: int, world: int) -> tuple[int, int]:
-    size = -(-n // world)
-    if size * (world - 1) >= n:
-        raise EdgeLLMError(f"tensor parallel: a matrix of {n} rows cannot give each of {world} ranks a share")
-    return rank * size, min(n, (rank + 1) * size)
+def local_backend(device: str, backend: str | None = None):
+    """A factory f(file) -> this rank's backend on its own processor: cuda on 'cuda:N' (that
+    device made current), cpu-fast (or `backend`) on 'cpu'."""
+    if device.startswith("cuda"):
+        from ..backends.cuda.backend import CudaBackend
 
+        torch.cuda.set_device(torch.device(device))
+        os.environ["EDGELLM_CUDA_DEVICE"] = device
+        return CudaBackend
+    from ..backends import get_backend
 
-def _tp_program_cls():
-    from ..backends.cpu_fast import CpuFastProgram
-
-    class TensorParallelProgram(CpuFastProgram):
-        """Each product: this rank's rows of the (stacked) weights, then an all-gather of the
-        shares, so activations, norms, attention and the KV cache are whole on every rank and
-        each rank holds 1/world of every matrix."""
-
-        def _rows(self, names):
-            n = sum(self.weights.file.tensors[t].shape[0] for t in names)
-            return n, row_share(n, self.tp_rank, self.tp_world)
-
-        def prepare_product(self, names):
-            self.weights.pack(names, rows=self._rows(names)[1])
-
-        def product(self, names, x):
-            n, rows = self._rows(names)
-            y = self.weights.pack(names, rows=rows)(x)
-            size = -(-n // self.tp_world)
-            if y.shape[1] < size:
-                y = torch.nn.functional.pad(y, (0, size - y.shape[1]))
-            parts = [torch.empty_like(y) for _ in range(self.tp_world)]
-            dist.all_gather(parts, y.contiguous())
-            return torch.cat(parts, dim=1)[:, :n]
-
-    return TensorParallelProgram
-
-
-def tensor_parallel_backend(rank: int, world: int):
-    """A factory f(file) -> a cpu-fast backend whose programs are this rank's tensor-parallel share."""
-    from ..backends.cpu_fast import CpuFastBackend
-
-    base = _tp_program_cls()
-    prog_cls = type("TensorParallelProgramR", (base,), {"tp_rank": rank, "tp_world": world})
-    backend_cls = type("TensorParallelBackend", (CpuFastBackend,), {"program_cls": prog_cls, "name": "cpu-fast-tp"})
-    return lambda f: backend_cls(f, threads=max(torch.get_num_threads(), 1))
+    return get_backend(backend or "cpu-fast")
 
 
 def load_rank(path, rank: int, world: int, devices: list[str], placement: dict[str, str] | None = None,
               ctx: int | None = None, mode: str = "pipeline", **kw):
     """This rank's Model in an initialised process group: mode 'pipeline' (placement: unit ->
-    'rank:N', default even) or 'tensor' (every matrix's rows shared out; CPU processes)."""
+    'rank:N', default even) or 'tensor' (Megatron's split: each rank holds its share of every
+    layer's heads and MLP columns, two all_reduces a layer; edgellm.models.blocks)."""
     from ..compiler.compile import compile_graph
     from ..gguf_file import open_gguf
     from ..model import load
     from ..models import build_graph, config_from_gguf
 
     if mode == "tensor":
-        if devices[rank].startswith("cuda"):
-            raise EdgeLLMError("tensor parallel runs on CPU processes (gloo); for GPUs use the pipeline mode")
-        return load(path, backend=tensor_parallel_backend(rank, world), ctx=ctx, **kw)
+        return load(path, backend=local_backend(devices[rank]), ctx=ctx, shard=(rank, world), **kw)
     if placement is None:
         f = open_gguf(path)
         g = compile_graph(build_graph(config_from_gguf(f), f, "last"), seq=1, ctx=16).graph
@@ -225,13 +188,14 @@ def main(argv=None) -> int:
     import torch.multiprocessing as mp
 
     ap = argparse.ArgumentParser(prog="python -m edgellm.hetero.distributed",
-                                 description="Greedy generation with the model's layers pipelined over several processes.")
+                                 description="Greedy generation with the model split over several processes.")
     ap.add_argument("prompt")
     ap.add_argument("-m", "--model", default=None)
     ap.add_argument("--devices", default="cuda:0,cuda:1", help="one processor per rank, e.g. cuda:0,cuda:1 or cpu,cpu")
     ap.add_argument("--backend", default=None, help="torch.distributed backend (default: nccl for cuda, gloo for cpu)")
-    ap.add_argument("--mode", choices=("pipeline", "tensor"), default="pipeline",
-                    help="pipeline: layers over ranks; tensor: each matrix's rows over ranks (CPU processes)")
+    ap.add_argument("--mode", choices=("auto", "pipeline", "tensor"), default="auto",
+                    help="pipeline: layers over ranks; tensor: each layer's heads and MLP columns over ranks; "
+                         "auto: the solver's pick over GPUs (edgellm.hetero.plan.plan_gpus), pipeline over CPUs")
     ap.add_argument("-n", "--max-tokens", type=int, default=64)
     ap.add_argument("-c", "--ctx", type=int, default=None)
     args = ap.parse_args(argv)
@@ -239,7 +203,16 @@ def main(argv=None) -> int:
         from ..default_model import default_model_path
 
         args.model = str(default_model_path())
-    world = len(args.devices.split(","))
+    devices = [d.strip() for d in args.devices.split(",")]
+    world = len(devices)
+    if args.mode == "auto":
+        args.mode = "pipeline"
+        if world > 1 and all(d.startswith("cuda") for d in devices):
+            from .plan import plan_gpus, render_gpus
+
+            plan = plan_gpus(args.model, devices, ctx=args.ctx, prefill=512)
+            print(render_gpus(plan), end="", file=sys.stderr)
+            args.mode = plan["mode"]
     with tempfile.TemporaryDirectory() as d:
         args.rendezvous = os.path.join(d, "rendezvous")
         mp.spawn(_worker, args=(world, args), nprocs=world, join=True)

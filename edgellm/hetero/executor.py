@@ -99,23 +99,27 @@ def subgraph(graph: Graph, seg: Segment, name: str) -> Graph:
     return g
 
 
+def compile_segment(proc, sub: Graph, states: dict, max_seq: int | None):
+    """A segment's subgraph compiled by its processor's backend, with the segment's own states; the
+    cuda backend lays out activations by a memory plan, made here for the subgraph."""
+    from ..compiler.compile import compile_graph
+
+    plan = None
+    if proc.name == "cuda":
+        ctx = max(t.shape[0] for t in states.values())  # the context (sliding-window rings are shorter)
+        plan = compile_graph(sub, supported_ops=proc.SUPPORTED_OPS, backend="cuda", seq=max_seq or 1, ctx=ctx,
+                             fuse=False).plan
+    return proc.compile(sub, {t.name: states[t.name] for t in sub.states()}, plan, max_seq=max_seq)
+
+
 class SplitProgram:
     def __init__(self, backend: "SplitBackend", graph: Graph, states: dict, plan, max_seq: int | None):
-        from ..compiler.compile import compile_graph
-
         self.segments = split_segments(graph, backend.placement)
         self.parts = []
         for k, s in enumerate(self.segments):
             proc = backend.processor(s.processor)
             sub = subgraph(graph, s, f"{graph.name}.{k}.{s.processor}")
-            st = {t.name: states[t.name] for t in sub.states()}
-            sub_plan = None
-            if proc.name == "cuda":  # the cuda backend lays out activations by a memory plan of its own
-                sizes = max_seq or 1
-                ctx = max(t.shape[0] for t in states.values())  # the context (sliding-window rings are shorter)
-                sub_plan = compile_graph(sub, supported_ops=proc.SUPPORTED_OPS, backend="cuda", seq=sizes,
-                                         ctx=ctx, fuse=False).plan
-            prog = proc.compile(sub, st, sub_plan, max_seq=max_seq)
+            prog = compile_segment(proc, sub, states, max_seq)
             splits = {u: parse_choice(c) for u, c in backend.placement.items() if parse_choice(c)[2]}
             if splits:
                 _split_products(prog, backend, splits)

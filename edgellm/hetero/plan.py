@@ -14,7 +14,7 @@ the CPU are offered with `splits=True`; the executor runs row splits between cpu
 from __future__ import annotations
 
 from ..errors import EdgeLLMError
-from .profile import Profile, cache_path, op_cost_inputs, op_signature
+from .profile import Profile, cache_path, load_profile, op_cost_inputs, op_signature
 from .solver import Option, Problem, Solution, parse_bytes, solve
 from .units import graph_units
 
@@ -33,10 +33,14 @@ def unit_tables(f, graph, proc: str, profile: Profile, seq: int, kv_len: int) ->
     if model is None:
         raise EdgeLLMError(f"no profile for processor '{proc}': run `edgellm plan --profile` on the machine that has it")  # noqa: E501
     info = _info(proc)
+    world = graph.meta.get("shard", [0, 1])[1]  # a tensor-parallel rank's graph: its all_reduces
     out = {}
     for u in graph_units(graph):
         t = 0.0
         for i in u.ops:
+            if graph.ops[i].kind in ("all_reduce", "all_gather"):  # what the whole tensor takes on the link
+                t += profile.collective(world).cost(4 * graph.tensors[graph.ops[i].outputs[0]].numel(seq=seq, ctx=kv_len))
+                continue
             sig = op_signature(graph, i, seq, kv_len)
             m = profile.measured.get(f"{proc}|{sig}") or profile.measured.get(f"{proc.split(':')[0]}|{sig}")
             if m is None:
@@ -138,7 +142,6 @@ def plan_split(path: str, *, gpu_memory: str | None, devices: str | None, ctx: i
     from ..compiler.compile import compile_graph
     from ..gguf_file import open_gguf
     from ..models import build_graph, config_from_gguf
-    from .profile import load_profile
 
     f = open_gguf(path)
     cfg = config_from_gguf(f)
@@ -160,6 +163,44 @@ def plan_split(path: str, *, gpu_memory: str | None, devices: str | None, ctx: i
     return out
 
 
+def plan_gpus(path: str, gpus: list[str], *, ctx: int | None, prefill: int, profile: Profile | None = None,
+              prefill_weight: float = 0.0, gpu_memory: str | None = None) -> dict:
+    """How to run one model over several GPUs of one host: tensor parallel (each GPU its share of
+    every layer, two all_reduces a layer; edgellm.models.blocks) or pipelined (the solver's
+    placement of whole layers over the GPUs' free memory, which for a model that fits one GPU is
+    that GPU alone: a single stream's token passes every layer in turn, so layers on several GPUs
+    only add transfers). Both predicted from the profile (a GPU's cost model, the all_reduce link);
+    'mode' is the one with the smaller decode + prefill_weight x prefill time. Returns both.
+    gpu_memory: each GPU's budget for the pipeline's placement (default: what is free)."""
+    from dataclasses import replace
+
+    from ..compiler.compile import compile_graph
+    from ..gguf_file import open_gguf
+    from ..models import build_graph, config_from_gguf
+
+    f = open_gguf(path)
+    cfg = config_from_gguf(f)
+    ctx = ctx or min(cfg.context_length, 4096)
+    profile = profile or load_profile()
+    world = len(gpus)
+    pipe = plan_split(path, gpu_memory=gpu_memory, devices=",".join(gpus), ctx=ctx, prefill=prefill, profile=profile)
+    shard = replace(cfg, shard=(0, world))
+    dec = compile_graph(build_graph(shard, f, "last"), seq=1, ctx=ctx).graph
+    pre = compile_graph(build_graph(shard, f, "last"), seq=prefill, ctx=ctx).graph
+    tp_dec = sum(unit_tables(f, dec, gpus[0], profile, 1, max(ctx // 2, 1)).values())
+    tp_pre = sum(unit_tables(f, pre, gpus[0], profile, prefill, prefill).values())
+    mem = sum(unit_memory(f, dec, gpus[0], ctx).values())
+    tensor = {"predicted_decode_s": tp_dec, "predicted_prefill_s": tp_pre, "memory_per_gpu": mem,
+              "collectives_per_token": sum(op.kind in ("all_reduce", "all_gather") for op in dec.ops),
+              "all_reduce_link": {"latency_s": profile.collective(world).latency_s,
+                                  "bandwidth": profile.collective(world).bandwidth,
+                                  "measured": f"all_reduce*{world}" in profile.links}}
+    cost = {"tensor": tp_dec + prefill_weight * tp_pre,
+            "pipeline": pipe["predicted_decode_s"] + prefill_weight * pipe["predicted_prefill_s"]}
+    return {"model": str(path), "gpus": gpus, "ctx": ctx, "prefill": prefill, "mode": min(cost, key=cost.get),
+            "tensor": tensor, "pipeline": pipe}
+
+
 def render(p: dict) -> str:
     lines = [f"placement of {p['model']} (ctx {p['ctx']}) over {', '.join(p['processors'])}:"]
     for r in p["runs"]:
@@ -171,6 +212,18 @@ def render(p: dict) -> str:
     lines.append(f"  predicted decode: {p['predicted_decode_s'] * 1e3:.2f} ms/token "
                  f"({1 / max(p['predicted_decode_s'], 1e-12):.1f} tok/s); "
                  f"prefill of {p['prefill']} tokens: {p['predicted_prefill_s'] * 1e3:.1f} ms")
+    return "\n".join(lines) + "\n"
+
+
+def render_gpus(p: dict) -> str:
+    t, pipe = p["tensor"], p["pipeline"]
+    link = t["all_reduce_link"]
+    lines = [f"{p['model']} (ctx {p['ctx']}) over {', '.join(p['gpus'])}: {p['mode']} parallel",
+             f"  tensor parallel: predicted decode {t['predicted_decode_s'] * 1e3:.2f} ms/token, prefill of "
+             f"{p['prefill']} tokens {t['predicted_prefill_s'] * 1e3:.1f} ms; {t['memory_per_gpu'] / 2**30:.2f} GiB a GPU; "
+             f"{t['collectives_per_token']} collectives a step at {link['latency_s'] * 1e6:.1f} us"
+             + ("" if link["measured"] else " (not measured: a guess)"),
+             "  pipeline: " + render(pipe).strip().replace("\n", "\n  ")]
     return "\n".join(lines) + "\n"
 
 
@@ -191,10 +244,18 @@ def run_plan_args(args, path: str) -> str | None:
         return None
     if args.gpu_memory:
         parse_bytes(args.gpu_memory)  # a bad size fails before any work
-    p = plan_split(path, gpu_memory=args.gpu_memory, devices=args.devices, ctx=args.ctx, prefill=args.prefill,
-                   splits=args.splits, measure=args.profile)
+    procs = [d.strip() for d in (args.devices or "").split(",") if d.strip()]
+    gpus_only = len(procs) > 1 and all(d.startswith("cuda") for d in procs)
+    if gpus_only:  # several GPUs of one host: tensor parallel or pipelined
+        if args.profile:
+            measure_processors(path, procs, load_profile(), ctx=args.ctx or 1024, prefill=min(args.prefill, 512),
+                               force=True)
+        p = plan_gpus(path, procs, ctx=args.ctx, prefill=args.prefill)
+    else:
+        p = plan_split(path, gpu_memory=args.gpu_memory, devices=args.devices, ctx=args.ctx, prefill=args.prefill,
+                       splits=args.splits, measure=args.profile)
     if args.json:
         import json
 
         return json.dumps(p, indent=2) + "\n"
-    return render(p)
+    return render_gpus(p) if gpus_only else render(p)

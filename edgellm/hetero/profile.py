@@ -63,6 +63,11 @@ class Profile:
         return self.links.get(f"{src}>{dst}") or self.links.get(f"{src.split(':')[0]}>{dst.split(':')[0]}") \
             or Link(20e-6, 10e9)  # unmeasured: a PCIe 4 x16 guess; stated by `describe`
 
+    def collective(self, world: int) -> Link:
+        """An all_reduce over `world` GPUs: latency + bytes / bandwidth (measured by
+        profile_all_reduce inside a process group; unmeasured, an NVLink-class guess)."""
+        return self.links.get(f"all_reduce*{world}") or Link(15e-6, 100e9)
+
     def to_json(self) -> str:
         return json.dumps({"processors": {k: asdict(v) for k, v in self.processors.items()},
                            "links": {k: asdict(v) for k, v in self.links.items()},
@@ -230,6 +235,49 @@ def profile_cuda(profile: Profile, device: str = "cuda:0") -> Profile:
         big_dn = timeit(lambda: h.copy_(d, non_blocking=True), 20)
         profile.links[f"cpu>{device}"] = Link(small_up, (1 << 24) / max(big_up - small_up, 1e-9))
         profile.links[f"{device}>cpu"] = Link(small_dn, (1 << 24) / max(big_dn - small_dn, 1e-9))
+    return profile
+
+
+def profile_all_reduce(profile: Profile, d_model: int, rows: int = 512) -> Profile:
+    """The all_reduce of a tensor-parallel step, timed where it runs (inside an initialised NCCL
+    process group, every rank calling this): a decode step's [1, d_model] float32 captured in a
+    CUDA graph as the engine runs it (latency), and a prefill chunk's [rows, d_model] (bandwidth).
+    Stored as the link 'all_reduce*world' (Profile.collective)."""
+    import torch
+    import torch.distributed as dist
+
+    from ..backends.cuda.collective import one_shot
+
+    world = dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    shot = one_shot(dev, rows, d_model, 2)  # the engine's form where it runs (collective.py)
+    src = shot.buffer(0) if shot is not None else torch.ones(rows, d_model, device=dev)
+    src.fill_(1.0)
+    out = torch.empty_like(src)
+
+    def reduce(n_rows):
+        if shot is not None:
+            shot(src[:n_rows], out[:n_rows])
+        else:
+            dist.all_reduce(src[:n_rows])
+
+    def timed(n_rows, n):
+        g = torch.cuda.CUDAGraph()
+        reduce(n_rows)  # the communicator's first use, outside the capture
+        torch.cuda.synchronize()
+        with torch.cuda.graph(g):
+            for _ in range(n):
+                reduce(n_rows)
+        g.replay()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        g.replay()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / n
+
+    lat, t_big = timed(1, 200), timed(rows, 20)
+    big = src
+    profile.links[f"all_reduce*{world}"] = Link(lat, big.numel() * 4 / max(t_big - lat, 1e-9))
     return profile
 
 

@@ -9,6 +9,12 @@ reads the fields that change it.
 
 qnorm/knorm (per-head RMSNorm), post_norm, the sliding window, the per-layer RoPE base and the
 softcap are present only where the family has them.
+
+Tensor parallelism (ModelConfig.shard = (rank, world), Megatron's split): a rank's graph holds
+its share of the heads (rows of Wq, Wk, Wv: n_heads/world query heads, n_kv_heads/world KV heads
+and their caches) and of the MLP's hidden columns (rows of Wgate, Wup; columns of Wdown), and the
+matching columns of Wo; the output and down projections' partial sums meet in an all_reduce, so
+norms, residual stream, embedding and head are whole on every rank. Two all_reduces a layer.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import sympy
 
 from ..errors import GraphError
 from ..gguf_file import GGUFFile
-from ..graph.ir import CTX, SEQ, Graph, row_slice
+from ..graph.ir import CTX, SEQ, Graph, col_slice, row_slice
 from .config import ModelConfig
 
 # which logits the graph returns: every position, only the last one, or one per row where each row
@@ -35,7 +41,13 @@ class Builder:
         if kv_chunk is not None and (isinstance(kv_chunk, bool) or not isinstance(kv_chunk, int) or kv_chunk < 1):
             raise ValueError(f"kv_chunk must be a positive number of tokens, got {kv_chunk!r}")
         self.cfg, self.f, self.kv_chunk = cfg, f, kv_chunk
+        self.rank, self.world = shard_of(cfg)
+        # this rank's heads (the whole model's when world is 1)
+        self.heads, self.kv_heads = cfg.n_heads // self.world, cfg.n_kv_heads // self.world
+        self.kv_dim = self.kv_heads * cfg.head_dim
         self.g = Graph(f"{cfg.arch}-{logits}", meta={"arch": cfg.arch, "logits": logits})
+        if self.world > 1:
+            self.g.meta["shard"] = [self.rank, self.world]
         self.tokens = self.g.input("tokens", (SEQ,), "i32")
         self.by_rows = logits == "rows"
         if self.by_rows:
@@ -43,23 +55,39 @@ class Builder:
         else:
             self.start = self.g.input("start_pos", (), "i32")
 
-    def w(self, name: str) -> str:
+    def w(self, name: str, share: str = "") -> str:
+        """A graph weight for a stored tensor: whole, or (tensor parallelism) this rank's share of
+        its rows (share='rows') or columns (share='cols')."""
         t = self.f.tensors[name]
-        return self.g.weight(name, t.shape, storage=t.type_name)
+        if self.world == 1 or not share:
+            return self.g.weight(name, t.shape, storage=t.type_name)
+        axis = 0 if share == "rows" else 1
+        n = t.shape[axis] // self.world
+        a, b = self.rank * n, (self.rank + 1) * n
+        if share == "rows":
+            return self.g.weight(name, (n,) + tuple(t.shape[1:]), storage=t.type_name, source=row_slice(name, a, b))
+        return self.g.weight(name, (t.shape[0], n), storage=t.type_name, source=col_slice(name, a, b))
 
     def rows(self, name: str, prefix: str, parts: dict[str, int]) -> dict[str, str]:
         """Graph weights prefix+part+'.weight' for consecutive row blocks of one stored tensor
         (fused q|k|v, gate|up): each reads its rows of the file's tensor (GGUFFile.tensor), so the
-        graph is the one an unfused file gives and the fusion passes apply unchanged."""
+        graph is the one an unfused file gives and the fusion passes apply unchanged. parts: each
+        part's rows in the file; a tensor-parallel rank reads its share of each."""
         t = self.f.tensors[name]
         out, at = {}, 0
         for part, n in parts.items():
-            out[part] = self.g.weight(f"{prefix}{part}.weight", (n,) + tuple(t.shape[1:]), storage=t.type_name,
-                                      source=row_slice(name, at, at + n))
+            share = n // self.world
+            a = at + self.rank * share
+            out[part] = self.g.weight(f"{prefix}{part}.weight", (share,) + tuple(t.shape[1:]), storage=t.type_name,
+                                      source=row_slice(name, a, a + share))
             at += n
         if at != t.shape[0]:
             raise ValueError(f"tensor '{name}' has {t.shape[0]} rows, the parts {parts} {at}")
         return out
+
+    def all_reduce(self, x: str, name: str) -> str:
+        """The sum over the tensor-parallel ranks of each one's partial product (none when alone)."""
+        return self.g.op("all_reduce", x, name=name) if self.world > 1 else x
 
     def norm(self, x: str, weight: str, name: str) -> str:
         return self.g.op("rms_norm", x, self.w(weight), name=name, eps=self.cfg.norm_eps)
@@ -77,12 +105,12 @@ class Builder:
         if cfg.fused_qkv:
             ws = self.rows(b + "attn_qkv.weight", b, {"attn_q": cfg.q_dim, "attn_k": cfg.kv_dim, "attn_v": cfg.kv_dim})
         else:
-            ws = {f"attn_{p}": self.w(b + f"attn_{p}.weight") for p in "qkv"}
+            ws = {f"attn_{p}": self.w(b + f"attn_{p}.weight", "rows") for p in "qkv"}
         proj = {}
         for p in "qkv":
             proj[p] = g.op("linear", n, ws[f"attn_{p}"], name=b + f"attn_{p}")
             if cfg.attn_bias:
-                proj[p] = g.op("add", proj[p], self.w(b + f"attn_{p}.bias"), name=b + f"attn_{p}_bias")
+                proj[p] = g.op("add", proj[p], self.w(b + f"attn_{p}.bias", "rows"), name=b + f"attn_{p}_bias")
         if cfg.qk_norm:  # per head: the weight has head_dim entries
             for p in "qk":
                 proj[p] = self.norm(proj[p], b + f"attn_{p}_norm.weight", b + f"attn_{p}_norm")
@@ -100,22 +128,23 @@ class Builder:
             rope_kind, at, where, suffix = "rope_rows", (self.pos,), (self.base, self.pos), "_rows"
         else:
             rope_kind, at, where, suffix = "rope", (self.start,), (self.start,), ""
-        q = g.op(rope_kind, proj["q"], *at, *extra, name=b + "rope_q", n_heads=cfg.n_heads, **rope)
-        k = g.op(rope_kind, proj["k"], *at, *extra, name=b + "rope_k", n_heads=cfg.n_kv_heads, **rope)
+        q = g.op(rope_kind, proj["q"], *at, *extra, name=b + "rope_q", n_heads=self.heads, **rope)
+        k = g.op(rope_kind, proj["k"], *at, *extra, name=b + "rope_k", n_heads=self.kv_heads, **rope)
         # a sliding-window layer's cache is a ring of ModelConfig.kv_rows rows (when the programs'
         # largest chunk is known): position p in row p mod rows, the attention reading it the same way
         ring = bool(window and self.kv_chunk)
         rows = sympy.Min(CTX, window + self.kv_chunk - 1) if ring else CTX
-        kc = g.state(f"cache.k.{i}", (rows, cfg.kv_dim))
-        vc = g.state(f"cache.v.{i}", (rows, cfg.kv_dim))
+        kc = g.state(f"cache.k.{i}", (rows, self.kv_dim))
+        vc = g.state(f"cache.v.{i}", (rows, self.kv_dim))
         store = {"ring": True} if ring else {}
         kc = g.op("kv_store" + suffix, kc, k, *where, name=b + "store_k", **store)
         vc = g.op("kv_store" + suffix, vc, proj["v"], *where, name=b + "store_v", **store)
-        attrs = dict(n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, scale=cfg.softmax_scale)
+        attrs = dict(n_heads=self.heads, n_kv_heads=self.kv_heads, head_dim=cfg.head_dim, scale=cfg.softmax_scale)
         if window:
             attrs["window"] = window
         a = g.op("attention" + suffix, q, kc, vc, *where, name=b + "attn", **attrs)
-        return g.op("linear", a, self.w(b + "attn_output.weight"), name=b + "attn_output")
+        o = g.op("linear", a, self.w(b + "attn_output.weight", "cols"), name=b + "attn_output")
+        return self.all_reduce(o, b + "attn_output_sum")
 
     def mlp(self, i: int, m: str) -> str:
         cfg, g, b = self.cfg, self.g, f"blk.{i}."
@@ -123,13 +152,14 @@ class Builder:
             ws = self.rows(b + "ffn_up.weight", b, {"ffn_gate": cfg.ffn_dim, "ffn_up": cfg.ffn_dim})
             wg, wu = ws["ffn_gate"], ws["ffn_up"]
         else:
-            wg, wu = self.w(b + "ffn_gate.weight"), self.w(b + "ffn_up.weight")
+            wg, wu = self.w(b + "ffn_gate.weight", "rows"), self.w(b + "ffn_up.weight", "rows")
         gate = g.op("linear", m, wg, name=b + "ffn_gate")
         up = g.op("linear", m, wu, name=b + "ffn_up")
         act_kind = {"silu": "silu", "gelu_tanh": "gelu"}[cfg.mlp_act]
         act_attrs = {"approximate": "tanh"} if act_kind == "gelu" else {}
         act = g.op("mul", g.op(act_kind, gate, name=b + f"ffn_{act_kind}", **act_attrs), up, name=b + "ffn_mul")
-        return g.op("linear", act, self.w(b + "ffn_down.weight"), name=b + "ffn_down")
+        down = g.op("linear", act, self.w(b + "ffn_down.weight", "cols"), name=b + "ffn_down")
+        return self.all_reduce(down, b + "ffn_down_sum")
 
     def layer(self, i: int, x: str, rope_freqs: str | None) -> str:
         cfg, g, b = self.cfg, self.g, f"blk.{i}."
@@ -142,6 +172,18 @@ class Builder:
             down = self.norm(down, b + "post_ffw_norm.weight", b + "post_ffw_norm")
         return g.op("add", h, down, name=b + "ffn_residual")
 
+    def head(self, embd: str) -> tuple[str, bool]:
+        """The output projection's weight, and whether it is this rank's share of the vocabulary
+        (tensor parallelism: rows of the head, the logits gathered after it; where the vocabulary
+        divides among the ranks), which halves the largest matrix a decode step reads."""
+        src = "token_embd.weight" if self.cfg.tied_output else "output.weight"
+        t = self.f.tensors[src]
+        if self.world == 1 or t.shape[0] % self.world:
+            return (embd if self.cfg.tied_output else self.w(src)), False
+        n = t.shape[0] // self.world
+        a = self.rank * n
+        return self.g.weight("output.weight", (n, t.shape[1]), storage=t.type_name, source=row_slice(src, a, a + n)), True
+
     def build(self) -> Graph:
         cfg, g = self.cfg, self.g
         rope_freqs = self.w(cfg.rope_factor_tensor) if cfg.rope_factor_tensor else None
@@ -151,15 +193,33 @@ class Builder:
         if g.meta["logits"] == "last":
             x = g.op("last_row", x, name="last_row")
         x = self.norm(x, "output_norm.weight", "output_norm")
-        head = embd if cfg.tied_output else self.w("output.weight")
+        head, gather = self.head(embd)
+        steps = [("linear", (x, head), "output", {})]
         if cfg.logit_softcap:
-            out = g.op("softcap", g.op("linear", x, head, name="output"), name="logit_softcap", out="logits",
-                       cap=cfg.logit_softcap)
-        else:
-            out = g.op("linear", x, head, name="output", out="logits")
-        g.output(out)
+            steps.append(("softcap", (), "logit_softcap", {"cap": cfg.logit_softcap}))
+        if gather:
+            steps.append(("all_gather", (), "output_gather", {"world": self.world}))
+        y = None
+        for k, (kind, ins, name, attrs) in enumerate(steps):
+            last = {"out": "logits"} if k == len(steps) - 1 else {}
+            y = g.op(kind, *(ins or (y,)), name=name, **attrs, **last)
+        g.output(y)
         g.validate()
         return g
+
+
+def shard_of(cfg: ModelConfig) -> tuple[int, int]:
+    """(rank, world) of the config's tensor parallelism, checked: the heads, the KV heads and the
+    MLP width divide among the ranks (column blocks of the stored formats are checked where the
+    file's tensor is cut, GGUFFile.tensor)."""
+    rank, world = cfg.shard
+    if world < 1 or not 0 <= rank < world:
+        raise GraphError(f"tensor parallel shard {cfg.shard}: expected (rank, world) with 0 <= rank < world")
+    for what, n in (("attention heads", cfg.n_heads), ("KV heads", cfg.n_kv_heads), ("MLP width", cfg.ffn_dim)):
+        if n % world:
+            raise GraphError(f"{cfg.name or cfg.arch}: tensor parallelism over {world} ranks needs the {what} "
+                             f"({n}) to divide among them")
+    return rank, world
 
 
 def rows_stage_unsupported(cfg: ModelConfig) -> str:

@@ -45,6 +45,10 @@ class ModelConfig:
     fused_gate_up: bool = False  # gate|up rows in one tensor ffn_up (phi3)
     rope_factors: str | None = None  # per-frequency RoPE factor tensor other than rope_freqs (long-RoPE)
     rope_mscale: float = 1.0  # long-RoPE attention factor on cos/sin
+    # tensor parallelism: (rank, world). A rank's graph holds its share of the attention heads and
+    # of the MLP's hidden columns, and sums the output and down projections over the ranks
+    # (all_reduce); (0, 1) is the whole model
+    shard: tuple[int, int] = (0, 1)
 
     @property
     def q_dim(self) -> int:

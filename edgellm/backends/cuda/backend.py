@@ -195,6 +195,8 @@ def residual_stream(graph: Graph) -> set[str]:
     for op in graph.ops:
         if op.kind == "add_rms_norm":
             wide.update((op.outputs[0], op.inputs[0], op.inputs[1]))
+        elif op.kind in ("all_reduce", "all_gather"):  # a tensor-parallel rank's partial (of the stream's
+            wide.update((op.inputs[0], op.outputs[0]))  # next term; of the logits) and the whole
     changed = True
     while changed:  # forward through the ops that carry the stream on
         changed = False
@@ -255,6 +257,7 @@ class CudaProgram:
         if self.rows_mode:  # first: the decode fusions below see which projections it stacks
             self._plan_rows_fusions()
         self._plan_decode_fusions()
+        self._one_shot = self._plan_all_reduce()
         # attention splits of the current step (from the host's sequence length, see _set_context)
         self._splits = 1
         self._split_cap: int | None = None
@@ -478,7 +481,7 @@ class CudaProgram:
         # the output projection stays on the float path: int8 activations cost up to ~0.3 logits
         # there (measured on SmolLM2), enough to flip a close argmax; inside the blocks the error
         # averages out
-        if op.kind == "linear" and op.outputs[0] in self.graph.outputs:
+        if op.kind == "linear" and (op.outputs[0] in self.graph.outputs or op.name == "output"):
             return False
         return _use_act_int8(self._linear_weight(op, W))
 
@@ -525,6 +528,8 @@ class CudaProgram:
             return self._lower_rows_qkv(op)
         if kind in ("linear", "linear_qkv", "linear_swiglu"):
             return self._lower_linear(op)
+        if kind in ("all_reduce", "all_gather"):
+            return self._lower_all_reduce(op)
         if kind == "swiglu":
             return lambda env, s, c: K.silu_mul(env[ins[0]], env[ins[1]], out=env[outs[0]], act=a.get("act", "silu"))
         if kind in ("gelu", "scale", "softcap"):
@@ -762,6 +767,95 @@ class CudaProgram:
             else:
                 K.linear(x, w, out=out, act_int8=i8, xq=xq, config=cfg)
         return tuner.pick("gemv", key, cands, default, run)
+
+    def _plan_all_reduce(self) -> dict:
+        """A tensor-parallel rank's collectives (edgellm/backends/cuda/collective.py), op name ->
+        the one-shot form where it runs, its input written by its producer straight into the
+        symmetric buffer (kept out of the arena):
+        - the all_reduces of the layers (two a layer), sharing two alternating buffers;
+        - the gather of a one-row step's logits: each rank's head writes its share of the vocabulary
+          into its block of a zeroed buffer as wide as the vocabulary, and the one-shot sum of the
+          ranks' buffers is every block in place (x + 0 is exact).
+        Ops without one fall back to torch.distributed (see _lower_all_reduce)."""
+        import torch.distributed as dist
+
+        ars = [op for op in self.graph.ops if op.kind == "all_reduce"]
+        gathers = [op for op in self.graph.ops if op.kind == "all_gather"]
+        if not ars and not gathers:
+            return {}
+        if not (dist.is_available() and dist.is_initialized()):
+            op = (ars or gathers)[0]
+            raise GraphError(f"cuda: op '{op.name}' ({op.kind}) needs torch.distributed initialised "
+                             "(a tensor-parallel rank: edgellm.hetero.distributed.load_rank)")
+        from .collective import one_shot
+
+        readers: dict[str, int] = {}
+        for op in self.graph.ops:
+            for t in op.inputs:
+                readers[t] = readers.get(t, 0) + 1
+
+        def alone(op):  # the input is read by this op only, and is no output of the program
+            return readers.get(op.inputs[0]) == 1 and op.inputs[0] not in self.graph.outputs
+
+        def width(op):
+            return int(self.graph.tensors[op.inputs[0]].concrete_shape(seq=1, ctx=1)[-1])
+
+        shots = {}
+        # a buffer is written again two all_reduces later: each input must be read by its op alone
+        if ars and len({width(op) for op in ars}) == 1 and all(alone(op) for op in ars):
+            shot = one_shot(self.dev, self.max_seq, width(ars[0]), len(ars))
+            if shot is not None:
+                for k, op in enumerate(ars):
+                    self._own_buffers[op.inputs[0]] = shot.buffer(k)
+                    shots[op.name] = shot
+        for op in gathers:
+            rows = self.graph.tensors[op.inputs[0]].concrete_shape(seq=self.max_seq, ctx=1)[0]
+            if rows != 1 or not alone(op):  # several rows: the share is no contiguous block
+                continue
+            n, world = width(op), int(op.attrs["world"])
+            shot = one_shot(self.dev, 1, n * world, 1)
+            if shot is not None:
+                whole = shot.buffer(0)
+                whole.zero_()
+                rank = dist.get_rank()
+                self._own_buffers[op.inputs[0]] = whole[:, rank * n:(rank + 1) * n]
+                shots[op.name] = shot
+        return shots
+
+    def _lower_all_reduce(self, op: Op) -> Callable:
+        """A tensor-parallel rank's collective (float32: the residual stream's precision, and the
+        logits'), inside the step's CUDA graph like any kernel: the one-shot form reading every
+        rank's symmetric buffer (see _plan_all_reduce), or torch.distributed's (NCCL; gloo on the
+        interpreter's CPU tensors; the first, uncaptured run of each shape creates the
+        communicator): all_reduce on a copy in the output's buffer; all_gather as the all_reduce
+        of the output with this rank's block in place and zeros elsewhere (exact; NCCL's own
+        all_gather captured in the graphs left the ranks hanging in destroy_process_group on the
+        H200 pair, 2026-11-26, where its all_reduce did not)."""
+        import torch.distributed as dist
+
+        src, dst = op.inputs[0], op.outputs[0]
+        shot = self._one_shot.get(op.name)
+        if shot is not None:
+            if op.kind == "all_gather":
+                whole = shot.buffer(0)
+                return lambda env, s, c: shot(whole, env[dst])
+            return lambda env, s, c: shot(env[src], env[dst])
+        if op.kind == "all_gather":
+            rank = dist.get_rank()
+
+            def run_all_gather(env, s, c):
+                x, out = env[src], env[dst]
+                n = x.shape[1]
+                out.zero_()
+                out[:, rank * n:(rank + 1) * n].copy_(x)
+                dist.all_reduce(out)
+            return run_all_gather
+
+        def run_all_reduce(env, s, c):
+            out = env[dst]
+            out.copy_(env[src])
+            dist.all_reduce(out)
+        return run_all_reduce
 
     def _delegate_to_cpu(self, op: Op) -> Callable:
         """An op this backend does not support runs on the cpu backend's reference kernel: its
