@@ -113,3 +113,24 @@ def test_plan_gpus_weighs_tensor_parallel_against_the_all_reduce(tmp_path):
     assert fast["tensor"]["predicted_decode_s"] == pytest.approx(free + link, rel=1e-6)
     p.links["all_reduce*2"] = Link(1e-3, 1e12)  # a slow link: two of them a layer cost more than they save
     assert plan_gpus(str(path), gpus, ctx=64, prefill=16, profile=p, gpu_memory="1GiB")["mode"] == "pipeline"
+
+
+def test_plan_devices_of_two_gpus_prints_both_splits(tiny, tmp_path, monkeypatch):
+    """`edgellm plan --devices cuda:0,cuda:1` (a stored profile: no GPU needed) answers tensor parallel
+    or pipelined with both predictions; the JSON's pick is the one the text names."""
+    monkeypatch.setenv("EDGELLM_CACHE_DIR", str(tmp_path))
+    p = Profile()
+    for g in ("cuda:0", "cuda:1"):
+        p.processors[g] = ProcessorModel(g, 2e9, 4e12, 1e-9)
+    p.links["all_reduce*2"] = Link(1e-7, 1e12)
+    save_profile(p)
+    cmd = [sys.executable, "-m", "edgellm", "plan", str(tiny), "--devices", "cuda:0,cuda:1", "--gpu-memory", "1GiB",
+           "--ctx", "64", "--prefill", "16"]
+    r = subprocess.run(cmd + ["--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["mode"] == "tensor" and d["gpus"] == ["cuda:0", "cuda:1"]
+    assert 0 < d["tensor"]["predicted_decode_s"] < d["pipeline"]["predicted_decode_s"]
+    assert d["tensor"]["all_reduce_link"]["measured"] is True
+    text = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert text.returncode == 0 and "tensor parallel" in text.stdout.splitlines()[0], text.stdout + text.stderr

@@ -218,7 +218,8 @@ def render(p: dict) -> str:
 def render_gpus(p: dict) -> str:
     t, pipe = p["tensor"], p["pipeline"]
     link = t["all_reduce_link"]
-    lines = [f"{p['model']} (ctx {p['ctx']}) over {', '.join(p['gpus'])}: {p['mode']} parallel",
+    pick = "tensor parallel" if p["mode"] == "tensor" else "whole layers on " + ", ".join(r["on"] for r in pipe["runs"])
+    lines = [f"{p['model']} (ctx {p['ctx']}) over {', '.join(p['gpus'])}: {pick}",
              f"  tensor parallel: predicted decode {t['predicted_decode_s'] * 1e3:.2f} ms/token, prefill of "
              f"{p['prefill']} tokens {t['predicted_prefill_s'] * 1e3:.1f} ms; {t['memory_per_gpu'] / 2**30:.2f} GiB a GPU; "
              f"{t['collectives_per_token']} collectives a step at {link['latency_s'] * 1e6:.1f} us"
@@ -250,7 +251,7 @@ def run_plan_args(args, path: str) -> str | None:
         if args.profile:
             measure_processors(path, procs, load_profile(), ctx=args.ctx or 1024, prefill=min(args.prefill, 512),
                                force=True)
-        p = plan_gpus(path, procs, ctx=args.ctx, prefill=args.prefill)
+        p = plan_gpus(path, procs, ctx=args.ctx, prefill=args.prefill, gpu_memory=args.gpu_memory)
     else:
         p = plan_split(path, gpu_memory=args.gpu_memory, devices=args.devices, ctx=args.ctx, prefill=args.prefill,
                        splits=args.splits, measure=args.profile)
