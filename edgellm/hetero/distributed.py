@@ -55,11 +55,7 @@ class DistProgram:
         self.graph, self.b = graph, backend
         self.segments = split_segments(graph, backend.placement)
         producer = {o: k for k, s in enumerate(self.segments) for i in s.ops for o in graph.ops[i].outputs}
-        # crossing activations in the order the graph makes them: every pair of ranks sends and
-        # receives in that order (NCCL matches point-to-point calls by order, not by tag)
-        made = {o: i for i, op in enumerate(graph.ops) for o in op.outputs}
-        crossing = sorted({t for s in self.segments for t in s.inputs if graph.tensors[t].kind == "activation"},
-                          key=made.__getitem__)
+        crossing = sorted({t for s in self.segments for t in s.inputs if graph.tensors[t].kind == "activation"})
         self.tag = {t: n for n, t in enumerate(crossing)}
         self.owner = {t: _rank(self.segments[producer[t]].processor) for t in crossing}
         self.consumers = {t: sorted({_rank(s.processor) for s in self.segments if t in s.inputs}) for t in crossing}
@@ -81,7 +77,7 @@ class DistProgram:
             if prog is None:
                 continue
             feed = {}
-            for t in sorted(seg.inputs, key=lambda t: self.tag.get(t, -1)):
+            for t in seg.inputs:
                 if t not in env:  # from another rank
                     shape = self.graph.tensors[t].concrete_shape(seq=seq, ctx=self.b.ctx)
                     buf = torch.empty(shape, dtype=torch.float32, device=dev)
@@ -90,10 +86,13 @@ class DistProgram:
                 feed[t] = env[t]
             out = prog.run(feed)
             env.update(out)
-            for t in sorted(seg.outputs, key=lambda t: self.tag.get(t, -1)):
+            for t in seg.outputs:
                 for c in self.consumers.get(t, ()):
                     if c != me:
-                        pending.append(dist.isend(out[t].float().contiguous(), dst=c, tag=self.tag[t]))
+                        # a copy (the program's buffer is the arena's, which later segments reuse while
+                        # the send may still read it), kept alive here until the send is done
+                        sent = out[t].to(torch.float32, copy=True).contiguous()
+                        pending.append((dist.isend(sent, dst=c, tag=self.tag[t]), sent))
         name = self.graph.outputs[0]
         if me == self.head_rank:
             logits = env[name].float().contiguous()
@@ -101,8 +100,8 @@ class DistProgram:
             shape = self.graph.tensors[name].concrete_shape(seq=seq, ctx=self.b.ctx)
             logits = torch.empty(shape, dtype=torch.float32, device=dev)
         dist.broadcast(logits, src=self.head_rank)
-        for w in pending:
-            w.wait()
+        for work, _sent in pending:
+            work.wait()
         return {name: logits}
 
 
