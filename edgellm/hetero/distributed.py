@@ -55,7 +55,12 @@ class DistProgram:
         self.graph, self.b = graph, backend
         self.segments = split_segments(graph, backend.placement)
         producer = {o: k for k, s in enumerate(self.segments) for i in s.ops for o in graph.ops[i].outputs}
-        crossing = sorted({t for s in self.segments for t in s.inputs if graph.tensors[t].kind == "activation"})
+        # crossing activations in the order the graph makes them (by name among one op's outputs):
+        # every rank derives the same tags, and each pair of ranks sends and receives in tag order,
+        # as NCCL needs (it pairs point-to-point calls by order; gloo by tag)
+        made = {o: i for i, op in enumerate(graph.ops) for o in op.outputs}
+        crossing = sorted({t for s in self.segments for t in s.inputs if graph.tensors[t].kind == "activation"},
+                          key=lambda t: (made[t], t))
         self.tag = {t: n for n, t in enumerate(crossing)}
         self.owner = {t: _rank(self.segments[producer[t]].processor) for t in crossing}
         self.consumers = {t: sorted({_rank(s.processor) for s in self.segments if t in s.inputs}) for t in crossing}
@@ -77,7 +82,7 @@ class DistProgram:
             if prog is None:
                 continue
             feed = {}
-            for t in seg.inputs:
+            for t in sorted(seg.inputs, key=lambda t: self.tag.get(t, -1)):
                 if t not in env:  # from another rank
                     shape = self.graph.tensors[t].concrete_shape(seq=seq, ctx=self.b.ctx)
                     buf = torch.empty(shape, dtype=torch.float32, device=dev)
@@ -86,7 +91,7 @@ class DistProgram:
                 feed[t] = env[t]
             out = prog.run(feed)
             env.update(out)
-            for t in seg.outputs:
+            for t in sorted(seg.outputs, key=lambda t: self.tag.get(t, -1)):
                 for c in self.consumers.get(t, ()):
                     if c != me:
                         # a copy (the program's buffer is the arena's, which later segments reuse while
