@@ -315,7 +315,8 @@ class CpuFastProgram(CpuProgram):
             if op.kind in _WEIGHT_SLOTS:
                 self.prepare_product(self._weight_names(op))
 
-    # the matrix products (one place that says how a product reads its packed weights)
+    # the matrix products, overridable: the executor's row splits (edgellm/hetero/executor.py)
+    # replace `product` with one that multiplies a share of the rows here and the rest elsewhere
     def prepare_product(self, names: tuple[str, ...]) -> None:
         self.weights.pack(names)
 

@@ -7,10 +7,11 @@ order never deadlock), and the logits are broadcast from the rank of the head, s
 samples the same token. Written for any number of ranks.
 
 Tensor placement (--mode tensor): every process runs the whole graph on its share of each layer
-(ModelConfig.shard: its attention heads, KV heads and cache, its MLP columns; edgellm.models.blocks)
-and the output and down projections' partial sums meet in an all_reduce, two a layer; norms,
-embedding and head are whole on every rank, so every rank computes the same logits and token.
-On GPUs the all_reduces are NCCL calls captured in each step's CUDA graph.
+(ModelConfig.shard: its attention heads, KV heads and cache, its MLP columns, its vocabulary rows
+of the head; edgellm.models.blocks); the output and down projections' partial sums meet in an
+all_reduce, two a layer, and the logits in an all_gather, so every rank computes the same logits
+and token. On GPUs the collectives run inside each step's CUDA graph
+(edgellm/backends/cuda/collective.py).
 
     python -m edgellm.hetero.distributed --devices cuda:0,cuda:1 -m model.gguf "prompt"   # a launcher
     python -m edgellm.hetero.distributed --devices cuda:0,cuda:1 --mode tensor -m model.gguf "prompt"
@@ -142,9 +143,9 @@ class DistBackend:
         return f"rank {self.rank} of a pipeline ({self.local.describe()}): {len(mine)} units"
 
 
-def local_backend(device: str, backend: str | None = None):
+def local_backend(device: str):
     """A factory f(file) -> this rank's backend on its own processor: cuda on 'cuda:N' (that
-    device made current), cpu-fast (or `backend`) on 'cpu'."""
+    device made current), cpu-fast on 'cpu'."""
     if device.startswith("cuda"):
         from ..backends.cuda.backend import CudaBackend
 
@@ -153,7 +154,7 @@ def local_backend(device: str, backend: str | None = None):
         return CudaBackend
     from ..backends import get_backend
 
-    return get_backend(backend or "cpu-fast")
+    return get_backend("cpu-fast")
 
 
 def load_rank(path, rank: int, world: int, devices: list[str], placement: dict[str, str] | None = None,

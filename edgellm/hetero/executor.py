@@ -153,7 +153,7 @@ def _split_products(prog, backend: "SplitBackend", splits: dict) -> None:
         if unit not in splits:
             return own(names, x)
         main, share, other = splits[unit]
-        n = sum(prog.weights.file.tensors[t].shape[0] for t in names)
+        n = sum(prog.weights.file.shape_of(t)[1][0] for t in names)
         cut = max(1, min(n - 1, int(round(n * share))))
         there = backend.processor(other).weights
         fut = pool.submit(lambda: there.pack(names, rows=(cut, n))(x))
@@ -168,7 +168,7 @@ def _split_products(prog, backend: "SplitBackend", splits: dict) -> None:
                 u = "blk." + names[0].split(".")[1]
                 if u in splits:
                     main, share, other = splits[u]
-                    n = sum(prog.weights.file.tensors[t].shape[0] for t in names)
+                    n = sum(prog.weights.file.shape_of(t)[1][0] for t in names)
                     cut = max(1, min(n - 1, int(round(n * share))))
                     prog.weights.pack(names, rows=(0, cut))
                     backend.processor(other).weights.pack(names, rows=(cut, n))

@@ -276,8 +276,7 @@ def profile_all_reduce(profile: Profile, d_model: int, rows: int = 512) -> Profi
         return (time.perf_counter() - t0) / n
 
     lat, t_big = timed(1, 200), timed(rows, 20)
-    big = src
-    profile.links[f"all_reduce*{world}"] = Link(lat, big.numel() * 4 / max(t_big - lat, 1e-9))
+    profile.links[f"all_reduce*{world}"] = Link(lat, rows * d_model * 4 / max(t_big - lat, 1e-9))
     return profile
 
 

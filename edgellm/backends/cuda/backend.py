@@ -257,7 +257,7 @@ class CudaProgram:
         if self.rows_mode:  # first: the decode fusions below see which projections it stacks
             self._plan_rows_fusions()
         self._plan_decode_fusions()
-        self._one_shot = self._plan_all_reduce()
+        self._shots = self._plan_collectives()
         # attention splits of the current step (from the host's sequence length, see _set_context)
         self._splits = 1
         self._split_cap: int | None = None
@@ -529,7 +529,7 @@ class CudaProgram:
         if kind in ("linear", "linear_qkv", "linear_swiglu"):
             return self._lower_linear(op)
         if kind in ("all_reduce", "all_gather"):
-            return self._lower_all_reduce(op)
+            return self._lower_collective(op)
         if kind == "swiglu":
             return lambda env, s, c: K.silu_mul(env[ins[0]], env[ins[1]], out=env[outs[0]], act=a.get("act", "silu"))
         if kind in ("gelu", "scale", "softcap"):
@@ -768,7 +768,7 @@ class CudaProgram:
                 K.linear(x, w, out=out, act_int8=i8, xq=xq, config=cfg)
         return tuner.pick("gemv", key, cands, default, run)
 
-    def _plan_all_reduce(self) -> dict:
+    def _plan_collectives(self) -> dict:
         """A tensor-parallel rank's collectives (edgellm/backends/cuda/collective.py), op name ->
         the one-shot form where it runs, its input written by its producer straight into the
         symmetric buffer (kept out of the arena):
@@ -776,7 +776,7 @@ class CudaProgram:
         - the gather of a one-row step's logits: each rank's head writes its share of the vocabulary
           into its block of a zeroed buffer as wide as the vocabulary, and the one-shot sum of the
           ranks' buffers is every block in place (x + 0 is exact).
-        Ops without one fall back to torch.distributed (see _lower_all_reduce)."""
+        Ops without one fall back to torch.distributed (see _lower_collective)."""
         import torch.distributed as dist
 
         ars = [op for op in self.graph.ops if op.kind == "all_reduce"]
@@ -822,10 +822,10 @@ class CudaProgram:
                 shots[op.name] = shot
         return shots
 
-    def _lower_all_reduce(self, op: Op) -> Callable:
+    def _lower_collective(self, op: Op) -> Callable:
         """A tensor-parallel rank's collective (float32: the residual stream's precision, and the
         logits'), inside the step's CUDA graph like any kernel: the one-shot form reading every
-        rank's symmetric buffer (see _plan_all_reduce), or torch.distributed's (NCCL; gloo on the
+        rank's symmetric buffer (see _plan_collectives), or torch.distributed's (NCCL; gloo on the
         interpreter's CPU tensors; the first, uncaptured run of each shape creates the
         communicator): all_reduce on a copy in the output's buffer; all_gather as the all_reduce
         of the output with this rank's block in place and zeros elsewhere (exact; NCCL's own
@@ -834,7 +834,7 @@ class CudaProgram:
         import torch.distributed as dist
 
         src, dst = op.inputs[0], op.outputs[0]
-        shot = self._one_shot.get(op.name)
+        shot = self._shots.get(op.name)
         if shot is not None:
             if op.kind == "all_gather":
                 whole = shot.buffer(0)
