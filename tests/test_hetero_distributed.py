@@ -93,16 +93,20 @@ TP_SPECS = {
                               vocab_size=256, seed=13),  # fused q|k|v and gate|up tensors
     "gemma3-q8_0": SyntheticSpec(arch="gemma3", n_layers=2, d_model=128, n_heads=4, n_kv_heads=2, ffn_dim=256,
                                  weight_type="Q8_0", vocab_size=256, seed=14),  # q/k norms, post norms
+    # 3 KV heads over 2 ranks: 2 and 1 (4 and 2 query heads; Wo's columns 128 and 64, Q8_0 blocks)
+    "llama-uneven-q8_0": SyntheticSpec(n_layers=2, d_model=192, n_heads=6, n_kv_heads=3, ffn_dim=128,
+                                       weight_type="Q8_0", vocab_size=256, seed=15),
 }
 
 
 @pytest.mark.parametrize("backend,spec", [("cpu", "qwen2-q4_1"), ("cpu-fast", "qwen2-q4_1"), ("cpu", "phi3-f32"),
-                                          ("cpu", "gemma3-q8_0"), ("cuda", "qwen2-q4_1"),
-                                          ("cuda", "gemma3-q8_0")])
+                                          ("cpu", "gemma3-q8_0"), ("cpu", "llama-uneven-q8_0"),
+                                          ("cuda", "qwen2-q4_1"), ("cuda", "gemma3-q8_0"),
+                                          ("cuda", "llama-uneven-q8_0")])
 def test_two_process_tensor_parallel_equals_single_process(tmp_path, monkeypatch, backend, spec):
-    """Each rank holds half the heads, half the KV cache and half the MLP columns; the all_reduced
-    logits equal the float32 reference's in one process (cuda: the Triton kernels, through the
-    interpreter on a CPU)."""
+    """Each rank holds its KV heads (half, or 2 of 3 and 1 of 3), their query heads and cache, and
+    half the MLP columns; the all_reduced logits equal the float32 reference's in one process
+    (cuda: the Triton kernels, through the interpreter on a CPU)."""
     if backend == "cuda":
         import torch
 
@@ -115,8 +119,9 @@ def test_two_process_tensor_parallel_equals_single_process(tmp_path, monkeypatch
     ref, kv_dim = _logits_and_steps(m), m.states["cache.k.0"].shape[1]
     del m
     mp.spawn(_tp_rank_main, args=(2, str(path), str(tmp_path), backend), nprocs=2, join=True)
-    for r in range(2):
-        assert int(np.load(tmp_path / f"cache{r}.npy")[0]) == kv_dim // 2  # each rank caches its own heads
+    kv_heads, hd = TP_SPECS[spec].n_kv_heads, kv_dim // TP_SPECS[spec].n_kv_heads
+    for r in range(2):  # each rank caches its own KV heads: rank 0 the extra one of an odd count
+        assert int(np.load(tmp_path / f"cache{r}.npy")[0]) == (kv_heads // 2 + (r < kv_heads % 2)) * hd
         got = np.load(tmp_path / f"rank{r}.npy")
         # the reference's own products over fewer columns, summed across ranks: equal up to the
         # summation order; cpu-fast (bfloat16 activations) and cuda (float16) within the bounds of
@@ -132,8 +137,11 @@ def test_tensor_parallel_shares_must_divide(tmp_path):
     from edgellm.errors import EdgeLLMError
 
     odd = write_synthetic_gguf(tmp_path / "odd.gguf", SyntheticSpec(n_heads=3, n_kv_heads=1, d_model=96))
-    with pytest.raises(EdgeLLMError, match="attention heads \\(3\\) to divide"):
+    with pytest.raises(EdgeLLMError, match="over 2 ranks needs a KV head for each rank \\(the model has 1\\)"):
         edgellm.load(odd, backend="cpu", ctx=16, shard=(0, 2), warmup=False)
+    mlp = write_synthetic_gguf(tmp_path / "mlp.gguf", SyntheticSpec(n_heads=4, n_kv_heads=4, ffn_dim=128))
+    with pytest.raises(EdgeLLMError, match="over 3 ranks needs the MLP width \\(128\\) to divide"):
+        edgellm.load(mlp, backend="cpu", ctx=16, shard=(0, 3), warmup=False)
     # 4 heads of 32: each of 4 ranks' 32 inputs of Wo are one Q8_0 block, but 64 MLP columns over
     # 4 ranks cut Wdown's rows into 16-column pieces, half a block
     cut = write_synthetic_gguf(tmp_path / "cut.gguf", SyntheticSpec(weight_type="Q8_0", d_model=128, n_heads=4,
@@ -189,16 +197,17 @@ def _tp_greedy_rank(rank, world, path, out_dir):
 
 def test_tensor_parallel_greedy_on_the_default_model_equals_one_process(tmp_path, default_model_path):
     """The trained default model (SmolLM2-135M: 9 heads, 3 KV heads, MLP 1,536, vocabulary 49,152)
-    split over 3 ranks on the float32 reference backend: the greedy answers to three chat prompts
-    are one process's, token for token (cpu-fast's bfloat16 activations round the split sums
-    differently and drift apart within 24 tokens on two of them)."""
+    split over 2 ranks (2 KV heads and 6 query heads on rank 0, 1 and 3 on rank 1) on the float32
+    reference backend: the greedy answers to three chat prompts are one process's, token for token
+    (cpu-fast's bfloat16 activations round the split sums differently and drift apart within 24
+    tokens on two of them)."""
     import edgellm
     from edgellm.sampling import SamplingParams
 
     m = edgellm.load(default_model_path, backend="cpu", ctx=256)
     ref = [list(m.generate_tokens(m.prompt_tokens(p), 24, SamplingParams(temperature=0))) for p in CHAT_PROMPTS]
     del m
-    mp.spawn(_tp_greedy_rank, args=(3, str(default_model_path), str(tmp_path)), nprocs=3, join=True)
-    for r in range(3):
+    mp.spawn(_tp_greedy_rank, args=(2, str(default_model_path), str(tmp_path)), nprocs=2, join=True)
+    for r in range(2):
         got = json.loads((tmp_path / f"greedy{r}.json").read_text())
         assert got == ref, f"rank {r}: {got} != {ref}"

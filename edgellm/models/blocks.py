@@ -11,10 +11,12 @@ qnorm/knorm (per-head RMSNorm), post_norm, the sliding window, the per-layer RoP
 softcap are present only where the family has them.
 
 Tensor parallelism (ModelConfig.shard = (rank, world), Megatron's split): a rank's graph holds
-its share of the heads (rows of Wq, Wk, Wv: n_heads/world query heads, n_kv_heads/world KV heads
-and their caches) and of the MLP's hidden columns (rows of Wgate, Wup; columns of Wdown), and the
+its share of the heads (rows of Wq, Wk, Wv: its KV heads, their caches and the query heads that
+read them) and of the MLP's hidden columns (rows of Wgate, Wup; columns of Wdown), and the
 matching columns of Wo; the output and down projections' partial sums meet in an all_reduce, so
 norms, residual stream, embedding and head are whole on every rank. Two all_reduces a layer.
+KV heads that do not divide among the ranks are shared as evenly as they go (SmolLM2-135M's 3
+over 2 ranks: 2 and 1, with 6 and 3 query heads); the MLP width must divide.
 """
 
 from __future__ import annotations
@@ -42,9 +44,15 @@ class Builder:
             raise ValueError(f"kv_chunk must be a positive number of tokens, got {kv_chunk!r}")
         self.cfg, self.f, self.kv_chunk = cfg, f, kv_chunk
         self.rank, self.world = shard_of(cfg)
-        # this rank's heads (the whole model's when world is 1)
-        self.heads, self.kv_heads = cfg.n_heads // self.world, cfg.n_kv_heads // self.world
+        # this rank's heads (the whole model's when world is 1) and its rows of each projection
+        lo, hi = share(cfg.n_kv_heads, self.rank, self.world)
+        group, hd = cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
+        self.heads, self.kv_heads = group * (hi - lo), hi - lo
         self.kv_dim = self.kv_heads * cfg.head_dim
+        f = share(cfg.ffn_dim, self.rank, self.world)
+        self.spans = {"attn_q": (group * lo * hd, group * hi * hd), "attn_k": (lo * hd, hi * hd),
+                      "attn_v": (lo * hd, hi * hd), "attn_output": (group * lo * hd, group * hi * hd),
+                      "ffn_gate": f, "ffn_up": f, "ffn_down": f}
         self.g = Graph(f"{cfg.arch}-{logits}", meta={"arch": cfg.arch, "logits": logits})
         if self.world > 1:
             self.g.meta["shard"] = [self.rank, self.world]
@@ -55,31 +63,29 @@ class Builder:
         else:
             self.start = self.g.input("start_pos", (), "i32")
 
-    def w(self, name: str, share: str = "") -> str:
+    def w(self, name: str, part: str = "") -> str:
         """A graph weight for a stored tensor: whole, or (tensor parallelism) this rank's share of
-        its rows (share='rows') or columns (share='cols')."""
+        the projection `part` (a key of self.spans): rows of Wq/Wk/Wv/Wgate/Wup and of their biases,
+        columns of Wo and Wdown."""
         t = self.f.tensors[name]
-        if self.world == 1 or not share:
+        if self.world == 1 or not part:
             return self.g.weight(name, t.shape, storage=t.type_name)
-        axis = 0 if share == "rows" else 1
-        n = t.shape[axis] // self.world
-        a, b = self.rank * n, (self.rank + 1) * n
-        if share == "rows":
-            return self.g.weight(name, (n,) + tuple(t.shape[1:]), storage=t.type_name, source=row_slice(name, a, b))
-        return self.g.weight(name, (t.shape[0], n), storage=t.type_name, source=col_slice(name, a, b))
+        a, b = self.spans[part]
+        if part in ("attn_output", "ffn_down"):
+            return self.g.weight(name, (t.shape[0], b - a), storage=t.type_name, source=col_slice(name, a, b))
+        return self.g.weight(name, (b - a,) + tuple(t.shape[1:]), storage=t.type_name, source=row_slice(name, a, b))
 
     def rows(self, name: str, prefix: str, parts: dict[str, int]) -> dict[str, str]:
         """Graph weights prefix+part+'.weight' for consecutive row blocks of one stored tensor
         (fused q|k|v, gate|up): each reads its rows of the file's tensor (GGUFFile.tensor), so the
         graph is the one an unfused file gives and the fusion passes apply unchanged. parts: each
-        part's rows in the file; a tensor-parallel rank reads its share of each."""
+        part's rows in the file; a tensor-parallel rank reads its share of each (self.spans)."""
         t = self.f.tensors[name]
         out, at = {}, 0
         for part, n in parts.items():
-            share = n // self.world
-            a = at + self.rank * share
-            out[part] = self.g.weight(f"{prefix}{part}.weight", (share,) + tuple(t.shape[1:]), storage=t.type_name,
-                                      source=row_slice(name, a, a + share))
+            a, b = self.spans[part] if self.world > 1 else (0, n)
+            out[part] = self.g.weight(f"{prefix}{part}.weight", (b - a,) + tuple(t.shape[1:]), storage=t.type_name,
+                                      source=row_slice(name, at + a, at + b))
             at += n
         if at != t.shape[0]:
             raise ValueError(f"tensor '{name}' has {t.shape[0]} rows, the parts {parts} {at}")
@@ -105,12 +111,12 @@ class Builder:
         if cfg.fused_qkv:
             ws = self.rows(b + "attn_qkv.weight", b, {"attn_q": cfg.q_dim, "attn_k": cfg.kv_dim, "attn_v": cfg.kv_dim})
         else:
-            ws = {f"attn_{p}": self.w(b + f"attn_{p}.weight", "rows") for p in "qkv"}
+            ws = {f"attn_{p}": self.w(b + f"attn_{p}.weight", f"attn_{p}") for p in "qkv"}
         proj = {}
         for p in "qkv":
             proj[p] = g.op("linear", n, ws[f"attn_{p}"], name=b + f"attn_{p}")
             if cfg.attn_bias:
-                proj[p] = g.op("add", proj[p], self.w(b + f"attn_{p}.bias", "rows"), name=b + f"attn_{p}_bias")
+                proj[p] = g.op("add", proj[p], self.w(b + f"attn_{p}.bias", f"attn_{p}"), name=b + f"attn_{p}_bias")
         if cfg.qk_norm:  # per head: the weight has head_dim entries
             for p in "qk":
                 proj[p] = self.norm(proj[p], b + f"attn_{p}_norm.weight", b + f"attn_{p}_norm")
@@ -143,7 +149,7 @@ class Builder:
         if window:
             attrs["window"] = window
         a = g.op("attention" + suffix, q, kc, vc, *where, name=b + "attn", **attrs)
-        o = g.op("linear", a, self.w(b + "attn_output.weight", "cols"), name=b + "attn_output")
+        o = g.op("linear", a, self.w(b + "attn_output.weight", "attn_output"), name=b + "attn_output")
         return self.all_reduce(o, b + "attn_output_sum")
 
     def mlp(self, i: int, m: str) -> str:
@@ -152,13 +158,13 @@ class Builder:
             ws = self.rows(b + "ffn_up.weight", b, {"ffn_gate": cfg.ffn_dim, "ffn_up": cfg.ffn_dim})
             wg, wu = ws["ffn_gate"], ws["ffn_up"]
         else:
-            wg, wu = self.w(b + "ffn_gate.weight", "rows"), self.w(b + "ffn_up.weight", "rows")
+            wg, wu = self.w(b + "ffn_gate.weight", "ffn_gate"), self.w(b + "ffn_up.weight", "ffn_up")
         gate = g.op("linear", m, wg, name=b + "ffn_gate")
         up = g.op("linear", m, wu, name=b + "ffn_up")
         act_kind = {"silu": "silu", "gelu_tanh": "gelu"}[cfg.mlp_act]
         act_attrs = {"approximate": "tanh"} if act_kind == "gelu" else {}
         act = g.op("mul", g.op(act_kind, gate, name=b + f"ffn_{act_kind}", **act_attrs), up, name=b + "ffn_mul")
-        down = g.op("linear", act, self.w(b + "ffn_down.weight", "cols"), name=b + "ffn_down")
+        down = g.op("linear", act, self.w(b + "ffn_down.weight", "ffn_down"), name=b + "ffn_down")
         return self.all_reduce(down, b + "ffn_down_sum")
 
     def layer(self, i: int, x: str, rope_freqs: str | None) -> str:
@@ -209,17 +215,32 @@ class Builder:
 
 
 def shard_of(cfg: ModelConfig) -> tuple[int, int]:
-    """(rank, world) of the config's tensor parallelism, checked: the heads, the KV heads and the
-    MLP width divide among the ranks (column blocks of the stored formats are checked where the
-    file's tensor is cut, GGUFFile.tensor)."""
+    """(rank, world) of the config's tensor parallelism, checked: every rank gets a KV head (the
+    KV heads are shared as evenly as they go, each with its query heads) and the MLP width divides
+    among the ranks (column blocks of the stored formats are checked where the file's tensor is
+    cut, GGUFFile.tensor)."""
     rank, world = cfg.shard
     if world < 1 or not 0 <= rank < world:
         raise GraphError(f"tensor parallel shard {cfg.shard}: expected (rank, world) with 0 <= rank < world")
-    for what, n in (("attention heads", cfg.n_heads), ("KV heads", cfg.n_kv_heads), ("MLP width", cfg.ffn_dim)):
-        if n % world:
-            raise GraphError(f"{cfg.name or cfg.arch}: tensor parallelism over {world} ranks needs the {what} "
-                             f"({n}) to divide among them")
+    name = cfg.name or cfg.arch
+    if world > 1 and cfg.n_heads % cfg.n_kv_heads:
+        raise GraphError(f"{name}: tensor parallelism needs the attention heads ({cfg.n_heads}) to be a multiple "
+                         f"of the KV heads ({cfg.n_kv_heads})")
+    if cfg.n_kv_heads < world:
+        raise GraphError(f"{name}: tensor parallelism over {world} ranks needs a KV head for each rank "
+                         f"(the model has {cfg.n_kv_heads})")
+    if cfg.ffn_dim % world:
+        raise GraphError(f"{name}: tensor parallelism over {world} ranks needs the MLP width ({cfg.ffn_dim}) "
+                         "to divide among them")
     return rank, world
+
+
+def share(n: int, rank: int, world: int) -> tuple[int, int]:
+    """Rank's share [lo, hi) of n units split as evenly as they go (the first n % world ranks one
+    more)."""
+    base, extra = divmod(n, world)
+    lo = rank * base + min(rank, extra)
+    return lo, lo + base + (rank < extra)
 
 
 def rows_stage_unsupported(cfg: ModelConfig) -> str:
