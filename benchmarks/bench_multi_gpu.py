@@ -6,7 +6,10 @@
 Per file (the preset's shape with random weights, written once, `fast`):
 1. the all_reduce a tensor-parallel step makes, timed on these GPUs (captured in a CUDA graph, as the
    engine runs it), and the solver's choice from it (edgellm.hetero.plan.plan_gpus);
-2. edgellm on one GPU, tensor parallel over --gpus and pipelined over --gpus (layers in even runs),
+0. a trained model (--chat-check, the embedded default one): its greedy answers to three chat
+   prompts on one GPU and tensor parallel over --gpus (equal or not);
+2. edgellm on one GPU, tensor parallel over --gpus (the all_reduce inside the norm after it, and
+   as a kernel of its own: tensor-unfused) and pipelined over --gpus (layers in even runs),
    each in fresh processes: load time, pp (one forward over p tokens from an empty cache), tg (n
    greedy tokens after a 1-token prompt through Model.generate_tokens, the CLI's loop: its decode
    tokens/s), median of r; and the check: the logits of a 64-token prompt (max difference against
@@ -32,7 +35,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import numpy as np  # noqa: E402
 
-MODES = ("one", "tensor", "pipeline")  # and "tensor-nccl": tensor with NCCL's all_reduce
+MODES = ("one", "tensor", "tensor-unfused", "pipeline")
+# variants of the tensor-parallel run, by the environment they set: NCCL's all_reduce instead of the
+# one-shot form; the one-shot all_reduce as a kernel of its own instead of inside the norm after it
+MODE_ENV = {"tensor-nccl": {"EDGELLM_ALL_REDUCE": "nccl"}, "tensor-unfused": {"EDGELLM_ALL_REDUCE_FUSE": "0"}}
+CHAT_PROMPTS = ["What is the capital of France?", "Name three primary colors.", "Write a haiku about the sea."]
 
 
 def _rank_main(rank: int, world: int, mode: str, path: str, a, out_dir: str) -> None:
@@ -48,8 +55,7 @@ def _rank_main(rank: int, world: int, mode: str, path: str, a, out_dir: str) -> 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     faulthandler.dump_traceback_later(a.timeout - 10, exit=False)  # a hung rank says where
     torch.cuda.set_device(rank)
-    if mode == "tensor-nccl":  # the same split with NCCL's all_reduce instead of the one-shot form
-        os.environ["EDGELLM_ALL_REDUCE"] = "nccl"
+    os.environ.update(MODE_ENV.get(mode, {}))
     if world > 1:
         dist.init_process_group("nccl", init_method=f"file://{out_dir}/rv-{mode}", rank=rank, world_size=world)
     try:
@@ -62,6 +68,16 @@ def _rank_main(rank: int, world: int, mode: str, path: str, a, out_dir: str) -> 
             d = config_from_gguf(open_gguf(path)).d_model
             link = profile_all_reduce(Profile(), d, rows=a.p).links[f"all_reduce*{world}"]
             res.update(latency_s=link.latency_s, bandwidth=link.bandwidth)
+        elif mode.startswith("chat-"):  # a trained model's greedy answers, one GPU or split
+            if mode == "chat-one":
+                m = edgellm.load(path, backend="cuda", ctx=a.ctx)
+            else:
+                from edgellm.hetero.distributed import load_rank
+
+                m = load_rank(path, rank, world, [f"cuda:{i}" for i in range(world)], ctx=a.ctx, mode="tensor")
+            greedy = SamplingParams(temperature=0)
+            res["chat"] = [list(m.generate_tokens(m.prompt_tokens(q), 32, greedy)) for q in CHAT_PROMPTS]
+            res["answers"] = [m.tokenizer.decode(t) for t in res["chat"]]
         else:
             t0 = time.perf_counter()
             if mode == "one":
@@ -139,7 +155,8 @@ def llama_bench(exe: str, path: str, split: str, gpus: int, a) -> dict:
     except subprocess.TimeoutExpired:
         return {"error": "timed out"}
     if out.returncode:
-        return {"error": " / ".join((out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-3:])[:400]}
+        lines = out.stderr.strip().splitlines() or [f"exit {out.returncode}"]
+        return {"error": " / ".join(lines[-3:])[:400], "stderr_tail": lines[-25:]}
     res = {}
     for row in json.loads(out.stdout):
         res["pp" if row["n_gen"] == 0 else "tg"] = row["avg_ts"]
@@ -160,6 +177,9 @@ def main() -> None:
     ap.add_argument("--model-dir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "edgellm-synthetic"))
     ap.add_argument("--out", default=None, help="folder for the JSON results (default: a temporary one)")
     ap.add_argument("--timeout", type=int, default=600, help="seconds one mode's processes may take")
+    ap.add_argument("--chat-check", default="default", help="a trained model file whose greedy answers to three "
+                    "chat prompts are compared, one GPU against tensor parallel ('default': the embedded model; "
+                    "'none': skip)")
     a = ap.parse_args()
 
     import torch
@@ -177,6 +197,17 @@ def main() -> None:
     for g in gpus:
         profile_cuda(prof, g)
     results = {}
+    if a.chat_check != "none":
+        from edgellm.default_model import default_model_path
+
+        chat_path = str(default_model_path()) if a.chat_check == "default" else a.chat_check
+        out_dir = os.path.join(out_root, "chat")
+        os.makedirs(out_dir, exist_ok=True)
+        one, split = run_mode("chat-one", 1, chat_path, a, out_dir), run_mode("chat-tensor", a.gpus, chat_path, a, out_dir)
+        same = [x == y for x, y in zip(one.get("chat", []), split.get("chat", []))] if "chat" in one else []
+        results["chat"] = {"file": os.path.basename(chat_path), "one": one, "tensor": split, "equal": same}
+        print(json.dumps({"chat greedy equal": same, "one": one.get("answers", one.get("error")),
+                          "tensor": split.get("answers", split.get("error"))}), flush=True)
     for fmt in a.formats.split(","):
         path = os.path.join(a.model_dir, f"{a.preset}-{fmt}.gguf")
         if not os.path.exists(path):
@@ -198,7 +229,7 @@ def main() -> None:
             row[mode] = run_mode(mode, 1 if mode == "one" else a.gpus, path, a, out_dir)
             print(json.dumps({mode: {k: v for k, v in row[mode].items() if k != "greedy"}}), flush=True)
         ref_logits = os.path.join(out_dir, "logits-one.npy")
-        for mode in ("tensor", "tensor-nccl", "pipeline"):
+        for mode in ("tensor", "tensor-nccl", "tensor-unfused", "pipeline"):
             got = os.path.join(out_dir, f"logits-{mode}.npy")
             if os.path.exists(ref_logits) and os.path.exists(got) and "greedy" in row.get("one", {}):
                 ref, lg = np.load(ref_logits), np.load(got)
@@ -227,6 +258,8 @@ def main() -> None:
           "greedy equal |")
     print("|---|---|---|---|---|---|---|---|---|")
     for fmt, row in results.items():
+        if fmt == "chat":
+            continue
         one = row.get("one", {}).get("tg")
         ll = row.get("llama", {})
         best = max([ll[s]["tg"] for s in ("layer", "row") if "tg" in ll.get(s, {})], default=None)
@@ -247,6 +280,10 @@ def main() -> None:
             if r:
                 print(f"| {row['file']} | llama.cpp -sm {s} | {r.get('tg', r.get('error', '-'))} | {r.get('pp', '-')} "
                       f"||||||")
+    if "chat" in results:
+        c = results["chat"]
+        print(f"\n{c['file']}: greedy answers (32 tokens) to {len(CHAT_PROMPTS)} chat prompts, tensor parallel over "
+              f"{a.gpus} GPUs equal to one GPU's: {sum(c['equal'])}/{len(CHAT_PROMPTS)}")
 
 
 if __name__ == "__main__":

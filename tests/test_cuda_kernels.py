@@ -347,6 +347,43 @@ def test_rms_norm_split_rows(rng, D, quant):
     check(out2, ref, 2e-3, "in-place rms_norm")
 
 
+@pytest.mark.parametrize("T,D", [(2, 2048), (3, 100)])
+def test_rms_norm_sums_the_peers_partials(rng, T, D):
+    """The all_reduce fused into the residual add + RMSNorm (Peers): rank 1 of 3, the other ranks'
+    flags already in its signal pad as if they had arrived, sums the three ranks' partials read
+    through the address table, adds the residual and normalises; afterwards its own pad is zeroed
+    (ready for the next step) and each peer's pad holds rank 1's flag in the slot of every program
+    it launched, nothing else."""
+    from edgellm.backends.cuda.kernels.norm import Peers, norm_programs
+
+    world, rank, slots = 3, 1, 32
+    parts = [rand(rng, T, D, dtype=torch.float32) for _ in range(world)]
+    res, w = rand(rng, T, D, dtype=torch.float32), rand(rng, D, dtype=torch.float32)
+    pads = [torch.zeros(slots * world, dtype=torch.int32, device=DEV) for _ in range(world)]
+    used = norm_programs(T, D)
+    for s in range(used):
+        for r in range(world):
+            if r != rank:
+                pads[rank][s * world + r] = 1
+    table = torch.tensor([p.data_ptr() for p in pads], dtype=torch.int64, device=DEV)
+    addrs = torch.tensor([p.data_ptr() for p in parts], dtype=torch.int64, device=DEV)
+    peers = Peers(addrs, table.data_ptr(), rank, world, slots)
+    out, rout = poisoned((T, D)), poisoned((T, D), torch.float32)
+    K.rms_norm(parts[rank], w, 1e-5, residual=res, out=out, residual_out=rout, peers=peers)
+    h = sum(np64(p) for p in parts) + np64(res)
+    check(rout, h, 1e-6, "summed partials + residual")
+    check(out, _norm_ref(h, np64(w), 1e-5), 2e-3, "rms_norm of the sum")
+    assert not pads[rank].any(), "the arrived flags were not all taken"
+    for r in range(world):
+        if r != rank:
+            want = torch.zeros(slots * world, dtype=torch.int32)
+            want[torch.arange(used) * world + rank] = 1
+            assert torch.equal(pads[r].cpu(), want), f"rank {r}'s pad"
+    with pytest.raises(ValueError, match="signal pads hold 1"):
+        K.rms_norm(parts[rank], w, 1e-5, residual=res, out=out, residual_out=rout,
+                   peers=Peers(addrs, table.data_ptr(), rank, world, 1))
+
+
 def test_rms_norm_in_place_residual(rng):
     x, w, res = rand(rng, 2, 64), rand(rng, 64), rand(rng, 2, 64)
     h = np64(x) + np64(res)

@@ -16,14 +16,14 @@ SPEC = SyntheticSpec(arch="qwen2", n_layers=3, weight_type="Q4_1", embed_type="Q
 IDS = [5, 17, 200, 3, 99, 42, 7, 150, 31]
 
 
-def _rank_main(rank, world, path, out_dir, placement, mode="pipeline"):
+def _rank_main(rank, world, path, out_dir, placement, mode="pipeline", device="cpu"):
     import torch.distributed as dist
 
     from edgellm.hetero.distributed import load_rank
 
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/rv", rank=rank, world_size=world)
     try:
-        m = load_rank(path, rank, world, ["cpu"] * world, placement=placement, ctx=32, prefill_chunk=4, mode=mode)
+        m = load_rank(path, rank, world, [device] * world, placement=placement, ctx=32, prefill_chunk=4, mode=mode)
         full = m.logits(IDS)  # three prefill chunks
         steps = [m.forward(IDS[:5], 0, all_logits=False)[-1]]
         steps += [m.forward([t], 5 + i, all_logits=False)[-1] for i, t in enumerate(IDS[5:])]
@@ -42,6 +42,28 @@ def test_two_process_pipeline_equals_single_process(tmp_path, placement):
     mp.spawn(_rank_main, args=(2, str(path), str(tmp_path), placement), nprocs=2, join=True)
     for r in range(2):  # every rank got the head's logits
         np.testing.assert_array_equal(np.load(tmp_path / f"rank{r}.npy"), ref)
+
+
+def test_two_process_pipeline_of_cuda_segments(tmp_path, monkeypatch):
+    """The pipelined split with each rank's layers compiled by the cuda backend (its memory plan,
+    its kernels: Triton's interpreter on a CPU, through gloo): the logits of the float32 reference
+    in one process, within the cuda tests' tolerance, and the same on both ranks."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the GPUs' pipeline runs in benchmarks/bench_multi_gpu.py (NCCL)")
+    monkeypatch.setenv("EDGELLM_CUDA_DEVICE", "cpu")  # the spawned ranks inherit it
+    path = write_synthetic_gguf(tmp_path / "m.gguf", SPEC)
+    m = edgellm.load(path, backend="cpu", ctx=32, prefill_chunk=4)
+    full = m.logits(IDS)
+    steps = [m.forward(IDS[:5], 0, all_logits=False)[-1]]
+    steps += [m.forward([t], 5 + i, all_logits=False)[-1] for i, t in enumerate(IDS[5:])]
+    ref = np.concatenate([full, np.stack(steps)])
+    del m
+    mp.spawn(_rank_main, args=(2, str(path), str(tmp_path), None, "pipeline", "cuda"), nprocs=2, join=True)
+    for r in range(2):
+        np.testing.assert_allclose(np.load(tmp_path / f"rank{r}.npy"), ref, rtol=0, atol=2e-2 * np.abs(ref).max())
+    np.testing.assert_array_equal(np.load(tmp_path / "rank0.npy"), np.load(tmp_path / "rank1.npy"))
 
 
 def _single_process(path):

@@ -82,7 +82,7 @@ class DistProgram:
         for seg, prog in self.parts:
             if prog is None:
                 continue
-            feed = {}
+            feed = {k: inputs[k] for k in ("tokens", "start_pos") if k in inputs}  # the cuda backend steps by them
             for t in sorted(seg.inputs, key=lambda t: self.tag.get(t, -1)):
                 if t not in env:  # from another rank
                     shape = self.graph.tensors[t].concrete_shape(seq=seq, ctx=self.b.ctx)
@@ -120,7 +120,7 @@ class DistBackend:
     def __init__(self, f, placement: dict[str, str], rank: int, device: str):
         self.file, self.placement, self.rank = f, dict(placement), rank
         self.local = local_backend(device)(f)
-        self.device = torch.device(device)
+        self.device = getattr(self.local, "device", None) or torch.device(device)  # (cuda's interpreter: the CPU)
         self.ctx = 1
 
     def allocate_states(self, graph: Graph, ctx: int) -> dict:
@@ -145,12 +145,14 @@ class DistBackend:
 
 def local_backend(device: str):
     """A factory f(file) -> this rank's backend on its own processor: cuda on 'cuda:N' (that
-    device made current), cpu-fast on 'cpu'."""
+    device made current; without GPUs, the cuda backend as EDGELLM_CUDA_DEVICE runs it: Triton's
+    interpreter on the CPU), cpu-fast on 'cpu'."""
     if device.startswith("cuda"):
         from ..backends.cuda.backend import CudaBackend
 
-        torch.cuda.set_device(torch.device(device))
-        os.environ["EDGELLM_CUDA_DEVICE"] = device
+        if torch.cuda.is_available():
+            torch.cuda.set_device(torch.device(device))
+            os.environ["EDGELLM_CUDA_DEVICE"] = device
         return CudaBackend
     from ..backends import get_backend
 

@@ -254,6 +254,8 @@ class CudaProgram:
         self._own_buffers: dict[str, torch.Tensor] = {}  # tensors kept out of the arena (see below)
         self._norm_tail: dict[str, tuple[Op, str, torch.Tensor]] = {}  # linear -> (norm, residual, counter)
         self._aliases: dict[str, str] = {}  # tensor -> the tensor whose buffer it is (no op writes it)
+        # add_rms_norm -> (the all_reduce's partial it sums itself, the residual, Peers): see _plan_collectives
+        self._sum_into_norm: dict[str, tuple[str, str, object]] = {}
         if self.rows_mode:  # first: the decode fusions below see which projections it stacks
             self._plan_rows_fusions()
         self._plan_decode_fusions()
@@ -521,6 +523,11 @@ class CudaProgram:
                 return lambda env, s, c: K.rms_norm(env[ins[0]], w, a["eps"], out=env[outs[0]],
                                                     xq=None if xq is None else self._xq_rows(xq, s))
             w = W.vector(wname(ins[2]))
+            if op.name in self._sum_into_norm:  # the all_reduce before it, done here (_plan_collectives)
+                partial, other, peers = self._sum_into_norm[op.name]
+                return lambda env, s, c: K.rms_norm(env[partial], w, a["eps"], residual=env[other],
+                                                    out=env[outs[1]], residual_out=env[outs[0]], peers=peers,
+                                                    xq=None if xq is None else self._xq_rows(xq, s))
             return lambda env, s, c: K.rms_norm(env[ins[0]], w, a["eps"], residual=env[ins[1]],
                                                 out=env[outs[1]], residual_out=env[outs[0]],
                                                 xq=None if xq is None else self._xq_rows(xq, s))
@@ -772,7 +779,10 @@ class CudaProgram:
         """A tensor-parallel rank's collectives (edgellm/backends/cuda/collective.py), op name ->
         the one-shot form where it runs, its input written by its producer straight into the
         symmetric buffer (kept out of the arena):
-        - the all_reduces of the layers (two a layer), sharing two alternating buffers;
+        - the all_reduces of the layers (two a layer), sharing two alternating buffers; where the
+          sum's only reader is a residual add + RMSNorm, the norm kernel reads every rank's partial
+          and sums them itself, after its own barrier (kernels/norm.py, Peers): the all_reduce
+          costs no launch (EDGELLM_ALL_REDUCE_FUSE=0 keeps it apart);
         - the gather of a one-row step's logits: each rank's head writes its share of the vocabulary
           into its block of a zeroed buffer as wide as the vocabulary, and the one-shot sum of the
           ranks' buffers is every block in place (x + 0 is exact).
@@ -808,6 +818,7 @@ class CudaProgram:
                 for k, op in enumerate(ars):
                     self._own_buffers[op.inputs[0]] = shot.buffer(k)
                     shots[op.name] = shot
+                self._plan_sums_into_norms(ars, shot)
         for op in gathers:
             rows = self.graph.tensors[op.inputs[0]].concrete_shape(seq=self.max_seq, ctx=1)[0]
             if rows != 1 or not alone(op):  # several rows: the share is no contiguous block
@@ -821,6 +832,30 @@ class CudaProgram:
                 self._own_buffers[op.inputs[0]] = whole[:, rank * n:(rank + 1) * n]
                 shots[op.name] = shot
         return shots
+
+    def _plan_sums_into_norms(self, ars: list[Op], shot) -> None:
+        """Which all_reduces the residual add + RMSNorm after them does (see _plan_collectives):
+        those whose sum that norm alone reads, where every program the norm may launch has a
+        barrier slot in the buffer's signal pad."""
+        if os.environ.get("EDGELLM_ALL_REDUCE_FUSE", "1") == "0" or "add_rms_norm" not in self.backend.SUPPORTED_OPS:
+            return
+        from .kernels.norm import norm_programs
+
+        readers: dict[str, list[Op]] = {}
+        for op in self.graph.ops:
+            for t in op.inputs:
+                readers.setdefault(t, []).append(op)
+        for k, op in enumerate(ars):
+            rd = readers.get(op.outputs[0], [])
+            if len(rd) != 1 or rd[0].kind != "add_rms_norm" or rd[0].name in self._absorbed \
+                    or op.outputs[0] in self.graph.outputs or rd[0].inputs[0] == rd[0].inputs[1]:
+                continue
+            norm, peers = rd[0], shot.peers(k)
+            if norm_programs(self.max_seq, int(self.graph.tensors[op.inputs[0]].shape[-1])) > peers.slots:
+                continue
+            other = norm.inputs[1] if norm.inputs[0] == op.outputs[0] else norm.inputs[0]
+            self._sum_into_norm[norm.name] = (op.inputs[0], other, peers)
+            self._absorbed.add(op.name)
 
     def _lower_collective(self, op: Op) -> Callable:
         """A tensor-parallel rank's collective (float32: the residual stream's precision, and the

@@ -10,6 +10,10 @@ directly; two buffers alternate between consecutive all_reduces, so that a rank 
 again only after every rank has passed the barrier of the all_reduce in between, i.e. finished
 reading it (a program with an odd number gets one buffer per all_reduce).
 
+Where the all_reduce's sum feeds a residual add + RMSNorm (two a layer), the norm kernel does the
+reduction itself (peers(): kernels/norm.py's Peers, its own barrier on the buffer's signal pad),
+one launch a layer's all_reduce less.
+
 Elsewhere (EDGELLM_ALL_REDUCE=nccl, no symmetric memory, the interpreter's CPU tensors under
 gloo) the partial is copied into the output's buffer and reduced there by torch.distributed.
 """
@@ -33,12 +37,28 @@ class OneShot:
             symm_mem.enable_symm_mem_for_group(self.group)
         except Exception:  # noqa: BLE001 - newer versions enable every group themselves
             pass
-        self.buffers = []
+        self.buffers, self.handles = [], []
         for _ in range(2 if count % 2 == 0 else count):
             buf = symm_mem.empty((rows, width), dtype=dtype, device=device)
-            symm_mem.rendezvous(buf, self.group)  # collective: every rank compiles the same programs
+            # collective: every rank compiles the same programs
+            self.handles.append(symm_mem.rendezvous(buf, self.group))
             self.buffers.append(buf)
         self._op = torch.ops.symm_mem.one_shot_all_reduce_out
+        self._peers: dict[int, object] = {}
+
+    def peers(self, k: int):
+        """The k-th all_reduce's buffers on every rank and their signal pads, for a kernel that
+        reduces them itself (kernels/norm.py's Peers)."""
+        from .kernels.norm import Peers
+
+        i = k % len(self.buffers)
+        if i not in self._peers:
+            h, buf = self.handles[i], self.buffers[i]
+            off = buf.data_ptr() - int(h.buffer_ptrs[h.rank])
+            addrs = torch.tensor([int(p) + off for p in h.buffer_ptrs], dtype=torch.int64, device=buf.device)
+            self._peers[i] = Peers(addrs, int(h.signal_pad_ptrs_dev), int(h.rank), int(h.world_size),
+                                   int(h.signal_pad_size) // (4 * int(h.world_size)))
+        return self._peers[i]
 
     def buffer(self, k: int) -> torch.Tensor:
         """The input buffer of the program's k-th all_reduce."""

@@ -1,5 +1,9 @@
 """RMSNorm with the residual add fused in: one read of x and the residual, one write of each result.
 
+Also with a tensor-parallel all_reduce fused in (Peers): x is then the sum of every rank's partial,
+read from each rank's symmetric buffer over NVLink after a barrier, so the reduction costs no launch
+of its own (edgellm/backends/cuda/collective.py).
+
 Also the norm as a matrix-vector kernel's tail (NormTail): the decode GEMV that produces the
 residual branch adds it into the residual stream in its epilogue, and the last of its programs to
 finish normalises the whole row, so the add + norm costs no launch of its own.
@@ -58,11 +62,47 @@ def store_int8_tile(y, row, col0, width, rmask, xq_ptr, xd_ptr, xs_ptr, NCOL: tl
 
 
 @jit
+def peer_barrier(pads, slot, RANK: tl.constexpr, WORLD: tl.constexpr):
+    """Wait until the program with the same slot on every other rank has arrived here: set this
+    rank's flag in each peer's signal pad (0 -> 1, waiting while a previous flag there is still
+    unread), then take each peer's flag from this rank's pad (1 -> 0), which leaves the pads zeroed
+    for the next use (nothing for the host to reset between CUDA-graph replays). pads: the address
+    of the ranks' signal-pad addresses (PyTorch symmetric memory's signal_pad_ptrs_dev), WORLD
+    32-bit flags a slot. The writes the peers made before (earlier kernels) are visible after it."""
+    table = pads.to(tl.pointer_type(tl.uint64))
+    mine = tl.load(table + RANK).to(tl.pointer_type(tl.int32)) + slot * WORLD
+    for r in tl.static_range(WORLD):
+        if r != RANK:
+            theirs = tl.load(table + r).to(tl.pointer_type(tl.int32)) + slot * WORLD + RANK
+            while tl.atomic_cas(theirs, 0, 1, sem="release", scope="sys") != 0:
+                pass
+    for r in tl.static_range(WORLD):
+        if r != RANK:
+            while tl.atomic_cas(mine + r, 1, 0, sem="acquire", scope="sys") != 1:
+                pass
+
+
+@jit
+def _peer_sum(addrs, stride, row, c, mask, WORLD: tl.constexpr):
+    """Columns c of one row of the ranks' partials summed in rank order (so every rank gets the
+    same bits), each read from its rank's buffer (addrs: int64 addresses, one a rank)."""
+    x = tl.zeros(c.shape, tl.float32)
+    for r in tl.static_range(WORLD):
+        p = tl.load(addrs + r).to(tl.pointer_type(tl.float32))
+        x += tl.load(p + row * stride + c, mask=mask, other=0.0, cache_modifier=".cv")
+    return x
+
+
+@jit
 def _summed(x_ptr, stride_x, r_ptr, stride_r, ro_ptr, stride_ro, row, c, mask, HAS_RES: tl.constexpr,
-            WRITE_RES: tl.constexpr, STORE: tl.constexpr):
+            WRITE_RES: tl.constexpr, STORE: tl.constexpr, addrs, WORLD: tl.constexpr):
     """Columns c of one row of x (+ the residual) in fp32. With WRITE_RES the sum is rounded as
-    residual_out stores it (the fused op equals "add, store, then norm") and, with STORE, stored."""
-    x = tl.load(x_ptr + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
+    residual_out stores it (the fused op equals "add, store, then norm") and, with STORE, stored.
+    WORLD > 1: x is the sum of the ranks' partials at addrs (x_ptr's rows, this rank's among them)."""
+    if WORLD > 1:
+        x = _peer_sum(addrs, stride_x, row, c, mask, WORLD)
+    else:
+        x = tl.load(x_ptr + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         x += tl.load(r_ptr + row * stride_r + c, mask=mask, other=0.0).to(tl.float32)
         if WRITE_RES:
@@ -75,15 +115,17 @@ def _summed(x_ptr, stride_x, r_ptr, stride_r, ro_ptr, stride_ro, row, c, mask, H
 
 @jit
 def _rms_norm_kernel(x_ptr, stride_x, r_ptr, stride_r, w_ptr, out_ptr, stride_o, ro_ptr, stride_ro, D, eps,
-                     xq_ptr, xd_ptr, xs_ptr,
+                     xq_ptr, xd_ptr, xs_ptr, addrs, pads,
                      HAS_RES: tl.constexpr, WRITE_RES: tl.constexpr, QUANT: tl.constexpr, BLOCK_D: tl.constexpr,
-                     SLICE: tl.constexpr, PDL: tl.constexpr):
+                     SLICE: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
+    if WORLD > 1:  # the all_reduce fused in: the same program on every rank has its partial written
+        peer_barrier(pads, tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), RANK, WORLD)
     c = tl.arange(0, BLOCK_D)
     mask = c < D
     x = _summed(x_ptr, stride_x, r_ptr, stride_r, ro_ptr, stride_ro, row, c, mask, HAS_RES, WRITE_RES,
-                SLICE == BLOCK_D)
+                SLICE == BLOCK_D, addrs, WORLD)
     ms = tl.sum(x * x, axis=0) / D
     r = 1.0 / tl.sqrt(ms + eps)
     if SLICE < BLOCK_D:
@@ -91,7 +133,8 @@ def _rms_norm_kernel(x_ptr, stride_x, r_ptr, stride_r, w_ptr, out_ptr, stride_o,
         # from L2 by each) and normalises, stores and quantizes only its SLICE columns
         c = tl.program_id(1) * SLICE + tl.arange(0, SLICE)
         mask = c < D
-        x = _summed(x_ptr, stride_x, r_ptr, stride_r, ro_ptr, stride_ro, row, c, mask, HAS_RES, WRITE_RES, True)
+        x = _summed(x_ptr, stride_x, r_ptr, stride_r, ro_ptr, stride_ro, row, c, mask, HAS_RES, WRITE_RES, True,
+                    addrs, WORLD)
     w = tl.load(w_ptr + c, mask=mask, other=0.0).to(tl.float32)
     y = (x * r * w).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_o + c, y, mask=mask)
@@ -136,9 +179,30 @@ def _norm_slice(T: int, D: int, block: int, ro, inputs) -> int:
     return NORM_SLICE
 
 
+@dataclass
+class Peers:
+    """Where the ranks of a tensor-parallel group keep the partials of one all_reduce: addrs, an
+    int64 device tensor of each rank's buffer address (rank order; the buffers are symmetric, one
+    shape and row stride); pads, the address of the ranks' signal-pad address table; slots, the
+    barrier slots a pad holds (WORLD flags each)."""
+    addrs: torch.Tensor
+    pads: int
+    rank: int
+    world: int
+    slots: int
+
+
+def norm_programs(rows: int, D: int) -> int:
+    """The most programs rms_norm launches for up to `rows` rows of width D (Peers needs a barrier
+    slot each): split rows take several programs each, more than NORM_SPLIT_MAX_ROWS rows one."""
+    block = max(32, next_pow2(D))
+    split = block // NORM_SLICE if D >= NORM_SPLIT_MIN_D and block > NORM_SLICE else 1
+    return max(rows, min(rows, NORM_SPLIT_MAX_ROWS) * split)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
              out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
-             config: dict | None = None, xq=None) -> torch.Tensor:
+             config: dict | None = None, xq=None, peers: Peers | None = None) -> torch.Tensor:
     """out = h / sqrt(mean(h^2) + eps) * weight, with h = x + residual (or x alone).
 
     With a residual and residual_out given, h is stored to residual_out (which may alias x or
@@ -146,7 +210,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     xq (a QuantizedActivations of out's shape): also write out quantized to int8 per 32-block, as
     quantize_activations(out) would, for linear(..., act_int8=True, xq=xq).
     Up to NORM_SPLIT_MAX_ROWS rows of NORM_SPLIT_MIN_D or more columns are split over several
-    programs each (not in place)."""
+    programs each (not in place).
+    peers: x is this rank's partial in a symmetric buffer (its rows from the start) and the norm
+    takes the sum of every rank's partial (an all_reduce fused in; every rank must call it alike)."""
     check_2d(x, "x")
     T, D = x.shape
     if weight.numel() != D or not weight.is_contiguous():
@@ -171,9 +237,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         sl = block  # the normalised output written over the input: one program per row
     nw = (config or {}).get("num_warps") or max(1, min(16 if sl == block else 4, block // 256))
     qa = (xq.xq, xq.xd, xq.xs) if xq is not None else (out, out, out)
+    if peers is not None and T * (block // sl) > peers.slots:
+        raise ValueError(f"rms_norm: {T * (block // sl)} programs, the peers' signal pads hold {peers.slots}")
+    link = (peers.addrs, peers.pads, peers.rank, peers.world) if peers is not None else (x, 0, 0, 1)
     _rms_norm_kernel[(T, block // sl)](x, x.stride(0), r, r.stride(0), weight, out, out.stride(0), ro, ro.stride(0),
-                                       D, float(eps), *qa, HAS_RES=has_res, WRITE_RES=write_res,
-                                       QUANT=xq is not None, BLOCK_D=block, SLICE=sl, num_warps=nw, **pdl())
+                                       D, float(eps), *qa, *link[:2], HAS_RES=has_res, WRITE_RES=write_res,
+                                       QUANT=xq is not None, BLOCK_D=block, SLICE=sl, RANK=link[2], WORLD=link[3],
+                                       num_warps=nw, **pdl())
     return out
 
 
