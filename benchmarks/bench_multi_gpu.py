@@ -167,7 +167,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--llama-bench", default=None, help="llama-bench executable (CUDA build)")
     ap.add_argument("--preset", default="llama-3.1-8b")
-    ap.add_argument("--formats", default="F16,Q8_0")
+    ap.add_argument("--formats", default="F16,Q8_0", help="synthetic files to measure ('none': only --chat-check)")
     ap.add_argument("--gpus", type=int, default=2)
     ap.add_argument("--modes", default=",".join(MODES), help=f"of {MODES + ('tensor-nccl',)}")
     ap.add_argument("-p", type=int, default=512)
@@ -208,7 +208,7 @@ def main() -> None:
         results["chat"] = {"file": os.path.basename(chat_path), "one": one, "tensor": split, "equal": same}
         print(json.dumps({"chat greedy equal": same, "one": one.get("answers", one.get("error")),
                           "tensor": split.get("answers", split.get("error"))}), flush=True)
-    for fmt in a.formats.split(","):
+    for fmt in [f for f in a.formats.split(",") if f and f != "none"]:
         path = os.path.join(a.model_dir, f"{a.preset}-{fmt}.gguf")
         if not os.path.exists(path):
             t = time.perf_counter()
@@ -235,11 +235,13 @@ def main() -> None:
                 ref, lg = np.load(ref_logits), np.load(got)
                 row[mode]["logits_rel_diff"] = float(np.abs(lg - ref).max() / np.abs(ref).max())
                 row[mode]["greedy_equal"] = sum(x == y for x, y in zip(row[mode].get("greedy", []), row["one"]["greedy"]))
-        one_shot, nccl = (os.path.join(out_dir, f"logits-{m}.npy") for m in ("tensor", "tensor-nccl"))
-        if os.path.exists(one_shot) and os.path.exists(nccl):  # the two all_reduce forms: the same sums?
-            x, y = np.load(one_shot), np.load(nccl)
-            row["tensor"]["vs_nccl_rel_diff"] = float(np.abs(x - y).max() / np.abs(y).max())
-            print(json.dumps({"tensor vs tensor-nccl": row["tensor"]["vs_nccl_rel_diff"]}), flush=True)
+        one_shot = os.path.join(out_dir, "logits-tensor.npy")
+        for other in ("tensor-nccl", "tensor-unfused"):  # the other all_reduce forms: the same sums?
+            got = os.path.join(out_dir, f"logits-{other}.npy")
+            if os.path.exists(one_shot) and os.path.exists(got):
+                x, y = np.load(one_shot), np.load(got)
+                row["tensor"][f"vs_{other}_rel_diff"] = diff = float(np.abs(x - y).max() / np.abs(y).max())
+                print(json.dumps({f"tensor vs {other}": diff}), flush=True)
         if a.llama_bench:
             for _ in range(600):  # a build started beside this run (benchmarks/gpu_session.sh build_llama)
                 if os.path.exists(a.llama_bench):
@@ -251,6 +253,8 @@ def main() -> None:
         with open(os.path.join(out_root, "results.json"), "w") as fh:
             json.dump(results, fh, indent=1)
 
+    with open(os.path.join(out_root, "results.json"), "w") as fh:
+        json.dump(results, fh, indent=1)
     names = ", ".join(torch.cuda.get_device_name(i) for i in range(a.gpus))
     print(f"\n{time.strftime('%Y-%m-%d')}, {a.gpus} GPUs ({names}), {a.preset}, ctx {a.ctx}, pp{a.p} tg{a.n}, "
           f"median of {a.r}; results in {out_root}\n")
