@@ -117,7 +117,12 @@ def _rank_main(rank: int, world: int, mode: str, path: str, a, out_dir: str) -> 
             with open(os.path.join(out_dir, f"{mode}.json"), "w") as fh:
                 json.dump(res, fh)
     finally:
-        if world > 1:
+        if world > 1:  # the model (its CUDA graphs, which may hold NCCL work) goes before the group
+            m = None  # noqa: F841
+            import gc
+
+            gc.collect()
+            torch.cuda.synchronize()
             dist.barrier()
             dist.destroy_process_group()
 
