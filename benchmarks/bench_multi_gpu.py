@@ -118,13 +118,10 @@ def _rank_main(rank: int, world: int, mode: str, path: str, a, out_dir: str) -> 
                 json.dump(res, fh)
     finally:
         if world > 1:  # the model (its CUDA graphs, which may hold NCCL work) goes before the group
-            m = None  # noqa: F841
-            import gc
+            from edgellm.hetero.distributed import end_process_group
 
-            gc.collect()
-            torch.cuda.synchronize()
-            dist.barrier()
-            dist.destroy_process_group()
+            m = None  # noqa: F841
+            end_process_group()
 
 
 def run_mode(mode: str, world: int, path: str, a, out_dir: str) -> dict:

@@ -10,6 +10,7 @@ import pytest
 import torch.multiprocessing as mp
 
 import edgellm
+from edgellm.hetero.distributed import end_process_group
 from edgellm.synthetic import SyntheticSpec, write_synthetic_gguf
 
 SPEC = SyntheticSpec(arch="qwen2", n_layers=3, weight_type="Q4_1", embed_type="Q8_0", seed=11)
@@ -29,7 +30,8 @@ def _rank_main(rank, world, path, out_dir, placement, mode="pipeline", device="c
         steps += [m.forward([t], 5 + i, all_logits=False)[-1] for i, t in enumerate(IDS[5:])]
         np.save(os.path.join(out_dir, f"rank{rank}.npy"), np.concatenate([full, np.stack(steps)]))
     finally:
-        dist.destroy_process_group()
+        m = None  # noqa: F841 - dropped before the group ends
+        end_process_group()
 
 
 @pytest.mark.parametrize("placement", [
@@ -96,7 +98,8 @@ def _tp_rank_main(rank, world, path, out_dir, backend):
         np.save(os.path.join(out_dir, f"rank{rank}.npy"), _logits_and_steps(m))
         np.save(os.path.join(out_dir, f"cache{rank}.npy"), np.array([m.states["cache.k.0"].shape[1]]))
     finally:
-        dist.destroy_process_group()
+        m = None  # noqa: F841 - dropped before the group ends
+        end_process_group()
 
 
 def _logits_and_steps(m):
@@ -214,7 +217,8 @@ def _tp_greedy_rank(rank, world, path, out_dir):
         with open(os.path.join(out_dir, f"greedy{rank}.json"), "w") as fh:
             json.dump(got, fh)
     finally:
-        dist.destroy_process_group()
+        m = None  # noqa: F841 - dropped before the group ends
+        end_process_group()
 
 
 def test_tensor_parallel_greedy_on_the_default_model_equals_one_process(tmp_path, default_model_path):

@@ -159,6 +159,26 @@ def local_backend(device: str):
     return get_backend("cpu-fast")
 
 
+def end_process_group() -> None:
+    """Leave the process group once this rank's models are dropped (the caller lets go of them
+    first): their GPU work finished and every rank at the same point before the group goes (a
+    rank's CUDA graphs may hold NCCL work, and a peer may still read its symmetric buffers; on an
+    H100 pair, 2026-11-26, destroy_process_group hung without this in 1 of 3 tensor-parallel tests
+    and after a benchmark's run on an H200 pair). Called while an exception propagates (from a
+    `finally`), it only destroys the group: the other ranks may never reach the barrier."""
+    import gc
+    import sys
+
+    if sys.exc_info()[0] is not None:
+        dist.destroy_process_group()
+        return
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def load_rank(path, rank: int, world: int, devices: list[str], placement: dict[str, str] | None = None,
               ctx: int | None = None, mode: str = "pipeline", **kw):
     """This rank's Model in an initialised process group: mode 'pipeline' (placement: unit ->
@@ -191,7 +211,8 @@ def _worker(rank: int, world: int, args) -> None:
             split = f"tensor parallel over {world} ranks, rank 0: " if args.mode == "tensor" else ""
             print(f"[{split}{m.backend.describe()}; {m.last_stats.summary()}]", file=sys.stderr)
     finally:
-        dist.destroy_process_group()
+        m = None  # noqa: F841 - dropped before the group ends
+        end_process_group()
 
 
 def main(argv=None) -> int:
