@@ -113,6 +113,15 @@ def test_plan_gpus_weighs_tensor_parallel_against_the_all_reduce(tmp_path):
     assert fast["tensor"]["predicted_decode_s"] == pytest.approx(free + link, rel=1e-6)
     p.links["all_reduce*2"] = Link(1e-3, 1e12)  # a slow link: two of them a layer cost more than they save
     assert plan_gpus(str(path), gpus, ctx=64, prefill=16, profile=p, gpu_memory="1GiB")["mode"] == "pipeline"
+    # one KV head cannot be shared by 2 GPUs: the pipeline, and why not tensor parallel
+    p.links["all_reduce*2"] = Link(1e-7, 1e12)
+    one_kv = write_synthetic_gguf(tmp_path / "mqa.gguf", SyntheticSpec(n_layers=2, d_model=256, n_heads=8, n_kv_heads=1,
+                                                                       ffn_dim=1024, seed=6))
+    mqa = plan_gpus(str(one_kv), gpus, ctx=64, prefill=16, profile=p, gpu_memory="1GiB")
+    assert mqa["mode"] == "pipeline" and "needs a KV head for each rank" in mqa["tensor"]["unavailable"]
+    from edgellm.hetero.plan import render_gpus
+
+    assert "tensor parallel: not possible" in render_gpus(mqa)
 
 
 def test_plan_devices_of_two_gpus_prints_both_splits(tiny, tmp_path, monkeypatch):

@@ -175,8 +175,10 @@ def plan_gpus(path: str, gpus: list[str], *, ctx: int | None, prefill: int, prof
     from dataclasses import replace
 
     from ..compiler.compile import compile_graph
+    from ..errors import GraphError
     from ..gguf_file import open_gguf
     from ..models import build_graph, config_from_gguf
+    from ..models.blocks import shard_of
 
     f = open_gguf(path)
     cfg = config_from_gguf(f)
@@ -184,7 +186,12 @@ def plan_gpus(path: str, gpus: list[str], *, ctx: int | None, prefill: int, prof
     profile = profile or load_profile()
     world = len(gpus)
     pipe = plan_split(path, gpu_memory=gpu_memory, devices=",".join(gpus), ctx=ctx, prefill=prefill, profile=profile)
-    shard = replace(cfg, shard=(0, world))
+    shard = replace(cfg, shard=(0, world))  # rank 0: the largest share where heads divide unevenly
+    try:
+        shard_of(shard)
+    except GraphError as e:  # no tensor-parallel split of this model over these GPUs: the pipeline
+        return {"model": str(path), "gpus": gpus, "ctx": ctx, "prefill": prefill, "mode": "pipeline",
+                "tensor": {"unavailable": str(e)}, "pipeline": pipe}
     dec = compile_graph(build_graph(shard, f, "last"), seq=1, ctx=ctx).graph
     pre = compile_graph(build_graph(shard, f, "last"), seq=prefill, ctx=ctx).graph
     tp_dec = sum(unit_tables(f, dec, gpus[0], profile, 1, max(ctx // 2, 1)).values())
@@ -217,14 +224,17 @@ def render(p: dict) -> str:
 
 def render_gpus(p: dict) -> str:
     t, pipe = p["tensor"], p["pipeline"]
-    link = t["all_reduce_link"]
     pick = "tensor parallel" if p["mode"] == "tensor" else "whole layers on " + ", ".join(r["on"] for r in pipe["runs"])
-    lines = [f"{p['model']} (ctx {p['ctx']}) over {', '.join(p['gpus'])}: {pick}",
-             f"  tensor parallel: predicted decode {t['predicted_decode_s'] * 1e3:.2f} ms/token, prefill of "
-             f"{p['prefill']} tokens {t['predicted_prefill_s'] * 1e3:.1f} ms; {t['memory_per_gpu'] / 2**30:.2f} GiB a GPU; "
-             f"{t['collectives_per_token']} collectives a step at {link['latency_s'] * 1e6:.1f} us"
-             + ("" if link["measured"] else " (not measured: a guess)"),
-             "  pipeline: " + render(pipe).strip().replace("\n", "\n  ")]
+    lines = [f"{p['model']} (ctx {p['ctx']}) over {', '.join(p['gpus'])}: {pick}"]
+    if "unavailable" in t:
+        lines.append(f"  tensor parallel: not possible ({t['unavailable']})")
+    else:
+        link = t["all_reduce_link"]
+        lines.append(f"  tensor parallel: predicted decode {t['predicted_decode_s'] * 1e3:.2f} ms/token, prefill of "
+                     f"{p['prefill']} tokens {t['predicted_prefill_s'] * 1e3:.1f} ms; "
+                     f"{t['memory_per_gpu'] / 2**30:.2f} GiB a GPU; {t['collectives_per_token']} collectives a step "
+                     f"at {link['latency_s'] * 1e6:.1f} us" + ("" if link["measured"] else " (not measured: a guess)"))
+    lines.append("  pipeline: " + render(pipe).strip().replace("\n", "\n  "))
     return "\n".join(lines) + "\n"
 
 
