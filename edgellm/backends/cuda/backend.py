@@ -851,7 +851,7 @@ class CudaProgram:
                     or op.outputs[0] in self.graph.outputs or rd[0].inputs[0] == rd[0].inputs[1]:
                 continue
             norm, peers = rd[0], shot.peers(k)
-            if norm_programs(self.max_seq, int(self.graph.tensors[op.inputs[0]].shape[-1])) > peers.slots:
+            if peers is None or norm_programs(self.max_seq, int(self.graph.tensors[op.inputs[0]].shape[-1])) > peers.slots:
                 continue
             other = norm.inputs[1] if norm.inputs[0] == op.outputs[0] else norm.inputs[0]
             self._sum_into_norm[norm.name] = (op.inputs[0], other, peers)

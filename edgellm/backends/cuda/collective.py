@@ -48,16 +48,22 @@ class OneShot:
 
     def peers(self, k: int):
         """The k-th all_reduce's buffers on every rank and their signal pads, for a kernel that
-        reduces them itself (kernels/norm.py's Peers)."""
+        reduces them itself (kernels/norm.py's Peers); None where this PyTorch's symmetric memory
+        handle does not expose them (the reduction then stays a kernel of its own)."""
         from .kernels.norm import Peers
 
         i = k % len(self.buffers)
         if i not in self._peers:
             h, buf = self.handles[i], self.buffers[i]
-            off = buf.data_ptr() - int(h.buffer_ptrs[h.rank])
-            addrs = torch.tensor([int(p) + off for p in h.buffer_ptrs], dtype=torch.int64, device=buf.device)
-            self._peers[i] = Peers(addrs, int(h.signal_pad_ptrs_dev), int(h.rank), int(h.world_size),
-                                   int(h.signal_pad_size) // (4 * int(h.world_size)))
+            try:
+                ptrs, pads, pad_bytes = list(h.buffer_ptrs), int(h.signal_pad_ptrs_dev), int(h.signal_pad_size)
+                rank, world = int(h.rank), int(h.world_size)
+            except (AttributeError, TypeError):
+                self._peers[i] = None
+            else:
+                off = buf.data_ptr() - int(ptrs[rank])
+                addrs = torch.tensor([int(p) + off for p in ptrs], dtype=torch.int64, device=buf.device)
+                self._peers[i] = Peers(addrs, pads, rank, world, pad_bytes // (4 * world))
         return self._peers[i]
 
     def buffer(self, k: int) -> torch.Tensor:
