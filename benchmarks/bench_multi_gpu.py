@@ -15,7 +15,8 @@ Per file (the preset's shape with random weights, written once, `fast`):
    tokens/s), median of r; and the check: the logits of a 64-token prompt (max difference against
    one GPU's, relative to their largest magnitude) and 3 greedy continuations of 32 tokens (equal
    to one GPU's or not);
-3. llama-bench -ngl 99 -fa 1 on the same file: -sm none on one GPU, -sm layer and -sm row on all;
+3. llama-bench -ngl 99 -fa 1 on the same file: -sm none on one GPU, -sm layer, -sm row and -sm tensor
+   (llama.cpp's own tensor parallelism; its CUDA backend no longer offers row's split buffers) on all;
 4. one table, and the JSON of every measurement in --out.
 NCCL runs as the environment sets it (NVLink multicast stays off: NCCL_NVLS_ENABLE=0).
 """
@@ -39,6 +40,10 @@ MODES = ("one", "tensor", "tensor-unfused", "pipeline")
 # variants of the tensor-parallel run, by the environment they set: NCCL's all_reduce instead of the
 # one-shot form; the one-shot all_reduce as a kernel of its own instead of inside the norm after it
 MODE_ENV = {"tensor-nccl": {"EDGELLM_ALL_REDUCE": "nccl"}, "tensor-unfused": {"EDGELLM_ALL_REDUCE_FUSE": "0"}}
+# llama-bench's split modes: one GPU, then its splits over all (row: split buffers, which the CUDA
+# backend of llama.cpp from the llama-cpp-python 0.3.36 sdist no longer provides, "failed to load
+# model"; tensor: its tensor parallelism, flash attention required)
+LLAMA_SPLITS = ("none", "layer", "row", "tensor")
 CHAT_PROMPTS = ["What is the capital of France?", "Name three primary colors.", "Write a haiku about the sea."]
 
 
@@ -249,7 +254,7 @@ def main() -> None:
                 if os.path.exists(a.llama_bench):
                     break
                 time.sleep(1)
-            row["llama"] = {s: llama_bench(a.llama_bench, path, s, a.gpus, a) for s in ("none", "layer", "row")}
+            row["llama"] = {s: llama_bench(a.llama_bench, path, s, a.gpus, a) for s in LLAMA_SPLITS}
             print(json.dumps({"llama": row["llama"]}), flush=True)
         results[fmt] = row
         with open(os.path.join(out_root, "results.json"), "w") as fh:
@@ -268,7 +273,7 @@ def main() -> None:
             continue
         one = row.get("one", {}).get("tg")
         ll = row.get("llama", {})
-        best = max([ll[s]["tg"] for s in ("layer", "row") if "tg" in ll.get(s, {})], default=None)
+        best = max([ll[s]["tg"] for s in LLAMA_SPLITS[1:] if "tg" in ll.get(s, {})], default=None)
         for mode in a.modes.split(","):
             r = row.get(mode, {})
             if "error" in r:
@@ -281,7 +286,7 @@ def main() -> None:
             eq = f"{r['greedy_equal']}/3" if "greedy_equal" in r else "-"
             print(f"| {row['file']} | edgellm {mode}{pick} | {r['tg']:.1f} | {r['pp']:.0f} | {vs_one} | {vs_ll} | "
                   f"{r['load_s']:.1f} | {diff} | {eq} |")
-        for s in ("none", "layer", "row"):
+        for s in LLAMA_SPLITS:
             r = ll.get(s, {})
             if r:
                 print(f"| {row['file']} | llama.cpp -sm {s} | {r.get('tg', r.get('error', '-'))} | {r.get('pp', '-')} "

@@ -16,8 +16,9 @@
 # cooperative-matrix and integer-dot shaders, so its prefill is not llama.cpp's best.
 #
 #   setup                 install the carried wheels
-#   build_llama           llama.cpp CUDA (sm_90): llama-bench and libllama.so; the Python bindings
-#                         of the same sdist load that library (run it under setsid: about 5 min)
+#   build_llama           llama.cpp CUDA (sm_90, with PyTorch's NCCL for -sm tensor): llama-bench and
+#                         libllama.so; the Python bindings of the same sdist load that library (run
+#                         it under setsid: about 5 min)
 #   wait_llama [SECONDS]  wait for build_llama
 #   build_llama_vk        llama.cpp Vulkan (GGML_VULKAN=ON, GGML_CUDA=OFF): llama-bench alone, static
 #                         but for the loader, into $W/lbvk, make -j$JOBS (16); prints which shader
@@ -77,9 +78,24 @@ build_llama)
   rm -f "$W/llama.done"
   tar xzf "$ROOT/.llama/llama_trim.tar.gz" -C "$W"
   S=$W/llama_cpp_python-0.3.36
+  # NCCL for llama.cpp's all_reduce (-sm tensor, its tensor parallelism): the headers and library
+  # PyTorch's wheels ship, under the unversioned name CMake's find_library looks for
+  NR=$W/nccl
+  rm -rf "$NR"
+  mkdir -p "$NR/lib"
+  ND=$(python3 -c 'import glob, os, torch
+base = os.path.dirname(os.path.dirname(torch.__file__))
+hits = sorted(glob.glob(os.path.join(base, "nvidia", "**", "libnccl.so.2"), recursive=True))
+print(os.path.dirname(os.path.dirname(hits[0])) if hits else "")' 2>/dev/null)
+  if [ -n "$ND" ] && [ -e "$ND/include/nccl.h" ] && [ -e "$ND/lib/libnccl.so.2" ]; then
+    ln -s "$ND/include" "$NR/include"
+    ln -s "$ND/lib/libnccl.so.2" "$NR/lib/libnccl.so.2"
+    ln -s "$ND/lib/libnccl.so.2" "$NR/lib/libnccl.so"
+  fi
   cmake -S "$S/vendor/llama.cpp" -B "$W/lb" -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
     -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-    -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF >"$W/cmake.log" 2>&1 || { tail -20 "$W/cmake.log"; exit 1; }
+    -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DNCCL_ROOT="$NR" >"$W/cmake.log" 2>&1 || { tail -20 "$W/cmake.log"; exit 1; }
+  grep -i "nccl" "$W/cmake.log" || echo "cmake said nothing of NCCL"
   cmake --build "$W/lb" -j16 --target llama-bench llama-batched-bench llama-quantize llama >"$W/build.log" 2>&1 || { tail -30 "$W/build.log"; exit 1; }
   mkdir -p "$W/lpy/llama_cpp/lib"
   cp -r "$S/llama_cpp/." "$W/lpy/llama_cpp/"
