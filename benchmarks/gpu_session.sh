@@ -96,7 +96,7 @@ print(os.path.dirname(os.path.dirname(hits[0])) if hits else "")' 2>/dev/null)
     -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DNCCL_ROOT="$NR" >"$W/cmake.log" 2>&1 || { tail -20 "$W/cmake.log"; exit 1; }
   grep -i "nccl" "$W/cmake.log" || echo "cmake said nothing of NCCL"
-  cmake --build "$W/lb" -j16 --target llama-bench llama-batched-bench llama-quantize llama >"$W/build.log" 2>&1 || { tail -30 "$W/build.log"; exit 1; }
+  cmake --build "$W/lb" -j"${JOBS:-16}" --target llama-bench llama-batched-bench llama-quantize llama >"$W/build.log" 2>&1 || { tail -30 "$W/build.log"; exit 1; }
   mkdir -p "$W/lpy/llama_cpp/lib"
   cp -r "$S/llama_cpp/." "$W/lpy/llama_cpp/"
   find "$W/lb" -name 'lib*.so*' -exec ln -sf {} "$W/lpy/llama_cpp/lib/" \;
