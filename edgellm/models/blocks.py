@@ -83,7 +83,7 @@ class Builder:
         t = self.f.tensors[name]
         out, at = {}, 0
         for part, n in parts.items():
-            a, b = self.spans[part] if self.world > 1 else (0, n)
+            a, b = self.spans[part]  # (0, n) when alone
             out[part] = self.g.weight(f"{prefix}{part}.weight", (b - a,) + tuple(t.shape[1:]), storage=t.type_name,
                                       source=row_slice(name, at + a, at + b))
             at += n

@@ -799,13 +799,13 @@ class CudaProgram:
                              "(a tensor-parallel rank: edgellm.hetero.distributed.load_rank)")
         from .collective import one_shot
 
-        readers: dict[str, int] = {}
+        readers: dict[str, list[Op]] = {}
         for op in self.graph.ops:
             for t in op.inputs:
-                readers[t] = readers.get(t, 0) + 1
+                readers.setdefault(t, []).append(op)
 
         def alone(op):  # the input is read by this op only, and is no output of the program
-            return readers.get(op.inputs[0]) == 1 and op.inputs[0] not in self.graph.outputs
+            return len(readers.get(op.inputs[0], ())) == 1 and op.inputs[0] not in self.graph.outputs
 
         def width(op):
             return int(self.graph.tensors[op.inputs[0]].concrete_shape(seq=1, ctx=1)[-1])
@@ -818,7 +818,7 @@ class CudaProgram:
                 for k, op in enumerate(ars):
                     self._own_buffers[op.inputs[0]] = shot.buffer(k)
                     shots[op.name] = shot
-                self._plan_sums_into_norms(ars, shot)
+                self._plan_sums_into_norms(ars, shot, readers)
         for op in gathers:
             rows = self.graph.tensors[op.inputs[0]].concrete_shape(seq=self.max_seq, ctx=1)[0]
             if rows != 1 or not alone(op):  # several rows: the share is no contiguous block
@@ -833,18 +833,14 @@ class CudaProgram:
                 shots[op.name] = shot
         return shots
 
-    def _plan_sums_into_norms(self, ars: list[Op], shot) -> None:
+    def _plan_sums_into_norms(self, ars: list[Op], shot, readers: dict[str, list[Op]]) -> None:
         """Which all_reduces the residual add + RMSNorm after them does (see _plan_collectives):
         those whose sum that norm alone reads, where every program the norm may launch has a
-        barrier slot in the buffer's signal pad."""
+        barrier slot in the buffer's signal pad. readers: tensor -> the ops that read it."""
         if os.environ.get("EDGELLM_ALL_REDUCE_FUSE", "1") == "0" or "add_rms_norm" not in self.backend.SUPPORTED_OPS:
             return
         from .kernels.norm import norm_programs
 
-        readers: dict[str, list[Op]] = {}
-        for op in self.graph.ops:
-            for t in op.inputs:
-                readers.setdefault(t, []).append(op)
         for k, op in enumerate(ars):
             rd = readers.get(op.outputs[0], [])
             if len(rd) != 1 or rd[0].kind != "add_rms_norm" or rd[0].name in self._absorbed \

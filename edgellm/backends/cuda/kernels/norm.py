@@ -239,10 +239,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     qa = (xq.xq, xq.xd, xq.xs) if xq is not None else (out, out, out)
     if peers is not None and T * (block // sl) > peers.slots:
         raise ValueError(f"rms_norm: {T * (block // sl)} programs, the peers' signal pads hold {peers.slots}")
-    link = (peers.addrs, peers.pads, peers.rank, peers.world) if peers is not None else (x, 0, 0, 1)
+    # without peers the address arguments are unused (WORLD 1 compiles them out)
+    addrs, pads, rank, world = (peers.addrs, peers.pads, peers.rank, peers.world) if peers is not None else (x, 0, 0, 1)
     _rms_norm_kernel[(T, block // sl)](x, x.stride(0), r, r.stride(0), weight, out, out.stride(0), ro, ro.stride(0),
-                                       D, float(eps), *qa, *link[:2], HAS_RES=has_res, WRITE_RES=write_res,
-                                       QUANT=xq is not None, BLOCK_D=block, SLICE=sl, RANK=link[2], WORLD=link[3],
+                                       D, float(eps), *qa, addrs, pads, HAS_RES=has_res, WRITE_RES=write_res,
+                                       QUANT=xq is not None, BLOCK_D=block, SLICE=sl, RANK=rank, WORLD=world,
                                        num_warps=nw, **pdl())
     return out
 
