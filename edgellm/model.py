@@ -228,8 +228,17 @@ class Model:
         if not steps:  # nothing compiles or captures on this device (the Triton interpreter)
             return 0.0
         t0 = time.perf_counter()
-        for stage, seq, start in steps:
-            self.programs[stage].run({"tokens": np.zeros(seq, dtype=np.int32), "start_pos": start})
+
+        def run_steps():
+            for stage, seq, start in steps:
+                self.programs[stage].run({"tokens": np.zeros(seq, dtype=np.int32), "start_pos": start})
+        precompile = getattr(self.backend, "precompile", None)
+        # their kernels compiled side by side first (cuda: precompile.py), unless the programs came
+        # from the cache: the load that stored them compiled these kernels into the kernel cache
+        # too, and loading them from there one by one is quicker than a collection pass (H100)
+        if precompile is not None and (full or "compiled" not in self.cache_hits):
+            precompile(run_steps)
+        run_steps()
         greedy = getattr(self.programs["decode"], "greedy_tokens", None)
         if greedy is not None and self.ctx > 2:
             for _ in greedy(0, 1, 1):

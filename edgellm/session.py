@@ -180,11 +180,16 @@ class SlotPool:
             return 0
         bucket = getattr(self.batch, "row_bucket", None)
         counts = sorted({min(self.n, bucket(k)) if bucket else k for k in range(1, self.n + 1)})
-        steps = 0
-        for count in counts:
-            for pos in sorted({0, self.ctx - 1}):
+        shapes = [(count, pos) for count in counts for pos in sorted({0, self.ctx - 1})]
+
+        def run_steps():
+            for count, pos in shapes:
                 self.decode_tokens([(self.slots[i], 0, pos) for i in range(count)], [False] * count)
-                steps += 1
+        precompile = getattr(self.model.backend, "precompile", None)
+        if precompile is not None:  # their kernels compiled side by side first (cuda: precompile.py)
+            precompile(run_steps)
+        run_steps()
+        steps = len(shapes)
         for slot in self.slots:
             slot.reset()
         return steps

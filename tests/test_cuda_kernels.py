@@ -739,6 +739,38 @@ def test_kernels_compile_for_sm90():
         assert row[i + 2] == "0", f"register spill in {' '.join(row[:i + 1])}"
 
 
+def test_parallel_compile_gives_the_kernels_the_launches_use(tmp_path):
+    """A first load compiles its kernels side by side before the steps launch them
+    (backends/cuda/precompile.py): collected with every launch compile-only, compiled for sm_90 on a
+    thread pool (Triton's own ptxas: no GPU needed). The launches afterwards must find every kernel
+    compiled (none compiled at launch), and each must be the kernel a plain compile at launch makes
+    (same registers, shared memory and instruction mix), with an empty Triton cache for each run."""
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    only = "gemv Q4_0,gemv-int8 Q8_0,rms_norm,attn-decode"
+
+    def run(parallel: int, cache: str) -> list[str]:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env["TRITON_CACHE_DIR"] = str(tmp_path / cache)
+        r = subprocess.run([sys.executable, "-m", "edgellm.backends.cuda.kernels.compile_check", "--arch", "90",
+                            "--only", only, "--parallel", str(parallel)],
+                           cwd=root, env=env, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return r.stdout.splitlines()
+
+    parallel, plain = run(3, "a"), run(0, "b")
+    head = next(line for line in parallel if line.startswith("parallel compile:"))
+    assert "; 0 failed)" in head, head
+    n = int(head.split()[2])
+    assert "compiled at launch after the parallel compile: 0" in parallel, "\n".join(parallel)
+
+    def table(lines):
+        return sorted(line for line in lines if line.split()[:1] and line.split()[0] in
+                      {"gemv", "gemv-int8", "rms_norm", "attn-decode", "attn-decode-window"})
+    assert table(parallel) == table(plain) and len(table(plain)) >= 5, (parallel, plain)
+    assert n >= 5  # one specialization per distinct kernel launch of the cases
+
+
 # ------------------------------------------------------------------------- six-bit layouts (Q6, Q6M)
 
 def make_q6(rng, n_out, n_in, with_min):

@@ -118,6 +118,56 @@ def test_failing_candidate_is_skipped(tmp_path):
     assert entry["config"] == {"BLOCK": 128, "warps": 8} and entry["candidates"] == 3
 
 
+def test_candidates_compile_side_by_side_before_timing(tmp_path):
+    """With a precompile hook (the cuda backend's: the launches' kernels compiled on a thread pool),
+    an uncached pick hands it one launch of every distinct configuration before timing any (a
+    failing one does not stop the others), and a cached pick does not call it."""
+    bench = Bench({32: 1.0, 64: 9.0, 128: 3.0}, fail={32})
+    t = tuner(bench, tmp_path)
+    calls = []
+
+    def precompile(launch):
+        before = len(bench.runs)
+        launch()
+        calls.append((bench.runs[before:], bench.timed))
+    t.precompile = precompile
+    assert pick(t, bench) == {"BLOCK": 128, "warps": 8}
+    assert calls == [([DEFAULT, CANDIDATES[0], CANDIDATES[2]], 0)]  # each config once, before the timer ran
+    assert bench.timed == 3
+    t2 = tuner(bench, tmp_path)
+    t2.precompile = precompile
+    assert pick(t2, bench) == {"BLOCK": 128, "warps": 8} and len(calls) == 1  # cached: nothing compiles
+
+
+def test_prepare_compiles_every_uncached_key_in_one_batch(tmp_path):
+    """Tuner.prepare hands the precompile hook one launch of each configuration of every key not
+    cached yet (a key listed twice once), in a single call, and times nothing."""
+    a, b = Bench({32: 5.0, 64: 9.0, 128: 7.0}), Bench({32: 1.0, 64: 2.0, 128: 3.0})
+    t = tuner(a, tmp_path)
+    assert pick(t, a) == {"BLOCK": 32, "warps": 4}  # this key is cached now
+    calls = []
+    t.precompile = lambda launch: calls.append(launch())
+    a.runs.clear()
+    jobs = [((4096, 4096, "q4_1"), CANDIDATES, DEFAULT, a.run), ((1024, 4096, "q4_1"), CANDIDATES, DEFAULT, b.run),
+            ((1024, 4096, "q4_1"), CANDIDATES, DEFAULT, b.run)]
+    t.prepare("matmul", jobs)
+    assert len(calls) == 1 and a.runs == [] and b.runs == [DEFAULT, CANDIDATES[0], CANDIDATES[2]]
+    assert b.timed == 0
+    t.prepare("matmul", jobs[:1])
+    assert len(calls) == 1  # every key cached: no call
+
+
+def test_compile_threads_setting(monkeypatch):
+    from edgellm.backends.cuda import precompile
+    monkeypatch.setenv("EDGELLM_COMPILE_THREADS", "3")
+    assert precompile.threads() == 3
+    monkeypatch.setenv("EDGELLM_COMPILE_THREADS", "many")
+    with pytest.raises(ValueError, match="EDGELLM_COMPILE_THREADS"):
+        precompile.threads()
+    monkeypatch.setenv("EDGELLM_COMPILE_THREADS", "1")
+    assert not precompile.enabled()  # a pool of one: kernels compile at their first launch
+
+
 def test_failing_default_is_skipped(tmp_path):
     bench = Bench({32: 4.0, 64: 1.0, 128: 3.0}, fail={64})
     t = tuner(bench, tmp_path)

@@ -37,6 +37,7 @@ from ...graph.ir import Graph, Op
 from ...graph.shapes import shape_function
 from ..cpu import _rope, plan_offsets
 from ..info import CudaInfo
+from . import precompile as _precompile
 
 
 class DeviceMemoryError(EdgeLLMError):
@@ -263,6 +264,7 @@ class CudaProgram:
         # attention splits of the current step (from the host's sequence length, see _set_context)
         self._splits = 1
         self._split_cap: int | None = None
+        self._prepare_tuning()
         self._launches: list[Callable[[dict, int, int], None]] = [self._lower(op) for op in graph.ops]
         # CUDA graphs: decode, one per context bucket; prefill, one per padded token count (see run)
         self._graphs: OrderedDict[tuple[int, int], torch.cuda.CUDAGraph] = OrderedDict()
@@ -755,6 +757,27 @@ class CudaProgram:
     def _tuned_gemv(self, op: Op, w, i8: bool) -> dict | None:
         """The decode GEMV launch configuration for this weight's (format, shape, path), timed at
         first load and cached on disk (tuning.py); None = the default of configs.py."""
+        job = self._gemv_tuning(op, w, i8)
+        return None if job is None else self.backend.tuner.pick("gemv", *job)
+
+    def _prepare_tuning(self) -> None:
+        """Before lowering a decode stage: the candidates of every GEMV the tuner has not seen yet
+        compiled in one parallel batch (Tuner.prepare), rather than a batch per pick."""
+        tuner = self.backend.tuner
+        if tuner is None or not tuner.enabled or not self.decode_stage or self.rows_mode:
+            return
+        W = self.backend.weights
+        jobs = []
+        for op in self.graph.ops:
+            if op.kind in ("linear", "linear_qkv", "linear_swiglu") and op.name not in self._absorbed \
+                    and op.kind in self.backend.SUPPORTED_OPS:
+                job = self._gemv_tuning(op, self._linear_weight(op, W), self._linear_uses_int8(op, W))
+                if job is not None:
+                    jobs.append(job)
+        tuner.prepare("gemv", jobs)
+
+    def _gemv_tuning(self, op: Op, w, i8: bool) -> tuple | None:
+        """(key, candidates, default, run) of this GEMV for Tuner.pick; None with tuning off."""
         tuner = self.backend.tuner
         if tuner is None or not tuner.enabled:
             return None
@@ -766,14 +789,23 @@ class CudaProgram:
         default = K.configs.gemv_config(w.fmt, i8, glu, n_out * w.in_features, w.in_features)
         x = torch.randn((1, w.in_features), device=self.dev).to(torch.float16)
         out = torch.empty((1, n_out), dtype=torch.float16, device=self.dev)
-        xq = K.quantize_activations(x) if i8 and w.fmt != "F16" else None
+        quantized: list = []  # x's int8 copy, made at the first timed run (a collection's is not kept)
+
+        def xq():
+            if not i8 or w.fmt == "F16":
+                return None
+            if _precompile.collecting():
+                return K.quantize_activations(x)
+            if not quantized:
+                quantized.append(K.quantize_activations(x))
+            return quantized[0]
 
         def run(cfg):
             if glu:
-                K.linear_silu_mul(x, w, out=out, act_int8=i8, xq=xq, config=cfg)
+                K.linear_silu_mul(x, w, out=out, act_int8=i8, xq=xq(), config=cfg)
             else:
-                K.linear(x, w, out=out, act_int8=i8, xq=xq, config=cfg)
-        return tuner.pick("gemv", key, cands, default, run)
+                K.linear(x, w, out=out, act_int8=i8, xq=xq(), config=cfg)
+        return key, cands, default, run
 
     def _plan_collectives(self) -> dict:
         """A tensor-parallel rank's collectives (edgellm/backends/cuda/collective.py), op name ->
@@ -1000,7 +1032,7 @@ class CudaProgram:
         """Run every op for `padded` rows; on a GPU the second step of a key (rows or tokens,
         context bucket) is captured into a CUDA graph and later ones replay it (the first runs
         outside a capture, so that kernels compile there). Returns the environment of buffers."""
-        if self.use_cuda_graph:
+        if self.use_cuda_graph and not _precompile.collecting():
             env = self._graph_envs.get(padded)
             if env is None:
                 env = self._graph_envs[padded] = self._env(padded, ctx)
@@ -1145,7 +1177,24 @@ class CudaBackend(CudaInfo):
         major, minor = torch.cuda.get_device_capability(self.device)
         name = (f"{torch.cuda.get_device_name(self.device)}|sm{major}{minor}|triton-{triton.__version__}"
                 f"|edgellm-{__version__}")
-        return Tuner(name)
+        tuner = Tuner(name)
+        tuner.precompile = self.precompile
+        return tuner
+
+    def precompile(self, launch: Callable[[], object]) -> "_precompile.Report | None":
+        """Compile every Triton kernel that launch() would launch, in parallel, before it runs for
+        real (precompile.py; EDGELLM_COMPILE_THREADS); None where nothing compiles ahead (the
+        interpreter, a pool of one). A kernel that does not compile is left to its launch, which
+        raises as before."""
+        if self.device.type != "cuda":
+            return None
+        report = _precompile.precompile(launch, device=self.device)
+        if report is not None and report.failed and not report.kernels:  # something systematic: say so
+            import warnings
+
+            warnings.warn(f"cuda: no kernel compiled ahead ({len(report.failed)} failed; they compile at their "
+                          f"first launch): {report.failed[0][:300]}", RuntimeWarning, stacklevel=2)
+        return report
 
     @staticmethod
     def available() -> bool:

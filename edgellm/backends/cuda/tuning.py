@@ -154,6 +154,14 @@ def _progress_wanted(progress: bool) -> bool:
     return bool(getattr(sys.stderr, "isatty", lambda: False)())
 
 
+def _quietly(run: Callable[[Config], None], cfg: Config) -> None:
+    """run(cfg), a failure ignored (its timing run meets it again and skips the configuration)."""
+    try:
+        run(cfg)
+    except Exception:  # noqa: BLE001
+        pass
+
+
 class Tuner:
     """Per-device choice of kernel launch configurations, timed at first use and cached on disk.
 
@@ -181,6 +189,8 @@ class Tuner:
         self._bar = None  # (rich Progress, task id) while a bar is shown
         self._session_total = 0
         self._session_done = 0
+        # the backend's precompile(launch): compiles what launch() would launch, in parallel, first
+        self.precompile: Callable[[Callable[[], object]], object] | None = None
 
     # -- the cache file ------------------------------------------------------------------------
 
@@ -273,6 +283,8 @@ class Tuner:
 
         with self._maybe_session():  # outside a session: a session of one, saved at its end
             self._start_bar(f"{kernel} {key}")
+            if self.precompile is not None:  # the candidates' kernels compiled side by side
+                self.precompile(lambda: [_quietly(run, cfg) for cfg in configs.values()])
             times: dict[str, float] = {}
             for canon, cfg in configs.items():
                 try:
@@ -291,6 +303,29 @@ class Tuner:
             self._dirty = True
             self._note(kernel, key, choice, times[best], default_us, "tuned")
         return dict(choice)
+
+    def prepare(self, kernel: str, jobs: list[tuple[tuple, list[Config], Config, Callable[[Config], None]]]) -> None:
+        """Ahead of the picks of ``jobs`` ((key, candidates, default, run) each, as pick takes
+        them): with a ``precompile`` hook and tuning on, every configuration of the keys not cached
+        yet is launched once inside one precompile call, so that all their kernels compile side by
+        side (the cuda backend: on a thread pool) rather than one pick's at a time. Nothing is
+        timed or cached here."""
+        if self.precompile is None or not self.enabled:
+            return
+        todo: dict[str, tuple[Callable[[Config], None], list[Config]]] = {}
+        for key, candidates, default, run in jobs:
+            name = _entry_key(kernel, key)
+            if name in todo:
+                continue
+            configs: dict[str, Config] = {}
+            for cfg in [dict(default), *candidates]:
+                configs.setdefault(_canonical(cfg), dict(cfg))
+            entry = self._cache().get(name)
+            if entry is not None and _canonical(entry["config"]) in configs:
+                continue
+            todo[name] = (run, list(configs.values()))
+        if todo:
+            self.precompile(lambda: [_quietly(run, cfg) for run, cfgs in todo.values() for cfg in cfgs])
 
     def _note(self, kernel, key, config, us, default_us, source) -> None:
         self._picks.append({"kernel": kernel, "key": tuple(key), "config": dict(config), "us": us,

@@ -172,6 +172,9 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--only", default="", help="comma-separated name prefixes")
     ap.add_argument("--sass", default=None, help="write each kernel's SASS and TTGIR here")
+    ap.add_argument("--parallel", type=int, default=0, metavar="N",
+                    help="first compile every case's kernels on N threads, as a first load does "
+                         "(precompile.py), then check that the cases' launches find them compiled")
     a = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("unset TRITON_INTERPRET: compile_check compiles, it does not interpret")
@@ -187,6 +190,9 @@ def main(argv=None) -> int:
     emb_mod.require_device = lambda t, name: None
     _common.sm_count.cache_clear()
     _common.sm_count = lambda index: 132
+    only = [s for s in a.only.split(",") if s]
+    cases = [(name, call) for name, call in _cases() if not only or any(name.startswith(o) for o in only)]
+    at_launch = _precompile_cases(cases, a.parallel) if a.parallel > 1 else None
     compiled: list = []
     original_run = JITFunction.run
 
@@ -196,12 +202,9 @@ def main(argv=None) -> int:
         return k
 
     JITFunction.run = compile_only
-    only = [s for s in a.only.split(",") if s]
     failures = 0
     print(f"{'case':22s} {'kernel':30s} {'regs':>4s} {'spill':>5s} {'smem':>6s}  instruction mix")
-    for name, call in _cases():
-        if only and not any(name.startswith(o) for o in only):
-            continue
+    for name, call in cases:
         start = len(compiled)
         try:
             call()
@@ -214,7 +217,42 @@ def main(argv=None) -> int:
             mix = " ".join(f"{op}:{n}" for op, n in sorted(s["ops"].items(), key=lambda kv: -kv[1]))
             print(f"{name:22s} {kname:30s} {s['regs']:4d} {s['local']:5d} {s['shared']:6d}  {mix}")
     JITFunction.run = original_run
+    if at_launch is not None:
+        from triton import knobs
+
+        knobs.runtime.jit_cache_hook = None
+        print(f"compiled at launch after the parallel compile: {len(at_launch)}"
+              + "".join(f"\n  {k}" for k in at_launch))
     return 1 if failures else 0
+
+
+def _precompile_cases(cases, workers: int) -> list[str]:
+    """Compile the cases' kernels on `workers` threads (precompile.collect + compile_all, without
+    loading them: there is no GPU), print what it did, and return a list that collects every
+    kernel compiled at launch afterwards (Triton's jit_cache_hook sees each compile)."""
+    from triton import knobs
+
+    from .. import precompile
+
+    def launch_all():
+        for _, call in cases:
+            try:
+                call()
+            except Exception:  # noqa: BLE001 - reported by the case's own run below
+                pass
+    specs, collect_s = precompile.collect(launch_all)
+    report = precompile.compile_all(specs, workers=workers, load=False)
+    print(f"parallel compile: {report.kernels} kernels on {workers} threads in {report.compile_s:.2f} s "
+          f"(collected in {collect_s:.2f} s; {len(report.failed)} failed)")
+    for err in report.failed:
+        print(f"  failed: {err}")
+    at_launch: list[str] = []
+
+    def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noqa: A002 - Triton's names
+        at_launch.append(repr)
+        return None  # compile as usual
+    knobs.runtime.jit_cache_hook = hook
+    return at_launch
 
 
 if __name__ == "__main__":
