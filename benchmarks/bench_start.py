@@ -16,6 +16,13 @@ Per model and engine:
 A sample's numbers: import (the engine's Python modules), load (edgellm.load / Llama()), TTFT
 (a 37-token chat prompt's prefill and its first token, after load), 8 tokens (TTFT + 7 decode
 steps), process (the child's wall time from exec to exit). Prints a Markdown table; -o writes JSON.
+
+Python bytecode: a pip install leaves compiled bytecode beside every module, so a user's imports
+do not compile source. A machine that runs with PYTHONDONTWRITEBYTECODE=1 and without that
+bytecode (the GPU machine's torch environment: `import torch` 3.8 s there against 2.2-2.5 s with
+bytecode, 2026-11-26) would charge every sample for compiling the libraries' source. So the
+children run with bytecode kept under a folder of this run (PYTHONPYCACHEPREFIX), filled by one
+untimed import first; --no-bytecode-cache measures the machine as it is.
 """
 
 from __future__ import annotations
@@ -144,6 +151,8 @@ def main() -> int:
     ap.add_argument("-c", "--ctx", type=int, default=4096)
     ap.add_argument("--no-cli", action="store_true", help="skip the `edgellm run` wall-time rows")
     ap.add_argument("-o", "--output", default=None, help="write the results as JSON here")
+    ap.add_argument("--no-bytecode-cache", action="store_true",
+                    help="run the children without a bytecode cache of their own (see above)")
     args = ap.parse_args()
     if args.repeat < 1:
         ap.error("-r must be at least 1")
@@ -167,6 +176,17 @@ def main() -> int:
     engines = [e for e in args.engines.split(",") if e]
     results = {"date": time.strftime("%Y-%m-%d"), "backend": args.backend, "argv": sys.argv[1:], "rows": []}
     base_env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    if not args.no_bytecode_cache:  # as after a pip install: the libraries' bytecode exists (see above)
+        base_env.pop("PYTHONDONTWRITEBYTECODE", None)
+        base_env["PYTHONPYCACHEPREFIX"] = tempfile.mkdtemp(prefix="edgellm-pyc-")
+        modules = {"edgellm": "import edgellm.cli, edgellm.model, edgellm.compiler.compile, edgellm.tokenizer, rich",
+                   "llama.cpp": "import llama_cpp, edgellm.bench.engines"}
+        for engine in engines:
+            imports = modules.get(engine, "import edgellm")
+            if args.backend == "cuda" and engine == "edgellm":
+                imports += "; import edgellm.backends.cuda.backend"
+            subprocess.run([sys.executable, "-c", imports], env=base_env, capture_output=True, timeout=600)
+    results["bytecode_cache"] = not args.no_bytecode_cache
     for path in models:
         for f in (path,):  # page cache: read the file once before any timed run
             with open(f, "rb") as fh:
