@@ -103,7 +103,8 @@ def collect(launch: Callable[[], object]) -> tuple[list[Spec], float]:
             return run(self, *args, grid=grid, warmup=warmup or threading.get_ident() == caller, **kwargs)
 
         JITFunction.run = compile_only
-        knobs.runtime.jit_cache_hook = lambda **kw: hook(**kw) if threading.get_ident() == caller else None
+        knobs.runtime.jit_cache_hook = lambda **kw: (hook(**kw) if threading.get_ident() == caller
+                                                     else prev(**kw) if prev is not None else None)
         _state.on = True
         try:
             launch()
