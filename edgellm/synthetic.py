@@ -152,13 +152,20 @@ def random_blocks(ttype: str, shape: tuple[int, ...], rng: np.random.Generator, 
     return None
 
 
+RESERVED_SPECIAL_TOKENS = 256  # as Llama 3's vocabulary: 128,000 BPE tokens and 256 special ones
+
+
 def byte_bpe_vocab(vocab_size: int, pre: str = "llama-bpe", reserved_type: int = 3) -> Callable:
     """A tokenizer for write_synthetic_gguf with exactly vocab_size tokens (tokenizer.ggml.model
     'gpt2'), for synthetic models that peers load only with a vocabulary (llama-cpp-python's
-    Llama(), transformers): the 256 byte tokens, merges of common letter pairs, BOS/EOS control
-    tokens and reserved control tokens up to vocab_size (the embedding rows of a model shape).
-    reserved_type 1 makes the reserved tokens normal ones, which decode to their text: a random
-    model's output then streams as text (benchmarks/bench_serve.py times the first piece)."""
+    Llama(), transformers), shaped as a real byte-level BPE vocabulary: the 256 byte tokens,
+    merges of common letter pairs, BOS/EOS control tokens, then longer tokens each made by one
+    more merge (a token and a printable byte) up to the last RESERVED_SPECIAL_TOKENS rows, which
+    are reserved control tokens (the embedding rows of a model shape). A load then meets what a
+    real vocabulary costs (an earlier form made every row past 414 a control token: 127,844 special
+    tokens for a 128k shape, which the tokenizer matches before BPE and which made loading its
+    cached form 0.46 s on a CPU). reserved_type 1 makes the reserved tokens normal ones, which
+    decode to their text: a random model's output then streams as text (bench_serve.py)."""
     from .tokenizer import BYTE_ALPHABET
 
     byte_tok = [BYTE_ALPHABET[b] for b in range(256)]
@@ -168,21 +175,50 @@ def byte_bpe_vocab(vocab_size: int, pre: str = "llama-bpe", reserved_type: int =
     base = byte_tok + [m.replace(" ", "") for m in merges] + ["<|begin_of_text|>", "<|end_of_text|>"]
     if vocab_size < len(base):
         raise EdgeLLMError(f"byte_bpe_vocab: a vocabulary needs at least {len(base)} tokens, got {vocab_size}")
+    n_reserved = min(RESERVED_SPECIAL_TOKENS, vocab_size - len(base))
+    grown, grown_merges = _grown_tokens(base[256:-2], [space] + [chr(c) for c in range(33, 127)],
+                                        vocab_size - len(base) - n_reserved, set(base))
 
     def add(writer) -> int:
-        tokens = base + [f"<|reserved_special_token_{i}|>" for i in range(vocab_size - len(base))]
-        types = [1] * (len(base) - 2) + [3, 3] + [reserved_type] * (vocab_size - len(base))  # 1 normal, 3 control
+        tokens = base + grown + [f"<|reserved_special_token_{i}|>" for i in range(n_reserved)]
+        types = [1] * (len(base) - 2) + [3, 3] + [1] * len(grown) + [reserved_type] * n_reserved  # 1 normal, 3 control
         writer.add_tokenizer_model("gpt2")
         writer.add_tokenizer_pre(pre)
         writer.add_token_list(tokens)
         writer.add_token_types(types)
-        writer.add_token_merges(merges)
+        writer.add_token_merges(merges + grown_merges)
         writer.add_bos_token_id(len(base) - 2)
         writer.add_eos_token_id(len(base) - 1)
         writer.add_add_bos_token(True)
         return len(tokens)
 
     return add
+
+
+def _grown_tokens(seeds: list[str], chars: list[str], count: int, taken: set[str]) -> tuple[list[str], list[str]]:
+    """count new tokens, each an existing token (a seed, then the tokens grown before it) followed
+    by one byte token of chars, with the merge that makes it ("a b"), in merge order: every merge's
+    parts and result are in the vocabulary, as BPE requires."""
+    grown: list[str] = []
+    merges: list[str] = []
+    queue = list(seeds)
+    i = 0
+    while len(grown) < count:
+        if i == len(queue):
+            raise EdgeLLMError("byte_bpe_vocab: ran out of tokens to grow")  # not reached: tokens lengthen
+        head = queue[i]
+        i += 1
+        for c in chars:
+            t = head + c
+            if t in taken:
+                continue
+            taken.add(t)
+            grown.append(t)
+            merges.append(f"{head} {c}")
+            queue.append(t)
+            if len(grown) == count:
+                break
+    return grown, merges
 
 
 def write_synthetic_gguf(path: str | Path, spec: SyntheticSpec,

@@ -420,3 +420,31 @@ def test_synthetic_byte_bpe_vocab_matches_transformers(tmp_path):
     hf = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="v.gguf")
     assert hf.vocab_size == 700
     assert hf(text, add_special_tokens=False)["input_ids"] == ids
+
+
+def test_synthetic_byte_bpe_vocab_is_shaped_like_a_real_one(tmp_path):
+    """A large synthetic vocabulary is mostly BPE tokens made by merges (as Llama 3's: 256 reserved
+    special tokens at the end), not thousands of special tokens, and encodes as transformers does."""
+    from edgellm.synthetic import RESERVED_SPECIAL_TOKENS, SyntheticSpec, byte_bpe_vocab, write_synthetic_gguf
+
+    n = 6000
+    spec = SyntheticSpec(n_layers=1, d_model=32, n_heads=2, n_kv_heads=1, ffn_dim=32, vocab_size=n)
+    path = write_synthetic_gguf(tmp_path / "w.gguf", spec, tokenizer=byte_bpe_vocab(n))
+    meta = open_gguf(path).metadata
+    types, tokens = meta["tokenizer.ggml.token_type"], meta["tokenizer.ggml.tokens"]
+    assert len(tokens) == len(set(tokens)) == n
+    assert types.count(3) == RESERVED_SPECIAL_TOKENS + 2 and types[-RESERVED_SPECIAL_TOKENS:] == [3] * RESERVED_SPECIAL_TOKENS
+    merges = meta["tokenizer.ggml.merges"]
+    assert len(merges) == n - 256 - 2 - RESERVED_SPECIAL_TOKENS  # one merge per non-byte BPE token
+    vocab = set(tokens)
+    assert all(a in vocab and b in vocab and a + b in vocab for a, b in (m.split(" ") for m in merges))
+    tok = Tokenizer.from_metadata(meta, source=path.name)
+    text = "the rain in Spain stays mainly in the plain: 42 ÿ\u00e9! Another sentence, longer words."
+    ids = tok.encode(text, add_bos=False)
+    assert tok.decode(ids) == text and max(ids) > 700  # grown tokens are used
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("transformers is not installed")
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="w.gguf")
+    assert hf(text, add_special_tokens=False)["input_ids"] == ids
