@@ -203,9 +203,7 @@ def _grown_tokens(seeds: list[str], chars: list[str], count: int, taken: set[str
     merges: list[str] = []
     queue = list(seeds)
     i = 0
-    while len(grown) < count:
-        if i == len(queue):
-            raise EdgeLLMError("byte_bpe_vocab: ran out of tokens to grow")  # not reached: tokens lengthen
+    while len(grown) < count:  # the queue outgrows i: every head gives new, longer tokens
         head = queue[i]
         i += 1
         for c in chars:

@@ -123,19 +123,20 @@ def compile_all(specs: list[Spec], *, device=None, workers: int | None = None, l
         return report
     n = max(1, min(workers or threads(), len(specs)))
     t0 = time.perf_counter()
-    index = None
+    set_device = None
     if load and device is not None:
         import torch
 
         device = torch.device(device)
         index = device.index if device.index is not None else torch.cuda.current_device()
 
+        def set_device():  # this thread's current device, as the launch's
+            torch.cuda.set_device(index)
+
     def one(spec: Spec) -> str | None:
         try:
-            if index is not None:
-                import torch
-
-                torch.cuda.set_device(index)  # this thread's current device, as the launch's
+            if set_device is not None:
+                set_device()
             kernel = spec.fn.preload(spec.data)
             if load and kernel is not None:
                 kernel._init_handles()  # the module on the device and the launcher (gcc, cached)

@@ -154,6 +154,14 @@ def _progress_wanted(progress: bool) -> bool:
     return bool(getattr(sys.stderr, "isatty", lambda: False)())
 
 
+def _distinct(default: Config, candidates: list[Config]) -> dict[str, Config]:
+    """The default and the candidates without repeats, the default first, by canonical form."""
+    configs: dict[str, Config] = {}
+    for cfg in [default, *candidates]:
+        configs.setdefault(_canonical(cfg), dict(cfg))
+    return configs
+
+
 def _quietly(run: Callable[[Config], None], cfg: Config) -> None:
     """run(cfg), a failure ignored (its timing run meets it again and skips the configuration)."""
     try:
@@ -271,12 +279,10 @@ class Tuner:
         if not self.enabled:
             self._note(kernel, key, default, None, None, "default")
             return default
-        configs: dict[str, Config] = {}
-        for cfg in [default, *candidates]:
-            configs.setdefault(_canonical(cfg), dict(cfg))
+        configs = _distinct(default, candidates)
         name = _entry_key(kernel, key)
-        entry = self._cache().get(name)
-        if entry is not None and _canonical(entry["config"]) in configs:
+        entry = self._cached(name, configs)
+        if entry is not None:
             self._advance()
             self._note(kernel, key, dict(entry["config"]), entry.get("us"), entry.get("default_us"), "cached")
             return dict(entry["config"])
@@ -317,15 +323,16 @@ class Tuner:
             name = _entry_key(kernel, key)
             if name in todo:
                 continue
-            configs: dict[str, Config] = {}
-            for cfg in [dict(default), *candidates]:
-                configs.setdefault(_canonical(cfg), dict(cfg))
-            entry = self._cache().get(name)
-            if entry is not None and _canonical(entry["config"]) in configs:
-                continue
-            todo[name] = (run, list(configs.values()))
+            configs = _distinct(default, candidates)
+            if self._cached(name, configs) is None:
+                todo[name] = (run, list(configs.values()))
         if todo:
             self.precompile(lambda: [_quietly(run, cfg) for run, cfgs in todo.values() for cfg in cfgs])
+
+    def _cached(self, name: str, configs: dict[str, Config]) -> dict | None:
+        """The cache's entry for name if its choice is still one of configs (else it is stale)."""
+        entry = self._cache().get(name)
+        return entry if entry is not None and _canonical(entry["config"]) in configs else None
 
     def _note(self, kernel, key, config, us, default_us, source) -> None:
         self._picks.append({"kernel": kernel, "key": tuple(key), "config": dict(config), "us": us,
