@@ -99,6 +99,19 @@ def speed(name: str, fmt: str, p: int, n: int, reps: int, bw: float, tmp: str) -
     return res
 
 
+def distinct_picks(picks: list[dict]) -> list[dict]:
+    """The tuner's picks, each (kernel, key) once (a program asks again for every layer), with how
+    many times it was asked."""
+    out: dict[tuple, dict] = {}
+    for p in picks:
+        k = (p["kernel"], tuple(p["key"]))
+        if k in out:
+            out[k]["picks"] += 1
+        else:
+            out[k] = dict(p, key=list(p["key"]), picks=1)
+    return list(out.values())
+
+
 def measure(path: str, p, n, reps: int, bw: float) -> dict:
     """edgellm cuda on one GGUF file, llama-bench's way: prefill each of p tokens from an empty
     cache, decode each of n tokens from an empty context (p, n: an int or a list of ints)."""
@@ -157,7 +170,7 @@ def measure(path: str, p, n, reps: int, bw: float) -> dict:
     res["mbu"] = res[f"tg{ns[0]}_mbu"]
     tuner = getattr(m.backend, "tuner", None)
     if tuner is not None:  # which launch configurations the decode GEMVs ran with, and why
-        res["tuning"] = [dict(p, key=list(p["key"])) for p in tuner.report()]
+        res["tuning"] = distinct_picks(tuner.report())
     del m
     torch.cuda.empty_cache()
     return res

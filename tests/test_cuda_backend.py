@@ -194,3 +194,22 @@ def test_cuda_program_read_back_from_the_cache_gives_the_same_logits(tmp_path, m
     a = list(fresh.generate_tokens(ids, 4, SamplingParams(temperature=0)))
     b = list(cached.generate_tokens(ids, 4, SamplingParams(temperature=0)))
     assert a == b
+
+
+def test_gemvs_after_gemvs_skip_the_l2_prefetch(tmp_path, monkeypatch):
+    """A decode GEMV launched right after another product (the down projection after gate|up) does
+    not prefetch its weights before its PDL wait (the product before it streams through L2 then);
+    every other product of the step does. Found here from the data flow: the products whose input
+    comes from the gated product."""
+    spec = MODELS["llama-q4_0-gqa2"]
+    path = write_synthetic_gguf(tmp_path / "m.gguf", SyntheticSpec(**{**spec.__dict__, "n_layers": 2}))
+    m = edgellm.load(path, backend="cuda", ctx=32, warmup=False, cache=False)
+    prog = m.programs["decode"]
+    producer = {t: op for op in prog.graph.ops for t in op.outputs}
+    down = {op.name for op in prog.graph.ops
+            if op.kind == "linear" and producer.get(op.inputs[0]) is not None
+            and producer[op.inputs[0]].kind == "linear_swiglu"}
+    assert len(down) == 2 and prog._after_gemv == down
+    monkeypatch.setenv("EDGELLM_L2_PREFETCH_AFTER_GEMV", "1")
+    m = edgellm.load(path, backend="cuda", ctx=32, warmup=False, cache=False)
+    assert m.programs["decode"]._after_gemv == set()

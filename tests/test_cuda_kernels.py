@@ -953,3 +953,59 @@ def test_unify_formats_mixed_stacks(rng):
         K.linear(x, w, out=out, config=GEMV_CFG)
         check(out, np64(x) @ ref.T, 2e-3, f"stack as {want}")
     assert K.unify_formats([q, k]) == [q, k]  # one format: as they are
+
+
+# ------------------------------------------------------------------- L2 weight prefetch under PDL
+
+def test_prefetch_lines_stay_within_the_budget(monkeypatch):
+    """The GEMV's prefetch request per program: a power of two of 128-byte lines, the whole region
+    when the launch's budget allows, otherwise a prefix whose total over the programs is within the
+    budget; nothing when prefetch or PDL is off."""
+    from edgellm.backends.cuda.kernels import _common as C
+    monkeypatch.setattr(C, "_PDL", True)
+    monkeypatch.setattr(C, "_L2_PREFETCH_BYTES", 4 << 20)
+    rng = np.random.default_rng()
+    for _ in range(200):
+        programs = int(rng.integers(1, 20000))
+        region = int(rng.integers(1, 64 << 10))
+        share = int(rng.integers(1, 3))
+        lines = C.prefetch_lines(programs, region, share)
+        need = -(-region // 128)
+        if lines:
+            assert lines & (lines - 1) == 0 and lines <= 1024
+            # bytes asked of L2: at most the region per program (the extra lines repeat its last one)
+            asked = min(lines, need) * 128
+            assert programs * share * asked <= (4 << 20) + programs * share * 128
+            if need <= (4 << 20) // (programs * share * 128) and need <= 1024:
+                assert lines >= need  # the whole region fits the budget: all of it
+        else:
+            assert (4 << 20) // (programs * share * 128) == 0
+    assert C.prefetch_lines(100, 4096) == 32
+    monkeypatch.setattr(C, "_PDL", False)
+    assert C.prefetch_lines(100, 4096) == 0
+    monkeypatch.setattr(C, "_PDL", True)
+    monkeypatch.setattr(C, "_L2_PREFETCH_BYTES", 0)
+    assert C.prefetch_lines(100, 4096) == 0
+
+
+def test_gemv_prefetch_is_issued_before_the_pdl_wait(tmp_path):
+    """With PDL on, the decode GEMV's L2 prefetches (CCTL.E.PF2 in SASS) must come before its
+    griddepcontrol.wait (ACQBULK), or they overlap nothing; compiled for sm_90 with Triton's own
+    ptxas (no GPU needed), for the int8 and the float path."""
+    import subprocess
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sass = tmp_path / "sass"
+    r = subprocess.run([sys.executable, "-m", "edgellm.backends.cuda.kernels.compile_check", "--arch", "90", "--pdl",
+                        "--only", "gemv-int8 Q4_0,glu Q8_0", "--sass", str(sass)],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    files = sorted(p for p in sass.glob("*_gemv*kernel.sass"))
+    assert len(files) == 2, files
+    for f in files:
+        lines = f.read_text().splitlines()
+        pf = [i for i, line in enumerate(lines) if "CCTL.E.PF2" in line]
+        wait = [i for i, line in enumerate(lines) if "ACQBULK" in line]
+        assert pf and wait, f.name
+        assert max(pf) < min(wait), f"{f.name}: a prefetch after the PDL wait"

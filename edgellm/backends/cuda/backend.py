@@ -265,6 +265,7 @@ class CudaProgram:
         self._splits = 1
         self._split_cap: int | None = None
         self._prepare_tuning()
+        self._after_gemv = self._gemvs_after_gemvs()  # products that skip the L2 prefetch (see there)
         self._launches: list[Callable[[dict, int, int], None]] = [self._lower(op) for op in graph.ops]
         # CUDA graphs: decode, one per context bucket; prefill, one per padded token count (see run)
         self._graphs: OrderedDict[tuple[int, int], torch.cuda.CUDAGraph] = OrderedDict()
@@ -352,6 +353,27 @@ class CudaProgram:
             if width % 32 or (src.kind == "attention" and src.attrs["head_dim"] % 32):
                 continue  # (an attention program writes whole heads: they must be whole 32-blocks)
             self._xq_for[op.inputs[0]] = self._xq_buffer(width)
+
+    def _gemvs_after_gemvs(self) -> set[str]:
+        """The products launched right after another product (the down projection after gate|up).
+        They do not prefetch their weights into L2 before their PDL wait (set_l2_prefetch): their
+        programs become resident as the product before them starts, which then streams its own
+        weights through L2 and evicts those lines before they are read (measured on the H100: 8B
+        Q4_0 decode 1-2% slower with them prefetching, 1B Q4_0 5% slower). Letting such a product
+        launch its successor only after its main loop instead cost up to 10% (docs/benchmarks.md).
+        EDGELLM_L2_PREFETCH_AFTER_GEMV=1 prefetches there too."""
+        if os.environ.get("EDGELLM_L2_PREFETCH_AFTER_GEMV", "0") == "1":
+            return set()
+        kinds = ("linear", "linear_qkv", "linear_swiglu")
+        after: set[str] = set()
+        prev: Op | None = None
+        for op in self.graph.ops:
+            if op.name in self._absorbed:
+                continue
+            if op.kind in kinds and prev is not None and prev.kind in kinds:
+                after.add(op.name)
+            prev = op
+        return after
 
     def _plan_norm_tails(self, readers: dict[str, list[Op]], producer: dict[str, Op]) -> None:
         """Which add_rms_norm ops the GEMV before them absorbs (see _plan_decode_fusions). The sums
@@ -709,18 +731,19 @@ class CudaProgram:
         # (tuned GEMV tiles are for the single-token program: a rows step may take the GEMM kernel)
         cfg = self._tuned_gemv(op, w, i8) if self.decode_stage and not self.rows_mode else None
         dmt = self.gemv_max
+        pf = op.name not in self._after_gemv
         if kind == "linear_swiglu":
             act = a.get("act", "silu")
             return lambda env, s, c: K.linear_silu_mul(env[ins[0]], w, out=env[outs[0]], act_int8=i8, config=cfg,
                                                        xq=None if xq is None else self._xq_rows(xq, s), act=act,
-                                                       decode_max_tokens=dmt)
+                                                       decode_max_tokens=dmt, l2_prefetch=pf)
         if kind == "linear_qkv":
             bias = W.vector(*(wname(t) for t in ins[4:7])) if a.get("has_bias") else None
             rope_op = self._rope_into_gemv.get(op.name)
             if rope_op is None:
                 return lambda env, s, c: K.linear(env[ins[0]], w, bias=bias, out=env[outs[0]], act_int8=i8, config=cfg,
                                                   xq=None if xq is None else self._xq_rows(xq, s),
-                                                  decode_max_tokens=dmt)
+                                                  decode_max_tokens=dmt, l2_prefetch=pf)
             ra = rope_op.attrs
             freqs = W.vector(wname(rope_op.inputs[4])) if len(rope_op.inputs) > 4 else None
 
@@ -730,7 +753,7 @@ class CudaProgram:
                                    freq_factors=freqs, n_rot=ra.get("rope_dim", ra["head_dim"]),
                                    q_out=env[rope_op.outputs[0]])
                 K.linear(env[ins[0]], w, bias=bias, act_int8=i8, decode_max_tokens=dmt, config=cfg, rope=rope,
-                         xq=None if xq is None else self._xq_rows(xq, s))
+                         xq=None if xq is None else self._xq_rows(xq, s), l2_prefetch=pf)
             return run_qkv_rope
         bias = W.vector(wname(ins[2])) if a.get("has_bias") else None
         res = ins[-1] if a.get("has_residual") else None
@@ -744,12 +767,12 @@ class CudaProgram:
                 tail = K.NormTail(env[residual], env[s_name], env[n_name], nw, eps, counter,
                                   None if nxq is None else self._xq_rows(nxq, s))
                 K.linear(env[ins[0]], w, bias=bias, act_int8=i8, decode_max_tokens=dmt, config=cfg, norm=tail,
-                         xq=None if xq is None else self._xq_rows(xq, s))
+                         xq=None if xq is None else self._xq_rows(xq, s), l2_prefetch=pf)
             return run_linear_norm
 
         def run_linear(env, s, c):
             y = K.linear(env[ins[0]], w, bias=bias, out=env[outs[0]], act_int8=i8, decode_max_tokens=dmt, config=cfg,
-                         xq=None if xq is None else self._xq_rows(xq, s))
+                         xq=None if xq is None else self._xq_rows(xq, s), l2_prefetch=pf)
             if res is not None:
                 y.add_(env[res])
         return run_linear
@@ -1157,6 +1180,12 @@ class CudaBackend(CudaInfo):
         # programmatic dependent launch (Hopper): each kernel starts while its predecessor drains
         self.K.set_pdl(self.device.type == "cuda" and os.environ.get("EDGELLM_PDL", "1") != "0"
                        and torch.cuda.get_device_capability(self.device)[0] >= 9)
+        # and under PDL, the decode GEMVs ask L2 for their first weights before they wait (MB a launch)
+        mb = os.environ.get("EDGELLM_L2_PREFETCH_MB", "4")
+        try:
+            self.K.set_l2_prefetch(float(mb) * (1 << 20))
+        except ValueError:
+            raise ValueError(f"EDGELLM_L2_PREFETCH_MB={mb!r}: expected a number of megabytes (0 turns it off)") from None
         self.file = f
         self.weights = CudaWeights(f, self.device)
         self._arena: torch.Tensor | None = None

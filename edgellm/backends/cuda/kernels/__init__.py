@@ -8,7 +8,8 @@ buffers). Block sizes come from configs.py; `config=` overrides them (for tuning
 
 set_pdl(True) launches every kernel with programmatic dependent launch (Hopper; each kernel
 waits for its predecessor before touching activations), which hides part of the launch latency
-inside CUDA graphs.
+inside CUDA graphs; set_l2_prefetch(BYTES) lets the decode GEMVs ask L2 for their weights
+before that wait (at most BYTES a launch).
 
 With TRITON_INTERPRET=1 set before triton is imported, the kernels run in Triton's interpreter on
 CPU tensors (correct but slow, for tests); without it, CPU tensors are refused with a clear error.
@@ -16,7 +17,7 @@ CPU tensors (correct but slow, for tests); without it, CPU tensors are refused w
 GPU and prints registers, spills and the instruction mix of each.
 """
 
-from ._common import INTERPRET, USE_DP4A, set_pdl
+from ._common import INTERPRET, USE_DP4A, set_l2_prefetch, set_pdl
 from .attention import (attention_decode, attention_prefill, attention_rows, decode_workspace, default_decode_splits,
                         rows_splits)
 from .elementwise import silu_mul, unary
@@ -33,6 +34,6 @@ __all__ = [
     "INTERPRET", "USE_DP4A", "PACKED_FORMATS", "SUPPORTED_FORMATS", "PackedWeight", "UnsupportedFormatError",
     "NormTail", "QuantizedActivations", "RopeStore", "argmax", "attention_decode", "attention_prefill", "can_repack",
     "concat_packed", "convert_packed", "unify_formats", "decode_workspace", "default_decode_splits", "dequantize", "embedding", "linear",
-    "linear_silu_mul", "pack_float", "quantize_activations", "repack", "rms_norm", "rope_qkv_cache", "sample", "set_pdl", "silu_mul",
+    "linear_silu_mul", "pack_float", "quantize_activations", "repack", "rms_norm", "rope_qkv_cache", "sample", "set_l2_prefetch", "set_pdl", "silu_mul",
     "unary", "head_rms_norm", "attention_rows", "kv_store_rows", "rope_rows", "rows_splits",
 ]

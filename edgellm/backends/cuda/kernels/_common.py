@@ -158,3 +158,43 @@ def pdl_prologue(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
+
+
+# Weight prefetch under PDL: a decode GEMV launched with PDL becomes resident while its predecessor
+# (a norm, the attention, another GEMV) still runs, and waits there for it. Its weights do not
+# depend on that predecessor, so before waiting each program asks L2 for the first bytes of its
+# rows (prefetch.global.L2: no registers held, nothing waited on); the stream of weights from DRAM
+# starts during the predecessor's latency-bound tail instead of after it. At most this many bytes
+# per launch (the programs' share each), so the prefetched lines stay in the 50 MB L2 until read.
+# Set by the backend with set_l2_prefetch (EDGELLM_L2_PREFETCH_MB); 0: off. Only with PDL on.
+_L2_PREFETCH_BYTES = 0
+
+
+def set_l2_prefetch(nbytes: int) -> None:
+    global _L2_PREFETCH_BYTES
+    _L2_PREFETCH_BYTES = max(0, int(nbytes)) if not INTERPRET else 0
+
+
+def prefetch_lines(programs: int, region_bytes: int, share: int = 1) -> int:
+    """The PF_LINES constexpr of a launch of `programs` programs each owning `region_bytes` of
+    weights (`share`: regions per program, e.g. 2 for a gated pair): a power of two number of
+    128-byte lines, within the launch's budget; 0 when prefetch is off or PDL is."""
+    if not (_PDL and _L2_PREFETCH_BYTES) or programs <= 0 or region_bytes <= 0:
+        return 0
+    cap = min(_L2_PREFETCH_BYTES // (programs * share * 128), 1024)
+    need = -(-region_bytes // 128)
+    if cap <= 0:
+        return 0
+    if need <= cap:  # the whole region: the next power of two (the extra lines repeat the last)
+        return min(next_pow2(need), 1024)
+    return 1 << (cap.bit_length() - 1)  # a prefix of the region, within the budget
+
+
+@jit
+def l2_prefetch(base, nbytes, LINES: tl.constexpr):
+    """Ask L2 for bytes [0, min(nbytes, 128 LINES)) from `base` (any pointer type), one 128-byte
+    line per element (past nbytes the last line repeats; a repeated prefetch costs nothing)."""
+    off = tl.minimum(tl.arange(0, LINES).to(tl.int64) * 128, tl.maximum(nbytes - 1, 0))
+    p = base.to(tl.pointer_type(tl.int8), bitcast=True) + off
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0 unused", "=r,l", [p], dtype=tl.int32,
+                              is_pure=False, pack=1)

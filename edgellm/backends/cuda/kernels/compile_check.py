@@ -175,6 +175,9 @@ def main(argv=None) -> int:
     ap.add_argument("--parallel", type=int, default=0, metavar="N",
                     help="first compile every case's kernels on N threads, as a first load does "
                          "(precompile.py), then check that the cases' launches find them compiled")
+    ap.add_argument("--pdl", action="store_true",
+                    help="the kernels as a Hopper load launches them: programmatic dependent launch on, and "
+                         "the decode GEMVs' L2 weight prefetch (4 MB a launch)")
     a = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("unset TRITON_INTERPRET: compile_check compiles, it does not interpret")
@@ -187,6 +190,9 @@ def main(argv=None) -> int:
     emb_mod = importlib.import_module(__package__ + ".embedding")
 
     _common.require_device = lambda t, name: None  # CPU tensors stand in for GPU ones
+    if a.pdl:
+        _common.set_pdl(True)
+        _common.set_l2_prefetch(4 << 20)
     emb_mod.require_device = lambda t, name: None
     _common.sm_count.cache_clear()
     _common.sm_count = lambda index: 132

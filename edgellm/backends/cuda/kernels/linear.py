@@ -41,8 +41,8 @@ import triton
 import triton.language as tl
 
 from . import configs
-from ._common import (INTERPRET, USE_DP4A, check_2d, device_sm_count, dp4a, int_or_tensor, jit, or_under_one,
-                      out_buffer, pdl, pdl_prologue)
+from ._common import (INTERPRET, USE_DP4A, check_2d, device_sm_count, dp4a, int_or_tensor, jit, l2_prefetch,
+                      or_under_one, out_buffer, pdl, pdl_prologue, prefetch_lines)
 from .elementwise import ACT_CODES, gate_act
 from .norm import NormTail, norm_tail_epilogue
 from .packing import PackedWeight
@@ -194,18 +194,38 @@ def _q6_part(q_ptr, d_ptr, m_ptr, rows64, rmask, kb, kmask, xrow, xs_lo, xs_hi, 
 
 
 @jit
+def _prefetch_rows(a_q, a_d, b_q, b_d, qrb, drb, M, N, BLOCK_N: tl.constexpr, GLU: tl.constexpr,
+                   LINES: tl.constexpr, D_LINES: tl.constexpr):
+    """Before a PDL wait: this program's rows of the weights (quants, and scales when D_LINES)
+    asked of L2 (see l2_prefetch). The M programs of one row block share them: the first asks."""
+    pid = tl.program_id(0)
+    if pid % M == 0:
+        r0 = ((pid // M) * BLOCK_N).to(tl.int64)
+        nr = tl.minimum(N - r0, BLOCK_N)
+        l2_prefetch(a_q.to(tl.pointer_type(tl.int8), bitcast=True) + r0 * qrb, nr * qrb, LINES)
+        if GLU:
+            l2_prefetch(b_q.to(tl.pointer_type(tl.int8), bitcast=True) + r0 * qrb, nr * qrb, LINES)
+        if D_LINES > 0:
+            l2_prefetch(a_d.to(tl.pointer_type(tl.int8), bitcast=True) + r0 * drb, nr * drb, D_LINES)
+            if GLU:
+                l2_prefetch(b_d.to(tl.pointer_type(tl.int8), bitcast=True) + r0 * drb, nr * drb, D_LINES)
+
+
+@jit
 def _gemv_kernel(x_ptr, stride_xm,
                  a_q, a_d, a_m, b_q, b_d, b_m,
                  bias_ptr, out_ptr, stride_om,
                  M, N, K, stride_q, stride_d,
                  pos_ptr, pos_val, ff_ptr, log2_theta, qo_ptr, stride_qo, kc_ptr, vc_ptr, stride_c, QD, KVD,
                  res_ptr, stride_r, sum_ptr, stride_s, nrm_ptr, stride_n, nw_ptr, eps, cnt_ptr,
-                 nxq_ptr, nxd_ptr, nxs_ptr,
+                 nxq_ptr, nxd_ptr, nxs_ptr, pf_qrb, pf_drb,
                  FMT: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MASKED: tl.constexpr, USE_ASM: tl.constexpr,
                  ROPE: tl.constexpr, POS_FROM_PTR: tl.constexpr, HEAD_DIM: tl.constexpr, N_ROT: tl.constexpr,
                  HAS_FF: tl.constexpr, NORM: tl.constexpr, NORM_QUANT: tl.constexpr, NORM_CHUNK: tl.constexpr,
-                 PDL: tl.constexpr):
+                 PF_LINES: tl.constexpr, PF_D_LINES: tl.constexpr, PDL: tl.constexpr):
+    if PF_LINES > 0:
+        _prefetch_rows(a_q, a_d, b_q, b_d, pf_qrb, pf_drb, M, N, BLOCK_N, GLU, PF_LINES, PF_D_LINES)
     pdl_prologue(PDL)
     pid = tl.program_id(0)
     tok = pid % M
@@ -427,12 +447,14 @@ def _gemv_i8_kernel(xq_ptr, xd_ptr, xs_ptr,
                     M, N, K, stride_q, stride_d,
                     pos_ptr, pos_val, ff_ptr, log2_theta, qo_ptr, stride_qo, kc_ptr, vc_ptr, stride_c, QD, KVD,
                     res_ptr, stride_r, sum_ptr, stride_s, nrm_ptr, stride_n, nw_ptr, eps, cnt_ptr,
-                    nxq_ptr, nxd_ptr, nxs_ptr,
+                    nxq_ptr, nxd_ptr, nxs_ptr, pf_qrb, pf_drb,
                     FMT: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr, MASKED: tl.constexpr,
                     ROPE: tl.constexpr, POS_FROM_PTR: tl.constexpr, HEAD_DIM: tl.constexpr, N_ROT: tl.constexpr,
                     HAS_FF: tl.constexpr, NORM: tl.constexpr, NORM_QUANT: tl.constexpr, NORM_CHUNK: tl.constexpr,
-                    PDL: tl.constexpr):
+                    PF_LINES: tl.constexpr, PF_D_LINES: tl.constexpr, PDL: tl.constexpr):
+    if PF_LINES > 0:
+        _prefetch_rows(a_q, a_d, b_q, b_d, pf_qrb, pf_drb, M, N, BLOCK_N, GLU, PF_LINES, PF_D_LINES)
     pdl_prologue(PDL)
     pid = tl.program_id(0)
     tok = pid % M
@@ -675,7 +697,19 @@ def _norm_args(norm, out) -> tuple[list, dict]:
     return norm.kernel_args()
 
 
-def _launch_gemv(x, wa, wb, b_offset, bias, out, glu, act_int8, xq, config, rope=None, norm=None, act="silu"):
+def _prefetch_args(w: PackedWeight, rows_per_program: int, programs: int, glu: bool) -> tuple[list, dict]:
+    """Runtime arguments and constexprs of the GEMV's weight prefetch (see l2_prefetch): bytes per
+    row of the quants and of the scales, and how many 128-byte lines a program asks for."""
+    qrb = w.qs.stride(0) * w.qs.element_size()
+    drb = w.d.stride(0) * w.d.element_size() if w.d is not None else 0
+    share = 2 if glu else 1
+    lines = prefetch_lines(programs, rows_per_program * qrb, share)
+    d_lines = prefetch_lines(programs, rows_per_program * drb, share) if lines and drb else 0
+    return [qrb, drb], dict(PF_LINES=lines, PF_D_LINES=d_lines)
+
+
+def _launch_gemv(x, wa, wb, b_offset, bias, out, glu, act_int8, xq, config, rope=None, norm=None, act="silu",
+                 l2_prefetch=True):
     M, K = x.shape
     N = wa.out_features - b_offset if glu and wb is wa else wa.out_features
     fmt = wa.fmt
@@ -687,6 +721,7 @@ def _launch_gemv(x, wa, wb, b_offset, bias, out, glu, act_int8, xq, config, rope
     bias_arg = bias if has_bias else out
     rope_rt, rope_ce = _rope_args(rope, x, out)
     norm_rt, norm_ce = _norm_args(norm, out)
+    pf_rt, pf_ce = _prefetch_args(wa, bn, triton.cdiv(N, bn) if l2_prefetch else 0, glu)
     if act_int8 and fmt != "F16":
         if xq is None:
             xq = quantize_activations(x)
@@ -697,10 +732,10 @@ def _launch_gemv(x, wa, wb, b_offset, bias, out, glu, act_int8, xq, config, rope
         stride_q = a[0].stride(0)
         stride_d = wa.d.stride(0)
         _gemv_i8_kernel[grid](xq.xq.view(torch.int32), xq.xd, xq.xs, *a, *b, bias_arg, out, out.stride(0),
-                              M, N, K, stride_q, stride_d, *rope_rt, *norm_rt,
+                              M, N, K, stride_q, stride_d, *rope_rt, *norm_rt, *pf_rt,
                               FMT=_FMT_CODE[fmt], GLU=ACT_CODES[act] if glu else 0, HAS_BIAS=has_bias,
                               BLOCK_N=bn, BLOCK_K=bk, USE_ASM=USE_DP4A, MASKED=masked, num_warps=cfg["num_warps"], **rope_ce, **norm_ce,
-                              **pdl())
+                              **pf_ce, **pdl())
         return
     words = fmt in ("Q4_0", "Q4_1", "Q6", "Q6M")
     a = _weight_args(wa, out, 0, int_words=words)
@@ -708,10 +743,10 @@ def _launch_gemv(x, wa, wb, b_offset, bias, out, glu, act_int8, xq, config, rope
     stride_q = a[0].stride(0)
     stride_d = wa.d.stride(0) if wa.d is not None else 0
     _gemv_kernel[grid](x, x.stride(0), *a, *b, bias_arg, out, out.stride(0),
-                       M, N, K, stride_q, stride_d, *rope_rt, *norm_rt,
+                       M, N, K, stride_q, stride_d, *rope_rt, *norm_rt, *pf_rt,
                        FMT=_FMT_CODE[fmt], GLU=ACT_CODES[act] if glu else 0, HAS_BIAS=has_bias, BLOCK_N=bn,
                        BLOCK_K=bk, MASKED=masked,
-                       USE_ASM=USE_DP4A, num_warps=cfg["num_warps"], **rope_ce, **norm_ce, **pdl())
+                       USE_ASM=USE_DP4A, num_warps=cfg["num_warps"], **rope_ce, **norm_ce, **pf_ce, **pdl())
 
 
 # split-K GEMMs: per device, float32 workspaces for the partial sums (by size; each launch writes
@@ -761,7 +796,7 @@ def _launch_gemm(x, w, bias, out, config):
 def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
            *, act_int8: bool = False, xq: QuantizedActivations | None = None, config: dict | None = None,
            decode_max_tokens: int = configs.DECODE_MAX_TOKENS, rope: RopeStore | None = None,
-           norm: NormTail | None = None) -> torch.Tensor:
+           norm: NormTail | None = None, l2_prefetch: bool = True) -> torch.Tensor:
     """out[M, N] = x[M, K] @ W.T (+ bias), for W packed by `repack`.
 
     M <= decode_max_tokens: matrix-vector kernel (act_int8: x quantized to int8 per 32-block and
@@ -776,6 +811,10 @@ def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, o
     norm.residual (stored to norm.sum_out) and normalised into norm.out, which is returned; out is
     not written. Decode does it in the matrix-vector kernel (the last program normalises); otherwise
     the rms_norm kernel runs after the product.
+
+    l2_prefetch: with PDL and set_l2_prefetch on, the matrix-vector kernel asks L2 for its first
+    weight bytes before waiting for the previous kernel (False where that kernel streams weights
+    itself: the lines would be evicted before they are read).
     """
     check_2d(x, "x")
     _check_weight(x, w)
@@ -789,7 +828,8 @@ def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, o
         if M == 0:
             return rope.q_out
         if M <= decode_max_tokens and rope.fusable(x) and _decode_cfg(w.fmt, config, act_int8)["BLOCK_N"] % 2 == 0:
-            _launch_gemv(x, w, None, 0, bias, rope.q_out, False, act_int8, xq, config, rope=rope)
+            _launch_gemv(x, w, None, 0, bias, rope.q_out, False, act_int8, xq, config, rope=rope,
+                         l2_prefetch=l2_prefetch)
             return rope.q_out
         qkv = linear(x, w, bias, out, act_int8=act_int8, xq=xq, config=config, decode_max_tokens=decode_max_tokens)
         return rope.apply(qkv)
@@ -798,7 +838,8 @@ def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, o
         if M == 0:
             return norm.out
         if M <= decode_max_tokens:
-            _launch_gemv(x, w, None, 0, bias, norm.out, False, act_int8, xq, config, norm=norm)
+            _launch_gemv(x, w, None, 0, bias, norm.out, False, act_int8, xq, config, norm=norm,
+                         l2_prefetch=l2_prefetch)
             return norm.out
         y = linear(x, w, bias, out, act_int8=act_int8, xq=xq, config=config, decode_max_tokens=decode_max_tokens)
         return norm.unfused(y)
@@ -806,7 +847,7 @@ def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, o
     if M == 0:
         return out
     if M <= decode_max_tokens:
-        _launch_gemv(x, w, None, 0, bias, out, False, act_int8, xq, config)
+        _launch_gemv(x, w, None, 0, bias, out, False, act_int8, xq, config, l2_prefetch=l2_prefetch)
     else:
         _launch_gemm(x, w, bias, out, config)
     return out
@@ -815,7 +856,8 @@ def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, o
 def linear_silu_mul(x: torch.Tensor, w_gate: PackedWeight, w_up: PackedWeight | None = None,
                     out: torch.Tensor | None = None, *, act_int8: bool = False,
                     xq: QuantizedActivations | None = None, config: dict | None = None,
-                    decode_max_tokens: int = configs.DECODE_MAX_TOKENS, act: str = "silu") -> torch.Tensor:
+                    decode_max_tokens: int = configs.DECODE_MAX_TOKENS, act: str = "silu",
+                    l2_prefetch: bool = True) -> torch.Tensor:
     """act(x @ Wg.T) * (x @ Wu.T) in one kernel for decode (tokens <= decode_max_tokens); act is
     silu (SwiGLU) or gelu_tanh (GeGLU).
 
@@ -838,7 +880,7 @@ def linear_silu_mul(x: torch.Tensor, w_gate: PackedWeight, w_up: PackedWeight | 
     if M == 0:
         return out
     if M <= decode_max_tokens:
-        _launch_gemv(x, w_gate, wb, b_off, None, out, True, act_int8, xq, config, act=act)
+        _launch_gemv(x, w_gate, wb, b_off, None, out, True, act_int8, xq, config, act=act, l2_prefetch=l2_prefetch)
         return out
     from .elementwise import silu_mul
     if w_up is None:
