@@ -237,3 +237,44 @@ def test_array_artifacts_round_trip(tmp_path, cache_dir):
     got["a"][0, 0] = 7.0  # mapped copy-on-write: the file keeps its bytes
     np.testing.assert_array_equal(pc.get_arrays("k", "x.bin")[1]["a"], arrays["a"])
     assert pc.get_arrays("k", "absent.bin") is None
+
+
+def test_triton_key_is_remembered_between_processes(tmp_path, monkeypatch):
+    """Triton's cache key (a hash of its 450 MB library, computed once per process) is kept in the
+    engine's cache under the size and mtime of Triton's files: the first process computes it with
+    Triton's own function, a later one reads it; a changed file, or a corrupt entry, computes it
+    again. The remembered value is Triton's own."""
+    pytest.importorskip("triton")
+    import triton
+    import triton.runtime.cache as tc
+
+    from edgellm.backends.cuda import triton_key as tk
+
+    monkeypatch.setenv("EDGELLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("EDGELLM_CACHE", raising=False)
+    real = tc.triton_key
+    calls = []
+
+    def tritons_own():
+        calls.append(1)
+        return f"{triton.__version__}-{len(calls)}"
+
+    def new_process():
+        monkeypatch.setattr(tc, "triton_key", tritons_own)
+        return tk.memoize_triton_key()
+
+    assert new_process() == f"{triton.__version__}-1" and len(calls) == 1
+    assert tc.triton_key() == f"{triton.__version__}-1" and len(calls) == 1  # installed
+    assert new_process() == f"{triton.__version__}-1" and len(calls) == 1  # read back
+    sig = tk.stat_signature
+    monkeypatch.setattr(tk, "stat_signature", lambda root: sig(root) + "-changed")
+    assert new_process() == f"{triton.__version__}-2" and len(calls) == 2  # a file changed
+    for f in (tmp_path / "programs").rglob("triton_key"):
+        f.write_bytes(f.read_bytes()[:-3] + b"xyz")  # corrupt every stored entry
+    assert new_process() == f"{triton.__version__}-3" and len(calls) == 3
+    monkeypatch.setenv("EDGELLM_CACHE", "0")
+    assert new_process() is None and tc.triton_key is tritons_own
+    monkeypatch.setenv("EDGELLM_CACHE", "1")
+    monkeypatch.setattr(tk, "stat_signature", sig)
+    monkeypatch.setattr(tc, "triton_key", real)
+    assert tk.memoize_triton_key() == real()  # Triton's real key, remembered

@@ -79,9 +79,10 @@ _prefetch_thread: threading.Thread | None = None
 def prefetch() -> None:
     """Start Triton's cache key on a background thread: a SHA-256 of its ~450 MB library that
     Triton computes once per process before it loads any cached kernel (0.35 s on the H100 host),
-    file reads and hashing that run outside the GIL while the loading thread reads the model file
-    and builds the tokenizer. `edgellm.load` calls it first; CudaBackend waits for it. Errors are
-    left to the loading thread, which meets them again. EDGELLM_PREFETCH=0 turns it off."""
+    remembered between processes by triton_key.py (then a few milliseconds of file stats), and
+    otherwise file reads and hashing that run outside the GIL while the loading thread reads the
+    model file and builds the tokenizer. `edgellm.load` calls it first; CudaBackend waits for it.
+    Errors are left to the loading thread, which meets them again. EDGELLM_PREFETCH=0 turns it off."""
     global _prefetch_thread
     if _prefetch_thread is not None or os.environ.get("EDGELLM_PREFETCH", "1") == "0":
         return
@@ -90,7 +91,11 @@ def prefetch() -> None:
         try:
             from triton.runtime.cache import triton_key
 
-            triton_key()  # functools.lru_cache: the kernels' first compile or cache lookup finds it
+            from .triton_key import memoize_triton_key
+
+            # (the cache off, or EDGELLM_TRITON_KEY_MEMO=0: Triton's own, functools.lru_cache)
+            if os.environ.get("EDGELLM_TRITON_KEY_MEMO", "1") == "0" or memoize_triton_key() is None:
+                triton_key()
         except Exception:  # noqa: BLE001 - the loading thread meets and reports the same error
             pass
 
