@@ -213,3 +213,10 @@ def test_gemvs_after_gemvs_skip_the_l2_prefetch(tmp_path, monkeypatch):
     monkeypatch.setenv("EDGELLM_L2_PREFETCH_AFTER_GEMV", "1")
     m = edgellm.load(path, backend="cuda", ctx=32, warmup=False, cache=False)
     assert m.programs["decode"]._after_gemv == set()
+
+
+def test_a_bad_prefetch_budget_is_a_clear_error(tmp_path, monkeypatch):
+    path = write_synthetic_gguf(tmp_path / "m.gguf", MODELS["llama-q4_0-gqa2"])
+    monkeypatch.setenv("EDGELLM_L2_PREFETCH_MB", "four")
+    with pytest.raises(ValueError, match="EDGELLM_L2_PREFETCH_MB='four': expected a number of megabytes"):
+        edgellm.load(path, backend="cuda", ctx=32, warmup=False, cache=False)
