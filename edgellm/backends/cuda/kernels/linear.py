@@ -700,6 +700,8 @@ def _norm_args(norm, out) -> tuple[list, dict]:
 def _prefetch_args(w: PackedWeight, rows_per_program: int, programs: int, glu: bool) -> tuple[list, dict]:
     """Runtime arguments and constexprs of the GEMV's weight prefetch (see l2_prefetch): bytes per
     row of the quants and of the scales, and how many 128-byte lines a program asks for."""
+    if not w.qs.is_contiguous() or (w.d is not None and not w.d.is_contiguous()):
+        return [0, 0], dict(PF_LINES=0, PF_D_LINES=0)  # a region of rows could reach past the storage
     qrb = w.qs.stride(0) * w.qs.element_size()
     drb = w.d.stride(0) * w.d.element_size() if w.d is not None else 0
     share = 2 if glu else 1
