@@ -93,8 +93,7 @@ def prefetch() -> None:
 
             from .triton_key import memoize_triton_key
 
-            # (the cache off, or EDGELLM_TRITON_KEY_MEMO=0: Triton's own, functools.lru_cache)
-            if os.environ.get("EDGELLM_TRITON_KEY_MEMO", "1") == "0" or memoize_triton_key() is None:
+            if memoize_triton_key() is None:  # not remembered: Triton's own (functools.lru_cache)
                 triton_key()
         except Exception:  # noqa: BLE001 - the loading thread meets and reports the same error
             pass

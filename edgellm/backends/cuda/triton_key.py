@@ -8,8 +8,8 @@ key changes only when one of those files does. `memoize_triton_key` keeps it in 
 folders, and the engine's own fingerprint) and installs a function returning it in place of
 Triton's: a later process stats ~300 files (a few milliseconds) instead of hashing them. Any
 changed, added or removed file there gives a new key, and so the full computation again; a corrupt
-entry is recomputed (ProgramCache checks its digest). EDGELLM_CACHE=0 leaves Triton's function
-as it is.
+entry is recomputed (ProgramCache checks its digest). EDGELLM_CACHE=0 or EDGELLM_TRITON_KEY_MEMO=0
+leaves Triton's function as it is.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def stat_signature(root: str) -> str:
 
 def memoize_triton_key() -> str | None:
     """Install the remembered key as `triton.runtime.cache.triton_key` (computing and storing it
-    when absent) and return it; None when the cache is off (Triton's own function stays)."""
+    when absent) and return it; None when the cache or the memo is off (Triton's own function stays)."""
     import triton
     import triton.runtime.cache as tc
 
@@ -48,7 +48,7 @@ def memoize_triton_key() -> str | None:
     current = tc.triton_key
     if getattr(current, "edgellm_memo", False):
         return current()
-    if not enabled():
+    if not enabled() or os.environ.get("EDGELLM_TRITON_KEY_MEMO", "1") == "0":
         return None
     store = ProgramCache()
     key = program_key(artifact=_ARTIFACT, triton=triton.__version__,
