@@ -1009,3 +1009,27 @@ def test_gemv_prefetch_is_issued_before_the_pdl_wait(tmp_path):
         wait = [i for i, line in enumerate(lines) if "ACQBULK" in line]
         assert pf and wait, f.name
         assert max(pf) < min(wait), f"{f.name}: a prefetch after the PDL wait"
+
+
+def test_prefill_gemm_copies_every_weight_load_ahead(tmp_path):
+    """The prefill GEMM's K loop must issue every weight load (quants, scales, minimums) as an
+    asynchronous copy the pipeliner runs num_stages ahead; a load left in place (tt.load in the
+    compiled TTGIR) waits for DRAM in every iteration, as the scales of each quantized format did
+    (one fp16 per thread, too narrow to copy). Compiled for sm_90 with Triton's own ptxas, 512
+    tokens (the large-M tile), every quantized layout."""
+    import subprocess
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sass = tmp_path / "sass"
+    fmts = ["Q4_0", "Q4_1", "Q8_0", "Q6", "Q6M"]
+    r = subprocess.run([sys.executable, "-m", "edgellm.backends.cuda.kernels.compile_check", "--arch", "90",
+                        "--only", ",".join(f"gemm {f}" for f in fmts), "--sass", str(sass)],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    files = sorted(sass.glob("gemm_*_gemm_kernel.ttgir"))
+    assert len(files) == len(fmts), files
+    for f in files:
+        ir = f.read_text()
+        assert "ttg.async_copy_global_to_local" in ir, f.name
+        assert " tt.load " not in ir, f"{f.name}: a load in place in the K loop"

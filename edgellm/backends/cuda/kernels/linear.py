@@ -529,7 +529,7 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
                  M, N, K, stride_q, stride_d, ws_ptr, cnt_ptr, k_split, n_splits,
                  FMT: tl.constexpr, HAS_BIAS: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                 PDL: tl.constexpr):
+                 EVEN_K: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -561,8 +561,18 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
         else:
             # quants as [rows, blocks, bytes of a block]: 16-byte loads, one scale per block,
             # then merged to the [rows, k] operand (free: a block's bytes sit in one thread)
-            kb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-            wm = nmask[:, None] & (kb < n_blocks)[None, :]
+            # Every load of the K loop must be one the pipeliner copies ahead (cp.async, num_stages
+            # deep): a load it leaves in place waits for DRAM each iteration. It copies a load only
+            # in pieces of 4 bytes or more per thread; the scales (one fp16 per row and block) are
+            # that wide only when known to be contiguous and aligned along the row: k0 is a
+            # multiple of BLOCK_K (the hint), and with EVEN_K (K a multiple of BLOCK_K) the mask
+            # does not vary along the row. Without them the scales of a 64-row, 64-column tile
+            # were loaded in place (2 bytes per thread) in every iteration.
+            kb = tl.multiple_of(k0 // 32, BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
+            if EVEN_K:
+                wm = tl.broadcast_to(nmask[:, None], [BLOCK_N, BLOCK_K // 32])
+            else:
+                wm = nmask[:, None] & (kb < n_blocks)[None, :]
             d = tl.load(w_d + rn64[:, None] * stride_d + kb[None, :], mask=wm, other=0.0).to(tl.float16)[:, :, None]
             if FMT == 3:
                 j = tl.arange(0, 32)
@@ -588,15 +598,18 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
                 # code -> fp16 as for Q4: 0x6400 | q is 1024 + q, and 1024 + q - 1056 is q - 32 exactly
                 lo = (((q & 15) | (t_lo << 4)).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
                 hi = (((q >> 4) | (t_hi << 4)).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
-                dp = w_d + rn64[:, None] * stride_d + kb[None, :] * 2
-                d_lo = tl.load(dp, mask=wm, other=0.0).to(tl.float16)[:, :, None]
-                d_hi = tl.load(dp + 1, mask=wm, other=0.0).to(tl.float16)[:, :, None]
-                lo = (lo - 1056.0) * d_lo
-                hi = (hi - 1056.0) * d_hi
+                # the per-16 scales (and minimums) of the tile's blocks as one contiguous [rows, 2 * blocks]
+                # load (copied ahead like the quants), split into each block's first and second half
+                pair = (kb * 2)[None, :, None] + tl.arange(0, 2)[None, None, :]
+                d_lo, d_hi = tl.split(tl.load(w_d + rn64[:, None, None] * stride_d + pair, mask=wm[:, :, None],
+                                              other=0.0).to(tl.float16))
+                lo = (lo - 1056.0) * d_lo[:, :, None]
+                hi = (hi - 1056.0) * d_hi[:, :, None]
                 if FMT == 5:
-                    mp = w_m + rn64[:, None] * stride_d + kb[None, :] * 2
-                    lo = lo + tl.load(mp, mask=wm, other=0.0).to(tl.float16)[:, :, None]
-                    hi = hi + tl.load(mp + 1, mask=wm, other=0.0).to(tl.float16)[:, :, None]
+                    m_lo, m_hi = tl.split(tl.load(w_m + rn64[:, None, None] * stride_d + pair, mask=wm[:, :, None],
+                                                  other=0.0).to(tl.float16))
+                    lo = lo + m_lo[:, :, None]
+                    hi = hi + m_hi[:, :, None]
                 acc = _dot_halves(lo, hi, xcol, k0, K, mmask, acc, BLOCK_N, BLOCK_K)
             else:
                 j = tl.arange(0, 16)
@@ -791,7 +804,7 @@ def _launch_gemm(x, w, bias, out, config):
                                     M, N, K, w.qs.stride(0), w.d.stride(0) if w.d is not None else 0,
                                     ws, cnt, k_split, splits,
                                     FMT=_FMT_CODE[w.fmt], HAS_BIAS=bias is not None,
-                                    BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=splits > 1,
+                                    BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=splits > 1, EVEN_K=K % bk == 0,
                                     num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl())
 
 
