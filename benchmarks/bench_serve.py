@@ -20,7 +20,10 @@ first / time after the first), and whether every request finished with all its t
 With --synthetic the requests go to /v1/completions (a synthetic file has no chat template) with a
 prompt of about --prompt-tokens tokens; llama-batched-bench gets the prompt length the server
 reported (-npp), --tokens (-ntg) and the client counts (-npl). "decode tok/s" is the sum of the
-streams' decode rates (the aggregate while all streams run), llama.cpp's S_TG t/s its counterpart.
+streams' decode rates (each over its own first to last token, so it includes the steps that other
+streams' prefill took); "steady tok/s" the tokens received while every stream decoded at once over
+that window's length (see steady_decode): llama.cpp's S_TG t/s (N sequences decoding after all
+prompts are in) is its counterpart. Long answers (--tokens 512) give the steady window room.
 """
 
 from __future__ import annotations
@@ -104,6 +107,7 @@ async def one_request(client, url: str, i: int, tokens: int, raw: bool = False, 
     t0 = time.perf_counter()
     first = end = None
     usage = None
+    arrivals = []  # the time of each chunk that carried text
     async with client.stream("POST", url + endpoint, json=body) as r:
         if r.status_code != 200:
             return {"ok": False, "error": f"HTTP {r.status_code}"}
@@ -114,14 +118,16 @@ async def one_request(client, url: str, i: int, tokens: int, raw: bool = False, 
             if "error" in chunk:
                 return {"ok": False, "error": chunk["error"]["message"]}
             choice = chunk["choices"][0] if chunk["choices"] else {}
-            if first is None and (choice.get("delta", {}).get("content") or choice.get("text")):
-                first = time.perf_counter()
+            if choice.get("delta", {}).get("content") or choice.get("text"):
+                arrivals.append(time.perf_counter())
+                if first is None:
+                    first = arrivals[-1]
             if chunk.get("usage"):
                 usage = chunk["usage"]
     end = time.perf_counter()
     n = usage["completion_tokens"] if usage else 0
     first = first or end
-    return {"ok": n == tokens, "tokens": n, "ttft": first - t0, "total": end - t0,
+    return {"ok": n == tokens, "tokens": n, "ttft": first - t0, "total": end - t0, "arrivals": arrivals,
             "prompt_tokens": usage["prompt_tokens"] if usage else 0,
             "stream_tps": (n - 1) / (end - first) if n > 1 and end > first else 0.0,
             "error": None if n == tokens else f"{n} of {tokens} tokens"}
@@ -140,7 +146,8 @@ async def round_(url: str, n: int, requests: int, tokens: int, timeout: float, r
     flat = [r for rs in results for r in rs]
     ok = [r for r in flat if r["ok"]]
     ttft = sorted(r["ttft"] for r in ok) or [float("nan")]
-    return {"clients": n, "requests": len(flat), "ok": len(ok), "wall_s": wall,
+    steady = steady_decode([rs[0] for rs in results if rs and rs[0]["ok"]] if len(ok) == len(flat) else [])
+    return {"clients": n, "requests": len(flat), "ok": len(ok), "wall_s": wall, **steady,
             "aggregate_tps": sum(r.get("tokens", 0) for r in flat) / wall,
             "ttft_p50_ms": 1e3 * statistics.median(ttft),
             "ttft_p95_ms": 1e3 * ttft[min(len(ttft) - 1, int(round(0.95 * (len(ttft) - 1))))],
@@ -149,6 +156,27 @@ async def round_(url: str, n: int, requests: int, tokens: int, timeout: float, r
             "decode_tps": sum(r["stream_tps"] for r in ok) / max(1, requests),
             "prompt_tokens": int(statistics.median([r["prompt_tokens"] for r in ok])) if ok else 0,
             "errors": sorted({r["error"] for r in flat if r.get("error")})[:3]}
+
+
+def steady_decode(streams: list[dict], min_window: float = 0.02) -> dict:
+    """The aggregate decode rate while every stream of a level decodes at once: from the last
+    stream's first token to the first stream's last token, the tokens the streams received in that
+    window over its length; what llama-batched-bench's S_TG measures (all prompts in, then N
+    sequences decoding together), without the other streams' prefill that the per-stream rates
+    include. Tokens are counted as text chunks scaled by each stream's tokens per chunk (a chunk
+    carries one token unless its text waited for the next token's bytes). None when the streams
+    never all decoded together for min_window seconds (short answers, staggered prompts)."""
+    if not streams or any(len(r["arrivals"]) < 2 for r in streams):
+        return {"steady_tps": None, "steady_window_s": 0.0}
+    lo = max(r["arrivals"][0] for r in streams)
+    hi = min(r["arrivals"][-1] for r in streams)
+    if hi - lo < min_window:
+        return {"steady_tps": None, "steady_window_s": max(0.0, hi - lo)}
+    tokens = 0.0
+    for r in streams:
+        inside = sum(1 for t in r["arrivals"] if lo < t <= hi)
+        tokens += inside * r["tokens"] / len(r["arrivals"])
+    return {"steady_tps": tokens / (hi - lo), "steady_window_s": hi - lo}
 
 
 def synthetic_model(spec: str, out: str) -> str:
@@ -277,22 +305,24 @@ def main(argv=None) -> int:
     single = single_stream(args, args.model, words) if args.single and args.model else None
     prompt_tokens = max((r["prompt_tokens"] for r in rows), default=0) or 16
     llama = llama_batched(args, args.model, prompt_tokens) if args.llama_batched_bench and args.model else {}
-    head = (f"{'clients':>7} {'ok/req':>7} {'agg tok/s':>10} {'decode tok/s':>13} {'TTFT p50 ms':>12} "
-            f"{'TTFT p95 ms':>12} {'stream tok/s':>13} {'wall s':>7}")
+    head = (f"{'clients':>7} {'ok/req':>7} {'agg tok/s':>10} {'decode tok/s':>13} {'steady tok/s':>13} "
+            f"{'window s':>9} {'TTFT p50 ms':>12} {'TTFT p95 ms':>12} {'stream tok/s':>13} {'wall s':>7}")
     if llama:
-        head += f" {'llama.cpp S_TG':>15} {'llama.cpp S':>12} {'decode vs llama':>16}"
+        head += f" {'llama.cpp S_TG':>15} {'llama.cpp S':>12} {'decode vs llama':>16} {'steady vs llama':>16}"
     print(f"edgellm serve load test: {args.tokens} tokens per request, {args.requests} request(s) per client, "
           f"prompt {prompt_tokens} tokens, {args.model or url}")
     print(head)
     for r in rows:
+        steady = f"{r['steady_tps']:>13.1f}" if r["steady_tps"] else f"{'-':>13}"
         line = (f"{r['clients']:>7} {str(r['ok']) + '/' + str(r['requests']):>7} {r['aggregate_tps']:>10.1f} "
-                f"{r['decode_tps']:>13.1f} {r['ttft_p50_ms']:>12.0f} {r['ttft_p95_ms']:>12.0f} "
-                f"{r['stream_tps']:>13.1f} {r['wall_s']:>7.1f}")
+                f"{r['decode_tps']:>13.1f} {steady} {r['steady_window_s']:>9.2f} {r['ttft_p50_ms']:>12.0f} "
+                f"{r['ttft_p95_ms']:>12.0f} {r['stream_tps']:>13.1f} {r['wall_s']:>7.1f}")
         lr = llama.get(r["clients"])
         if lr:
-            line += f" {lr['speed_tg']:>15.1f} {lr['speed']:>12.1f} {r['decode_tps'] / lr['speed_tg']:>15.2f}x"
+            vs = f"{r['steady_tps'] / lr['speed_tg']:>15.2f}x" if r["steady_tps"] else f"{'-':>16}"
+            line += f" {lr['speed_tg']:>15.1f} {lr['speed']:>12.1f} {r['decode_tps'] / lr['speed_tg']:>15.2f}x {vs}"
         elif llama:
-            line += f" {'-':>15} {'-':>12} {'-':>16}"
+            line += f" {'-':>15} {'-':>12} {'-':>16} {'-':>16}"
         print(line + (f"  errors: {r['errors']}" if r["errors"] else ""))
     if rows and rows[0]["clients"] == 1:
         base = rows[0]["aggregate_tps"]
@@ -304,7 +334,9 @@ def main(argv=None) -> int:
         print(line)
         for r in rows:
             if single["decode_tps"]:
-                print(f"  N={r['clients']}: decode tok/s {r['decode_tps'] / single['decode_tps']:.2f}x single stream")
+                steady = (f", steady {r['steady_tps'] / single['decode_tps']:.2f}x" if r["steady_tps"] else "")
+                print(f"  N={r['clients']}: decode tok/s {r['decode_tps'] / single['decode_tps']:.2f}x single stream"
+                      + steady)
     if args.json:
         Path(args.json).write_text(json.dumps({"tokens": args.tokens, "requests": args.requests, "rows": rows,
                                                "single": single, "llama_batched_bench": llama}, indent=2))
