@@ -113,18 +113,6 @@ def _cli(path: str | None, backend: str, env: dict) -> dict:
     return {"process_s": wall, "answer": p.stdout.strip(), "stats": p.stderr.strip().splitlines()[-1]}
 
 
-def _spec(name: str, fmt: str):
-    """A preset in one weight format; Q4_K_M as llama-quantize mixes it: Q4_K, with Q6_K for the
-    output matrix and half of the layers' attn_v and ffn_down."""
-    from edgellm.synthetic import preset
-
-    if fmt.upper() != "Q4_K_M":
-        return preset(name, weight_type=fmt)
-    base = preset(name)
-    six = {f"blk.{i}.{t}.weight": "Q6_K" for i in range(0, base.n_layers, 2) for t in ("attn_v", "ffn_down")}
-    return preset(name, weight_type="Q4_K", output_type="Q6_K", type_overrides=six)
-
-
 def _median(samples: list[dict], key: str) -> float | None:
     vals = [s[key] for s in samples if key in s]
     return statistics.median(vals) if vals else None
@@ -170,7 +158,7 @@ def main() -> int:
             path = d / f"{name}-{fmt}-vocab.gguf"
             if not path.exists():
                 print(f"writing {path} ...", file=sys.stderr, flush=True)
-                write_synthetic_gguf(path, _spec(name, fmt), byte_bpe_vocab(preset(name).vocab_size), fast=True)
+                write_synthetic_gguf(path, preset(name, weight_type=fmt), byte_bpe_vocab(preset(name).vocab_size), fast=True)
             models.append(str(path))
 
     engines = [e for e in args.engines.split(",") if e]

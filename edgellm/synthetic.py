@@ -59,9 +59,35 @@ PRESETS = {
 }
 
 
+# Mixes of types named by llama-quantize's file types: the main type and which tensors it gives more bits
+MIXES = ("Q4_K_M",)
+
+
+def _more_bits(i: int, n: int) -> bool:
+    """llama-quantize's use_more_bits: the first and last eighth of the layers and every third between."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def quant_mix(spec: SyntheticSpec, ftype: str) -> SyntheticSpec:
+    """The tensor types llama-quantize chooses for `ftype` on a llama-style model (src/llama-quant.cpp
+    of llama.cpp): Q4_K_M is Q4_K with Q6_K for attn_v and ffn_down in the layers _more_bits names,
+    and for the output matrix (the token embedding where the output is tied to it)."""
+    if ftype.upper() != "Q4_K_M":
+        raise EdgeLLMError(f"unknown quantization mix '{ftype}' (known: {', '.join(MIXES)})")
+    six = {f"blk.{i}.{t}.weight": "Q6_K" for i in range(spec.n_layers) if _more_bits(i, spec.n_layers)
+           for t in ("attn_v", "ffn_down")}
+    head = {"embed_type": "Q6_K"} if spec.tied else {"embed_type": "Q4_K", "output_type": "Q6_K"}
+    return replace(spec, weight_type="Q4_K", **head, type_overrides={**six, **spec.type_overrides})
+
+
 def preset(name: str, **overrides) -> SyntheticSpec:
+    """A preset's shape with `overrides`; weight_type may name a mix (MIXES: Q4_K_M), resolved as
+    llama-quantize resolves it (quant_mix)."""
     if name not in PRESETS:
         raise EdgeLLMError(f"unknown synthetic model '{name}' (known: {', '.join(PRESETS)})")
+    mix = overrides.get("weight_type", "")
+    if mix.upper() in MIXES:
+        return quant_mix(replace(PRESETS[name], **{k: v for k, v in overrides.items() if k != "weight_type"}), mix)
     return replace(PRESETS[name], **overrides)
 
 

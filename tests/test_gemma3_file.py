@@ -103,3 +103,24 @@ def test_perplexity_agrees_with_llama_cpp(gemma_path, gemma):
 
     res = perplexities(str(gemma_path), n_ctx=128, chunks=4, model=gemma)  # measured -0.03% (2 chunks: -1.1%)
     assert abs(res["relative_difference"]) < 0.01, res
+
+
+def test_synthetic_q4_k_m_mix_gives_more_bits_where_llama_quantize_did(gemma_path):
+    """edgellm.synthetic's Q4_K_M mix (the benchmarks' K-quant files) against this file, which
+    llama-quantize made as Q4_K_M: the same layers' attn_v and ffn_down, and the tied embedding,
+    carry the six-bit type (here Q6_K, or Q8_0 where a row of 640 is no multiple of 256; the
+    others Q4_K or its fallback Q5_0)."""
+    from gguf import GGUFReader
+
+    from edgellm.synthetic import SyntheticSpec, quant_mix, tensor_type
+
+    real = {t.name: t.tensor_type.name for t in GGUFReader(gemma_path).tensors}
+    n = 1 + max(int(k.split(".")[1]) for k in real if k.startswith("blk."))
+    spec = quant_mix(SyntheticSpec(n_layers=n, tied=True), "Q4_K_M")
+    more = {"Q6_K", "Q8_0"}
+    names = [f"blk.{i}.{t}.weight" for i in range(n) for t in ("attn_v", "ffn_down")] + ["token_embd.weight"]
+    got = {name: tensor_type(spec, name, (64, 64)) for name in names}
+    assert {v for v in got.values()} == {"Q4_K", "Q6_K"}
+    wrong = [name for name in names if (real[name] in more) != (got[name] == "Q6_K")]
+    assert not wrong, f"six-bit here but not in the llama-quantize file, or the reverse: {wrong}"
+    assert tensor_type(spec, "blk.3.attn_q.weight", (64, 64)) == "Q4_K"
