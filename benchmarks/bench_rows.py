@@ -244,8 +244,13 @@ def main() -> int:
     pool = SlotPool(m, max(args.rows))
     if pool.batch is None:
         sys.exit("bench_rows: the cuda backend did not compile the rows program")
+    tuner = getattr(m.backend, "tuner", None)
+    picks = [p for p in (tuner.report() if tuner is not None else []) if p["kernel"] == "gemm_skinny"]
+    for key, p in {p["key"]: p for p in picks}.items():  # the tuner's skinny-GEMM picks (rows buckets)
+        us = f"{p['us']:.1f} us (default {p['default_us']:.1f})" if p.get("us") and p.get("default_us") else ""
+        print(f"tuned gemm_skinny {key}: {p['source']} {us} {p['config']}", flush=True)
     rng = np.random.default_rng(0)
-    res = {"model": path, "device": "interpreter" if DRY else torch.cuda.get_device_name(0),
+    res = {"model": path, "skinny_picks": [dict(p, key=list(p["key"])) for p in picks], "device": "interpreter" if DRY else torch.cuda.get_device_name(0),
            "check": check(m, pool, rng)}
     wbytes = m.backend.resident_weight_bytes(m.file)
     res["steps"] = time_steps(m, pool, args.rows, args.reps, wbytes)

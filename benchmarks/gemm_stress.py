@@ -3,7 +3,7 @@ configuration run repeatedly on Q8_0 and Q4_0 weights of 131,072 x 640 at M = 38
 output element compared with a float32 product of the dequantized weights.
 
     python benchmarks/gemm_stress.py   (each configuration: Q8_0, Q4_0, Q4_1, F16 weights of
-    131,072 and 16,384 rows x 640, M = 64, 384, 512, six runs each)
+    131,072 and 16,384 rows x 640, and Q6_K (as Q6) of 768 columns, M = 64, 384, 512, six runs each)
 
 2026-11-24, H100 (triton 3.6.0): intermittent wrong or unwritten tiles. Failures of 16 runs per
 format: default (128x128x64, 8 warps, 3 stages) Q8_0 12; 2 stages Q4_0 4; 4 warps 0; 64x128x64 with
@@ -12,8 +12,9 @@ format: default (128x128x64, 8 warps, 3 stages) Q8_0 12; 2 stages Q4_0 4; 4 warp
 
     python benchmarks/gemm_stress.py --skinny   (split-K: the GEMM at M = 4, 16, 32 rows on
     Q4_0, Q8_0, F16, Q4_K (as Q4_1), Q6_K (as Q6) and a Q4_K + Q6_K stack (as Q6M) weights of 2048 x 8192
-    and 3072 x 2048, the skinny default configuration and split counts 1-16, ten runs each, and the
-    tile counters left zero after each)
+    and 3072 x 2048, the skinny default configuration with split counts 1-16 and every configuration
+    the tuner may pick (configs.skinny_candidates), ten runs each, and the tile counters left zero
+    after each; --only Q6_K,Q4_K+Q6_K checks some of the formats)
 """
 import sys
 
@@ -43,7 +44,10 @@ def skinny() -> int:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     bad = 0
     print("format, N x K, M, config | failed runs of 10")
-    for fmt in ("Q4_0", "Q8_0", "F16", "Q4_K", "Q6_K", "Q4_K+Q6_K"):
+    fmts = ("Q4_0", "Q8_0", "F16", "Q4_K", "Q6_K", "Q4_K+Q6_K")
+    if "--only" in sys.argv:  # --only FMT,FMT: some of them
+        fmts = tuple(sys.argv[sys.argv.index("--only") + 1].split(","))
+    for fmt in fmts:
         for N, Kd in ((2048, 8192), (3072, 2048)):
             parts, wfs = [], []
             for f in fmt.split("+"):  # a stack of two formats: one layout holding both (Q6M)
@@ -59,10 +63,12 @@ def skinny() -> int:
                 x = torch.randn(M, Kd, device="cuda").half()
                 ref = x.float() @ wf.T
                 default = configs.gemm_default(M, N, sms, Kd)
+                # every configuration the tuner may pick for this product, and every split count
+                # of the default tile
                 cfgs = [("default", default)] + [
-                    (f"{bn}x{bk} w{nw} split {sk}", dict(BLOCK_M=16 if M <= 16 else 32, BLOCK_N=bn, BLOCK_K=bk,
-                                                           num_warps=nw, num_stages=3, SPLIT_K=sk))
-                    for bn, bk, nw in ((32, 64, 2), (64, 64, 4), (32, 128, 4)) for sk in (1, 2, 4, 8, 16)]
+                    (f"{c['BLOCK_N']}x{c['BLOCK_K']} w{c['num_warps']} split {c.get('SPLIT_K', 1)}", c)
+                    for c in configs.skinny_candidates(M, N, Kd, sms)
+                    + [dict(default, SPLIT_K=sk) for sk in (1, 2, 4, 8, 16)]]
                 for name, cfg in cfgs:
                     fails = 0
                     for _ in range(10):
@@ -85,13 +91,14 @@ if "--skinny" in sys.argv:
     sys.exit(skinny())
 
 cases = []
-for fmt in ("Q8_0", "Q4_0", "Q4_1", "F16"):
+# Q6_K (the Q6 layout) needs rows of whole 256-blocks: 768 columns
+for fmt, cols in (("Q8_0", 640), ("Q4_0", 640), ("Q4_1", 640), ("F16", 640), ("Q6_K", 768)):
     for N in (131072, 16384):
-        raw = random_blocks(fmt, (N, 640), rng, 0.02) if fmt != "F16" else \
-            (0.02 * rng.standard_normal((N, 640))).astype(np.float16).view(np.uint8)
-        w = repack(raw, fmt, (N, 640), device="cuda")
-        wf = torch.from_numpy(np.asarray(dequantize(raw, fmt, (N, 640)), dtype=np.float32)).cuda()
-        x = torch.randn(512, 640, device="cuda").half()
+        raw = random_blocks(fmt, (N, cols), rng, 0.02) if fmt != "F16" else \
+            (0.02 * rng.standard_normal((N, cols))).astype(np.float16).view(np.uint8)
+        w = repack(raw, fmt, (N, cols), device="cuda")
+        wf = torch.from_numpy(np.asarray(dequantize(raw, fmt, (N, cols)), dtype=np.float32)).cuda()
+        x = torch.randn(512, cols, device="cuda").half()
         cases.append((fmt, N, w, x, x.float() @ wf.T))
         del wf
 print("config | failed runs of", len(cases) * 3 * 6, "| which (format, N, M)")

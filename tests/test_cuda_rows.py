@@ -185,6 +185,32 @@ def test_skinny_default_splits_k_on_a_long_row(rng):
     close(out, torch.from_numpy(x.double().cpu().numpy() @ want_w.T), 3e-3, "Q4_0 split by default")
 
 
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1"])
+def test_skinny_linear_every_tune_candidate(rng, fmt):
+    """A rows program's tuner may launch any of configs.skinny_candidates for a skinny product:
+    each must give the product (and leave the split-K tile counters zero) on a weight no tile
+    divides, K not a multiple of the wider K-tiles."""
+    import importlib
+
+    from edgellm.backends.cuda.kernels import configs
+    from edgellm.backends.cuda.kernels._common import device_sm_count
+
+    linear_mod = importlib.import_module("edgellm.backends.cuda.kernels.linear")
+    n_out, n_in, M = 70, 416, 16
+    pw, want_w = _quantized(rng, fmt, n_out, n_in)
+    x = rand(rng, M, n_in)
+    want = torch.from_numpy(x.double().cpu().numpy() @ want_w.T)
+    cands = configs.skinny_candidates(M, n_out, n_in, device_sm_count(x))
+    assert {(c["BLOCK_N"], c["BLOCK_K"]) for c in cands} == {t[:2] for t in configs.SKINNY_TUNE_TILES}
+    assert any(c.get("SPLIT_K", 1) > 1 for c in cands)
+    for cfg in cands:
+        out = poisoned((M, n_out))
+        K.linear(x, pw, out=out, config=cfg, decode_max_tokens=0)
+        close(out, want, 3e-3, f"{fmt} {cfg}")
+        _, cnt = linear_mod._splitk_workspace(DEV, M * n_out)
+        assert not cnt.any(), f"{cfg} left its tile counters dirty"
+
+
 # -- the rows program of a tiny model on the cuda backend -----------------------------------------
 import edgellm  # noqa: E402
 from edgellm.sampling import SamplingParams  # noqa: E402
@@ -289,3 +315,31 @@ def test_scheduler_on_cuda_batches_greedy_requests_like_each_alone(tmp_path):
         for k in range(3):
             want.append(int(np.argmax(m.forward(want[-1:], len(ids) + k, all_logits=False)[-1])))
         assert got == want
+
+
+@pytest.mark.skipif(not CUDA, reason="the tuner times kernels on a GPU (the cpu device has none)")
+def test_rows_program_tunes_its_skinny_products_and_matches_the_defaults(tmp_path, rng, monkeypatch):
+    """With tuning on, a rows program times the skinny GEMM's candidates for each row bucket past
+    the GEMV (configs.skinny_candidates) and caches the picks; its steps give the logits of the
+    same program with the default tiles (EDGELLM_TUNE=0)."""
+    spec = SyntheticSpec(n_layers=2, d_model=256, n_heads=4, n_kv_heads=2, ffn_dim=512, vocab_size=320,
+                         weight_type="Q4_0", std=0.05, seed=34)
+    path = write_synthetic_gguf(tmp_path / "m.gguf", spec)
+    monkeypatch.setenv("EDGELLM_CACHE_DIR", str(tmp_path / "cache"))
+    logits = {}
+    for tune in ("1", "0"):
+        monkeypatch.setenv("EDGELLM_TUNE", tune)
+        m = edgellm.load(path, backend="cuda", ctx=MODEL_CTX, prefill_chunk=8)
+        pool = SlotPool(m, 16)
+        picks = [p for p in m.backend.tuner.report() if p["kernel"] == "gemm_skinny"]
+        if tune == "1":
+            assert {p["key"][3] for p in picks} == {8, 16}, picks  # the buckets of 5-8 and 9-16 rows
+            assert all(p["source"] in ("tuned", "cached") for p in picks)
+        else:
+            assert not picks or all(p["source"] == "default" for p in picks)
+        seqs = [rng.integers(0, spec.vocab_size, 3).tolist() for _ in range(16)] if tune == "1" else seqs
+        for slot, ids in zip(pool.slots, seqs):
+            m.forward(ids, 0, all_logits=False, slot=slot)
+        logits[tune] = pool.decode([(slot, 7, 3) for slot in pool.slots])
+    assert np.isfinite(logits["1"]).all()
+    assert np.abs(logits["1"] - logits["0"]).max() <= 5e-3 * np.abs(logits["0"]).max()

@@ -722,8 +722,10 @@ class CudaProgram:
         xq = self._xq_for.get(op.inputs[0]) if i8 else None
         buf = self._qkv_buffer(op.name)
         dmt = self.gemv_max
+        skinny = self._tuned_skinny(w)
         return lambda env, s, c: K.linear(env[op.inputs[0]], w, bias=bias, out=buf[:s], act_int8=i8,
-                                          decode_max_tokens=dmt, xq=None if xq is None else self._xq_rows(xq, s))
+                                          decode_max_tokens=dmt, xq=None if xq is None else self._xq_rows(xq, s),
+                                          config=skinny.get(s))
 
     def _lower_linear(self, op: Op) -> Callable:
         K, W, a = self.K, self.backend.weights, op.attrs
@@ -732,21 +734,27 @@ class CudaProgram:
         w = self._linear_weight(op, W)
         i8 = self._linear_uses_int8(op, W)
         xq = self._xq_for.get(ins[0]) if i8 else None
-        # (tuned GEMV tiles are for the single-token program: a rows step may take the GEMM kernel)
+        # tuned GEMV tiles are for the single-token program; a rows program's steps of more than
+        # gemv_max rows take the skinny GEMM, tuned per row count (cfg_at: the config of a step of s rows)
         cfg = self._tuned_gemv(op, w, i8) if self.decode_stage and not self.rows_mode else None
+        skinny = self._tuned_skinny(w)
+
+        def cfg_at(s: int) -> dict | None:
+            return skinny.get(s, cfg)
         dmt = self.gemv_max
         pf = op.name not in self._after_gemv
         if kind == "linear_swiglu":
             act = a.get("act", "silu")
-            return lambda env, s, c: K.linear_silu_mul(env[ins[0]], w, out=env[outs[0]], act_int8=i8, config=cfg,
-                                                       xq=None if xq is None else self._xq_rows(xq, s), act=act,
+            return lambda env, s, c: K.linear_silu_mul(env[ins[0]], w, out=env[outs[0]], act_int8=i8,
+                                                       config=cfg_at(s), act=act,
+                                                       xq=None if xq is None else self._xq_rows(xq, s),
                                                        decode_max_tokens=dmt, l2_prefetch=pf)
         if kind == "linear_qkv":
             bias = W.vector(*(wname(t) for t in ins[4:7])) if a.get("has_bias") else None
             rope_op = self._rope_into_gemv.get(op.name)
             if rope_op is None:
-                return lambda env, s, c: K.linear(env[ins[0]], w, bias=bias, out=env[outs[0]], act_int8=i8, config=cfg,
-                                                  xq=None if xq is None else self._xq_rows(xq, s),
+                return lambda env, s, c: K.linear(env[ins[0]], w, bias=bias, out=env[outs[0]], act_int8=i8,
+                                                  config=cfg_at(s), xq=None if xq is None else self._xq_rows(xq, s),
                                                   decode_max_tokens=dmt, l2_prefetch=pf)
             ra = rope_op.attrs
             freqs = W.vector(wname(rope_op.inputs[4])) if len(rope_op.inputs) > 4 else None
@@ -756,8 +764,8 @@ class CudaProgram:
                                    ra["n_kv_heads"], ra["head_dim"], theta=ra["theta"], style=ra["style"],
                                    freq_factors=freqs, n_rot=ra.get("rope_dim", ra["head_dim"]),
                                    q_out=env[rope_op.outputs[0]])
-                K.linear(env[ins[0]], w, bias=bias, act_int8=i8, decode_max_tokens=dmt, config=cfg, rope=rope,
-                         xq=None if xq is None else self._xq_rows(xq, s), l2_prefetch=pf)
+                K.linear(env[ins[0]], w, bias=bias, act_int8=i8, decode_max_tokens=dmt, config=cfg_at(s),
+                         rope=rope, xq=None if xq is None else self._xq_rows(xq, s), l2_prefetch=pf)
             return run_qkv_rope
         bias = W.vector(wname(ins[2])) if a.get("has_bias") else None
         res = ins[-1] if a.get("has_residual") else None
@@ -770,13 +778,13 @@ class CudaProgram:
             def run_linear_norm(env, s, c):
                 tail = K.NormTail(env[residual], env[s_name], env[n_name], nw, eps, counter,
                                   None if nxq is None else self._xq_rows(nxq, s))
-                K.linear(env[ins[0]], w, bias=bias, act_int8=i8, decode_max_tokens=dmt, config=cfg, norm=tail,
-                         xq=None if xq is None else self._xq_rows(xq, s), l2_prefetch=pf)
+                K.linear(env[ins[0]], w, bias=bias, act_int8=i8, decode_max_tokens=dmt, config=cfg_at(s),
+                         norm=tail, xq=None if xq is None else self._xq_rows(xq, s), l2_prefetch=pf)
             return run_linear_norm
 
         def run_linear(env, s, c):
-            y = K.linear(env[ins[0]], w, bias=bias, out=env[outs[0]], act_int8=i8, decode_max_tokens=dmt, config=cfg,
-                         xq=None if xq is None else self._xq_rows(xq, s), l2_prefetch=pf)
+            y = K.linear(env[ins[0]], w, bias=bias, out=env[outs[0]], act_int8=i8, decode_max_tokens=dmt,
+                         config=cfg_at(s), xq=None if xq is None else self._xq_rows(xq, s), l2_prefetch=pf)
             if res is not None:
                 y.add_(env[res])
         return run_linear
@@ -791,17 +799,56 @@ class CudaProgram:
         """Before lowering a decode stage: the candidates of every GEMV the tuner has not seen yet
         compiled in one parallel batch (Tuner.prepare), rather than a batch per pick."""
         tuner = self.backend.tuner
-        if tuner is None or not tuner.enabled or not self.decode_stage or self.rows_mode:
+        if tuner is None or not tuner.enabled or not self.decode_stage:
             return
         W = self.backend.weights
         jobs = []
         for op in self.graph.ops:
             if op.kind in ("linear", "linear_qkv", "linear_swiglu") and op.name not in self._absorbed \
                     and op.kind in self.backend.SUPPORTED_OPS:
-                job = self._gemv_tuning(op, self._linear_weight(op, W), self._linear_uses_int8(op, W))
-                if job is not None:
-                    jobs.append(job)
-        tuner.prepare("gemv", jobs)
+                w = self._linear_weight(op, W)
+                if self.rows_mode:
+                    jobs.extend(self._skinny_tuning(w))
+                else:
+                    job = self._gemv_tuning(op, w, self._linear_uses_int8(op, W))
+                    if job is not None:
+                        jobs.append(job)
+        tuner.prepare("gemm_skinny" if self.rows_mode else "gemv", jobs)
+
+    def _tuned_skinny(self, w) -> dict[int, dict]:
+        """A rows program's product with this weight: per row bucket that runs the GEMM kernel, the
+        skinny tile and split-K count timed at first load and cached on disk (tuning.py); {} with
+        tuning off (configs.gemm_default then)."""
+        return {job[0][3]: self.backend.tuner.pick("gemm_skinny", *job) for job in self._skinny_tuning(w)}
+
+    def _skinny_tuning(self, w) -> list[tuple]:
+        """(key, candidates, default, run) for Tuner.pick of each row bucket of this rows program
+        that takes the skinny GEMM (more rows than gemv_max, at most SKINNY_M); [] with tuning off.
+        One job per (format, shape, rows): the layers sharing a shape share it and its buffers."""
+        tuner = self.backend.tuner
+        if not self.rows_mode or tuner is None or not tuner.enabled:
+            return []
+        K = self.K
+        cf = K.configs
+        N, Kd = w.out_features, w.in_features
+        if not hasattr(self, "_skinny_jobs"):
+            self._skinny_jobs: dict[tuple, tuple] = {}
+            self._sms = torch.cuda.get_device_properties(self.dev).multi_processor_count
+        jobs = []
+        for rows in sorted({self.row_bucket(n) for n in range(1, self.max_seq + 1)}):
+            key = (w.fmt, N, Kd, rows)
+            if rows <= self.gemv_max or rows > cf.SKINNY_M:
+                continue
+            if key not in self._skinny_jobs:
+                x = torch.randn((rows, Kd), device=self.dev).to(torch.float16)
+                out = torch.empty((rows, N), dtype=torch.float16, device=self.dev)
+
+                def run(cfg, w=w, x=x, out=out):
+                    K.linear(x, w, out=out, config=cfg, decode_max_tokens=0)
+                self._skinny_jobs[key] = (key, cf.skinny_candidates(rows, N, Kd, self._sms),
+                                          cf.gemm_default(rows, N, self._sms, Kd), run)
+            jobs.append(self._skinny_jobs[key])
+        return jobs
 
     def _gemv_tuning(self, op: Op, w, i8: bool) -> tuple | None:
         """(key, candidates, default, run) of this GEMV for Tuner.pick; None with tuning off."""

@@ -197,14 +197,49 @@ def gemm_default(M: int, N: int = 0, sms: int = 0, K: int = 0) -> dict:
     cfg = dict(GEMM_DEFAULT, BLOCK_M=max(16, min(64, 1 << (M - 1).bit_length())))
     if M <= SKINNY_M and N and sms:
         cfg.update(SKINNY_TILE)
-        programs = -(-M // cfg["BLOCK_M"]) * -(-N // cfg["BLOCK_N"])
-        k_iters = -(-K // cfg["BLOCK_K"]) if K else 0
-        split = 1
-        while programs * split < SPLITK_PROGRAMS_PER_SM * sms and k_iters // (2 * split) >= SPLITK_MIN_ITERS:
-            split *= 2
+        split = _split_k(M, N, K, sms, cfg)
         if split > 1:
             cfg["SPLIT_K"] = split
     return cfg
+
+
+def _split_k(M: int, N: int, K: int, sms: int, cfg: dict) -> int:
+    """The fewest power-of-two K ranges giving the grid SPLITK_PROGRAMS_PER_SM programs per SM,
+    keeping at least SPLITK_MIN_ITERS K-tiles a range (see above)."""
+    programs = -(-M // cfg["BLOCK_M"]) * -(-N // cfg["BLOCK_N"])
+    k_iters = -(-K // cfg["BLOCK_K"]) if K else 0
+    split = 1
+    while programs * split < SPLITK_PROGRAMS_PER_SM * sms and k_iters // (2 * split) >= SPLITK_MIN_ITERS:
+        split *= 2
+    return split
+
+
+# The tiles the tuner times for a skinny product (rows programs: one per row bucket that takes the
+# GEMM kernel, per weight format and shape), each with the split count of the rule above and its
+# neighbours (half, double): (BLOCK_N, BLOCK_K, num_warps). The first is SKINNY_TILE. Wider tiles
+# put more weight bytes in flight per pipeline stage: on the 1B shapes at 16 rows 128 x 128 took
+# gate|up from 21.2 to 17.4 us (2026-11-26, bench_rows.py --gemm-sweep). Every one of them is
+# checked for wrong or unwritten tiles by `benchmarks/gemm_stress.py --skinny` on the GPU and by
+# tests/test_cuda_rows.py in the interpreter.
+SKINNY_TUNE_TILES = ((64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 4), (32, 128, 4))
+
+
+def skinny_candidates(M: int, N: int, K: int, sms: int) -> list[dict]:
+    """The skinny-GEMM configurations the tuner times for an M-row product of an N x K weight
+    (M <= SKINNY_M): SKINNY_TUNE_TILES, each with split counts near the rule's (at least two
+    K-tiles a range)."""
+    bm = max(16, min(32, 1 << (M - 1).bit_length()))
+    out = []
+    for bn, bk, warps in SKINNY_TUNE_TILES:
+        cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=3)
+        base = _split_k(M, N, K, sms, cfg)
+        k_iters = -(-K // bk)
+        for split in sorted({max(1, base // 2), base, base * 2}):
+            if split == 1:
+                out.append(dict(cfg))
+            elif k_iters // split >= 2:
+                out.append(dict(cfg, SPLIT_K=split))
+    return out
 
 
 def gemm_candidates(fmt: str) -> list[dict]:
