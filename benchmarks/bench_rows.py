@@ -250,8 +250,8 @@ def main() -> int:
         us = f"{p['us']:.1f} us (default {p['default_us']:.1f})" if p.get("us") and p.get("default_us") else ""
         print(f"tuned gemm_skinny {key}: {p['source']} {us} {p['config']}", flush=True)
     rng = np.random.default_rng(0)
-    res = {"model": path, "skinny_picks": [dict(p, key=list(p["key"])) for p in picks], "device": "interpreter" if DRY else torch.cuda.get_device_name(0),
-           "check": check(m, pool, rng)}
+    res = {"model": path, "device": "interpreter" if DRY else torch.cuda.get_device_name(0),
+           "skinny_picks": [dict(p, key=list(p["key"])) for p in picks], "check": check(m, pool, rng)}
     wbytes = m.backend.resident_weight_bytes(m.file)
     res["steps"] = time_steps(m, pool, args.rows, args.reps, wbytes)
     res["single_tps"] = single_stream(m, 4 if DRY else 128)

@@ -158,7 +158,8 @@ def main() -> int:
             path = d / f"{name}-{fmt}-vocab.gguf"
             if not path.exists():
                 print(f"writing {path} ...", file=sys.stderr, flush=True)
-                write_synthetic_gguf(path, preset(name, weight_type=fmt), byte_bpe_vocab(preset(name).vocab_size), fast=True)
+                spec = preset(name, weight_type=fmt)  # Q4_K_M: llama-quantize's mix (quant_mix)
+                write_synthetic_gguf(path, spec, byte_bpe_vocab(spec.vocab_size), fast=True)
             models.append(str(path))
 
     engines = [e for e in args.engines.split(",") if e]

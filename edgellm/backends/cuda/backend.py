@@ -268,6 +268,7 @@ class CudaProgram:
         # attention splits of the current step (from the host's sequence length, see _set_context)
         self._splits = 1
         self._split_cap: int | None = None
+        self._skinny_jobs: dict[tuple, tuple] = {}  # (fmt, N, K, rows) -> its skinny-GEMM tuning job
         self._prepare_tuning()
         self._after_gemv = self._gemvs_after_gemvs()  # products that skip the L2 prefetch (see there)
         self._launches: list[Callable[[dict, int, int], None]] = [self._lower(op) for op in graph.ops]
@@ -796,8 +797,9 @@ class CudaProgram:
         return None if job is None else self.backend.tuner.pick("gemv", *job)
 
     def _prepare_tuning(self) -> None:
-        """Before lowering a decode stage: the candidates of every GEMV the tuner has not seen yet
-        compiled in one parallel batch (Tuner.prepare), rather than a batch per pick."""
+        """Before lowering a decode stage: the candidates of every GEMV (a rows program: every
+        skinny GEMM) the tuner has not seen yet compiled in one parallel batch (Tuner.prepare),
+        rather than a batch per pick."""
         tuner = self.backend.tuner
         if tuner is None or not tuner.enabled or not self.decode_stage:
             return
@@ -828,12 +830,11 @@ class CudaProgram:
         tuner = self.backend.tuner
         if not self.rows_mode or tuner is None or not tuner.enabled:
             return []
+        from .kernels._common import device_sm_count
+
         K = self.K
         cf = K.configs
         N, Kd = w.out_features, w.in_features
-        if not hasattr(self, "_skinny_jobs"):
-            self._skinny_jobs: dict[tuple, tuple] = {}
-            self._sms = torch.cuda.get_device_properties(self.dev).multi_processor_count
         jobs = []
         for rows in sorted({self.row_bucket(n) for n in range(1, self.max_seq + 1)}):
             key = (w.fmt, N, Kd, rows)
@@ -845,8 +846,9 @@ class CudaProgram:
 
                 def run(cfg, w=w, x=x, out=out):
                     K.linear(x, w, out=out, config=cfg, decode_max_tokens=0)
-                self._skinny_jobs[key] = (key, cf.skinny_candidates(rows, N, Kd, self._sms),
-                                          cf.gemm_default(rows, N, self._sms, Kd), run)
+                sms = device_sm_count(x)
+                self._skinny_jobs[key] = (key, cf.skinny_candidates(rows, N, Kd, sms),
+                                          cf.gemm_default(rows, N, sms, Kd), run)
             jobs.append(self._skinny_jobs[key])
         return jobs
 
