@@ -125,11 +125,18 @@ def profile_steps(m, pool, rows: int, reps: int) -> dict:
         entry[1] += e["dur"]
     spans = [(e["ts"], e["ts"] + e["dur"]) for e in kernels]
     busy = _busy_us(spans) / reps
+    # each step's span on the device: from its first kernel (the embedding read) to the start of
+    # the next step's; wall - span is host time between steps, span - busy the gaps between kernels
+    starts = sorted(e["ts"] for e in kernels if e["name"].startswith("_embedding"))
+    end = max((b for _, b in spans), default=0.0)
+    span = sum(min(max((b for a, b in spans if s0 <= a < s1), default=s0), s1) - s0
+               for s0, s1 in zip(starts, starts[1:] + [end + 1.0])) / max(1, len(starts))
     table = sorted(({"kernel": k, "per_step": c / reps, "us_per_step": t / reps} for k, (c, t) in per.items()),
                    key=lambda r: -r["us_per_step"])
-    res = {"rows": rows, "wall_us_per_step": 1e6 * wall / reps, "busy_us_per_step": busy,
+    res = {"rows": rows, "wall_us_per_step": 1e6 * wall / reps, "busy_us_per_step": busy, "span_us_per_step": span,
            "kernels_per_step": len(kernels) / reps, "kernels": table}
-    print(f"profile, {rows} rows: wall {res['wall_us_per_step']:.1f} us/step, kernels busy {busy:.1f} us/step, "
+    print(f"profile, {rows} rows: wall {res['wall_us_per_step']:.1f} us/step, device span {span:.1f}, "
+          f"kernels busy {busy:.1f} us/step, "
           f"{res['kernels_per_step']:.0f} kernels/step", flush=True)
     for r in table[:25]:
         print(f"  {r['us_per_step']:8.1f} us  x{r['per_step']:5.1f}  {r['kernel']}", flush=True)
