@@ -1013,10 +1013,12 @@ def test_gemv_prefetch_is_issued_before_the_pdl_wait(tmp_path):
 
 def test_prefill_gemm_copies_every_weight_load_ahead(tmp_path):
     """The prefill GEMM's K loop must issue every weight load (quants, scales, minimums) as an
-    asynchronous copy the pipeliner runs num_stages ahead; a load left in place (tt.load in the
-    compiled TTGIR) waits for DRAM in every iteration, as the scales of each quantized format did
-    (one fp16 per thread, too narrow to copy). Compiled for sm_90 with Triton's own ptxas, 512
-    tokens (the large-M tile), every quantized layout."""
+    asynchronous copy the pipeliner runs num_stages ahead where each thread's piece is 4 bytes or
+    more; a load left in place (tt.load in the compiled TTGIR) waits for DRAM in every iteration, as
+    the scales of each quantized format did (one fp16 per thread, too narrow to copy). Compiled for
+    sm_90 with Triton's own ptxas, 512 tokens: a 128 x 64 x 128 tile (scales 4 bytes a thread)
+    copies everything ahead; the large-M default (128 x 64 x 64, chosen for correctness: see
+    configs.GEMM_DEFAULT_LARGE_M) copies its quants ahead, its [64, 2] scales stay in place."""
     import subprocess
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
@@ -1024,12 +1026,19 @@ def test_prefill_gemm_copies_every_weight_load_ahead(tmp_path):
     sass = tmp_path / "sass"
     fmts = ["Q4_0", "Q4_1", "Q8_0", "Q6", "Q6M"]
     r = subprocess.run([sys.executable, "-m", "edgellm.backends.cuda.kernels.compile_check", "--arch", "90",
-                        "--only", ",".join(f"gemm {f}" for f in fmts), "--sass", str(sass)],
+                        "--only", ",".join(f"gemm{t} {f}" for f in fmts for t in ("", "-k128")), "--sass",
+                        str(sass)],
                        cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
-    files = sorted(sass.glob("gemm_*_gemm_kernel.ttgir"))
-    assert len(files) == len(fmts), files
-    for f in files:
+    wide = sorted(sass.glob("gemm-k128_*_gemm_kernel.ttgir"))
+    default = sorted(sass.glob("gemm_*_gemm_kernel.ttgir"))
+    assert len(wide) == len(default) == len(fmts), (wide, default)
+    for f in wide:
         ir = f.read_text()
         assert "ttg.async_copy_global_to_local" in ir, f.name
         assert " tt.load " not in ir, f"{f.name}: a load in place in the K loop"
+    for f in default:
+        ir = f.read_text()
+        assert "ttg.async_copy_global_to_local" in ir, f.name
+        in_place = [line for line in ir.splitlines() if " tt.load " in line]
+        assert all("x!tt.ptr<f16>" in line for line in in_place), f"{f.name}: quants loaded in place"

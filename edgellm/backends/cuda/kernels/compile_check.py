@@ -116,6 +116,13 @@ def _cases():
         yield f"glu {fmt}", lambda fmt=fmt: linear_silu_mul(x1, pw(fmt, 2 * 14336, 4096))
         yield f"gemm {fmt}", lambda w=w: linear(x512, w)
         yield f"gemm-m32 {fmt}", lambda w=w: linear(torch.empty(32, 4096, dtype=h16), w)
+        # a prefill tile whose scale loads are wide enough (4 bytes a thread) to be copied ahead
+        yield f"gemm-k128 {fmt}", lambda w=w: linear(x512, w, config=dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128,
+                                                                         num_warps=4, num_stages=3))
+        # the serving rows step's skinny product at 16 rows, as the H100's tuner picks it for 8B gate|up
+        yield f"gemm-m16-skinny {fmt}", lambda w=w: linear(torch.empty(16, 4096, dtype=h16), w, decode_max_tokens=0,
+                                                           config=dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128,
+                                                                       num_warps=4, num_stages=3, SPLIT_K=4))
     yield "quantize_act", lambda: quantize_activations(x1)
 
     def norm_tail(fmt, int8):  # the o projection with the residual add + RMSNorm after it

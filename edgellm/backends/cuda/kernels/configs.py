@@ -161,8 +161,15 @@ def gemv_candidates(fmt: str) -> list[dict]:
 # 128x64 with 4 warps, 128x64 with 8, 64x64 and 32x64 with 4 warps never failed. The defaults are
 # from the second group, at the same speed (M=512, N=14336, K=4096: 227 vs 234 us Q4_0, 234 vs
 # 221 us Q8_0; M=96: 94 vs 92 us), and the tuner's candidates keep to the shapes that passed.
+# 2026-11-27 (same check, 180 runs each, the kernel with every weight load copied ahead and the
+# six-bit word reads): every tile 128 weight rows wide failed - 128 tokens x 128 rows with 4 warps,
+# the large-M default then, on every Q4_0 run (30 of 30), 8 warps on Q4_1/Q8_0, 64 x 128 on Q4_0 and
+# Q4_1 - while every tile 64 rows wide (128 x 64 with 4 or 8 warps, 64 x 64, 32 x 64, 16 x 64) and
+# F16 and Q6_K everywhere passed (docs/results/h100-2026-11-27d/serve/stress.txt). The large-M
+# default is now 128 tokens x 64 rows, and the candidates keep to 64-row tiles. (The skinny tiles,
+# M <= 32, pass at 128 rows too: gemm_stress.py --skinny.)
 GEMM_DEFAULT = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
-GEMM_DEFAULT_LARGE_M = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3)  # M >= 128
+GEMM_DEFAULT_LARGE_M = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)  # M >= 128
 
 
 # A skinny product (M <= SKINNY_M rows: a batched decode step of that many sequences) streams the
@@ -245,11 +252,10 @@ def skinny_candidates(M: int, N: int, K: int, sms: int) -> list[dict]:
 def gemm_candidates(fmt: str) -> list[dict]:
     out = []
     for bm in (16, 32, 64, 128):
-        for bn in (64, 128):
-            for bk in (32, 64, 128):
-                for w, s in ((4, 3), (4, 4)):  # see GEMM_DEFAULT: 8 warps, and 128-row tiles below
-                    if (bn == 64 or bm == 128) and bm * bk <= 128 * 128:  # 128 tokens, failed on the H100
-                        out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s))
+        for bk in (32, 64, 128):
+            for w, s in ((4, 3), (4, 4)):  # see GEMM_DEFAULT: 8 warps and 128-row tiles failed on the H100
+                if bm * bk <= 128 * 128:
+                    out.append(dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=bk, num_warps=w, num_stages=s))
     return out
 
 
