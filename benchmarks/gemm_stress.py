@@ -9,6 +9,10 @@ output element compared with a float32 product of the dequantized weights.
 format: default (128x128x64, 8 warps, 3 stages) Q8_0 12; 2 stages Q4_0 4; 4 warps 0; 64x128x64 with
 4 warps Q4_0 16; 128x64x64 0. The default model's 49,152-row output never showed it; Gemma 3's
 262,144-row output in a 512-token prefill did (NaN logits at rows 384-511, benchmarks/nan_probe.py).
+2026-11-27, H100: every tile 128 weight rows wide failed (128x128 with 4 warps, the large-M default
+then, on all Q4_0 runs), every 64-row tile passed; the default is now 128x64x64 with 4 warps. For
+each failing (configuration, format, N, M) the first failing run's detail is printed at the end:
+wrong and unwritten elements, the largest error, and which (token, row) tiles hold them.
 
     python benchmarks/gemm_stress.py --skinny   (split-K: the GEMM at M = 4, 16, 32 rows on
     Q4_0, Q8_0, F16, Q4_K (as Q4_1), Q6_K (as Q6) and a Q4_K + Q6_K stack (as Q6M) weights of 2048 x 8192
@@ -23,6 +27,7 @@ import torch
 
 sys.path.insert(0, ".")
 from edgellm.backends.cuda import kernels as K  # noqa: E402
+from edgellm.backends.cuda.kernels import configs  # noqa: E402
 from edgellm.backends.cuda.kernels.packing import repack  # noqa: E402
 from edgellm.quant import dequantize  # noqa: E402
 from edgellm.synthetic import random_blocks  # noqa: E402
@@ -37,8 +42,6 @@ CONFIGS = [("default", None)] + [
 
 def skinny() -> int:
     import importlib
-
-    from edgellm.backends.cuda.kernels import configs
 
     linear_mod = importlib.import_module("edgellm.backends.cuda.kernels.linear")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -102,6 +105,7 @@ for fmt, cols in (("Q8_0", 640), ("Q4_0", 640), ("Q4_1", 640), ("F16", 640), ("Q
         cases.append((fmt, N, w, x, x.float() @ wf.T))
         del wf
 print("config | failed runs of", len(cases) * 3 * 6, "| which (format, N, M)")
+details = []
 for name, cfg in CONFIGS:
     fails = {}
     for fmt, N, w, x, ref in cases:
@@ -110,7 +114,22 @@ for name, cfg in CONFIGS:
                 out = torch.full((M, N), float("nan"), device="cuda")
                 K.linear(x[:M], w, out=out, config=cfg)
                 torch.cuda.synchronize()
-                if (~torch.isclose(out, ref[:M], rtol=1e-2, atol=1e-2)).any():
+                bad = ~torch.isclose(out, ref[:M], rtol=1e-2, atol=1e-2)
+                if bad.any():
+                    if (fmt, N, M) not in fails:  # what the first failing run got wrong
+                        c = cfg or configs.gemm_default(M, N, torch.cuda.get_device_properties(0).multi_processor_count,
+                                                         x.shape[1])
+                        bm, bn = c["BLOCK_M"], c["BLOCK_N"]
+                        rows, cols = bad.nonzero(as_tuple=True)
+                        written = ~torch.isnan(out)
+                        err = (out - ref[:M]).abs()[bad & written]
+                        tiles = {(r // bm, col // bn) for r, col in zip(rows[:4096].tolist(), cols[:4096].tolist())}
+                        details.append(f"{name} {fmt} N={N} M={M}: {int(bad.sum())} of {bad.numel()} wrong, "
+                                       f"{int((~written).sum())} unwritten, max error {float(err.max()) if err.numel() else 0:.3g}"
+                                       f" (|ref| max {float(ref[:M].abs().max()):.3g}), first tiles (token, row) "
+                                       f"{sorted(tiles)[:6]} of {len(tiles)}")
                     fails[(fmt, N, M)] = fails.get((fmt, N, M), 0) + 1
                 del out
     print(name, "|", sum(fails.values()), "|", fails, flush=True)
+for line in details:
+    print("  " + line)
