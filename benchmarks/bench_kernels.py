@@ -64,6 +64,16 @@ def l2_bytes() -> int:
         return 50 * 2**20
 
 
+def rotated_copies(w, max_copies: int = 16) -> list:
+    """w (a PackedWeight) and copies of it, enough that launches rotating through them read
+    DRAM, not the L2 (at least four L2 sizes of bytes, at most max_copies)."""
+    import dataclasses
+
+    n = min(max_copies, max(1, -(-4 * l2_bytes() // max(w.nbytes, 1))))
+    return [w] + [dataclasses.replace(w, qs=w.qs.clone(), d=None if w.d is None else w.d.clone(),
+                                      m=None if w.m is None else w.m.clone()) for _ in range(n - 1)]
+
+
 def graph_time(fn, inner: int = 1, reps: int = 7, min_ms: float = 20.0) -> float:
     """Seconds per call of fn (which makes `inner` launches of the op): fn captured in a CUDA
     graph, replayed until min_ms elapse per measurement; median over reps measurements."""

@@ -158,9 +158,7 @@ def gemm_sweep(m, rows=(4, 8, 16, 32)) -> list[dict]:
     """Each weight shape of the rows program (q|k|v and gate|up stacked, as it runs them) at M rows:
     the default skinny config, every candidate tile and split-K count, and for M <= 8 the decode
     GEMV (float and int8 activations) that a rows step of that size runs now."""
-    import dataclasses
-
-    from bench_kernels import graph_time, l2_bytes
+    from bench_kernels import graph_time, rotated_copies
 
     from edgellm.backends.cuda import kernels as K
     from edgellm.backends.cuda.kernels import configs
@@ -177,10 +175,7 @@ def gemm_sweep(m, rows=(4, 8, 16, 32)) -> list[dict]:
     out = []
     for what, names in shapes.items():
         w = W.packed(*names)
-        # copies of the weight, rotated through so that each launch reads DRAM, not the L2
-        n_copies = min(16, max(1, -(-4 * l2_bytes() // max(w.nbytes, 1))))
-        pool = [w] + [dataclasses.replace(w, qs=w.qs.clone(), d=None if w.d is None else w.d.clone(),
-                                          m=None if w.m is None else w.m.clone()) for _ in range(n_copies - 1)]
+        pool = rotated_copies(w)  # rotated through so that each launch reads DRAM, not the L2
         for M in rows:
             x = torch.randn((M, w.in_features), device="cuda").half()
             y = torch.empty((M, w.out_features), device="cuda", dtype=torch.float16)

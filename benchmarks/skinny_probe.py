@@ -17,7 +17,6 @@ docs/results/h100-2026-11-27d/skinny_probe/.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import json
 import os
@@ -29,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from bench_kernels import graph_time, l2_bytes  # noqa: E402
+from bench_kernels import graph_time, rotated_copies  # noqa: E402
 
 from edgellm.backends.cuda import kernels as K  # noqa: E402
 from edgellm.backends.cuda.kernels import configs  # noqa: E402
@@ -76,9 +75,7 @@ def main() -> int:
         for what in a.shapes.split(","):
             n, k = SHAPES[what]
             w = weight(fmt, n, k, rng)
-            copies = min(16, max(1, -(-4 * l2_bytes() // w.nbytes)))
-            pool = [w] + [dataclasses.replace(w, qs=w.qs.clone(), d=None if w.d is None else w.d.clone(),
-                                              m=None if w.m is None else w.m.clone()) for _ in range(copies - 1)]
+            pool = rotated_copies(w)
             x = torch.randn((a.M, k), device="cuda").half()
             y = torch.empty((a.M, n), device="cuda", dtype=torch.float16)
             # the reference: the decode GEMV kernel (another kernel's code) over the same rows
