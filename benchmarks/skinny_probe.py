@@ -1,7 +1,7 @@
 """Where the skinny GEMM (the serving rows step's products, M = 16) spends its time, on a GPU.
 
     python benchmarks/skinny_probe.py [--shapes gate_up,down] [--fmts Q4_0,Q4_K] [--M 16]
-                                      [--quick | --tuner-only] [--json OUT]
+                                      [--quick | --tuner-only | --configs JSON_LIST] [--json OUT]
     ncu --clock-control none -k regex:_gemm_kernel -s 5 -c 1 --section ... \\
         python benchmarks/skinny_probe.py --shapes gate_up --ncu CONFIG_JSON
 
@@ -50,6 +50,9 @@ def main() -> int:
     p.add_argument("--M", type=int, default=16)
     p.add_argument("--quick", action="store_true", help="a smaller grid")
     p.add_argument("--tuner-only", action="store_true", help="only the tuner's candidates (an A/B of kernel code)")
+    p.add_argument("--configs", default=None,
+                   help="a JSON list of configurations to time instead of the tuner's and the grid "
+                        "(e.g. prefill tiles with --M 512); the first is the baseline")
     p.add_argument("--ncu", default=None, help="run one configuration (JSON) a few times, for ncu")
     p.add_argument("--json", default=None)
     a = p.parse_args()
@@ -87,12 +90,12 @@ def main() -> int:
                     for q in pool:
                         K.linear(x, q, out=y, config=c, decode_max_tokens=0)
                 return graph_time(fn, inner=len(pool), reps=5, min_ms=10)
-            tuner = configs.skinny_candidates(a.M, n, k, sms)
-            cands = [dict(BLOCK_M=16 if a.M <= 16 else 32, BLOCK_N=bn, BLOCK_K=bk, num_warps=wp, num_stages=st,
+            tuner = configs.skinny_candidates(a.M, n, k, sms) if not a.configs else json.loads(a.configs)[:1]
+            cands = [] if a.configs else [dict(BLOCK_M=16 if a.M <= 16 else 32, BLOCK_N=bn, BLOCK_K=bk, num_warps=wp, num_stages=st,
                           SPLIT_K=sk)
                      for bn, bk, wp, st, sk in itertools.product(*grid.values()) if -(-k // bk) // sk >= 2]
             rows = []
-            for c in tuner + cands:
+            for c in tuner + cands + (json.loads(a.configs)[1:] if a.configs else []):
                 try:
                     t = run(c)
                     y.fill_(float("nan"))
@@ -105,9 +108,9 @@ def main() -> int:
                              "GBps": w.nbytes / t / 1e9, "tuner": c in tuner, "err": err})
             rows.sort(key=lambda r: r["us"])
             tb = min((r for r in rows if r["tuner"]), key=lambda r: r["us"])
-            print(f"{fmt} {what} {n}x{k} M={a.M} ({w.nbytes / 1e6:.1f} MB): tuner's best {tb['us']:.1f} us "
+            print(f"{fmt} {what} {n}x{k} M={a.M} ({w.nbytes / 1e6:.1f} MB): {'baseline' if a.configs else "tuner's best"} {tb['us']:.1f} us "
                   f"({tb['GBps']:.0f} GB/s) {tb['cfg']}", flush=True)
-            for r in rows[:10]:
+            for r in rows[:10 if not a.configs else len(rows)]:
                 print(f"   {r['us']:7.1f} us {r['GBps']:5.0f} GB/s err {r['err']:.1e} {r['cfg']}", flush=True)
             bad = [r for r in rows if not r["err"] < 1e-2]
             if bad:
