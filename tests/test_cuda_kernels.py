@@ -243,6 +243,21 @@ def test_linear_prefill(rng, fmt):
     check(out, np64(x) @ w.T + np64(bias), 2e-3, f"{fmt} prefill")
 
 
+@pytest.mark.parametrize("fmt", ALL_FORMATS + ["Q6", "Q6M"])
+@pytest.mark.parametrize("tile", ["GEMM_DEFAULT_LARGE_M", "GEMM_DEFAULT_HUGE_M"])
+def test_linear_prefill_large_m_tiles(rng, fmt, tile):
+    """The tiles configs.gemm_default gives long prompts (128 and 256 tokens x 64 weight rows): a
+    token count, rows and columns none of them divides, every output element written."""
+    from edgellm.backends.cuda.kernels import configs
+    cfg = getattr(configs, tile)
+    pw, w = make_weight(rng, fmt, 70, 160)
+    M = cfg["BLOCK_M"] + 3
+    x = rand(rng, M, 160)
+    out = poisoned((M, 70))
+    K.linear(x, pw, out=out, config=cfg)
+    check(out, np64(x) @ w.T, 2e-3, f"{fmt} prefill {tile}")
+
+
 def test_linear_prefill_default_config(rng):
     pw, w = make_weight(rng, "Q4_0", 37, 160)
     x = rand(rng, 9, 160)

@@ -168,8 +168,27 @@ def gemv_candidates(fmt: str) -> list[dict]:
 # F16 and Q6_K everywhere passed (docs/results/h100-2026-11-27d/serve/stress.txt). The large-M
 # default is now 128 tokens x 64 rows, and the candidates keep to 64-row tiles. (The skinny tiles,
 # M <= 32, pass at 128 rows too: gemm_stress.py --skinny.)
+# Later the same day (gemm_stress.py with DISABLE_MMA_V3=1, which makes Triton use the warp-level
+# mma.sync instead of Hopper's warpgroup wgmma): every tile passed all 180 runs, so the wrong tiles
+# come from the wgmma path (a weight operand dequantized in registers); F16, whose weight tile goes
+# to the tensor cores from shared memory, never failed. mma.sync is no way out: 128 x 128 on it ran
+# pp512 at the 128 x 64 wgmma tile's speed (1B Q4_0 57.6k against 59.4k tok/s; 76.2k with 128 x
+# 128 wgmma). Among the tiles that pass, a wider token side amortises the dequantization: at 512
+# tokens 256 tokens x 64 rows took the 8B Q4_0 products 5-11% under 128 x 64 (gate|up 572 against
+# 644 us, down 286 / 312, o 82 / 87) and Q8_0's up to 20% (gate|up 345 / 434), Q4_K's 12% (633 /
+# 716; `skinny_probe.py --M 512 --configs ...`, docs/results/h100-2026-11-27e/). In whole prefills
+# (pp512) the wider tile everywhere took 8B Q8_0 from 15.9k to 17.1k tok/s, left 8B and 1B Q4_0 where
+# they were, and took 1B Q8_0 from 76.9k to 61.5k: its 2,048-wide products have 64 programs of 256
+# tokens for 132 SMs. So a quantized product takes 256 x 64 only where that still gives
+# GEMM_HUGE_M_WAVES programs per SM (the MLP's wide gate|up product), else 128 x 64. With that rule
+# (alternating with the tree before, same machine, 2026-11-27 09:36-09:42 UTC): 8B Q8_0 17.6-17.9k
+# against 16.0-16.1k, 8B Q4_0 12.4k against 11.7k, 1B Q4_0 62.4k against 59.8-61.0k, 1B Q8_0 74-84k
+# against 74-76k. F16 stays at 128 x 64: 128 x 128 (correct for F16) ran 1B F16 at 103-104k against
+# 111-117k.
 GEMM_DEFAULT = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
 GEMM_DEFAULT_LARGE_M = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)  # M >= 128
+GEMM_DEFAULT_HUGE_M = dict(BLOCK_M=256, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)  # M >= 256
+GEMM_HUGE_M_WAVES = 2
 
 
 # A skinny product (M <= SKINNY_M rows: a batched decode step of that many sequences) streams the
@@ -194,13 +213,17 @@ SPLITK_MIN_ITERS = 4
 ROWS_GEMV_MAX_TOKENS = 4
 
 
-def gemm_default(M: int, N: int = 0, sms: int = 0, K: int = 0) -> dict:
+def gemm_default(M: int, N: int = 0, sms: int = 0, K: int = 0, fmt: str = "") -> dict:
     """Per token count: dequantizing a weight tile costs the same whatever BLOCK_M, so larger
     token tiles amortise it (compile_check: ~5 instructions per weight per K-step). With the
     output width N, K and the device's SM count, skinny products (M <= SKINNY_M) take the
-    skinny tile and split K (see above)."""
+    skinny tile and split K (see above). fmt: the weight's packed format (F16 keeps 128-token
+    tiles, see above)."""
     if M >= 128:
-        return dict(GEMM_DEFAULT_LARGE_M)
+        huge = GEMM_DEFAULT_HUGE_M
+        wide = fmt != "F16" and M >= huge["BLOCK_M"] and (not sms or
+                                         -(-M // huge["BLOCK_M"]) * -(-N // huge["BLOCK_N"]) >= GEMM_HUGE_M_WAVES * sms)
+        return dict(huge if wide else GEMM_DEFAULT_LARGE_M)
     cfg = dict(GEMM_DEFAULT, BLOCK_M=max(16, min(64, 1 << (M - 1).bit_length())))
     if M <= SKINNY_M and N and sms:
         cfg.update(SKINNY_TILE)

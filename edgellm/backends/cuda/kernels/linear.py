@@ -794,7 +794,7 @@ def _splitk_workspace(dev: torch.device, elements: int) -> tuple[torch.Tensor, t
 def _launch_gemm(x, w, bias, out, config):
     M, K = x.shape
     N = out.shape[1]
-    cfg = {**configs.gemm_default(M, N, device_sm_count(x), K), **(config or {})}
+    cfg = {**configs.gemm_default(M, N, device_sm_count(x), K, w.fmt), **(config or {})}
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     if bk % 32:
         raise ValueError(f"BLOCK_K={bk} must be a multiple of 32")
