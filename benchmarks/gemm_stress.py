@@ -20,7 +20,8 @@ tile a format cannot hold (shared memory) is skipped and said so.
     Q4_0, Q8_0, F16, Q4_K (as Q4_1), Q6_K (as Q6) and a Q4_K + Q6_K stack (as Q6M) weights of 2048 x 8192
     and 3072 x 2048, the skinny default configuration with split counts 1-16 and every configuration
     the tuner may pick (configs.skinny_candidates), ten runs each, and the tile counters left zero
-    after each; --only Q6_K,Q4_K+Q6_K checks some of the formats)
+    after each; --only Q6_K,Q4_K+Q6_K checks some of the formats; --weight-b every tile with the
+    weight as the MMA's right operand, configs WEIGHT_B)
 """
 import sys
 
@@ -41,7 +42,11 @@ CONFIGS = [("default", None)] + [
     for bm, bn, bk, w, st in [(128, 128, 64, 8, 3), (128, 128, 64, 4, 3), (128, 64, 64, 8, 3), (128, 64, 64, 4, 3),
                               (64, 128, 64, 4, 3), (64, 64, 64, 4, 3), (64, 128, 64, 4, 2), (32, 64, 64, 4, 3),
                               (16, 64, 64, 4, 3), (16, 32, 64, 2, 3), (32, 32, 64, 2, 3),
-                              (128, 64, 128, 4, 3), (256, 64, 64, 4, 3), (256, 64, 64, 8, 3), (256, 64, 128, 8, 3)]]
+                              (128, 64, 128, 4, 3), (256, 64, 64, 4, 3), (256, 64, 64, 8, 3), (256, 64, 128, 8, 3)]] + [
+    (f"{bm}x{bn}x{bk} w{w} s{st} weight-B", dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st,
+                                                  WEIGHT_B=True))
+    for bm, bn, bk, w, st in [(128, 128, 64, 4, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 3), (128, 256, 64, 8, 3),
+                              (256, 128, 64, 8, 3), (128, 64, 64, 4, 3)]]
 
 
 def skinny() -> int:
@@ -76,6 +81,8 @@ def skinny() -> int:
                     (f"{c['BLOCK_N']}x{c['BLOCK_K']} w{c['num_warps']} split {c.get('SPLIT_K', 1)}", c)
                     for c in configs.skinny_candidates(M, N, Kd, sms)
                     + [dict(default, SPLIT_K=sk) for sk in (1, 2, 4, 8, 16)]]
+                if "--weight-b" in sys.argv:  # the same tiles with the weight as the MMA's right operand
+                    cfgs = [(n + " weight-B", dict(c, WEIGHT_B=True)) for n, c in cfgs]
                 for name, cfg in cfgs:
                     fails = 0
                     for _ in range(10):

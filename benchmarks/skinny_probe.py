@@ -53,6 +53,8 @@ def main() -> int:
     p.add_argument("--configs", default=None,
                    help="a JSON list of configurations to time instead of the tuner's and the grid "
                         "(e.g. prefill tiles with --M 512); the first is the baseline")
+    p.add_argument("--weight-b", action="store_true",
+                   help="every configuration with WEIGHT_B (the weight the MMA's right operand)")
     p.add_argument("--ncu", default=None, help="run one configuration (JSON) a few times, for ncu")
     p.add_argument("--json", default=None)
     a = p.parse_args()
@@ -95,6 +97,9 @@ def main() -> int:
                           SPLIT_K=sk)
                      for bn, bk, wp, st, sk in itertools.product(*grid.values()) if -(-k // bk) // sk >= 2]
             rows = []
+            if a.weight_b:
+                tuner = [dict(c, WEIGHT_B=True) for c in tuner]
+                cands = [dict(c, WEIGHT_B=True) for c in cands]
             for c in tuner + cands + (json.loads(a.configs)[1:] if a.configs else []):
                 try:
                     t = run(c)

@@ -185,10 +185,24 @@ def gemv_candidates(fmt: str) -> list[dict]:
 # against 16.0-16.1k, 8B Q4_0 12.4k against 11.7k, 1B Q4_0 62.4k against 59.8-61.0k, 1B Q8_0 74-84k
 # against 74-76k. F16 stays at 128 x 64: 128 x 128 (correct for F16) ran 1B F16 at 103-104k against
 # 111-117k.
+# The kernel can also take the weight as the MMA's right operand (WEIGHT_B: acc[tokens, rows] +=
+# x @ W^T), which wgmma reads from shared memory, as F16's: every weight-B tile passed every stress
+# run, 128 rows wide included (docs/results/h100-2026-11-27e/stress_weight_b.txt: 128 x 128 with 4 and
+# 8 warps, 64 x 128, 128 x 256, 256 x 128, 128 x 64). At 512 tokens on the 8B shapes it was the
+# fastest tile for the 4-bit layouts' wide gate|up product (128 x 128, 4 warps: Q4_0 467 us against
+# 572 for 256 x 64 and 636 for 128 x 64; Q4_K 523 / 633 / 714) and for every other Q8_0 product
+# (128 x 64: down 229 against 275 us, q|k|v 87 / 91, o 62 / 67), while Q8_0's gate|up stays fastest
+# at 256 x 64 (342 against 365) and the 4-bit layouts' narrower products gain nothing from it
+# (`skinny_probe.py --M 512 --configs`, probe512_weight_b.txt). In whole prefills (pp512, against the
+# 256 x 64 rule above, alternating, 2026-11-27 09:57-10:02 UTC) the 4-bit layouts' gate|up on the
+# weight-B 128 x 128 tile took 8B Q4_0 from 12.3k to 13.3k tok/s, 8B Q4_K_M from 10.5k to 11.2k and
+# 1B Q4_0 from 61.6-63.6k to 66.6-66.8k; Q8_0's narrower products on weight-B 128 x 64 moved nothing
+# (8B 17.6-17.7k both ways, 1B within its spread), so Q8_0 keeps the tiles above.
 GEMM_DEFAULT = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
 GEMM_DEFAULT_LARGE_M = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)  # M >= 128
 GEMM_DEFAULT_HUGE_M = dict(BLOCK_M=256, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)  # M >= 256
 GEMM_HUGE_M_WAVES = 2
+GEMM_WIDE_WEIGHT_B = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3, WEIGHT_B=True)
 
 
 # A skinny product (M <= SKINNY_M rows: a batched decode step of that many sequences) streams the
@@ -217,13 +231,19 @@ def gemm_default(M: int, N: int = 0, sms: int = 0, K: int = 0, fmt: str = "") ->
     """Per token count: dequantizing a weight tile costs the same whatever BLOCK_M, so larger
     token tiles amortise it (compile_check: ~5 instructions per weight per K-step). With the
     output width N, K and the device's SM count, skinny products (M <= SKINNY_M) take the
-    skinny tile and split K (see above). fmt: the weight's packed format (F16 keeps 128-token
-    tiles, see above)."""
+    skinny tile and split K (see above). fmt: the weight's packed format; from 128 tokens F16
+    keeps 128 x 64; a quantized wide product (256 tokens or more, two programs per SM at 256 x 64)
+    takes 256 x 64 for Q8_0 and the 128 x 128 weight-B tile for the 4- and 6-bit layouts, the
+    others 128 x 64 (see above)."""
     if M >= 128:
         huge = GEMM_DEFAULT_HUGE_M
-        wide = fmt != "F16" and M >= huge["BLOCK_M"] and (not sms or
+        if fmt == "F16":
+            return dict(GEMM_DEFAULT_LARGE_M)
+        wide = M >= huge["BLOCK_M"] and (not sms or
                                          -(-M // huge["BLOCK_M"]) * -(-N // huge["BLOCK_N"]) >= GEMM_HUGE_M_WAVES * sms)
-        return dict(huge if wide else GEMM_DEFAULT_LARGE_M)
+        if wide:
+            return dict(huge if fmt == "Q8_0" else GEMM_WIDE_WEIGHT_B)
+        return dict(GEMM_DEFAULT_LARGE_M)
     cfg = dict(GEMM_DEFAULT, BLOCK_M=max(16, min(64, 1 << (M - 1).bit_length())))
     if M <= SKINNY_M and N and sms:
         cfg.update(SKINNY_TILE)

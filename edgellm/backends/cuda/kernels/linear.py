@@ -19,7 +19,9 @@ with it: about one instruction per weight in the compiled loop. It adds x's roun
 Prefill computes out^T = W @ x^T with tl.dot so that the dequantized weight tile (in registers) is
 the MMA's left operand and the tokens are its N side (which may be as small as 16). Q4 weights are
 split into their low- and high-nibble halves, each multiplied with the matching rows of x^T, so no
-nibble interleaving is needed.
+nibble interleaving is needed. With WEIGHT_B (a configuration key) the same tiles are multiplied the
+other way round, out = x @ W^T, the dequantized weight the MMA's right operand, which Hopper's wgmma
+reads from shared memory: the form whose 128-row tiles are correct on the H100 (configs.py).
 
 The six-bit layouts (Q6, Q6M; packing.py) follow Q4's structure: a block's nibble words are read
 as Q4's, its two words of top bits beside them (one 8-byte load), and one shift and one masked
@@ -509,7 +511,21 @@ def _gemv_i8_kernel(xq_ptr, xd_ptr, xs_ptr,
 # ---------------------------------------------------------------------------------------------
 
 @jit
-def _dot_halves(lo, hi, xcol, k0, K, mmask, acc, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _mma(w, xt, acc, WEIGHT_B: tl.constexpr):
+    """acc + the product of a dequantized weight tile w [rows, k] with an x^T tile xt [k, tokens].
+    Default: acc [rows, tokens] += w @ xt, the weight the MMA's left operand, which Hopper's wgmma
+    takes from registers. WEIGHT_B: acc [tokens, rows] += xt^T @ w^T, the weight the right operand,
+    which goes to the tensor cores through shared memory (see configs.GEMM_WEIGHT_B)."""
+    if WEIGHT_B:  # (one return: the compiler visits statements after a return in a constexpr if)
+        acc = tl.dot(tl.trans(xt), tl.trans(w), acc)
+    else:
+        acc = tl.dot(w, xt, acc)
+    return acc
+
+
+@jit
+def _dot_halves(lo, hi, xcol, k0, K, mmask, acc, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                WEIGHT_B: tl.constexpr):
     """acc += the products of a weight tile split into its 32-blocks' first halves (lo: elements
     0..15 of each block, the low nibbles) and second halves (hi) with the matching rows of x^T:
     operand column c of lo is element (c // 16) * 32 + c % 16 of the K-tile, of hi that + 16."""
@@ -520,8 +536,8 @@ def _dot_halves(lo, hi, xcol, k0, K, mmask, acc, BLOCK_N: tl.constexpr, BLOCK_K:
     xm = (klo < K)[:, None] & mmask[None, :]
     xlo = tl.load(xcol + klo[:, None], mask=xm, other=0.0).to(tl.float16)
     xhi = tl.load(xcol + (klo + 16)[:, None], mask=xm, other=0.0).to(tl.float16)
-    acc = tl.dot(lo, xlo, acc)
-    return tl.dot(hi, xhi, acc)
+    acc = _mma(lo, xlo, acc, WEIGHT_B)
+    return _mma(hi, xhi, acc, WEIGHT_B)
 
 
 @jit
@@ -529,7 +545,7 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
                  M, N, K, stride_q, stride_d, ws_ptr, cnt_ptr, k_split, n_splits,
                  FMT: tl.constexpr, HAS_BIAS: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                 EVEN_K: tl.constexpr, PDL: tl.constexpr):
+                 EVEN_K: tl.constexpr, WEIGHT_B: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -550,14 +566,17 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
     rn64 = rn.to(tl.int64)
     xcol = x_ptr + rm.to(tl.int64)[None, :] * stride_xm  # x^T tile: [k, token]
     n_blocks = K // 32
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    if WEIGHT_B:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         if FMT == 0:
             k = k0 + tl.arange(0, BLOCK_K)
             km = k < K
             w = tl.load(w_q + rn64[:, None] * stride_q + k[None, :], mask=nmask[:, None] & km[None, :], other=0.0)
             xt = tl.load(xcol + k[:, None], mask=km[:, None] & mmask[None, :], other=0.0)
-            acc = tl.dot(w.to(tl.float16), xt.to(tl.float16), acc)
+            acc = _mma(w.to(tl.float16), xt.to(tl.float16), acc, WEIGHT_B)
         else:
             # quants as [rows, blocks, bytes of a block]: 16-byte loads, one scale per block,
             # then merged to the [rows, k] operand (free: a block's bytes sit in one thread)
@@ -584,7 +603,7 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
                 k = k0 + tl.arange(0, BLOCK_K)
                 km = k < K
                 xt = tl.load(xcol + k[:, None], mask=km[:, None] & mmask[None, :], other=0.0)
-                acc = tl.dot(w, xt.to(tl.float16), acc)
+                acc = _mma(w, xt.to(tl.float16), acc, WEIGHT_B)
             elif FMT >= 4:
                 # Q6/Q6M: the nibbles as Q4, each element's top two bits from its half's byte
                 # 4h + (j % 4), bits 2 (j // 4) (see packing.py); per-16 scales d[2b], d[2b + 1]
@@ -617,7 +636,7 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
                                                   other=0.0).to(tl.float16))
                     lo = lo + m_lo[:, :, None]
                     hi = hi + m_hi[:, :, None]
-                acc = _dot_halves(lo, hi, xcol, k0, K, mmask, acc, BLOCK_N, BLOCK_K)
+                acc = _dot_halves(lo, hi, xcol, k0, K, mmask, acc, BLOCK_N, BLOCK_K, WEIGHT_B)
             else:
                 j = tl.arange(0, 16)
                 q = tl.load(w_q + rn64[:, None, None] * stride_q + kb[None, :, None] * 16 + j[None, None, :],
@@ -635,7 +654,9 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
                                  other=0.0).to(tl.float16)[:, :, None]
                     lo = (lo - 1024.0) * d + mn
                     hi = (hi - 1024.0) * d + mn
-                acc = _dot_halves(lo, hi, xcol, k0, K, mmask, acc, BLOCK_N, BLOCK_K)
+                acc = _dot_halves(lo, hi, xcol, k0, K, mmask, acc, BLOCK_N, BLOCK_K, WEIGHT_B)
+    if WEIGHT_B:
+        acc = tl.trans(acc)  # [rows, tokens], as the epilogue writes it
     omask = nmask[:, None] & mmask[None, :]
     if SPLIT:
         # each range's partial sum to its own float32 slice of the workspace [splits, M, N]; the
@@ -812,7 +833,7 @@ def _launch_gemm(x, w, bias, out, config):
                                     ws, cnt, k_split, splits,
                                     FMT=_FMT_CODE[w.fmt], HAS_BIAS=bias is not None,
                                     BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=splits > 1, EVEN_K=K % bk == 0,
-                                    num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl())
+                                    WEIGHT_B=bool(cfg.get("WEIGHT_B", False)), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl())
 
 
 def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
