@@ -6,7 +6,7 @@
         python benchmarks/skinny_probe.py --shapes gate_up --ncu CONFIG_JSON
 
 Sweep: the 8B Llama shapes (gate|up 28672 x 4096, down 4096 x 14336, q|k|v 6144 x 4096, o 4096 x
-4096) at M rows: the tuner's candidates (configs.skinny_candidates) and a wider grid (BLOCK_N
+4096; 1b_gate_up etc. the 1B ones) at M rows: the tuner's candidates (configs.skinny_candidates) and a wider grid (BLOCK_N
 64-256, BLOCK_K 64-256, 2-8 warps, 2-5 stages, split-K 1-16; --quick a smaller one, --tuner-only
 none: an A/B of kernel code), each timed in a CUDA graph over copies of the weight rotated past
 the L2 (bench_kernels.graph_time) and checked against the decode GEMV kernel's output for the same
@@ -35,7 +35,9 @@ from edgellm.backends.cuda.kernels import configs  # noqa: E402
 from edgellm.backends.cuda.kernels.packing import repack  # noqa: E402
 from edgellm.synthetic import random_blocks  # noqa: E402
 
-SHAPES = {"gate_up": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096), "o": (4096, 4096)}
+SHAPES = {"gate_up": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096), "o": (4096, 4096),
+          # the Llama-3.2-1B shapes
+          "1b_gate_up": (16384, 2048), "1b_down": (2048, 8192), "1b_qkv": (3072, 2048), "1b_o": (2048, 2048)}
 
 
 def weight(fmt: str, n: int, k: int, rng):

@@ -244,13 +244,15 @@ def test_linear_prefill(rng, fmt):
 
 
 @pytest.mark.parametrize("fmt", ALL_FORMATS + ["Q6", "Q6M"])
-@pytest.mark.parametrize("tile", ["GEMM_DEFAULT_LARGE_M", "GEMM_DEFAULT_HUGE_M", "GEMM_WIDE_WEIGHT_B", "weight-B 128x64"])
+@pytest.mark.parametrize("tile", ["GEMM_DEFAULT_LARGE_M", "GEMM_DEFAULT_HUGE_M", "GEMM_WIDE_WEIGHT_B", "weight-B 128x64",
+                                  "weight-B split"])
 def test_linear_prefill_large_m_tiles(rng, fmt, tile):
     """The tiles configs.gemm_default gives long prompts (128 and 256 tokens x 64 weight rows, and
-    the weight as the MMA's right operand in 128 x 128 and 128 x 64 tiles): a token count, rows and
-    columns none of them divides, every output element written."""
+    the weight as the MMA's right operand in 128 x 128 and 128 x 64 tiles, K split in two): a token
+    count, rows and columns none of them divides, every output element written."""
     from edgellm.backends.cuda.kernels import configs
-    cfg = dict(configs.GEMM_DEFAULT_LARGE_M, WEIGHT_B=True) if tile == "weight-B 128x64" else getattr(configs, tile)
+    cfg = {"weight-B 128x64": dict(configs.GEMM_DEFAULT_LARGE_M, WEIGHT_B=True),
+           "weight-B split": dict(configs.GEMM_WIDE_WEIGHT_B, SPLIT_K=2)}.get(tile) or getattr(configs, tile)
     pw, w = make_weight(rng, fmt, 70, 160)
     M = cfg["BLOCK_M"] + 3
     x = rand(rng, M, 160)

@@ -203,6 +203,15 @@ GEMM_DEFAULT_LARGE_M = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=4, nu
 GEMM_DEFAULT_HUGE_M = dict(BLOCK_M=256, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)  # M >= 256
 GEMM_HUGE_M_WAVES = 2
 GEMM_WIDE_WEIGHT_B = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3, WEIGHT_B=True)
+# The MLP's down product (K several times N) has one program per SM or fewer at 128 x 128 (8B: 4 x 32
+# at 512 tokens, 1B: 4 x 16), each a long K loop. Split-K (the skinny GEMM's, float32 partial sums
+# added by each tile's last program) into the fewest power-of-two ranges giving GEMM_SPLIT_PER_SM
+# programs per SM: at 512 tokens on the H100 (skinny_probe.py --M 512, probe_splitk.txt) the
+# weight-B 128 x 128 tile split 2 ran 8B down in 247 us (Q4_0) and 186 us (Q8_0) against 315 and
+# 277 for 128 x 64, split 4 the 1B down in 79 and 64 us against 98 and 108. Whole pp512 against the
+# tree before (2026-11-27 10:19-10:21 UTC): 8B Q4_0 14.7k against 13.3k tok/s, 1B Q8_0 98.4k / 97.8k
+# against 85.9k. (q|k|v and o, K = N, gained 0-10% alone from split-K or weight-B: not taken.)
+GEMM_SPLIT_PER_SM = 1.5
 
 
 # A skinny product (M <= SKINNY_M rows: a batched decode step of that many sequences) streams the
@@ -233,8 +242,8 @@ def gemm_default(M: int, N: int = 0, sms: int = 0, K: int = 0, fmt: str = "") ->
     output width N, K and the device's SM count, skinny products (M <= SKINNY_M) take the
     skinny tile and split K (see above). fmt: the weight's packed format; from 128 tokens F16
     keeps 128 x 64; a quantized wide product (256 tokens or more, two programs per SM at 256 x 64)
-    takes 256 x 64 for Q8_0 and the 128 x 128 weight-B tile for the 4- and 6-bit layouts, the
-    others 128 x 64 (see above)."""
+    takes 256 x 64 for Q8_0 and the 128 x 128 weight-B tile for the 4- and 6-bit layouts, a long
+    reduction (K >= 2 N) the weight-B tile with K split, the others 128 x 64 (see above)."""
     if M >= 128:
         huge = GEMM_DEFAULT_HUGE_M
         if fmt == "F16":
@@ -243,6 +252,16 @@ def gemm_default(M: int, N: int = 0, sms: int = 0, K: int = 0, fmt: str = "") ->
                                          -(-M // huge["BLOCK_M"]) * -(-N // huge["BLOCK_N"]) >= GEMM_HUGE_M_WAVES * sms)
         if wide:
             return dict(huge if fmt == "Q8_0" else GEMM_WIDE_WEIGHT_B)
+        if K >= 2 * N and N:  # a long reduction over few tiles: split K (see GEMM_SPLIT_PER_SM)
+            cfg = dict(GEMM_WIDE_WEIGHT_B)
+            programs = -(-M // cfg["BLOCK_M"]) * -(-N // cfg["BLOCK_N"])
+            split = 1
+            while sms and programs * split < GEMM_SPLIT_PER_SM * sms and \
+                    K // (cfg["BLOCK_K"] * 2 * split) >= SPLITK_MIN_ITERS:
+                split *= 2
+            if split > 1:
+                cfg["SPLIT_K"] = split
+            return cfg
         return dict(GEMM_DEFAULT_LARGE_M)
     cfg = dict(GEMM_DEFAULT, BLOCK_M=max(16, min(64, 1 << (M - 1).bit_length())))
     if M <= SKINNY_M and N and sms:
