@@ -254,11 +254,7 @@ def gemm_default(M: int, N: int = 0, sms: int = 0, K: int = 0, fmt: str = "") ->
             return dict(huge if fmt == "Q8_0" else GEMM_WIDE_WEIGHT_B)
         if K >= 2 * N and N:  # a long reduction over few tiles: split K (see GEMM_SPLIT_PER_SM)
             cfg = dict(GEMM_WIDE_WEIGHT_B)
-            programs = -(-M // cfg["BLOCK_M"]) * -(-N // cfg["BLOCK_N"])
-            split = 1
-            while sms and programs * split < GEMM_SPLIT_PER_SM * sms and \
-                    K // (cfg["BLOCK_K"] * 2 * split) >= SPLITK_MIN_ITERS:
-                split *= 2
+            split = _split_k(M, N, K, sms, cfg, GEMM_SPLIT_PER_SM)
             if split > 1:
                 cfg["SPLIT_K"] = split
             return cfg
@@ -272,13 +268,13 @@ def gemm_default(M: int, N: int = 0, sms: int = 0, K: int = 0, fmt: str = "") ->
     return cfg
 
 
-def _split_k(M: int, N: int, K: int, sms: int, cfg: dict) -> int:
+def _split_k(M: int, N: int, K: int, sms: int, cfg: dict, per_sm: float = SPLITK_PROGRAMS_PER_SM) -> int:
     """The fewest power-of-two K ranges giving the grid SPLITK_PROGRAMS_PER_SM programs per SM,
     keeping at least SPLITK_MIN_ITERS K-tiles a range (see above)."""
     programs = -(-M // cfg["BLOCK_M"]) * -(-N // cfg["BLOCK_N"])
     k_iters = -(-K // cfg["BLOCK_K"]) if K else 0
     split = 1
-    while programs * split < SPLITK_PROGRAMS_PER_SM * sms and k_iters // (2 * split) >= SPLITK_MIN_ITERS:
+    while programs * split < per_sm * sms and k_iters // (2 * split) >= SPLITK_MIN_ITERS:
         split *= 2
     return split
 
