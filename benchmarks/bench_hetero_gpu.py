@@ -108,14 +108,22 @@ def main() -> None:
     for cap_gib in [float(c) for c in a.caps.split(",")]:
         cap = int(cap_gib * 2**30)
         plan = plan_split(path, gpu_memory=str(cap), devices="cuda:0,cpu", ctx=a.ctx, prefill=a.p, profile=prof)
-        placement = {u: ("cuda" if d.startswith("cuda") else "cpu") for u, d in plan["placement"].items()}
-        n_gpu = sum(1 for u, d in placement.items() if u.startswith("blk.") and d == "cuda")
-        print(f"cap {cap_gib:g} GiB: {n_gpu} of {cfg.n_layers} layers on the GPU", flush=True)
+        placement = dict(plan["placement"])
+        n_gpu = sum(1 for u, d in placement.items() if u.startswith("blk.") and d.startswith("cuda"))
+        n_stream = sum(1 for u, d in placement.items() if u.startswith("blk.") and d.startswith("rows cpu"))
+        print(f"cap {cap_gib:g} GiB: {n_gpu} of {cfg.n_layers} layers on the GPU, {n_stream} streamed "
+              f"({', '.join(sorted({d for d in placement.values() if d.startswith('rows')})) or 'none'}); "
+              f"head on {placement.get('head')}", flush=True)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        t_load = time.perf_counter()
         m = load_split(path, placement, ctx=a.ctx, prefill_chunk=a.p)
-        used = torch.cuda.max_memory_allocated() / 2**30
+        t_load = time.perf_counter() - t_load
         rng = np.random.default_rng(0)
         prompt = rng.integers(3, cfg.vocab_size, a.p).tolist()
-        m.forward(prompt[:8], 0, all_logits=False)
+        m.forward(prompt, 0, all_logits=False)  # first runs: kernels load, graphs are captured, orders recorded
+        for i in range(3):
+            m.forward([1], i, all_logits=False)
         pp, tg = [], []
         for _ in range(a.r):
             torch.cuda.synchronize()
@@ -127,28 +135,44 @@ def main() -> None:
             for i in range(a.n):
                 tok = int(np.argmax(m.forward([tok], i, all_logits=False)[-1]))
             tg.append(a.n / (time.perf_counter() - t))
+        used = torch.cuda.max_memory_allocated() / 2**30  # peak: weights, caches, slots, activations
+        # where a step goes: each segment's wall time, the GPU synchronised after each
+        for stage, steps in (("decode", [([1], i) for i in range(16)]), ("last", [(prompt, 0)])):
+            prog = m.programs[stage]
+            prog.time_segments()
+            t = time.perf_counter()
+            for toks, pos in steps:
+                m.forward(toks, pos, all_logits=False)
+            wall = (time.perf_counter() - t) / len(steps)
+            segs = [f"{s.processor}[{len(s.ops)} ops] {sec / len(steps) * 1e3:.2f}"
+                    for (s, _, _), sec in zip(prog.parts, prog.seconds)]
+            print(f"  {stage} step {wall * 1e3:.2f} ms (segments synchronised): " + ", ".join(segs), flush=True)
+            prog.time_segments(False)
         del m
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         ngl = fit_ngl(f, cfg, cap, a.ctx)
         ll = llama_bench_ngl(a.llama_bench, path, ngl, a.p, a.n, a.r, threads) if a.llama_bench else {"error": "no --llama-bench"}
-        rows.append((cap_gib, n_gpu, used, statistics.median(pp), statistics.median(tg), ngl, ll,
-                     plan["predicted_decode_s"], plan["predicted_prefill_s"]))
-        print(json.dumps({"cap_GiB": cap_gib, "edgellm_gpu_layers": n_gpu, "gpu_GiB": round(used, 2),
+        rows.append((cap_gib, f"{n_gpu} + {n_stream} streamed", used, statistics.median(pp), statistics.median(tg),
+                     ngl, ll, plan["predicted_decode_s"], plan["predicted_prefill_s"]))
+        print(json.dumps({"cap_GiB": cap_gib, "edgellm_gpu_layers": n_gpu, "edgellm_streamed_layers": n_stream,
+                          "placement": placement, "load_s": round(t_load, 1), "gpu_GiB": round(used, 2),
                           "edgellm_pp": rows[-1][3], "edgellm_tg": rows[-1][4], "llama_ngl": ngl, "llama": ll,
-                          "predicted_decode_ms": plan["predicted_decode_s"] * 1e3}), flush=True)
+                          "predicted_decode_ms": plan["predicted_decode_s"] * 1e3,
+                          "predicted_prefill_ms": plan["predicted_prefill_s"] * 1e3}), flush=True)
 
     print(f"\n{time.strftime('%Y-%m-%d')}, {torch.cuda.get_device_name()}, {threads} CPU threads, "
           f"{os.path.basename(path)} ({os.path.getsize(path) / 1e9:.2f} GB), ctx {a.ctx}, pp{a.p} tg{a.n}, median of {a.r}\n")
     print("| cap GiB | edgellm layers on GPU | GPU GiB used | edgellm pp tok/s | edgellm tg tok/s | llama.cpp -ngl | "
-          "llama.cpp pp | llama.cpp tg | tg ratio | pp ratio | predicted / measured ms/token |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "llama.cpp pp | llama.cpp tg | tg ratio | pp ratio | predicted / measured ms/token | "
+          "predicted / measured ms/prompt |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for cap, n_gpu, used, pp, tg, ngl, ll, pred_d, pred_p in rows:
         lpp, ltg = ll.get("pp"), ll.get("tg")
         r_tg = f"{tg / ltg:.2f}x" if ltg else ll.get("error", "-")
         r_pp = f"{pp / lpp:.2f}x" if lpp else "-"
         print(f"| {cap:g} | {n_gpu} | {used:.2f} | {pp:.1f} | {tg:.2f} | {ngl} | {lpp or '-'} | {ltg or '-'} | "
-              f"{r_tg} | {r_pp} | {pred_d * 1e3:.1f} / {1e3 / tg:.1f} |")
+              f"{r_tg} | {r_pp} | {pred_d * 1e3:.1f} / {1e3 / tg:.1f} | {pred_p * 1e3:.0f} / {a.p * 1e3 / pp:.0f} |")
 
 
 if __name__ == "__main__":

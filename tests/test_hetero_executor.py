@@ -92,3 +92,48 @@ def test_row_split_unit_matches_unsplit(model_path):
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max())
     steps = [m.forward(ids[:4], 0, all_logits=False)[-1]] + [m.forward([ids[i]], i, all_logits=False)[-1] for i in (4, 5, 6)]
     np.testing.assert_allclose(np.stack(steps), b[3:], rtol=0, atol=1e-5 * np.abs(b).max())
+
+
+def test_streamed_row_split_matches_unsplit(monkeypatch, tmp_path):
+    """'rows cpu 0.50 | cuda': the layer runs on cpu-fast, which multiplies half of each product's
+    rows while the cuda kernels (Triton's interpreter here) multiply the rest from weights copied
+    into a few rotating slots; a prefill chunk streams every row. Prefill and decode steps
+    alternate, so the slots' prefetched contents are wrong at every change of kind (and must be
+    noticed): the logits stay the unsplit model's, within fp16 products."""
+    pytest.importorskip("triton")
+    import torch
+
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("EDGELLM_CUDA_DEVICE", "cpu")
+    import edgellm.hetero.stream as stream
+
+    monkeypatch.setattr(stream, "SLOT_BYTES", 4096)  # gate|up (9 KiB) and the head (17 KiB) in pieces
+    spec = SyntheticSpec(arch="llama", n_layers=3, d_model=64, ffn_dim=128, weight_type="Q4_0", embed_type="Q8_0",
+                         seed=12)
+    path = write_synthetic_gguf(tmp_path / "m.gguf", spec)
+    ids = np.random.default_rng(5).integers(0, spec.vocab_size, 26).tolist()
+    ref = edgellm.load(path, backend="cpu", ctx=32, prefill_chunk=16)
+    m = load_split(path, {"embed": "cpu", "blk.0": "rows cpu 0.50 | cuda", "blk.1": "cpu",
+                          "blk.2": "rows cpu 0.25 | cuda", "head": "rows cpu 0.40 | cuda"}, ctx=32, prefill_chunk=16)
+    st = m.backend._streamers["cuda"]
+    # the CPU holds only its share of the split layers' rows; the GPU side every row, for prefill
+    cpu_keys = [k for k in m.backend.processor("cpu").weights._packs if k[0][0].startswith(("blk.0.", "blk.2."))]
+    assert cpu_keys and all(k[1] is not None and k[1][0] == 0 for k in cpu_keys)
+    assert {k[1][0] for k in st._pieces} >= {0} and any(k[1][0] > 0 for k in st._pieces)
+    assert max(len(p) for p in st._pieces.values()) >= 3 and st.slot_bytes_needed() <= 4096 + 3 * 256
+
+    def run(model, plan):
+        out, pos = [], 0
+        for n in plan:
+            out.append(model.forward(ids[pos:pos + n], pos, all_logits=False)[-1])
+            pos += n
+        return np.stack(out)
+
+    plan = [12, 1, 1, 1, 9, 1]  # prefill (streams all rows), decode x3, prefill again, decode
+    want = run(ref, plan)
+    got = run(m, plan)
+    assert np.abs(got - want).max() <= 0.02 * np.abs(want).max()
+    assert set(st._orders) == {"prefill", "decode"} and st.bytes_copied > 0
+    # every call's slot held what it multiplied: the products agree with cpu-fast's at 1e-2 too
+    fast = run(edgellm.load(path, backend="cpu-fast", ctx=32, prefill_chunk=16), plan)
+    assert np.abs(got - fast).max() <= 0.01 * np.abs(fast).max()

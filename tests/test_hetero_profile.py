@@ -143,3 +143,47 @@ def test_plan_devices_of_two_gpus_prints_both_splits(tiny, tmp_path, monkeypatch
     assert d["tensor"]["all_reduce_link"]["measured"] is True
     text = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert text.returncode == 0 and "tensor parallel" in text.stdout.splitlines()[0], text.stdout + text.stderr
+
+
+def test_plan_streams_layers_the_gpu_cannot_hold_when_the_link_pays(tiny, tmp_path, monkeypatch):
+    """Layers past the GPU budget run on the CPU with the GPU multiplying a share of their rows
+    from weights streamed over the link ('rows cpu SHARE | cuda:0'); the streaming slots come off
+    the budget; with a slow link the same budget keeps those layers on the CPU alone."""
+    from edgellm.backends.info import CudaInfo
+    from edgellm.gguf_file import open_gguf
+    from edgellm.hetero.plan import plan_split, stream_reservation, unit_products
+    from edgellm.compiler.compile import compile_graph
+    from edgellm.models import build_graph, config_from_gguf
+
+    _gpu_profile(tmp_path, monkeypatch, tiny)
+    p = load_profile()
+    f = open_gguf(tiny)
+    layer = sum(CudaInfo.tensor_bytes(f, n) for n in f.tensors if n.startswith("blk.1.")) + 2 * 64 * 64 * 2
+    dec = compile_graph(build_graph(config_from_gguf(f), f, "last"), seq=1, ctx=64).graph
+    slots = stream_reservation(f, dec)
+    biggest = max(b for ps in unit_products(f, dec).values() for b, _, _ in ps)
+    from edgellm.hetero.stream import N_SLOTS, SLOT_BYTES
+    assert slots == N_SLOTS * (min(biggest, SLOT_BYTES) + 4096)
+    budget = int(2.2 * layer) + slots
+
+    p.links["cpu>cuda:0"] = Link(1e-6, 1e12, 1.2)  # a link far faster than the CPU's products
+    for k in p.measured:
+        if k.startswith("cpu|linear"):
+            p.measured[k] *= 100  # and the CPU's products slow (the tiny layers are overhead elsewhere)
+    fast = plan_split(str(tiny), gpu_memory=str(budget), devices="cuda:0,cpu", ctx=64, prefill=16, profile=p)
+    streamed = [u for u, d in fast["placement"].items() if d.startswith("rows cpu") and d.endswith("| cuda:0")]
+    on_gpu = [u for u, d in fast["placement"].items() if d == "cuda:0" and u.startswith("blk.")]
+    assert streamed and on_gpu and len(streamed) + len(on_gpu) == 4  # (the head takes GPU room too)
+    assert fast["memory_bytes"]["cuda:0"] <= budget
+    for u in streamed:  # the GPU's share is the larger where its side is the faster one
+        assert float(fast["placement"][u].split()[2]) < 0.5
+
+    p.links["cpu>cuda:0"] = Link(1e-3, 1e3)  # a link slower than anything the CPU does
+    slow = plan_split(str(tiny), gpu_memory=str(budget), devices="cuda:0,cpu", ctx=64, prefill=16, profile=p)
+    assert not any(d.startswith("rows") for d in slow["placement"].values())
+    assert fast["predicted_decode_s"] < slow["predicted_decode_s"]
+    # and the choice is the better of the two solves: never worse than the placement without streaming
+    p.links["cpu>cuda:0"] = Link(1e-6, 1e12, 1.2)
+    none = plan_split(str(tiny), gpu_memory=str(budget), devices="cuda:0,cpu", ctx=64, prefill=16, profile=p,
+                      stream=False)
+    assert fast["predicted_decode_s"] <= none["predicted_decode_s"]

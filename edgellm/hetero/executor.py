@@ -17,6 +17,7 @@ exercises the partition logic (CI), it does not add speed.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -29,7 +30,8 @@ from .units import unit_of_op, unit_of_state
 def parse_choice(choice: str) -> tuple[str, float, str | None]:
     """A placement value: 'cpu' -> ('cpu', 1.0, None); the solver's row split 'rows cpu 0.50 | cpu:1'
     -> ('cpu', 0.5, 'cpu:1'): the unit runs on the first processor, which multiplies that share of
-    each matrix's rows while the second multiplies the rest, at the same time."""
+    each matrix's rows while the second multiplies the rest, at the same time. With a GPU second
+    ('rows cpu 0.45 | cuda:0') the GPU's rows are streamed to it from host memory (stream.py)."""
     if not choice.startswith("rows "):
         return choice, 1.0, None
     try:
@@ -125,10 +127,20 @@ class SplitProgram:
                 _split_products(prog, backend, splits)
             self.parts.append((s, proc, prog))
         self.graph = graph
+        self.backend = backend
+        self.seconds: list[float] | None = None
 
     def run(self, inputs: dict) -> dict:
+        if self.backend._streamers:
+            from .stream import STREAM_ALL_TOKENS
+
+            kind = "prefill" if len(inputs["tokens"]) > STREAM_ALL_TOKENS else "decode"
+            for st in self.backend._streamers.values():
+                st.begin_step(kind)
         env = dict(inputs)
-        for seg, proc, prog in self.parts:
+        timed = self.seconds is not None
+        for k, (seg, proc, prog) in enumerate(self.parts):
+            t0 = time.perf_counter() if timed else 0.0
             feed = {k: env[k] for k in ("tokens", "start_pos") if k in env}  # the cuda backend steps by them
             for t in seg.inputs:
                 v = env[t]
@@ -136,43 +148,74 @@ class SplitProgram:
                     v = _move(v, proc)
                 feed[t] = v
             env.update(prog.run(feed))
+            if timed:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                self.seconds[k] += time.perf_counter() - t0
         return {t: env[t] for t in self.graph.outputs}
+
+    def time_segments(self, on: bool = True) -> None:
+        """Accumulate each segment's wall time (the GPU synchronised after each: slower, for
+        profiles) into self.seconds, in segment order."""
+        self.seconds = [0.0] * len(self.parts) if on else None
 
 
 def _split_products(prog, backend: "SplitBackend", splits: dict) -> None:
     """Row splits: the products of a split unit multiply the first share of the rows here and the
-    rest on the other processor (a worker thread: torch's kernels release the interpreter lock),
-    then the two parts are joined. Between cpu-fast processors (the hook their programs have)."""
-    if not hasattr(prog, "product"):
-        raise EdgeLLMError("placement: row splits run on cpu-fast processors (cpu, cpu:N) for now")
-    own = prog.product
-    pool = backend.pool()
+    rest on the other processor at the same time, then the two parts are joined. Here is a
+    cpu-fast program (the unit's attention, norms and KV cache stay on the CPU). The other side is
+    a cpu-fast processor (a worker thread: torch's kernels release the interpreter lock), or a GPU
+    multiplying from weights streamed out of host memory (stream.py), which for a prefill chunk
+    takes every row."""
+    from .stream import STREAM_ALL_TOKENS, share_rows
 
-    def product(names, x):
-        unit = "blk." + names[0].split(".")[1] if names[0].startswith("blk.") else None
+    if not hasattr(prog, "product"):
+        raise EdgeLLMError("placement: a row split runs its unit on a cpu-fast processor (cpu, cpu:N): "
+                           "'rows cpu SHARE | OTHER'")
+    own = prog.product
+    plan: dict[tuple, tuple] = {}  # names -> (cut, n, other, streamed)
+    for op in prog.graph.ops:
+        if op.kind not in ("linear", "linear_qkv", "linear_swiglu"):
+            continue
+        names = prog._weight_names(op)
+        unit = "blk." + names[0].split(".")[1] if names[0].startswith("blk.") else "head"  # the output projection
         if unit not in splits:
-            return own(names, x)
+            continue
         main, share, other = splits[unit]
         n = sum(prog.weights.file.shape_of(t)[1][0] for t in names)
-        cut = max(1, min(n - 1, int(round(n * share))))
-        there = backend.processor(other).weights
-        fut = pool.submit(lambda: there.pack(names, rows=(cut, n))(x))
-        here = prog.weights.pack(names, rows=(0, cut))(x)
-        return torch.cat([here, fut.result()], dim=1)
+        streamed = other.split(":")[0] == "cuda"
+        cut = share_rows(n, share) if streamed else max(1, min(n - 1, int(round(n * share))))
+        if cut > 0:
+            prog.weights.pack(names, rows=(0, cut))
+        if streamed:
+            st = backend.streamer(other)
+            if cut < n:
+                st.prepare(names, (cut, n))
+            st.prepare(names, (0, n))  # prefill chunks stream every row
+        else:
+            backend.processor(other).weights.pack(names, rows=(cut, n))
+        prog.weights._packs.pop((names, None), None)  # the whole matrix is not held here
+        plan[names] = (cut, n, other, streamed)
+
+    def product(names, x):
+        p = plan.get(names)
+        if p is None:
+            return own(names, x)
+        cut, n, other, streamed = p
+        if streamed:
+            st = backend.streamer(other)
+            if x.shape[0] > STREAM_ALL_TOKENS:
+                return st.start((names, (0, n)), x).result()
+            there = st.start((names, (cut, n)), x) if cut < n else None
+        else:
+            there = backend.pool().submit(backend.processor(other).weights.pack(names, rows=(cut, n)), x)
+        here = prog.weights.pack(names, rows=(0, cut))(x) if cut > 0 else None
+        if there is None:
+            return here
+        got = there.result()
+        return got if here is None else torch.cat([here, got], dim=1)
 
     prog.product = product
-    for op in prog.graph.ops:  # pack both shares now
-        if op.kind in ("linear", "linear_qkv", "linear_swiglu"):
-            names = prog._weight_names(op)
-            if names[0].startswith("blk."):
-                u = "blk." + names[0].split(".")[1]
-                if u in splits:
-                    main, share, other = splits[u]
-                    n = sum(prog.weights.file.shape_of(t)[1][0] for t in names)
-                    cut = max(1, min(n - 1, int(round(n * share))))
-                    prog.weights.pack(names, rows=(0, cut))
-                    backend.processor(other).weights.pack(names, rows=(cut, n))
-                    prog.weights._packs.pop((names, None), None)  # the whole matrix is not held here
 
 
 def _move(t: torch.Tensor, proc) -> torch.Tensor:
@@ -195,6 +238,17 @@ class SplitBackend:
         self.placement = dict(placement)
         self._procs: dict[str, object] = {}
         self._pool = None
+        self._streamers: dict[str, object] = {}
+
+    def streamer(self, name: str):
+        """The streamed products of one GPU (stream.py): made once, shared by every program."""
+        st = self._streamers.get(name)
+        if st is None:
+            from .stream import StreamedProducts
+
+            proc = self.processor(name)  # the device, as the cuda backend chose it
+            st = self._streamers[name] = StreamedProducts(self.file, proc.device)
+        return st
 
     def pool(self):
         from concurrent.futures import ThreadPoolExecutor

@@ -8,14 +8,24 @@ and prefill time per prompt (the prefill graph at `prefill` tokens), each the me
 op where the profile has it, else the processor's fitted cost model; memory = the unit's weights in
 that processor's layout + its KV cache at the full context. Row splits of a layer between a GPU and
 the CPU are offered with `splits=True`; the executor runs row splits between cpu-fast processors
-(a split with the cuda backend as one side is predicted, not yet executed).
+(a split with the GPU's share held in its memory is predicted, not yet executed).
+
+Streamed layers (`stream=True`, the default with a GPU and the CPU): a layer the GPU cannot hold
+runs on the CPU ('rows cpu SHARE | cuda:N', stream.py) while the GPU multiplies the rest of each
+product's rows from weights copied over the link as they are needed, and all of them for a
+prefill chunk. Its decode time is the CPU's other ops plus the slower of its two shares (the CPU's
+products slowed by the link's use of host memory, `Link.host_slowdown`; the GPU's bound by the
+link); its prefill time the CPU's other ops plus, per product, the slower of the GPU's arithmetic
+and the link's copy of weights and activations. It costs the GPU no memory per layer, but the
+streaming slots (stream.N_SLOTS x SLOT_BYTES) once: the solver runs with and without streaming
+(budget less the slots) and keeps the better placement.
 """
 
 from __future__ import annotations
 
 from ..errors import EdgeLLMError
 from .profile import Profile, cache_path, load_profile, op_cost_inputs, op_signature
-from .solver import Option, Problem, Solution, parse_bytes, solve
+from .solver import Option, PlacementError, Problem, Solution, check_budgets, parse_bytes, solve
 from .units import graph_units
 
 SPLIT_FRACTIONS = (0.25, 0.5, 0.75)
@@ -27,8 +37,13 @@ def _info(proc: str):
     return CudaInfo if proc.startswith("cuda") else CpuFastInfo
 
 
-def unit_tables(f, graph, proc: str, profile: Profile, seq: int, kv_len: int) -> dict[str, float]:
-    """Seconds per unit of one run of `graph` (seq tokens, attending to kv_len keys) on proc."""
+PRODUCT_KINDS = ("linear", "linear_qkv", "linear_swiglu")
+
+
+def unit_tables(f, graph, proc: str, profile: Profile, seq: int, kv_len: int, products: bool | None = None
+                ) -> dict[str, float]:
+    """Seconds per unit of one run of `graph` (seq tokens, attending to kv_len keys) on proc;
+    products=True counts only the matrix products, False everything else."""
     model = profile.processors.get(proc) or profile.processors.get(proc.split(":")[0])
     if model is None:
         raise EdgeLLMError(f"no profile for processor '{proc}': run `edgellm plan --profile` on the machine that has it")  # noqa: E501
@@ -38,6 +53,8 @@ def unit_tables(f, graph, proc: str, profile: Profile, seq: int, kv_len: int) ->
     for u in graph_units(graph):
         t = 0.0
         for i in u.ops:
+            if products is not None and (graph.ops[i].kind in PRODUCT_KINDS) != products:
+                continue
             if graph.ops[i].kind in ("all_reduce", "all_gather"):  # what the whole tensor takes on the link
                 t += profile.collective(world).cost(4 * graph.tensors[graph.ops[i].outputs[0]].numel(seq=seq, ctx=kv_len))
                 continue
@@ -63,8 +80,70 @@ def unit_memory(f, graph, proc: str, ctx: int) -> dict[str, int]:
     return out
 
 
+def unit_products(f, graph) -> dict[str, list[tuple[int, int, int]]]:
+    """Per unit, its matrix products as (bytes in the cuda layout, rows, row length)."""
+    from ..backends.info import CudaInfo
+
+    out: dict[str, list] = {}
+    for u in graph_units(graph):
+        for i in u.ops:
+            op = graph.ops[i]
+            if op.kind not in PRODUCT_KINDS:
+                continue
+            ws = [graph.tensors[t].source or t for t in op.inputs if graph.tensors[t].kind == "weight"
+                  and len(f.shape_of(graph.tensors[t].source or t)[1]) == 2]
+            rows = sum(f.shape_of(w)[1][0] for w in ws)
+            out.setdefault(u.name, []).append((sum(CudaInfo.tensor_bytes(f, w) for w in ws), rows,
+                                               f.shape_of(ws[0])[1][1]))
+    return out
+
+
+def stream_reservation(f, graph) -> int:
+    """GPU bytes the streaming slots take: N_SLOTS slots of SLOT_BYTES (less where every product
+    is smaller), and the padding of a piece's parts."""
+    from .stream import N_SLOTS, SLOT_BYTES
+
+    sizes = [b for ps in unit_products(f, graph).values() for b, _, _ in ps]
+    return N_SLOTS * (min(max(sizes, default=0), SLOT_BYTES) + 4096)
+
+
+def stream_options(f, decode_graph, prefill_graph, g: str, profile: Profile, *, ctx: int, prefill: int,
+                   gpu_pre_products: dict, mem_cpu: dict) -> dict[str, list[Option]]:
+    """Per layer, the streamed row splits 'rows cpu SHARE | g' (see the module docstring)."""
+    link = profile.link("cpu", g)
+    back = profile.link(g, "cpu")
+    slow = getattr(link, "host_slowdown", 1.0) or 1.0
+    kv_half = max(ctx // 2, 1)
+    rest_d = unit_tables(f, decode_graph, "cpu", profile, 1, kv_half, products=False)
+    prod_d = unit_tables(f, decode_graph, "cpu", profile, 1, kv_half, products=True)
+    rest_p = unit_tables(f, prefill_graph, "cpu", profile, prefill, prefill, products=False)
+    prods = unit_products(f, decode_graph)
+    out: dict[str, list[Option]] = {}
+    for u, ps in prods.items():
+        if u == "embed":
+            continue
+        n_prod = len(ps)
+        wbytes = sum(b for b, _, _ in ps)
+        t_link = wbytes / link.bandwidth
+        t_cpu = prod_d[u] * slow
+        # the round trip of each product's activations (x up, y down) and the wait for it
+        act_d = sum(link.cost(4 * k) + back.cost(4 * n) for _, n, k in ps)
+        act_p = sum(link.cost(4 * k * prefill) + back.cost(4 * n * prefill) for _, n, k in ps)
+        pre = rest_p[u] + max(gpu_pre_products[u], t_link) + act_p
+        best = t_link / max(t_link + t_cpu, 1e-12)  # the CPU's share that finishes both sides together
+        shares = sorted({round(min(max(best + d, 0.0), 0.95), 2) for d in (-0.1, 0.0, 0.1)} | {0.0})
+        opts = []
+        for share in shares:
+            dec = rest_d[u] + max(share * t_cpu, (1 - share) * t_link) + act_d
+            host = mem_cpu[u] + int(wbytes)  # at most the CPU's packs and cache, and every row pinned
+            opts.append(Option(f"rows cpu {share:.2f} | {g}", dec, pre, {"cpu": host, g: 0}, ("cpu",), "cpu"))
+        out[u] = opts
+    return out
+
+
 def build_problem(f, decode_graph, prefill_graph, processors: list[str], budgets: dict, profile: Profile, *,
-                  ctx: int, prefill: int = 512, prefill_weight: float = 0.0, splits: bool = False) -> Problem:
+                  ctx: int, prefill: int = 512, prefill_weight: float = 0.0, splits: bool = False,
+                  stream: bool = False) -> Problem:
     kv_half = max(ctx // 2, 1)
     dec = {p: unit_tables(f, decode_graph, p, profile, 1, kv_half) for p in processors}
     pre = {p: unit_tables(f, prefill_graph, p, profile, prefill, prefill) for p in processors}
@@ -73,8 +152,17 @@ def build_problem(f, decode_graph, prefill_graph, processors: list[str], budgets
     units = [u.name for u in graph_units(decode_graph)]
     options = []
     gpus = [p for p in processors if p.startswith("cuda")]
+    streamed: dict[str, list[Option]] = {}
+    if stream and "cpu" in processors:
+        for g in gpus:
+            for u, opts in stream_options(
+                    f, decode_graph, prefill_graph, g, profile, ctx=ctx, prefill=prefill, gpu_pre_products=unit_tables(f, prefill_graph, g, profile, prefill, prefill,
+                                                                     products=True),
+                    mem_cpu=mem["cpu"]).items():
+                streamed.setdefault(u, []).extend(opts)
     for u in units:
         opts = [Option(p, dec[p][u], pre[p][u], {p: mem[p][u]}, (p,), p) for p in processors]
+        opts += streamed.get(u, [])
         if splits and u.startswith("blk.") and "cpu" in processors:
             for g in gpus:
                 back_d = profile.link("cpu", g).cost(4 * d_model)
@@ -138,7 +226,8 @@ def measure_processors(path: str, procs: list[str], profile: Profile, *, ctx: in
 
 
 def plan_split(path: str, *, gpu_memory: str | None, devices: str | None, ctx: int | None, prefill: int,
-               splits: bool = False, profile: Profile | None = None, measure: bool = False) -> dict:
+               splits: bool = False, profile: Profile | None = None, measure: bool = False,
+               stream: bool = True) -> dict:
     from ..compiler.compile import compile_graph
     from ..gguf_file import open_gguf
     from ..models import build_graph, config_from_gguf
@@ -157,7 +246,30 @@ def plan_split(path: str, *, gpu_memory: str | None, devices: str | None, ctx: i
     dec = compile_graph(build_graph(cfg, f, "last"), seq=1, ctx=ctx).graph
     pre = compile_graph(build_graph(cfg, f, "last"), seq=prefill, ctx=ctx).graph
     problem = build_problem(f, dec, pre, procs, budgets, profile, ctx=ctx, prefill=prefill, splits=splits)
-    sol = solve(problem)
+    check_budgets(problem)  # a budget smaller than one layer is an error, with streaming or without
+    try:
+        sol = solve(problem)
+    except PlacementError:
+        if not (stream and "cpu" in procs):
+            raise
+        sol = None
+    if stream and "cpu" in procs and any(p.startswith("cuda") for p in procs):
+        # with streamed layers, the slots come off every GPU's budget once
+        slots = stream_reservation(f, dec)
+        room = {p: (b - slots if p.startswith("cuda") else b) for p, b in budgets.items()}
+        if all(b > 0 for b in room.values()):
+            sp = build_problem(f, dec, pre, procs, room, profile, ctx=ctx, prefill=prefill, splits=splits, stream=True)
+            try:
+                ssol = solve(sp)
+            except PlacementError:
+                ssol = None
+            if ssol is not None and any(o.name.startswith("rows cpu") for o in ssol.options) and (
+                    sol is None or ssol.objective < sol.objective):
+                problem, sol = sp, ssol
+                problem.budgets = dict(budgets)
+                sol.memory = {p: b + (slots if p.startswith("cuda") else 0) for p, b in sol.memory.items()}
+    if sol is None:
+        sol = solve(problem)  # raises the clear error
     out = summarize(problem, sol)
     out.update({"model": str(path), "ctx": ctx, "prefill": prefill, "processors": procs})
     return out

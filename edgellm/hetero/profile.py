@@ -46,6 +46,9 @@ class ProcessorModel:
 class Link:
     latency_s: float
     bandwidth: float
+    # how much longer the CPU's memory-bound work takes while this link copies out of host memory
+    # (both read the host's DRAM; measured by profile_cuda, 1.0 where not measured)
+    host_slowdown: float = 1.0
 
     def cost(self, nbytes: float) -> float:
         return self.latency_s + nbytes / self.bandwidth
@@ -233,9 +236,46 @@ def profile_cuda(profile: Profile, device: str = "cuda:0") -> Profile:
         big_up = timeit(lambda: d.copy_(h, non_blocking=True), 20)
         small_dn = timeit(lambda: h[:nbytes].copy_(d[:nbytes], non_blocking=True), 200)
         big_dn = timeit(lambda: h.copy_(d, non_blocking=True), 20)
-        profile.links[f"cpu>{device}"] = Link(small_up, (1 << 24) / max(big_up - small_up, 1e-9))
+        profile.links[f"cpu>{device}"] = Link(small_up, (1 << 24) / max(big_up - small_up, 1e-9),
+                                              _host_slowdown(h, d, dev))
         profile.links[f"{device}>cpu"] = Link(small_dn, (1 << 24) / max(big_dn - small_dn, 1e-9))
     return profile
+
+
+def _host_slowdown(h, d, dev) -> float:
+    """A memory-bound CPU loop (a float32 sum over 256 MiB on torch's threads) timed alone and
+    while the link copies pinned host memory to the GPU without pause: the ratio."""
+    import threading
+
+    import torch
+
+    x = torch.ones(64 << 20, dtype=torch.float32)
+
+    def cpu(n=6):
+        ts = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            x.sum()
+            ts.append(time.perf_counter() - t0)
+        return min(ts)
+
+    alone = cpu()
+    stop = threading.Event()
+    stream = torch.cuda.Stream(dev)
+
+    def copy():
+        with torch.cuda.stream(stream):
+            while not stop.is_set():
+                for _ in range(8):
+                    d.copy_(h, non_blocking=True)
+                stream.synchronize()
+    th = threading.Thread(target=copy, daemon=True)
+    th.start()
+    time.sleep(0.05)
+    busy = cpu()
+    stop.set()
+    th.join()
+    return float(max(busy / max(alone, 1e-9), 1.0))
 
 
 def profile_all_reduce(profile: Profile, d_model: int, rows: int = 512) -> Profile:
