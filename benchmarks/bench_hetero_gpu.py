@@ -18,6 +18,7 @@ Threads: the physical cores for both engines.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -108,14 +109,30 @@ def main() -> None:
     for cap_gib in [float(c) for c in a.caps.split(",")]:
         cap = int(cap_gib * 2**30)
         plan = plan_split(path, gpu_memory=str(cap), devices="cuda:0,cpu", ctx=a.ctx, prefill=a.p, profile=prof)
+        if cap_gib == float(a.caps.split(",")[0]):  # what the solver weighed, for the last layer
+            from edgellm.compiler.compile import compile_graph
+            from edgellm.hetero.plan import stream_options, unit_memory, unit_tables
+            from edgellm.models import build_graph
+            dec = compile_graph(build_graph(cfg, f, "last"), seq=1, ctx=a.ctx).graph
+            pre = compile_graph(build_graph(cfg, f, "last"), seq=a.p, ctx=a.ctx).graph
+            last = f"blk.{cfg.n_layers - 1}"
+            opts = stream_options(f, dec, pre, "cuda:0", prof, ctx=a.ctx, prefill=a.p,
+                                  gpu_pre_products=unit_tables(f, pre, "cuda:0", prof, a.p, a.p, products=True),
+                                  mem_cpu=unit_memory(f, dec, "cpu", a.ctx))[last]
+            print(f"  {last}: link {prof.link('cpu', 'cuda:0')}; decode ms cpu "
+                  f"{unit_tables(f, dec, 'cpu', prof, 1, a.ctx // 2)[last] * 1e3:.2f}, cuda "
+                  f"{unit_tables(f, dec, 'cuda:0', prof, 1, a.ctx // 2)[last] * 1e3:.2f}, "
+                  + ", ".join(f"{o.name} {o.decode_s * 1e3:.2f}" for o in opts), flush=True)
         placement = dict(plan["placement"])
         n_gpu = sum(1 for u, d in placement.items() if u.startswith("blk.") and d.startswith("cuda"))
         n_stream = sum(1 for u, d in placement.items() if u.startswith("blk.") and d.startswith("rows cpu"))
         print(f"cap {cap_gib:g} GiB: {n_gpu} of {cfg.n_layers} layers on the GPU, {n_stream} streamed "
               f"({', '.join(sorted({d for d in placement.values() if d.startswith('rows')})) or 'none'}); "
               f"head on {placement.get('head')}", flush=True)
+        gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
         t_load = time.perf_counter()
         m = load_split(path, placement, ctx=a.ctx, prefill_chunk=a.p)
         t_load = time.perf_counter() - t_load
@@ -135,7 +152,7 @@ def main() -> None:
             for i in range(a.n):
                 tok = int(np.argmax(m.forward([tok], i, all_logits=False)[-1]))
             tg.append(a.n / (time.perf_counter() - t))
-        used = torch.cuda.max_memory_allocated() / 2**30  # peak: weights, caches, slots, activations
+        used = (torch.cuda.max_memory_allocated() - base) / 2**30  # peak of this model: weights, caches, slots, activations
         # where a step goes: each segment's wall time, the GPU synchronised after each
         for stage, steps in (("decode", [([1], i) for i in range(16)]), ("last", [(prompt, 0)])):
             prog = m.programs[stage]
@@ -149,8 +166,8 @@ def main() -> None:
             print(f"  {stage} step {wall * 1e3:.2f} ms (segments synchronised): " + ", ".join(segs), flush=True)
             prog.time_segments(False)
         del m
+        gc.collect()  # the programs hold cycles: the GPU memory goes back only once they are collected
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
         ngl = fit_ngl(f, cfg, cap, a.ctx)
         ll = llama_bench_ngl(a.llama_bench, path, ngl, a.p, a.n, a.r, threads) if a.llama_bench else {"error": "no --llama-bench"}
         rows.append((cap_gib, f"{n_gpu} + {n_stream} streamed", used, statistics.median(pp), statistics.median(tg),

@@ -64,13 +64,19 @@ def test_plan_gpu_memory_places_layers_within_the_budget(tiny, tmp_path, monkeyp
     from edgellm.gguf_file import open_gguf
     from edgellm.backends.info import CudaInfo
 
+    from edgellm.compiler.compile import compile_graph
+    from edgellm.hetero.plan import gpu_workspace
+    from edgellm.models import build_graph, config_from_gguf
+
     f = open_gguf(tiny)
     layer = sum(CudaInfo.tensor_bytes(f, n) for n in f.tensors if n.startswith("blk.1.")) + 2 * 64 * 64 * 2
-    budget = int(2.5 * layer)
+    pre = compile_graph(build_graph(config_from_gguf(f), f, "last"), seq=16, ctx=64).graph
+    work = gpu_workspace(f, config_from_gguf(f), pre, ctx=64, prefill=16, stream=False)  # activations, not layers
+    budget = int(2.5 * layer) + work
     r = subprocess.run(env_cmd + ["--gpu-memory", str(budget)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     p = json.loads(r.stdout)
-    assert p["memory_bytes"].get("cuda:0", 0) <= budget
+    assert p["memory_bytes"].get("cuda:0", 0) <= budget and p["gpu_workspace_bytes"] >= work
     on_gpu = [u for u, d in p["placement"].items() if d == "cuda:0" and u.startswith("blk.")]
     assert 1 <= len(on_gpu) <= 2  # the GPU is far faster: it is filled as far as the budget allows
     assert p["predicted_decode_s"] > 0 and p["predicted_prefill_s"] > 0
@@ -146,44 +152,60 @@ def test_plan_devices_of_two_gpus_prints_both_splits(tiny, tmp_path, monkeypatch
 
 
 def test_plan_streams_layers_the_gpu_cannot_hold_when_the_link_pays(tiny, tmp_path, monkeypatch):
-    """Layers past the GPU budget run on the CPU with the GPU multiplying a share of their rows
-    from weights streamed over the link ('rows cpu SHARE | cuda:0'); the streaming slots come off
-    the budget; with a slow link the same budget keeps those layers on the CPU alone."""
+    """Layers past the GPU budget run on the CPU with their prefill products streamed to the GPU
+    over the link ('rows cpu 1.00 | cuda:0'), and with EDGELLM_STREAM_DECODE=1 a share of each
+    decode product's rows too ('rows cpu SHARE | cuda:0'); the streaming slots come off the
+    budget; with a slow link the same budget keeps those layers on the CPU alone."""
     from edgellm.backends.info import CudaInfo
     from edgellm.gguf_file import open_gguf
-    from edgellm.hetero.plan import plan_split, stream_reservation, unit_products
+    from edgellm.hetero.plan import gpu_workspace, plan_split, stream_reservation, unit_products
+    import edgellm.hetero.stream as stream
     from edgellm.compiler.compile import compile_graph
     from edgellm.models import build_graph, config_from_gguf
 
+    monkeypatch.setattr(stream, "SLOT_BYTES", 2048)  # slots of a size against the tiny layers as on an 8B model
     _gpu_profile(tmp_path, monkeypatch, tiny)
     p = load_profile()
     f = open_gguf(tiny)
     layer = sum(CudaInfo.tensor_bytes(f, n) for n in f.tensors if n.startswith("blk.1.")) + 2 * 64 * 64 * 2
     dec = compile_graph(build_graph(config_from_gguf(f), f, "last"), seq=1, ctx=64).graph
+    pre = compile_graph(build_graph(config_from_gguf(f), f, "last"), seq=16, ctx=64).graph
     slots = stream_reservation(f, dec)
     biggest = max(b for ps in unit_products(f, dec).values() for b, _, _ in ps)
-    from edgellm.hetero.stream import N_SLOTS, SLOT_BYTES
-    assert slots == N_SLOTS * (min(biggest, SLOT_BYTES) + 4096)
-    budget = int(2.2 * layer) + slots
+    assert slots == stream.N_SLOTS * (min(biggest, 2048) + 1024)
+    work = gpu_workspace(f, config_from_gguf(f), pre, ctx=64, prefill=16, stream=True)
+    assert work > gpu_workspace(f, config_from_gguf(f), pre, ctx=64, prefill=16, stream=False) > 0
+    budget = int(2.2 * layer) + slots + work
+
+    def plan(**kw):  # prompts weigh as much as tokens here: the tiny model's prefill is as cheap as its decode
+        return plan_split(str(tiny), gpu_memory=str(budget), devices="cuda:0,cpu", ctx=64, prefill=16, profile=p,
+                          prefill_weight=1.0, **kw)
+
+    def streamed(r):
+        return {u: d for u, d in r["placement"].items() if d.startswith("rows cpu") and d.endswith("| cuda:0")
+                and u.startswith("blk.")}
 
     p.links["cpu>cuda:0"] = Link(1e-6, 1e12, 1.2)  # a link far faster than the CPU's products
     for k in p.measured:
         if k.startswith("cpu|linear"):
             p.measured[k] *= 100  # and the CPU's products slow (the tiny layers are overhead elsewhere)
-    fast = plan_split(str(tiny), gpu_memory=str(budget), devices="cuda:0,cpu", ctx=64, prefill=16, profile=p)
-    streamed = [u for u, d in fast["placement"].items() if d.startswith("rows cpu") and d.endswith("| cuda:0")]
+    fast = plan()
     on_gpu = [u for u, d in fast["placement"].items() if d == "cuda:0" and u.startswith("blk.")]
-    assert streamed and on_gpu and len(streamed) + len(on_gpu) == 4  # (the head takes GPU room too)
+    assert streamed(fast) and on_gpu and len(streamed(fast)) + len(on_gpu) == 4  # (the head takes GPU room too)
+    assert set(streamed(fast).values()) == {"rows cpu 1.00 | cuda:0"}  # by default decode stays on the CPU
     assert fast["memory_bytes"]["cuda:0"] <= budget
-    for u in streamed:  # the GPU's share is the larger where its side is the faster one
-        assert float(fast["placement"][u].split()[2]) < 0.5
+    off = plan(stream=False)
+    assert not streamed(off) and fast["predicted_prefill_s"] < off["predicted_prefill_s"]
+    # the objective weighs prefill: never worse than the placement without streaming
+    w = 1.0
+    assert fast["predicted_decode_s"] + w * fast["predicted_prefill_s"] <= \
+        off["predicted_decode_s"] + w * off["predicted_prefill_s"] + 1e-12
+
+    monkeypatch.setenv("EDGELLM_STREAM_DECODE", "1")
+    both = plan()
+    assert streamed(both) and fast["predicted_decode_s"] > both["predicted_decode_s"]
+    for d in streamed(both).values():  # the GPU's share is the larger where its side is the faster one
+        assert float(d.split()[2]) < 0.5
 
     p.links["cpu>cuda:0"] = Link(1e-3, 1e3)  # a link slower than anything the CPU does
-    slow = plan_split(str(tiny), gpu_memory=str(budget), devices="cuda:0,cpu", ctx=64, prefill=16, profile=p)
-    assert not any(d.startswith("rows") for d in slow["placement"].values())
-    assert fast["predicted_decode_s"] < slow["predicted_decode_s"]
-    # and the choice is the better of the two solves: never worse than the placement without streaming
-    p.links["cpu>cuda:0"] = Link(1e-6, 1e12, 1.2)
-    none = plan_split(str(tiny), gpu_memory=str(budget), devices="cuda:0,cpu", ctx=64, prefill=16, profile=p,
-                      stream=False)
-    assert fast["predicted_decode_s"] <= none["predicted_decode_s"]
+    assert not streamed(plan())

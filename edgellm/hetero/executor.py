@@ -122,7 +122,8 @@ class SplitProgram:
             proc = backend.processor(s.processor)
             sub = subgraph(graph, s, f"{graph.name}.{k}.{s.processor}")
             prog = compile_segment(proc, sub, states, max_seq)
-            splits = {u: parse_choice(c) for u, c in backend.placement.items() if parse_choice(c)[2]}
+            splits = {u: parse_choice(c) for u, c in backend.placement.items()
+                      if parse_choice(c)[2] and parse_choice(c)[0] == s.processor}  # this segment's row splits
             if splits:
                 _split_products(prog, backend, splits)
             self.parts.append((s, proc, prog))
