@@ -103,7 +103,8 @@ def unit_products(f, graph) -> dict[str, list[tuple[int, int, int]]]:
 def gpu_workspace(f, cfg, prefill_graph, *, ctx: int, prefill: int, stream: bool) -> int:
     """GPU bytes beside weights and caches: the cuda backend's activation arena for a prefill chunk
     (the whole model's memory plan, an upper bound for any run of layers) and, with streaming, a
-    streamed product's prefill activations (x in float32 and fp16, the output in fp16 and float32)."""
+    streamed product's prefill activations (x in float32 and fp16; the pieces' outputs, their
+    concatenation in fp16 and its float32 copy)."""
     from ..backends.info import CudaInfo
     from ..compiler.compile import compile_graph
     from ..models import build_graph
@@ -115,7 +116,7 @@ def gpu_workspace(f, cfg, prefill_graph, *, ctx: int, prefill: int, stream: bool
     prods = [p for ps in unit_products(f, prefill_graph).values() for p in ps]
     rows = max((n for _, n, _ in prods), default=0)
     cols = max((k for _, _, k in prods), default=0)
-    return int(arena + prefill * (6 * rows + 6 * cols))
+    return int(arena + prefill * (8 * rows + 6 * cols))
 
 
 def stream_reservation(f, graph) -> int:

@@ -28,6 +28,7 @@ interpreter, copies done at once): the tests check the scheduling that way.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -39,8 +40,10 @@ STREAM_ALL_TOKENS = 8
 # a product is streamed in pieces of rows of at most SLOT_BYTES each, through N_SLOTS slots: the
 # GPU memory streaming takes is N_SLOTS x SLOT_BYTES (or less for smaller products), whatever the
 # model; while one piece is multiplied, the next N_SLOTS - 1 are on their way
-N_SLOTS = 4
-SLOT_BYTES = 40 << 20
+# (EDGELLM_STREAM_SLOTS and EDGELLM_STREAM_PIECE_MB change them, for experiments: smaller pieces
+# wait less behind each other on the link's copy engine)
+N_SLOTS = int(os.environ.get("EDGELLM_STREAM_SLOTS", "4"))
+SLOT_BYTES = int(float(os.environ.get("EDGELLM_STREAM_PIECE_MB", "40")) * (1 << 20))
 _ALIGN = 256
 
 
