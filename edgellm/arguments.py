@@ -60,6 +60,19 @@ def between(lo: float, hi: float):
     return check
 
 
+def byte_size(text: str) -> str:
+    """type=: a size such as 6GiB, 512MiB or 1.5GB (checked here, kept as text)."""
+    from .errors import EdgeLLMError
+    from .hetero.solver import parse_bytes
+
+    try:
+        if parse_bytes(text) <= 0:
+            raise argparse.ArgumentTypeError(f"must be more than 0 bytes, got {text}")
+    except EdgeLLMError:
+        raise argparse.ArgumentTypeError(f"expected a size such as 6GiB or 512MiB, got '{text}'") from None
+    return text
+
+
 def backend_name(text: str) -> str:
     """type=: a registered backend name or auto (checked by name only: nothing is imported)."""
     from .backends import BACKENDS

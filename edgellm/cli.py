@@ -49,7 +49,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads or A.physical_cores())  # the cpu backend's matrix code
     with slow_notice("loading the model (the first load on this device compiles kernels; later ones read "
                      "them from ~/.cache/edgellm)", after=1.5):
-        m = load(args.model, backend=args.backend, ctx=args.ctx)
+        if args.gpu_memory:  # placed over the GPU (within the budget) and the CPU by the solver
+            from .hetero.plan import load_placed
+
+            def note(text):
+                if not args.quiet:
+                    print(text, file=sys.stderr)
+            m, _ = load_placed(args.model, args.gpu_memory, ctx=args.ctx, log=note)
+        else:
+            m = load(args.model, backend=args.backend, ctx=args.ctx)
     chat = False if args.raw else None
     stream = m.generate(prompt, max_tokens=args.max_tokens, chat=chat, system=args.system, stop=args.stop or (),
                         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -199,6 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--backend", default="auto", type=A.backend_name,
                    help="cpu-fast (weights packed, bf16 products), cpu (float32 reference), cuda, webgpu, or "
                         "auto (default: cuda when a GPU is usable, else webgpu on a GPU adapter, else cpu-fast)")
+    r.add_argument("--gpu-memory", type=A.byte_size, default=None,
+                   help="run a model larger than the GPU: at most this much GPU memory (e.g. 6GiB); the layers "
+                        "past it run on the CPU, their prefill products streamed to the GPU (edgellm plan "
+                        "--gpu-memory shows the placement)")
     r.add_argument("-n", "--max-tokens", type=A.at_least(0), default=DEFAULT_MAX_TOKENS,
                    help="tokens to generate at most")
     r.add_argument("-c", "--ctx", type=A.positive(int), default=None,

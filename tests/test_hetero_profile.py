@@ -210,3 +210,32 @@ def test_plan_streams_layers_the_gpu_cannot_hold_when_the_link_pays(tiny, tmp_pa
 
     p.links["cpu>cuda:0"] = Link(1e-3, 1e3)  # a link slower than anything the CPU does
     assert not streamed(plan())
+
+
+def test_run_gpu_memory_places_the_model_and_answers_as_unsplit(tiny, tmp_path, monkeypatch):
+    """`edgellm run --gpu-memory SIZE`: the solver's placement, loaded by the split executor and
+    printed on stderr. With a stored profile whose GPU is slower than the CPU every unit lands on
+    the CPU (this machine may have no GPU), and the greedy answer is cpu-fast's own. Without a
+    GPU and without a profile of one, a one-line error."""
+    import os
+    import torch
+
+    _gpu_profile(tmp_path, monkeypatch, tiny)
+    p = load_profile()
+    p.processors["cuda:0"] = ProcessorModel("cuda:0", 1e6, 1e6, 1.0)  # a second per op
+    save_profile(p)
+    from edgellm.synthetic import byte_bpe_vocab
+
+    spec = SyntheticSpec(arch="llama", n_layers=4, d_model=128, ffn_dim=256, weight_type="Q4_0", embed_type="Q8_0")
+    model = write_synthetic_gguf(tmp_path / "v.gguf", spec, tokenizer=byte_bpe_vocab(512))
+    cmd = [sys.executable, "-m", "edgellm", "run", "-m", str(model), "--temperature", "0", "-n", "6", "--raw",
+           "the quick brown fox"]
+    placed = subprocess.run(cmd + ["--gpu-memory", "64MiB"], capture_output=True, text=True, timeout=300)
+    plain = subprocess.run(cmd + ["--backend", "cpu-fast"], capture_output=True, text=True, timeout=300)
+    assert placed.returncode == 0, placed.stderr
+    assert plain.returncode == 0 and placed.stdout == plain.stdout and placed.stdout.strip()
+    assert "placement of" in placed.stderr and "on cpu" in placed.stderr and "split:" in placed.stderr
+    if not torch.cuda.is_available():
+        env = {**os.environ, "EDGELLM_CACHE_DIR": str(tmp_path / "empty")}
+        bare = subprocess.run(cmd + ["--gpu-memory", "6GiB"], capture_output=True, text=True, timeout=300, env=env)
+        assert bare.returncode == 1 and "no GPU is visible" in bare.stderr and "Traceback" not in bare.stderr

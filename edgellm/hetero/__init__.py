@@ -10,6 +10,10 @@
   minimises predicted decode time per token plus weighted prefill time, exactly (MILP);
 - executor.py: runs a placed model, each segment on its processor's backend, KV caches in place
   on the processor that owns the layer;
+- stream.py: the GPU's side of a CPU-held layer: its products multiplied on the GPU from weights
+  streamed out of pinned host memory (every row of a prefill chunk; a share of each decode
+  product's rows where asked);
+- plan.load_placed: `edgellm run --gpu-memory SIZE`, a model planned and loaded in one call;
 - distributed.py: the same placement over N processes (one per GPU) through torch.distributed,
   or tensor parallel (each process its share of every layer: ModelConfig.shard), the choice between
   them predicted by plan.plan_gpus.

@@ -441,3 +441,42 @@ def run_plan_args(args, path: str) -> str | None:
 
         return json.dumps(p, indent=2) + "\n"
     return render_gpus(p) if gpus_only else render(p)
+
+
+def load_placed(path: str, gpu_memory: str, *, ctx: int | None = None, devices: str | None = None,
+                prefill_chunk: int = 512, log=None):
+    """`edgellm run --gpu-memory SIZE`: a model placed over the GPU (within SIZE) and the CPU by the
+    solver, loaded by the split executor. Processors the stored profile lacks are measured first:
+    a GPU by its microbenchmarks (seconds); the CPU, when no model's ops were ever timed on it, by
+    a copy and a product on the host (`edgellm plan MODEL --gpu-memory SIZE --profile` times this
+    model's own ops for a closer prediction). Returns (model, plan)."""
+    import torch
+
+    from .executor import load_split
+    from .profile import cpu_model_from_host, profile_cuda, save_profile
+
+    procs = [p.strip() for p in (devices or "cuda:0,cpu").split(",") if p.strip()]
+    profile = load_profile()
+    for p in procs:
+        if p in profile.processors or p.split(":")[0] in profile.processors:
+            continue
+        if p.startswith("cuda"):
+            if not torch.cuda.is_available():
+                raise EdgeLLMError(f"--gpu-memory places layers on a GPU, and no GPU is visible to torch "
+                                   f"({torch.__version__}); run without it, or with --backend cpu-fast")
+            if log:
+                log(f"measuring {p} (once per machine, stored in {cache_path()})")
+            profile_cuda(profile, p if ":" in p else "cuda:0")
+        elif p == "cpu":
+            if log:
+                log("measuring the CPU (once per machine; `edgellm plan MODEL --gpu-memory SIZE --profile` "
+                    "times this model's own ops)")
+            profile.processors["cpu"] = cpu_model_from_host()
+        else:
+            raise EdgeLLMError(f"--devices: unknown processor '{p}' (cpu, cuda:N)")
+        save_profile(profile)
+    plan = plan_split(path, gpu_memory=gpu_memory, devices=",".join(procs), ctx=ctx, prefill=prefill_chunk,
+                      profile=profile)
+    if log:
+        log(render(plan).rstrip())
+    return load_split(path, plan["placement"], ctx=plan["ctx"], prefill_chunk=prefill_chunk), plan
