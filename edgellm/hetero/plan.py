@@ -103,8 +103,8 @@ def unit_products(f, graph) -> dict[str, list[tuple[int, int, int]]]:
 def gpu_workspace(f, cfg, prefill_graph, *, ctx: int, prefill: int, stream: bool) -> int:
     """GPU bytes beside weights and caches: the cuda backend's activation arena for a prefill chunk
     (the whole model's memory plan, an upper bound for any run of layers) and, with streaming, a
-    streamed product's prefill activations (x in float32 and fp16; the pieces' outputs, their
-    concatenation in fp16 and its float32 copy)."""
+    streamed product's prefill activations (x in float32 and fp16, the float32 result and one
+    piece's fp16 output)."""
     from ..backends.info import CudaInfo
     from ..compiler.compile import compile_graph
     from ..models import build_graph
@@ -113,10 +113,14 @@ def gpu_workspace(f, cfg, prefill_graph, *, ctx: int, prefill: int, stream: bool
                           seq=prefill, ctx=ctx, fuse=False, planner="greedy_by_size").plan.total_bytes
     if not stream:
         return int(arena)
-    prods = [p for ps in unit_products(f, prefill_graph).values() for p in ps]
+    # the layers' products (the head multiplies only the last position of a prompt)
+    prods = [p for u, ps in unit_products(f, prefill_graph).items() if u.startswith("blk.") for p in ps]
+    from .stream import SLOT_BYTES
+
     rows = max((n for _, n, _ in prods), default=0)
     cols = max((k for _, _, k in prods), default=0)
-    return int(arena + prefill * (8 * rows + 6 * cols))
+    piece = max((min(n, max(1, SLOT_BYTES * n // max(b, 1))) for b, n, _ in prods), default=0)
+    return int(arena + prefill * (4 * rows + 2 * piece + 6 * cols))
 
 
 def stream_reservation(f, graph) -> int:
@@ -376,14 +380,30 @@ def render(p: dict) -> str:
     lines = [f"placement of {p['model']} (ctx {p['ctx']}) over {', '.join(p['processors'])}:"]
     for r in p["runs"]:
         span = r["from"] if r["count"] == 1 else f"{r['from']} .. {r['to']}"
-        lines.append(f"  {span:<22} ({r['count']:>3} units) on {r['on']}")
+        lines.append(f"  {span:<22} ({r['count']:>3} units) on {_where(r['on'])}")
     for proc, b in p["memory_bytes"].items():
         cap = p["budgets"].get(proc)
-        lines.append(f"  memory on {proc}: {b / 2**30:.2f} GiB" + (f" of {cap / 2**30:.2f} GiB" if cap else ""))
+        work = p.get("gpu_workspace_bytes") if proc.startswith("cuda") else None
+        lines.append(f"  memory on {proc}: {b / 2**30:.2f} GiB" + (f" of {cap / 2**30:.2f} GiB" if cap else "")
+                     + (f" (activations and streaming {work / 2**30:.2f} GiB of it)" if work else ""))
     lines.append(f"  predicted decode: {p['predicted_decode_s'] * 1e3:.2f} ms/token "
                  f"({1 / max(p['predicted_decode_s'], 1e-12):.1f} tok/s); "
                  f"prefill of {p['prefill']} tokens: {p['predicted_prefill_s'] * 1e3:.1f} ms")
     return "\n".join(lines) + "\n"
+
+
+def _where(choice: str) -> str:
+    """A placement value in words: 'rows cpu 1.00 | cuda:0' -> 'cpu, prefill streamed to cuda:0'."""
+    if not choice.startswith("rows "):
+        return choice
+    from .executor import parse_choice
+
+    main, share, other = parse_choice(choice)
+    if other.startswith("cuda") and main == "cpu":
+        if share >= 1.0:
+            return f"{main}, prefill streamed to {other}"
+        return f"{main} ({share:.0%} of the rows) + {other} (the rest, streamed; all of them for prefill)"
+    return f"{main} ({share:.0%} of the rows) + {other} (the rest)"
 
 
 def render_gpus(p: dict) -> str:

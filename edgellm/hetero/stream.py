@@ -216,22 +216,27 @@ class StreamedProducts:
             xd = xd.to(torch.float16)
         else:
             xd = x.to(torch.float16)
-        ys = []
+        n = key[1][1] - key[1][0]
+        # each piece's fp16 product goes into its columns of one float32 result as it comes: the
+        # GPU holds one piece's output at a time beside it, and the host gets one copy
+        y = torch.empty(m, n, dtype=torch.float32, device=xd.device)
+        col = 0
         for pk in pieces:
             slot = self._next_call(pk)
             w = self._view(pk, slot)
             if self.gpu:
                 cur.wait_event(self._loaded[slot])
-            ys.append(self.K.linear(xd, w))
+            part = self.K.linear(xd, w)
             if self.gpu:
                 freed = torch.cuda.Event()
                 freed.record(cur)
                 self._freed[slot] = freed
-        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
+            y[:, col:col + part.shape[1]].copy_(part)
+            col += part.shape[1]
         if not self.gpu:
-            return _Done(y.float())
+            return _Done(y)
         hy = hy[:m * n].view(m, n)
-        hy.copy_(y.float(), non_blocking=True)  # float32 made on the GPU: nothing to convert here
+        hy.copy_(y, non_blocking=True)
         done = torch.cuda.Event()
         done.record(cur)
         return _Pending(done, hy)
