@@ -102,25 +102,33 @@ def unit_products(f, graph) -> dict[str, list[tuple[int, int, int]]]:
 
 def gpu_workspace(f, cfg, prefill_graph, *, ctx: int, prefill: int, stream: bool) -> int:
     """GPU bytes beside weights and caches: the cuda backend's activation arena for a prefill chunk
-    (the whole model's memory plan, an upper bound for any run of layers) and, with streaming, a
-    streamed product's prefill activations (x in float32 and fp16, the float32 result and one
-    piece's fp16 output)."""
+    and, with streaming, a streamed product's prefill activations (stream_activation_bytes)."""
+    arena = activation_arena(f, cfg, ctx=ctx, prefill=prefill)
+    return arena + (stream_activation_bytes(f, prefill_graph, prefill) if stream else 0)
+
+
+def activation_arena(f, cfg, *, ctx: int, prefill: int) -> int:
+    """The cuda backend's activation arena for a prefill chunk: the whole model's memory plan, an
+    upper bound for any run of its layers."""
     from ..backends.info import CudaInfo
     from ..compiler.compile import compile_graph
     from ..models import build_graph
 
-    arena = compile_graph(build_graph(cfg, f, "last"), supported_ops=CudaInfo.SUPPORTED_OPS, backend="cuda",
-                          seq=prefill, ctx=ctx, fuse=False, planner="greedy_by_size").plan.total_bytes
-    if not stream:
-        return int(arena)
-    # the layers' products (the head multiplies only the last position of a prompt)
-    prods = [p for u, ps in unit_products(f, prefill_graph).items() if u.startswith("blk.") for p in ps]
+    return int(compile_graph(build_graph(cfg, f, "last"), supported_ops=CudaInfo.SUPPORTED_OPS, backend="cuda",
+                             seq=prefill, ctx=ctx, fuse=False, planner="greedy_by_size").plan.total_bytes)
+
+
+def stream_activation_bytes(f, prefill_graph, prefill: int) -> int:
+    """A streamed product's prefill activations on the GPU: x in float32 and fp16, the float32
+    result and one piece's fp16 output, for the layers' largest products (the head multiplies only
+    the last position of a prompt)."""
     from .stream import SLOT_BYTES
 
+    prods = [p for u, ps in unit_products(f, prefill_graph).items() if u.startswith("blk.") for p in ps]
     rows = max((n for _, n, _ in prods), default=0)
     cols = max((k for _, _, k in prods), default=0)
     piece = max((min(n, max(1, SLOT_BYTES * n // max(b, 1))) for b, n, _ in prods), default=0)
-    return int(arena + prefill * (4 * rows + 2 * piece + 6 * cols))
+    return int(prefill * (4 * rows + 2 * piece + 6 * cols))
 
 
 def stream_reservation(f, graph) -> int:
@@ -143,7 +151,7 @@ def stream_options(f, decode_graph, prefill_graph, g: str, profile: Profile, *, 
     yet measured."""
     link = profile.link("cpu", g)
     back = profile.link(g, "cpu")
-    slow = getattr(link, "host_slowdown", 1.0) or 1.0
+    slow = link.host_slowdown
     kv_half = max(ctx // 2, 1)
     rest_d = unit_tables(f, decode_graph, "cpu", profile, 1, kv_half, products=False)
     prod_d = unit_tables(f, decode_graph, "cpu", profile, 1, kv_half, products=True)
@@ -293,7 +301,7 @@ def plan_split(path: str, *, gpu_memory: str | None, devices: str | None, ctx: i
     check_budgets(problem)  # a budget smaller than one layer is an error, with streaming or without
     # GPU memory beside weights and caches: the activations (and with streaming also the slots and
     # the streamed products' activations), taken off each GPU budget before solving
-    work = gpu_workspace(f, cfg, pre, ctx=ctx, prefill=prefill, stream=False)
+    work = activation_arena(f, cfg, ctx=ctx, prefill=prefill)
     for p, b in given.items():
         if 0 < b <= work:
             raise PlacementError(f"the memory budget for {p} ({b / 2**20:.1f} MiB) leaves no room beside the "
@@ -314,7 +322,7 @@ def plan_split(path: str, *, gpu_memory: str | None, devices: str | None, ctx: i
 
     best = attempt(work, False)
     if stream and "cpu" in procs and any(p.startswith("cuda") for p in procs):
-        reserve = gpu_workspace(f, cfg, pre, ctx=ctx, prefill=prefill, stream=True) + stream_reservation(f, dec)
+        reserve = work + stream_activation_bytes(f, pre, prefill) + stream_reservation(f, dec)
         other = attempt(reserve, True)
         if other is not None and any(o.name.startswith("rows cpu") for o in other[1].options) and (
                 best is None or other[1].objective < best[1].objective):

@@ -18,9 +18,9 @@ takes is N_SLOTS such slots, whatever the model). The pieces of a step are met i
 every step of a kind (decode, or a prefill chunk), so the first step of a kind records that order
 and later steps prefetch along it, wrapping into the next step. Piece use number c takes slot
 c % n_slots; the copy for use c + j (j < n_slots) is queued as soon as use c + j - n_slots has
-finished reading that slot (an event on the compute stream). Every use checks that its slot holds what it needs for that call number,
-and copies it (in order) when a prediction was wrong (a step of another kind, a different
-product), so a wrong guess costs time, never a wrong result.
+finished reading that slot (an event on the compute stream). Every use checks that its slot holds
+what it needs for that use number, and copies it (in order) when a prediction was wrong (a step of
+another kind, a different product), so a wrong guess costs time, never a wrong result.
 
 On a machine without a GPU the same code runs with the device 'cpu' (the cuda kernels in Triton's
 interpreter, copies done at once): the tests check the scheduling that way.
@@ -48,9 +48,8 @@ _ALIGN = 256
 
 
 @dataclass
-class _Share:
-    """One product's GPU share: rows [a, b) of the stacked weight `names`, in the cuda layout."""
-    key: tuple
+class _Piece:
+    """Rows [a, b) of a stacked weight, in the cuda layout, that fit one slot."""
     fmt: str
     shape: tuple[int, int]
     source_fmt: str
@@ -61,7 +60,7 @@ class _Share:
 class StreamedProducts:
     """The GPU side of row splits whose weights stay in host memory (see the module docstring)."""
 
-    def __init__(self, file, device: torch.device, n_slots: int | None = None, slot_bytes: int | None = None):
+    def __init__(self, file, device: torch.device):
         from ..backends.cuda.backend import CudaWeights, _kernels
 
         self.device = device
@@ -69,12 +68,13 @@ class StreamedProducts:
         self.K = _kernels()
         self._host = CudaWeights(file, torch.device("cpu"))  # packs built on the host, in the kernels' layout
         self._full: dict[tuple, object] = {}  # names -> host PackedWeight of all rows (pinned)
-        self._shares: dict[tuple, _Share] = {}  # a piece: rows that fit one slot
+        self._shares: dict[tuple, _Piece] = {}  # (names, rows) of a piece -> the piece
         self._pieces: dict[tuple, list[tuple]] = {}  # a prepared row range -> its pieces' keys
-        self.slot_limit = int(slot_bytes or SLOT_BYTES)
-        self.n_slots = max(2, int(n_slots or N_SLOTS))
+        self.slot_limit = SLOT_BYTES  # read here: tests set the module's value first
+        self.n_slots = max(2, N_SLOTS)
         self._slots: list[torch.Tensor] = []
-        self._slot_bytes = 0
+        self._slot_bytes = 0  # the slots' size now
+        self._need = 0  # the largest piece prepared
         self._holds: list[tuple | None] = [None] * self.n_slots  # (call number, share key) per slot
         self._loaded: list = [None] * self.n_slots  # copy-stream events
         self._freed: list = [None] * self.n_slots  # compute-stream events: the slot's last reader is done
@@ -127,17 +127,17 @@ class StreamedProducts:
             part = t[a:b]
             parts[k] = (part, off)
             off += -(-part.numel() * part.element_size() // _ALIGN) * _ALIGN
-        self._shares[key] = _Share(key, full.fmt, (b - a, full.shape[1]), full.source_fmt, parts, off)
+        self._shares[key] = _Piece(full.fmt, (b - a, full.shape[1]), full.source_fmt, parts, off)
+        self._need = max(self._need, off)
         return key
 
-    @property
-    def host_bytes(self) -> int:
-        return sum(w.nbytes for w in self._full.values())
-
     def slot_bytes_needed(self) -> int:
-        return max((s.nbytes for s in self._shares.values()), default=0)
+        return self._need
 
-    def _ensure_slots(self, nbytes: int) -> None:
+    def _ensure_slots(self) -> None:
+        """Slots as large as the largest piece prepared (made at the first product, remade if a
+        larger piece was prepared since)."""
+        nbytes = self._need
         if nbytes <= self._slot_bytes:
             return
         self._slots = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(self.n_slots)]
@@ -203,10 +203,10 @@ class StreamedProducts:
         pieces = self._pieces.get(key)
         if pieces is None:
             raise EdgeLLMError(f"streamed product {key[0]} rows {key[1]} was not prepared")
-        self._ensure_slots(self.slot_bytes_needed())
+        self._ensure_slots()
         m, k = x.shape
+        n = key[1][1] - key[1][0]
         if self.gpu:
-            n = key[1][1] - key[1][0]
             hx, dx, hy = self._buffers(m * k, m * n)
             cur = torch.cuda.current_stream(self.device)
             hx = hx[:m * k].view(m, k)
@@ -216,7 +216,6 @@ class StreamedProducts:
             xd = xd.to(torch.float16)
         else:
             xd = x.to(torch.float16)
-        n = key[1][1] - key[1][0]
         # each piece's fp16 product goes into its columns of one float32 result as it comes: the
         # GPU holds one piece's output at a time beside it, and the host gets one copy
         y = torch.empty(m, n, dtype=torch.float32, device=xd.device)
