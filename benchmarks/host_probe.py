@@ -6,11 +6,13 @@ the PCIe link, alone and at the same time (issue 18's split runs on these three)
 Rows (GB/s of the bytes each moves; best of --reps):
 - host copy / host read: a 1 GiB torch copy (read + write counted) and an int8 sum (read) with the
   threads given (default: the physical cores, as cpu-fast uses);
-- cpu-fast product: cpu-fast's PackedLinear for the Llama-3.1-8B layer shapes, one token (M = 1),
-  in the format's file bytes per second (what a CPU-held layer streams per token);
+- cpu-fast product: cpu-fast's PackedLinear (torch's kernels) and, for Q8_0, the native kernel
+  (edgellm/backends/cpu_native.c) for the Llama-3.1-8B layer shapes, one token (M = 1), in the
+  format's file bytes per second (what a CPU-held layer streams per token), cycling through copies
+  of the layer larger together than the last-level cache (--cycle-gb);
 - pinned H2D / D2H: 256 MiB copies between pinned host memory and the GPU on a side stream;
-- H2D while the CPU multiplies: the same copies with the products running on the CPU threads,
-  both rates (the two share the host's memory).
+- H2D while the CPU multiplies: the same copies with the products (native where built) running
+  on the CPU threads, both rates (the two share the host's memory).
 """
 
 from __future__ import annotations
@@ -43,11 +45,14 @@ def main() -> None:
     ap.add_argument("--format", default="Q8_0")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--cycle-gb", type=float, default=1.2,
+                    help="the products cycle through copies of the layer this large together (DRAM, not L3)")
     a = ap.parse_args()
 
     import numpy as np
     import torch
 
+    from edgellm.backends import cpu_native as native
     from edgellm.backends.cpu_fast import PackedLinear, physical_cores
     from edgellm.quant import quantize
 
@@ -63,20 +68,45 @@ def main() -> None:
     del dst
 
     rng = np.random.default_rng(0)
-    packs, file_bytes = {}, {}
+    raws, file_bytes = {}, {}
     for name, (n, k) in SHAPES.items():
-        w = rng.standard_normal((n, k), dtype=np.float32) * 0.02
-        raw = quantize(w, a.format)
-        packs[name] = PackedLinear(raw, a.format, (n, k))
-        file_bytes[name] = raw.nbytes
+        raws[name] = quantize(rng.standard_normal((n, k), dtype=np.float32) * 0.02, a.format)
+        file_bytes[name] = raws[name].nbytes
+    layer = sum(file_bytes.values())
+    # a decode step streams its CPU-held layers from DRAM: the products cycle through copies of
+    # the layer larger together than the last-level cache (one copy could stay in a large L3)
+    copies = max(1, -(-a.cycle_gb * 1e9 // layer))
+    out["layer_copies"] = int(copies)
+    native_ok = native.library() is not None
+    out["native"] = "built" if native_ok else native.unavailable()
+    layers = []
+    for c in range(int(copies)):
+        ps = {}
+        for name, raw in raws.items():
+            r = raw if c == 0 else raw.copy()
+            n, k = SHAPES[name]
+            ps[name] = (PackedLinear(r, a.format, (n, k)),
+                        native.Q8_0Rows([r], k) if native_ok and a.format == "Q8_0" else None)
+        layers.append(ps)
     x = torch.randn(1, 4096)
     x14 = torch.randn(1, 14336)
-    prod = {}
-    for name, p in packs.items():
-        xx = x14 if p.k == 14336 else x
-        t = best(lambda: p(xx), a.reps)
-        prod[name] = {"us": t * 1e6, "file_GBs": file_bytes[name] / t / 1e9, "packed_GBs": p.nbytes / t / 1e9}
-    out["cpu_products"] = prod
+
+    def run_layers(which: int, only: str | None = None):
+        for ps in layers:
+            for name, pair in ps.items():
+                if only is None or name == only:
+                    pair[which](x14 if pair[0].k == 14336 else x)
+
+    kinds = [(0, "cpu_products", "packed")] + ([(1, "native_products", "native")] if layers[0]["o"][1] is not None else [])
+    for which, key, _ in kinds:
+        prod = {}
+        for name in SHAPES:
+            t = best(lambda: run_layers(which, name), a.reps) / len(layers)
+            prod[name] = {"us": t * 1e6, "file_GBs": file_bytes[name] / t / 1e9}
+            if which == 0:
+                prod[name]["packed_GBs"] = layers[0][name][0].nbytes / t / 1e9
+        out[key] = prod
+        out[key.replace("products", "layer_GBs")] = layer * len(layers) / best(lambda: run_layers(which), a.reps) / 1e9
     # what torch's other CPU kernels take for the largest shape (per-channel int8, bf16)
     n, k = SHAPES["gate|up"]
     xb = x.to(torch.bfloat16)
@@ -88,9 +118,6 @@ def main() -> None:
     t = best(lambda: torch.nn.functional.linear(xb, wb), a.reps)
     out["bf16_gate_up_GBs"] = 2 * n * k / t / 1e9
     del q8, wb
-    layer = sum(file_bytes.values())
-    layer_t = sum(v["us"] for v in prod.values()) * 1e-6
-    out["cpu_layer_GBs"] = layer / layer_t / 1e9
 
     if torch.cuda.is_available():
         dev = torch.device("cuda:0")
@@ -118,9 +145,8 @@ def main() -> None:
         def cpu_loop():
             t = time.perf_counter()
             while not stop.is_set():
-                for name, p in packs.items():
-                    p(x14 if p.k == 14336 else x)
-                done[1] += 1
+                run_layers(kinds[-1][0])
+                done[1] += len(layers)
             done[0] = time.perf_counter() - t
         th = threading.Thread(target=cpu_loop)
         th.start()
@@ -129,7 +155,7 @@ def main() -> None:
         stop.set()
         th.join()
         out["h2d_with_cpu_GBs"] = 8 * h.numel() / t_up / 1e9
-        out["cpu_layer_with_h2d_GBs"] = done[1] * layer / done[0] / 1e9
+        out[kinds[-1][1].replace("products", "layer_with_h2d_GBs")] = done[1] * layer / done[0] / 1e9
         out["gpu"] = torch.cuda.get_device_name(dev)
 
     print(json.dumps(out, indent=1))

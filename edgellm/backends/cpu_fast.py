@@ -41,6 +41,10 @@ from ..quant import dequantize
 from .cpu import CPU_KERNELS, GATE_ACTS, CpuBackend, CpuProgram, _attention, _kv_store, _rms_norm, rope_qkv_extras, rotate
 from .info import CpuFastInfo, int4_group
 
+# products with at most this many input rows (decode steps) run on the native Q8_0 kernel where it
+# is built (cpu_native.c: the file's own blocks, int8 dot products); more rows on torch's packs
+NATIVE_MAX_ROWS = int(os.environ.get("EDGELLM_NATIVE_MAX_ROWS", "8"))
+
 def physical_cores() -> int:
     """Physical cores this process may run on (hyper-threads share a core's vector units): the
     distinct (package, core) pairs of the allowed CPUs in Linux's topology, else the CPU count."""
@@ -120,8 +124,12 @@ class PackedLinear:
         self.packed_lo, self.scales_zeros_lo = _int4_pack(u & 0x0F, d, 8 * d)
         self.n_out, self.zero_resid = n + (-n % 16), None
 
+    native = None  # the native kernel's reading of the same rows (cpu_native.Q8_0Rows), for few inputs
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x float32 [m, k] -> float32 [m, n]."""
+        if self.native is not None and x.shape[0] <= NATIVE_MAX_ROWS:
+            return self.native(x)
         xb = x.to(torch.bfloat16)
         if self.kind == "int4x2":
             mm = torch.ops.aten._weight_int4pack_mm_for_cpu
@@ -259,6 +267,7 @@ class CpuFastWeights:
             if rows is not None:
                 raw, n = raw[rows[0]:rows[1]], rows[1] - rows[0]
             p = self._packs[key] = PackedLinear(raw, type_name, (n, next(iter(ks))))
+            self._attach_native(p, names, rows)
             self.built += 1
             self.file.release_pages()  # the pages just read are not needed again: keep the peak low
         return p
@@ -271,7 +280,9 @@ class CpuFastWeights:
             names, rows = tuple(entry["names"]), entry["rows"]
             prefix = f"{i}."
             mine = {a[len(prefix):]: v for a, v in arrays.items() if a.startswith(prefix)}
-            packs[(names, tuple(rows) if rows is not None else None)] = PackedLinear.from_arrays(entry, mine)
+            rows = tuple(rows) if rows is not None else None
+            packs[(names, rows)] = p = PackedLinear.from_arrays(entry, mine)
+            self._attach_native(p, names, rows)
         self._packs.update(packs)
         self.built = 0
         return len(packs)
@@ -283,6 +294,25 @@ class CpuFastWeights:
             entries.append({**meta, "names": list(names), "rows": list(rows) if rows is not None else None})
             arrays.update({f"{i}.{a}": v for a, v in arrs.items()})
         return {"packs": entries}, arrays
+
+    def _attach_native(self, p: PackedLinear, names: tuple[str, ...], rows: tuple[int, int] | None) -> None:
+        """Give a Q8_0 matrix the native kernel's reading: the file's own blocks, memory-mapped,
+        each stacked part (and the rows [a, b) of the stack) where it lies; nothing is copied."""
+        if p.type_name != "Q8_0" or p.k % 32 or NATIVE_MAX_ROWS < 1:
+            return
+        from . import cpu_native
+
+        if cpu_native.library() is None:
+            return
+        parts, base = [], 0
+        a, b = rows if rows is not None else (0, p.n)
+        for name in names:
+            data = self.file.tensor(name).data
+            lo, hi = max(a - base, 0), min(b - base, data.shape[0])
+            if lo < hi:
+                parts.append(data[lo:hi])
+            base += data.shape[0]
+        p.native = cpu_native.Q8_0Rows(parts, p.k)
 
     def bias(self, names: tuple[str, ...]) -> torch.Tensor:
         b = self._biases.get(names)
@@ -529,5 +559,8 @@ class CpuFastBackend(CpuFastInfo, CpuBackend):
         for p in self.weights._packs.values():
             kinds[p.kind] = kinds.get(p.kind, 0) + 1
         held = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+        native = sum(p.native is not None for p in self.weights._packs.values())
+        if native:
+            held += f"; {native} native Q8_0 for <= {NATIVE_MAX_ROWS} rows"
         return (f"cpu-fast (torch {torch.__version__}, {torch.get_num_threads()} threads; "
                 f"weights {self.weights.nbytes / 2**20:.0f} MiB: {held})")
