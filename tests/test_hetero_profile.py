@@ -45,6 +45,12 @@ def test_profile_measures_every_op_and_round_trips(tiny, tmp_path, monkeypatch):
     assert cache_path().parent == tmp_path / "hetero"
     q = load_profile()
     assert q.measured == p.measured and q.processors == p.processors
+    # a second load reads its graphs back from the program cache (symbolic dimensions kept as
+    # text): the profile measures the same ops and counts the same bytes and flops
+    m2 = edgellm.load(tiny, backend="cpu-fast", ctx=64)
+    assert "compiled" in m2.cache_hits
+    p2 = profile_cpu(m2, Profile(), kv_len=32, prefill=16)
+    assert set(p2.measured) == set(p.measured)
 
 
 def _gpu_profile(tmp_path, monkeypatch, tiny):

@@ -56,6 +56,25 @@ class SymDim:
     def __hash__(self):
         return hash(self.text)
 
+    # arithmetic on a symbolic dimension (a cost model's flop count) is sympy's
+    def __mul__(self, other):
+        return self._sympy_() * other
+
+    def __rmul__(self, other):
+        return other * self._sympy_()
+
+    def __add__(self, other):
+        return self._sympy_() + other
+
+    def __radd__(self, other):
+        return other + self._sympy_()
+
+    def __sub__(self, other):
+        return self._sympy_() - other
+
+    def __rsub__(self, other):
+        return other - self._sympy_()
+
     def __str__(self):
         return self.text
 
