@@ -21,7 +21,14 @@
 
 #define QK 32
 #define Q8_0_BYTES 34
+#ifndef ROWS_PER_TASK
 #define ROWS_PER_TASK 16
+#endif
+/* software prefetch of each row's bytes this far ahead (0: none; the hardware prefetchers stop at
+ * 4 KiB page boundaries, which a memory-mapped file's rows cross every ~4 KiB) */
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 0
+#endif
 
 static inline float f16_to_f32(uint16_t h) {
 #if defined(__F16C__)
@@ -105,6 +112,14 @@ static void q8_0_rows(const uint8_t *w, int64_t nb, int64_t r0, int64_t r1, cons
                 const __m256i ax = _mm256_sign_epi8(vx, vx);
                 const int64_t o = b * Q8_0_BYTES;
                 const float s = dx[b];
+#if PREFETCH_BYTES > 0
+                if ((b & 1) == 0) {
+                    _mm_prefetch((const char *)(w0 + o + PREFETCH_BYTES), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(w1 + o + PREFETCH_BYTES), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(w2 + o + PREFETCH_BYTES), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(w3 + o + PREFETCH_BYTES), _MM_HINT_T0);
+                }
+#endif
 #define EDGELLM_ROW(acc, wr)                                                                     \
     {                                                                                            \
         const __m256i q = _mm256_loadu_si256((const __m256i *)(wr + o + 2));                      \

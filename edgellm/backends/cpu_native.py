@@ -26,6 +26,8 @@ import torch
 
 SOURCE = Path(__file__).with_name("cpu_native.c")
 FLAGS = ["-O3", "-march=native", "-fPIC", "-fopenmp"]
+# extra compiler flags (e.g. -DPREFETCH_BYTES=512 -DROWS_PER_TASK=32: the source's tunables), part of the build's key
+EXTRA = os.environ.get("EDGELLM_NATIVE_CFLAGS", "").split()
 
 _lock = threading.Lock()
 _state: dict = {}
@@ -51,7 +53,7 @@ def _compiler() -> str | None:
     return shutil.which(cc) if cc else (shutil.which("cc") or shutil.which("gcc"))
 
 
-def _build(cc: str, omp: str, out: Path) -> None:
+def _build(cc: str, omp: str, out: Path, extra: list[str] | None = None) -> None:
     """Compile into a temporary file beside `out`, then rename: a concurrent build or a reader
     never sees a partial library."""
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -61,7 +63,7 @@ def _build(cc: str, omp: str, out: Path) -> None:
         # compiled with -fopenmp, but linked (without it) to the runtime torch loaded, by path,
         # instead of the compiler's default one
         obj = tmp[:-3] + ".o"
-        for cmd in ([cc, *FLAGS, "-c", str(SOURCE), "-o", obj],
+        for cmd in ([cc, *FLAGS, *(EXTRA if extra is None else extra), "-c", str(SOURCE), "-o", obj],
                     [cc, "-shared", obj, omp, f"-Wl,-rpath,{os.path.dirname(omp)}", "-lm", "-o", tmp]):
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             if r.returncode != 0:
@@ -73,7 +75,7 @@ def _build(cc: str, omp: str, out: Path) -> None:
                 os.unlink(f)
 
 
-def _library_path() -> tuple[Path, str, str]:
+def _library_path(extra: list[str] | None = None) -> tuple[Path, str, str]:
     """Where this machine's build lives in the engine cache (keyed by the source, flags, compiler,
     OpenMP runtime, CPU features and Python), with the compiler and runtime it is built with."""
     if os.environ.get("EDGELLM_NATIVE", "1") == "0":
@@ -91,18 +93,18 @@ def _library_path() -> tuple[Path, str, str]:
     ver = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     with open("/proc/cpuinfo") as f:  # -march=native: one build per kind of CPU
         cpu = next((ln for ln in f if ln.startswith("flags")), "")
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), ver, omp, cpu, sys.version]).encode()).hexdigest()[:24]
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS + (EXTRA if extra is None else extra)), ver, omp, cpu, sys.version]).encode()).hexdigest()[:24]
     return cache_root() / "native" / f"cpu_native-{key}.so", cc, omp
 
 
-def _load() -> ctypes.CDLL:
-    out, cc, omp = _library_path()
+def _load(extra: list[str] | None = None) -> ctypes.CDLL:
+    out, cc, omp = _library_path(extra)
     if not out.exists():
-        _build(cc, omp, out)
+        _build(cc, omp, out, extra)
     try:
         lib = ctypes.CDLL(str(out))
     except OSError:  # a damaged file in the cache: built again (a new file; the old one replaced)
-        _build(cc, omp, out)
+        _build(cc, omp, out, extra)
         lib = ctypes.CDLL(str(out))
     p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.edgellm_q8_0_matmul.argtypes = [p, p, i64, i64, p, i64, p, p, p, c_int]
@@ -110,6 +112,11 @@ def _load() -> ctypes.CDLL:
     lib.edgellm_quantize_q8.argtypes = [p, i64, i64, p, p]
     lib.edgellm_quantize_q8.restype = None
     return lib
+
+
+def variant(extra: list[str]) -> ctypes.CDLL:
+    """A build with other compiler flags (benchmarks/native_probe.py compares them)."""
+    return _load(extra)
 
 
 def library() -> ctypes.CDLL | None:
@@ -133,7 +140,7 @@ class Q8_0Rows:
     """A Q8_0 matrix as the native kernel reads it: one or more parts stacked by rows, each a
     [rows, k/32 * 34] uint8 array of the file's blocks (memory-mapped views are kept as they are)."""
 
-    def __init__(self, parts: list[np.ndarray], k: int):
+    def __init__(self, parts: list[np.ndarray], k: int, lib: ctypes.CDLL | None = None):
         self.k = k
         self.parts = [np.ascontiguousarray(p).view(np.uint8).reshape(p.shape[0], -1) for p in parts]
         for p in self.parts:
@@ -142,7 +149,7 @@ class Q8_0Rows:
         self.n = sum(p.shape[0] for p in self.parts)
         self._ptrs = (ctypes.c_void_p * len(self.parts))(*[p.ctypes.data for p in self.parts])
         self._rows = (ctypes.c_int64 * len(self.parts))(*[p.shape[0] for p in self.parts])
-        self._lib = library()
+        self._lib = lib or library()
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x float32 [m, k] -> float32 [m, n] (into `out` when given: contiguous float32 [m, n])."""
