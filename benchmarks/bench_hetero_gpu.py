@@ -43,6 +43,44 @@ def llama_bench_ngl(exe: str, path: str, ngl: int, p: int, n: int, r: int, threa
     return res
 
 
+def cpu_ops_by_kind(m, f, steps) -> str:
+    """ms per step of each op kind in the decode program's CPU segments (each op timed alone); for
+    the matrix products also the file's bytes they read per second."""
+    prog = m.programs["decode"]
+    times: dict[str, float] = {}
+    nbytes: dict[str, int] = {}
+    saved = []
+    for seg, proc, sub in prog.parts:
+        if not seg.processor.startswith("cpu") or not hasattr(sub, "_kernels"):
+            continue
+        kernels = sub._kernels
+        saved.append((sub, kernels))
+        for op in sub.graph.ops:
+            if op.kind in ("linear", "linear_qkv", "linear_swiglu"):
+                nbytes[op.kind] = nbytes.get(op.kind, 0) + sum(f.tensors[n].nbytes for n in sub._weight_names(op))
+
+        def timed(fn):
+            def run(op, inputs):
+                t0 = time.perf_counter()
+                out = fn(op, inputs)
+                times[op.kind] = times.get(op.kind, 0.0) + time.perf_counter() - t0
+                return out
+            return run
+        sub._kernels = {k: timed(fn) for k, fn in kernels.items()}
+    try:
+        for toks, pos in steps:
+            m.forward(toks, pos, all_logits=False)
+    finally:
+        for sub, kernels in saved:
+            sub._kernels = kernels
+    parts = []
+    for kind, t in sorted(times.items(), key=lambda kv: -kv[1]):
+        ms = t / len(steps) * 1e3
+        bw = f" ({nbytes[kind] / (t / len(steps)) / 1e9:.0f} GB/s)" if kind in nbytes else ""
+        parts.append(f"{kind} {ms:.2f}{bw}")
+    return ", ".join(parts) + f"; total {sum(times.values()) / len(steps) * 1e3:.2f} ms"
+
+
 def fit_ngl(f, cfg, cap: int, ctx: int) -> int:
     """llama.cpp's -ngl N that fits the cap: N repeating layers (their stored bytes + f16 KV), plus
     the output layer when all of them fit (-ngl n_layers+1), less 512 MiB for its buffers."""
@@ -165,6 +203,7 @@ def main() -> None:
                     for (s, _, _), sec in zip(prog.parts, prog.seconds)]
             print(f"  {stage} step {wall * 1e3:.2f} ms (segments synchronised): " + ", ".join(segs), flush=True)
             prog.time_segments(False)
+        print("  decode, the CPU's ops by kind: " + cpu_ops_by_kind(m, f, [([1], i) for i in range(16)]), flush=True)
         del m
         gc.collect()  # the programs hold cycles: the GPU memory goes back only once they are collected
         torch.cuda.empty_cache()

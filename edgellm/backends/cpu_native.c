@@ -161,7 +161,9 @@ void edgellm_q8_0_matmul(const uint8_t *const *w, const int64_t *rows, int64_t p
         n += rows[p];
     edgellm_quantize_q8(x, m, k, xq, xd);
     const int64_t tasks = (n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
-#pragma omp parallel for schedule(static) num_threads(nthreads)
+    /* dynamic: a thread that loses its core for a while (another process, the GPU runtime's
+     * threads) takes fewer tasks instead of holding the whole product back */
+#pragma omp parallel for schedule(dynamic, 4) num_threads(nthreads)
     for (int64_t task = 0; task < tasks; task++) {
         int64_t r0 = task * ROWS_PER_TASK, r1 = r0 + ROWS_PER_TASK < n ? r0 + ROWS_PER_TASK : n;
         /* a task's rows may span two parts: each piece is multiplied from its own part */

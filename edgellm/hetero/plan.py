@@ -119,16 +119,15 @@ def activation_arena(f, cfg, *, ctx: int, prefill: int) -> int:
 
 
 def stream_activation_bytes(f, prefill_graph, prefill: int) -> int:
-    """A streamed product's prefill activations on the GPU: x in float32 and fp16, the float32
-    result and one piece's fp16 output, for the layers' largest products (the head multiplies only
-    the last position of a prompt)."""
+    """A streamed product's prefill activations on the GPU: x in fp16 and one piece's fp16 output
+    (each piece's output goes to the host as it comes), for the layers' largest products (the head
+    multiplies only the last position of a prompt)."""
     from .stream import SLOT_BYTES
 
     prods = [p for u, ps in unit_products(f, prefill_graph).items() if u.startswith("blk.") for p in ps]
-    rows = max((n for _, n, _ in prods), default=0)
     cols = max((k for _, _, k in prods), default=0)
     piece = max((min(n, max(1, SLOT_BYTES * n // max(b, 1))) for b, n, _ in prods), default=0)
-    return int(prefill * (4 * rows + 2 * piece + 6 * cols))
+    return int(prefill * (2 * piece + 2 * cols))
 
 
 def stream_reservation(f, graph) -> int:

@@ -42,7 +42,7 @@ STREAM_ALL_TOKENS = 8
 # model; while one piece is multiplied, the next N_SLOTS - 1 are on their way
 # (EDGELLM_STREAM_SLOTS and EDGELLM_STREAM_PIECE_MB change them, for experiments: smaller pieces
 # wait less behind each other on the link's copy engine)
-N_SLOTS = int(os.environ.get("EDGELLM_STREAM_SLOTS", "4"))
+N_SLOTS = int(os.environ.get("EDGELLM_STREAM_SLOTS", "3"))
 SLOT_BYTES = int(float(os.environ.get("EDGELLM_STREAM_PIECE_MB", "40")) * (1 << 20))
 _ALIGN = 256
 
@@ -210,16 +210,16 @@ class StreamedProducts:
             hx, dx, hy = self._buffers(m * k, m * n)
             cur = torch.cuda.current_stream(self.device)
             hx = hx[:m * k].view(m, k)
-            hx.copy_(x)  # pinned, so the copy up is asynchronous
+            hx.copy_(x)  # rounded to fp16 here (the kernels' input), into pinned memory: half the bytes up
             xd = dx[:m * k].view(m, k)
             xd.copy_(hx, non_blocking=True)
-            xd = xd.to(torch.float16)
         else:
             xd = x.to(torch.float16)
-        # each piece's fp16 product goes into its columns of one float32 result as it comes: the
-        # GPU holds one piece's output at a time beside it, and the host gets one copy
-        y = torch.empty(m, n, dtype=torch.float32, device=xd.device)
-        col = 0
+            hy = torch.empty(m * n, dtype=torch.float16)
+        # each piece's fp16 product is copied to the host as it comes (contiguous, so the copy is
+        # asynchronous; result() lays the pieces side by side): the GPU holds one piece's output
+        # at a time, not the whole result
+        off, spans = 0, []
         for pk in pieces:
             slot = self._next_call(pk)
             w = self._view(pk, slot)
@@ -230,15 +230,15 @@ class StreamedProducts:
                 freed = torch.cuda.Event()
                 freed.record(cur)
                 self._freed[slot] = freed
-            y[:, col:col + part.shape[1]].copy_(part)
-            col += part.shape[1]
+            pn = part.shape[1]
+            hy[off:off + m * pn].view(m, pn).copy_(part, non_blocking=True)
+            spans.append((off, pn))
+            off += m * pn
         if not self.gpu:
-            return _Done(y)
-        hy = hy[:m * n].view(m, n)
-        hy.copy_(y, non_blocking=True)
+            return _Done(_side_by_side(hy, spans, m, n))
         done = torch.cuda.Event()
         done.record(cur)
-        return _Pending(done, hy)
+        return _Pending(done, hy, spans, m, n)
 
     def _next_call(self, pk: tuple) -> int:
         """Number this piece's use, make sure its slot holds it, queue the next ones; its slot."""
@@ -252,13 +252,13 @@ class StreamedProducts:
         return call % self.n_slots
 
     def _buffers(self, nx: int, ny: int):
-        """Staging, grown to the largest call: x pinned on the host and on the device, y pinned
-        (float32). A call's result() is taken before the next call starts, so one set serves all."""
+        """Staging, grown to the largest call, all fp16: x pinned on the host and on the device, y
+        pinned. A call's result() is taken before the next call starts, so one set serves all."""
         if self._x is None or self._x[0].numel() < nx:
-            self._x = (torch.empty(nx, dtype=torch.float32).pin_memory(),
-                       torch.empty(nx, dtype=torch.float32, device=self.device))
+            self._x = (torch.empty(nx, dtype=torch.float16).pin_memory(),
+                       torch.empty(nx, dtype=torch.float16, device=self.device))
         if self._y is None or self._y.numel() < ny:
-            self._y = torch.empty(ny, dtype=torch.float32).pin_memory()
+            self._y = torch.empty(ny, dtype=torch.float16).pin_memory()
         return self._x[0], self._x[1], self._y
 
 
@@ -270,13 +270,23 @@ class _Done:
         return self._y
 
 
+def _side_by_side(flat: torch.Tensor, spans: list, m: int, n: int) -> torch.Tensor:
+    """The float32 [m, n] result from the pieces' fp16 outputs stored one after another."""
+    y = torch.empty(m, n, dtype=torch.float32)
+    col = 0
+    for off, pn in spans:
+        y[:, col:col + pn].copy_(flat[off:off + m * pn].view(m, pn))
+        col += pn
+    return y
+
+
 class _Pending:
-    def __init__(self, event, host_y):
-        self._event, self._y = event, host_y
+    def __init__(self, event, host_y, spans, m, n):
+        self._event, self._y, self._spans, self._m, self._n = event, host_y, spans, m, n
 
     def result(self) -> torch.Tensor:
         self._event.synchronize()
-        return self._y.clone()
+        return _side_by_side(self._y, self._spans, self._m, self._n)
 
 
 def share_rows(n: int, cpu_share: float) -> int:
