@@ -86,6 +86,7 @@ class StreamedProducts:
         self._orders: dict[str, list[tuple]] = {}
         self._recording: list[tuple] | None = None
         self._x = self._y = None
+        self._mapped_x = os.environ.get("EDGELLM_STREAM_X", "mapped") != "copy"
         self.bytes_copied = 0
 
     # -- load time ---------------------------------------------------------------------------------
@@ -210,9 +211,9 @@ class StreamedProducts:
             hx, dx, hy = self._buffers(m * k, m * n)
             cur = torch.cuda.current_stream(self.device)
             hx = hx[:m * k].view(m, k)
-            hx.copy_(x)  # rounded to fp16 here (the kernels' input), into pinned memory: half the bytes up
+            hx.copy_(x)
             xd = dx[:m * k].view(m, k)
-            xd.copy_(hx, non_blocking=True)
+            self._upload(hx, xd)
         else:
             xd = x.to(torch.float16)
             hy = torch.empty(m * n, dtype=torch.float16)
@@ -251,11 +252,26 @@ class StreamedProducts:
         self._pos += 1
         return call % self.n_slots
 
+    def _upload(self, hx: torch.Tensor, xd: torch.Tensor) -> None:
+        """x (pinned, float32) to the device in fp16, on the compute stream. A kernel reads the
+        pinned memory over the link itself: a copy would go to the link's copy engine and wait
+        there behind the weight pieces already queued for the next products (about a millisecond
+        at 54 GB/s). Where the kernel cannot read host memory, or with EDGELLM_STREAM_X=copy, the
+        copy is used."""
+        if self._mapped_x:
+            try:
+                self.K.unary(hx, "scale", 1.0, out=xd)
+                return
+            except (ValueError, RuntimeError):
+                self._mapped_x = False
+        xd.copy_(hx, non_blocking=True)
+
     def _buffers(self, nx: int, ny: int):
-        """Staging, grown to the largest call, all fp16: x pinned on the host and on the device, y
-        pinned. A call's result() is taken before the next call starts, so one set serves all."""
+        """Staging, grown to the largest call: x pinned on the host (float32) and on the device
+        (fp16), y pinned (fp16). A call's result() is taken before the next call starts, so one set
+        serves all."""
         if self._x is None or self._x[0].numel() < nx:
-            self._x = (torch.empty(nx, dtype=torch.float16).pin_memory(),
+            self._x = (torch.empty(nx, dtype=torch.float32).pin_memory(),
                        torch.empty(nx, dtype=torch.float16, device=self.device))
         if self._y is None or self._y.numel() < ny:
             self._y = torch.empty(ny, dtype=torch.float16).pin_memory()
