@@ -4,6 +4,7 @@ import os
 
 import numpy as np
 import pytest
+import torch
 
 import edgellm
 from edgellm.hetero.executor import load_split
@@ -137,3 +138,20 @@ def test_streamed_row_split_matches_unsplit(monkeypatch, tmp_path):
     # every call's slot held what it multiplied: the products agree with cpu-fast's at 1e-2 too
     fast = run(edgellm.load(path, backend="cpu-fast", ctx=32, prefill_chunk=16), plan)
     assert np.abs(got - fast).max() <= 0.01 * np.abs(fast).max()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="reads pinned host memory from a GPU kernel: needs a GPU")
+def test_upload_fp16_reads_pinned_memory_from_the_kernel():
+    """The streamed products' x upload: a kernel reads the pinned buffer itself (not a copy queued
+    on the link's copy engine); every element written, rounded as torch rounds."""
+    from edgellm.backends.cuda.backend import _kernels
+
+    K = _kernels()
+    for t, f in ((1, 4096), (3, 14336), (37, 576)):
+        h = (torch.randn(t, f) * 30).pin_memory()
+        d = torch.full((t, f), float("nan"), dtype=torch.float16, device="cuda")
+        K.upload_fp16(h, d)
+        torch.cuda.synchronize()
+        assert torch.equal(d.cpu(), h.half())
+    with pytest.raises(ValueError, match="pinned"):
+        K.upload_fp16(torch.randn(2, 8), torch.empty(2, 8, dtype=torch.float16, device="cuda"))

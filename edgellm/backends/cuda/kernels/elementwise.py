@@ -84,6 +84,25 @@ def unary(x: torch.Tensor, kind: str, param: float = 0.0, out: torch.Tensor | No
     return out
 
 
+def upload_fp16(host_x: torch.Tensor, out: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    """out (device, fp16 [T, F]) = host_x (pinned host memory, float32 [T, F]) rounded to fp16, on
+    the current stream: the kernel reads the pinned buffer over the link itself (mapped memory), so
+    the upload does not wait on the link's copy engine behind copies queued earlier."""
+    if host_x.device.type != "cpu" or not host_x.is_pinned():
+        raise ValueError("upload_fp16 reads a pinned host tensor")
+    if host_x.dim() != 2 or not host_x.is_contiguous():
+        raise ValueError(f"host_x must be a contiguous [tokens, features] tensor, got shape {tuple(host_x.shape)}")
+    check_2d(out, "out")
+    T, F = host_x.shape
+    out_buffer(out, (T, F), torch.float16, out.device)
+    cfg = {**configs.ELEMENTWISE_DEFAULT, **(config or {})}
+    if T and F:
+        grid = (T, triton.cdiv(F, cfg["BLOCK"]))
+        _unary_kernel[grid](host_x, host_x.stride(0), out, out.stride(0), F, 1.0, KIND=UNARY_KINDS["scale"],
+                            BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"], **pdl())
+    return out
+
+
 def silu_mul(gate_up: torch.Tensor, up: torch.Tensor | None = None, out: torch.Tensor | None = None,
              config: dict | None = None, act: str = "silu") -> torch.Tensor:
     """act(gate) * up (act: silu or gelu_tanh). With up None, gate_up is [T, 2F]: gate in columns :F,
