@@ -86,7 +86,7 @@ def main() -> None:
             r = raw if c == 0 else raw.copy()
             n, k = SHAPES[name]
             ps[name] = (PackedLinear(r, a.format, (n, k)),
-                        native.Q8_0Rows([r], k) if native_ok and a.format == "Q8_0" else None)
+                        native.NativeRows([r], k) if native_ok and a.format == "Q8_0" else None)
         layers.append(ps)
     x = torch.randn(1, 4096)
     x14 = torch.randn(1, 14336)

@@ -98,7 +98,7 @@ def main() -> None:
     for vname, flags in (v.split(":", 1) for v in a.variants.split(";")):
         lib = cpu_native.variant(flags.split())
         for kind, cs in mems.items():
-            prods = [{name: cpu_native.Q8_0Rows([arr], SHAPES[name][1], lib=lib) for name, arr in c.items()} for c in cs]
+            prods = [{name: cpu_native.NativeRows([arr], SHAPES[name][1], lib=lib) for name, arr in c.items()} for c in cs]
             # int64 sums (torch's int8 and int32 sums are not vectorised): a plain read of the memory
             tensors = [torch.frombuffer(arr, dtype=torch.int64) for c in cs for arr in c.values()]
             for t in threads:

@@ -7,7 +7,7 @@ import torch
 
 import edgellm
 from edgellm.backends import cpu_native
-from edgellm.backends.cpu_native import Q8_0Rows
+from edgellm.backends.cpu_native import NativeRows
 from edgellm.quant import dequantize, quantize
 from edgellm.sampling import SamplingParams
 from edgellm.synthetic import SyntheticSpec, write_synthetic_gguf
@@ -16,31 +16,44 @@ pytestmark = pytest.mark.skipif(cpu_native.library() is None,
                                 reason=f"native kernels not built here: {cpu_native.unavailable()}")
 
 
-def _q8_0_bound(x: np.ndarray, wq: np.ndarray) -> np.ndarray:
+def _offsets(raw: np.ndarray, fmt: str, n: int, k: int) -> np.ndarray:
+    """Each block's offset m (w = d q + m): 0 for Q8_0, -8 d for Q4_0, the stored m for Q4_1."""
+    blocks = np.ascontiguousarray(raw).reshape(n, k // 32, -1)
+    if fmt == "Q8_0":
+        return np.zeros((n, k // 32))
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
+    return -8 * d if fmt == "Q4_0" else blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
+
+
+def _native_bound(x: np.ndarray, wq: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     """The input is quantized per block of 32 to int8 with step amax/127: each element moves by at
-    most amax/254, so a product moves by at most sum over blocks of amax_b/254 * sum_b |w| (the
-    integer block sums are exact; float32 accumulation adds ~1e-6 relative)."""
+    most amax/254, and only the scaled codes d q (w less the block's offset, which multiplies the
+    exact float sum of the block's inputs) meet the rounded input, so a product moves by at most
+    sum over blocks of amax_b/254 * sum_b |w - m_b| (the integer block sums are exact; float32
+    accumulation adds ~1e-6 relative)."""
     m, k = x.shape
     n = wq.shape[0]
     step = np.abs(x).reshape(m, k // 32, 32).max(-1) / 254
-    return step @ np.abs(wq).reshape(n, k // 32, 32).sum(-1).T + 1e-5 * (np.abs(x) @ np.abs(wq).T) + 1e-7
+    scaled = np.abs(wq.reshape(n, k // 32, 32) - offsets[..., None]).sum(-1)
+    return step @ scaled.T + 1e-5 * (np.abs(x) @ np.abs(wq).T) + 1e-5 * (np.abs(x) @ np.abs(wq - np.repeat(offsets, 32, 1)).T) + 1e-7
 
 
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1"])
 @pytest.mark.parametrize("n,k,cuts", [(203, 544, (0, 203)), (64, 32, (0, 64)), (131, 96, (0, 17, 60, 131)),
                                       (1000, 256, (0, 3, 1000))])
-def test_q8_0_product_matches_dequantized_float64(n, k, cuts):
+def test_native_product_matches_dequantized_float64(fmt, n, k, cuts):
     """Row counts off the 4-row and 16-row groups, k off wide vector multiples, the matrix split
     into parts (a fused product's stacked weights) at odd rows; rows with extreme scales; every
     output element written (the output is poisoned with NaN first)."""
-    rng = np.random.default_rng(n * 7 + k)
-    w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+    rng = np.random.default_rng(n * 7 + k + len(fmt))
+    w = (rng.standard_normal((n, k)) * 0.05 + rng.standard_normal((n, 1)) * 0.02).astype(np.float32)
     w[1] *= 3e3  # a large scale
     w[2] *= 1e-4  # a tiny one
     w[3, :32] = 0  # an all-zero block
-    raw = quantize(w, "Q8_0")
-    wq = dequantize(raw, "Q8_0", (n, k)).astype(np.float64)
+    raw = quantize(w, fmt)
+    wq = dequantize(raw, fmt, (n, k)).astype(np.float64)
     parts = [raw[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
-    prod = Q8_0Rows(parts, k)
+    prod = NativeRows(parts, k, fmt)
     assert prod.n == n
     for m in (1, 3, 9):
         x = rng.standard_normal((m, k)).astype(np.float32)
@@ -51,33 +64,36 @@ def test_q8_0_product_matches_dequantized_float64(n, k, cuts):
         y = prod(torch.from_numpy(x), out=out).numpy()
         assert np.isfinite(y).all()
         ref = x.astype(np.float64) @ wq.T
-        bound = _q8_0_bound(x, wq)
+        bound = _native_bound(x, wq, _offsets(raw, fmt, n, k))
         assert (np.abs(y - ref) <= bound).all(), float((np.abs(y - ref) / bound).max())
 
 
-def test_q8_0_product_rejects_wrong_shapes():
+def test_native_product_rejects_wrong_shapes():
     raw = quantize(np.random.default_rng(1).standard_normal((8, 64)).astype(np.float32), "Q8_0")
-    prod = Q8_0Rows([raw], 64)
+    prod = NativeRows([raw], 64)
     with pytest.raises(ValueError, match=r"expected \[m, 64\]"):
         prod(torch.randn(2, 32))
     with pytest.raises(ValueError, match="out of shape"):
         prod(torch.randn(2, 64), out=torch.empty(2, 7))
     with pytest.raises(ValueError, match="bytes for k = 96"):
-        Q8_0Rows([raw], 96)
+        NativeRows([raw], 96)
+    with pytest.raises(ValueError, match="known: Q8_0"):
+        NativeRows([raw], 64, "Q6_K")
 
 
-def test_cpu_fast_decodes_q8_0_natively_as_the_reference(tmp_path):
-    """A Q8_0 model on cpu-fast: its decode products run on the native kernel (few input rows),
-    its prompt on torch's packs; logits of every decode step close to the float32 reference's and
-    the same greedy tokens."""
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_1"])
+def test_cpu_fast_decodes_natively_as_the_reference(tmp_path, fmt):
+    """A model on cpu-fast: its decode products run on the native kernels (few input rows), its
+    prompt on torch's packs; logits of every decode step close to the float32 reference's and the
+    same greedy tokens."""
     spec = SyntheticSpec(arch="llama", n_layers=2, d_model=128, n_heads=4, n_kv_heads=2, ffn_dim=320,
-                         weight_type="Q8_0", embed_type="Q8_0", seed=11)
-    path = write_synthetic_gguf(tmp_path / "q8.gguf", spec)
+                         weight_type=fmt, embed_type="Q8_0", seed=11)
+    path = write_synthetic_gguf(tmp_path / f"{fmt}.gguf", spec)
     ref = edgellm.load(path, backend="cpu", ctx=64)
     fast = edgellm.load(path, backend="cpu-fast", ctx=64)
     packs = fast.backend.weights._packs.values()
-    assert packs and all(p.native is not None for p in packs if p.type_name == "Q8_0")
-    assert "native Q8_0" in fast.backend.describe()
+    assert packs and all(p.native is not None for p in packs if p.type_name in ("Q8_0", "Q4_0", "Q4_1"))
+    assert any(p.type_name == fmt for p in packs) and "native for" in fast.backend.describe()
     ids = [3, 17, 5, 9, 30, 2, 11]
     a, b = ref.logits(ids), fast.logits(ids)  # the prompt: several rows per product
     assert np.abs(a - b).max() <= 0.03 * np.abs(a).max()
@@ -114,8 +130,27 @@ def test_a_damaged_library_in_the_cache_is_rebuilt(monkeypatch, tmp_path):
         lib = cpu_native.library()
         assert lib is not None and built.stat().st_size > 1000
         raw = quantize(np.random.default_rng(2).standard_normal((8, 64)).astype(np.float32), "Q8_0")
-        y = Q8_0Rows([raw], 64)(torch.ones(1, 64))
+        y = NativeRows([raw], 64)(torch.ones(1, 64))
         assert np.allclose(y.numpy()[0], dequantize(raw, "Q8_0", (8, 64)).sum(1), rtol=1e-2, atol=1e-3)
     finally:
         cpu_native._state.clear()
         cpu_native._state.update(saved)
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1"])
+def test_plain_c_build_matches_the_vector_build(fmt):
+    """The build without x86 vector extensions (what a CPU without AVX2 gets: the plain C loops and
+    the software fp16 conversion) gives the vector build's products to float32 rounding."""
+    try:
+        plain = cpu_native.variant(["-mno-avx2", "-mno-f16c", "-mno-fma"])
+    except RuntimeError as e:  # a compiler for another architecture rejects the x86 flags
+        pytest.skip(f"no x86 plain build here: {e}")
+    rng = np.random.default_rng(5)
+    n, k = 37, 160
+    w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+    w[0, :32] *= 1e-3  # fp16 subnormal scales: the software conversion's rare path
+    raw = quantize(w, fmt)
+    x = torch.from_numpy(rng.standard_normal((2, k)).astype(np.float32))
+    a = NativeRows([raw], k, fmt)(x).numpy()
+    b = NativeRows([raw], k, fmt, lib=plain)(x).numpy()
+    assert np.allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(a).max())

@@ -41,8 +41,9 @@ from ..quant import dequantize
 from .cpu import CPU_KERNELS, GATE_ACTS, CpuBackend, CpuProgram, _attention, _kv_store, _rms_norm, rope_qkv_extras, rotate
 from .info import CpuFastInfo, int4_group
 
-# products with at most this many input rows (decode steps) run on the native Q8_0 kernel where it
-# is built (cpu_native.c: the file's own blocks, int8 dot products); more rows on torch's packs
+# products with at most this many input rows (decode steps) run on the native kernels where they
+# are built (cpu_native.c: Q8_0, Q4_0, Q4_1 from the file's own blocks, int8 dot products); more
+# rows on torch's packs
 NATIVE_MAX_ROWS = int(os.environ.get("EDGELLM_NATIVE_MAX_ROWS", "8"))
 
 def physical_cores() -> int:
@@ -124,7 +125,7 @@ class PackedLinear:
         self.packed_lo, self.scales_zeros_lo = _int4_pack(u & 0x0F, d, 8 * d)
         self.n_out, self.zero_resid = n + (-n % 16), None
 
-    native = None  # the native kernel's reading of the same rows (cpu_native.Q8_0Rows), for few inputs
+    native = None  # the native kernel's reading of the same rows (cpu_native.NativeRows), for few inputs
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x float32 [m, k] -> float32 [m, n]."""
@@ -296,9 +297,12 @@ class CpuFastWeights:
         return {"packs": entries}, arrays
 
     def _attach_native(self, p: PackedLinear, names: tuple[str, ...], rows: tuple[int, int] | None) -> None:
-        """Give a Q8_0 matrix the native kernel's reading: the file's own blocks, memory-mapped,
-        each stacked part (and the rows [a, b) of the stack) where it lies; nothing is copied."""
-        if p.type_name != "Q8_0" or p.k % 32 or NATIVE_MAX_ROWS < 1:
+        """Give a matrix of a format the native kernels read (Q8_0, Q4_0, Q4_1) their reading: the
+        file's own blocks, memory-mapped, each stacked part (and the rows [a, b) of the stack) where
+        it lies; nothing is copied."""
+        from .cpu_native import FORMATS
+
+        if p.type_name not in FORMATS or p.k % 32 or NATIVE_MAX_ROWS < 1:
             return
         from . import cpu_native
 
@@ -312,7 +316,7 @@ class CpuFastWeights:
             if lo < hi:
                 parts.append(data[lo:hi])
             base += data.shape[0]
-        p.native = cpu_native.Q8_0Rows(parts, p.k)
+        p.native = cpu_native.NativeRows(parts, p.k, p.type_name)
 
     def bias(self, names: tuple[str, ...]) -> torch.Tensor:
         b = self._biases.get(names)
@@ -561,6 +565,6 @@ class CpuFastBackend(CpuFastInfo, CpuBackend):
         held = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
         native = sum(p.native is not None for p in self.weights._packs.values())
         if native:
-            held += f"; {native} native Q8_0 for <= {NATIVE_MAX_ROWS} rows"
+            held += f"; {native} native for <= {NATIVE_MAX_ROWS} rows"
         return (f"cpu-fast (torch {torch.__version__}, {torch.get_num_threads()} threads; "
                 f"weights {self.weights.nbytes / 2**20:.0f} MiB: {held})")

@@ -1,7 +1,11 @@
 /* edgellm's native CPU kernels: matrix products with few input rows (decode steps) read straight
- * from the file's quantized blocks (Q8_0: fp16 scale d, 32 int8 codes; 34 bytes per 32 weights).
+ * from the file's quantized blocks of 32 weights:
+ *   Q8_0: fp16 d, 32 int8 codes q (34 bytes)        w = d q
+ *   Q4_0: fp16 d, 16 bytes of 4-bit codes (18 bytes)  w = d (q - 8)
+ *   Q4_1: fp16 d, fp16 m, 16 bytes of codes (20 bytes) w = d q + m
+ * (4-bit codes: byte j holds code j in its low nibble and code j + 16 in its high one.)
  *
- * y[t][r] = sum_b  d_w[r][b] * d_x[t][b] * sum_i q_w[r][b][i] * q_x[t][b][i]
+ * y[t][r] = sum_b  d_w[r][b] * d_x[t][b] * sum_i q_w[r][b][i] * q_x[t][b][i]  (+ m[r][b] * sum_i x[t][b][i])
  *
  * The input rows are quantized once per call to int8 blocks of 32 with a float32 scale per block
  * (amax / 127, round to nearest), as llama.cpp's CPU path does, so each block's dot product is an
@@ -54,8 +58,9 @@ static inline float f16_to_f32(uint16_t h) {
 #endif
 }
 
-/* x [m][k] float32 -> q [m][k] int8 and d [m][k/32] float32 (k a multiple of 32). */
-void edgellm_quantize_q8(const float *x, int64_t m, int64_t k, int8_t *q, float *d) {
+/* x [m][k] float32 -> q [m][k] int8 and d [m][k/32] float32 (k a multiple of 32); with sums not
+ * NULL also each block's float sum of x [m][k/32] (the 4-bit formats' offset term). */
+void edgellm_quantize_q8(const float *x, int64_t m, int64_t k, int8_t *q, float *d, float *sums) {
     const int64_t nb = k / QK;
     for (int64_t t = 0; t < m; t++) {
         for (int64_t b = 0; b < nb; b++) {
@@ -67,6 +72,12 @@ void edgellm_quantize_q8(const float *x, int64_t m, int64_t k, int8_t *q, float 
             }
             const float s = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
             d[t * nb + b] = s;
+            if (sums) {
+                float acc = 0.0f;
+                for (int i = 0; i < QK; i++)
+                    acc += xs[i];
+                sums[t * nb + b] = acc;
+            }
             int8_t *qs = q + t * k + b * QK;
             for (int i = 0; i < QK; i++)
                 qs[i] = (int8_t)lrintf(xs[i] * inv);
@@ -159,7 +170,7 @@ void edgellm_q8_0_matmul(const uint8_t *const *w, const int64_t *rows, int64_t p
     int64_t n = 0;
     for (int64_t p = 0; p < parts; p++)
         n += rows[p];
-    edgellm_quantize_q8(x, m, k, xq, xd);
+    edgellm_quantize_q8(x, m, k, xq, xd, NULL);
     const int64_t tasks = (n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
     /* dynamic: a thread that loses its core for a while (another process, the GPU runtime's
      * threads) takes fewer tasks instead of holding the whole product back */
@@ -173,6 +184,90 @@ void edgellm_q8_0_matmul(const uint8_t *const *w, const int64_t *rows, int64_t p
             if (r0 < end) {
                 const int64_t stop = r1 < end ? r1 : end;
                 q8_0_rows(w[p], nb, r0 - base, stop - base, xq, xd, m, y + base, n);
+                r0 = stop;
+            }
+            base = end;
+        }
+    }
+}
+
+/* ---- 4-bit formats ------------------------------------------------------------------------- */
+#define Q4_0_BYTES 18
+#define Q4_1_BYTES 20
+
+#if defined(__AVX2__)
+/* a block's 32 codes (0..15) in weight order: the low nibbles, then the high ones */
+static inline __m256i unpack_q4(const uint8_t *qs) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)qs);
+    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(v, 4), v);
+    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+#endif
+
+/* rows [r0, r1) of a Q4_0 (has_min 0) or Q4_1 (has_min 1) matrix times every input row */
+static void q4_rows(const uint8_t *w, int64_t nb, int has_min, int64_t r0, int64_t r1, const int8_t *xq,
+                    const float *xd, const float *xs, int64_t m, float *y, int64_t ldy) {
+    const int64_t bb = has_min ? Q4_1_BYTES : Q4_0_BYTES, head = has_min ? 4 : 2;
+    for (int64_t t = 0; t < m; t++) {
+        const int8_t *qx = xq + t * nb * QK;
+        const float *dx = xd + t * nb, *sx = xs + t * nb;
+        int64_t r = r0;
+#if defined(__AVX2__)
+        for (; r + 4 <= r1; r += 4) {
+            const uint8_t *wr[4] = {w + r * nb * bb, w + (r + 1) * nb * bb, w + (r + 2) * nb * bb,
+                                    w + (r + 3) * nb * bb};
+            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+            float off[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            for (int64_t b = 0; b < nb; b++) {
+                const __m256i vx = _mm256_loadu_si256((const __m256i *)(qx + b * QK));
+                const int64_t o = b * bb;
+                for (int j = 0; j < 4; j++) {
+                    const uint8_t *blk = wr[j] + o;
+                    const float d = f16_to_f32(*(const uint16_t *)blk);
+                    const __m256 p = _mm256_cvtepi32_ps(dot32(unpack_q4(blk + head), vx));
+                    acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[b]), p, acc[j]);
+                    off[j] += (has_min ? f16_to_f32(*(const uint16_t *)(blk + 2)) : -8.0f * d) * sx[b];
+                }
+            }
+            for (int j = 0; j < 4; j++)
+                y[t * ldy + r + j] = hsum8(acc[j]) + off[j];
+        }
+#endif
+        for (; r < r1; r++) {
+            const uint8_t *wr = w + r * nb * bb;
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *blk = wr + b * bb, *qs = blk + head;
+                const float d = f16_to_f32(*(const uint16_t *)blk);
+                int32_t sum = 0;
+                for (int i = 0; i < 16; i++)
+                    sum += (int32_t)(qs[i] & 0x0F) * qx[b * QK + i] + (int32_t)(qs[i] >> 4) * qx[b * QK + i + 16];
+                acc += d * dx[b] * (float)sum + (has_min ? f16_to_f32(*(const uint16_t *)(blk + 2)) : -8.0f * d) * sx[b];
+            }
+            y[t * ldy + r] = acc;
+        }
+    }
+}
+
+/* As edgellm_q8_0_matmul for Q4_0 (has_min 0) or Q4_1 (has_min 1) parts; xs [m][k/32] is scratch
+ * for the input's block sums. */
+void edgellm_q4_matmul(const uint8_t *const *w, const int64_t *rows, int64_t parts, int64_t k, int has_min,
+                       const float *x, int64_t m, float *y, int8_t *xq, float *xd, float *xs, int nthreads) {
+    const int64_t nb = k / QK;
+    int64_t n = 0;
+    for (int64_t p = 0; p < parts; p++)
+        n += rows[p];
+    edgellm_quantize_q8(x, m, k, xq, xd, xs);
+    const int64_t tasks = (n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+#pragma omp parallel for schedule(dynamic, 4) num_threads(nthreads)
+    for (int64_t task = 0; task < tasks; task++) {
+        int64_t r0 = task * ROWS_PER_TASK, r1 = r0 + ROWS_PER_TASK < n ? r0 + ROWS_PER_TASK : n;
+        int64_t base = 0;
+        for (int64_t p = 0; p < parts && r0 < r1; p++) {
+            const int64_t end = base + rows[p];
+            if (r0 < end) {
+                const int64_t stop = r1 < end ? r1 : end;
+                q4_rows(w[p], nb, has_min, r0 - base, stop - base, xq, xd, xs, m, y + base, n);
                 r0 = stop;
             }
             base = end;

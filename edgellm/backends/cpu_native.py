@@ -1,4 +1,5 @@
-"""edgellm's native CPU kernels (cpu_native.c): built at first use with the system's C compiler for
+"""edgellm's native CPU kernels (cpu_native.c: decode-step products of Q8_0, Q4_0 and Q4_1 weights
+read from the file's own blocks): built at first use with the system's C compiler for
 the machine it runs on, kept in the engine cache, called through ctypes.
 
 The library is linked against the OpenMP runtime this process already has (torch's), found in
@@ -109,7 +110,9 @@ def _load(extra: list[str] | None = None) -> ctypes.CDLL:
     p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.edgellm_q8_0_matmul.argtypes = [p, p, i64, i64, p, i64, p, p, p, c_int]
     lib.edgellm_q8_0_matmul.restype = None
-    lib.edgellm_quantize_q8.argtypes = [p, i64, i64, p, p]
+    lib.edgellm_q4_matmul.argtypes = [p, p, i64, i64, c_int, p, i64, p, p, p, p, c_int]
+    lib.edgellm_q4_matmul.restype = None
+    lib.edgellm_quantize_q8.argtypes = [p, i64, i64, p, p, p]
     lib.edgellm_quantize_q8.restype = None
     return lib
 
@@ -136,16 +139,23 @@ def unavailable() -> str | None:
     return _state["why"]
 
 
-class Q8_0Rows:
-    """A Q8_0 matrix as the native kernel reads it: one or more parts stacked by rows, each a
-    [rows, k/32 * 34] uint8 array of the file's blocks (memory-mapped views are kept as they are)."""
+# the formats the kernels read: bytes per block of 32 weights, and the 4-bit formats' offset kind
+FORMATS = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
 
-    def __init__(self, parts: list[np.ndarray], k: int, lib: ctypes.CDLL | None = None):
-        self.k = k
+
+class NativeRows:
+    """A quantized matrix (FORMATS) as the native kernels read it: one or more parts stacked by
+    rows, each a [rows, k/32 * block bytes] uint8 array of the file's blocks (memory-mapped views
+    are kept as they are, nothing is copied)."""
+
+    def __init__(self, parts: list[np.ndarray], k: int, fmt: str = "Q8_0", lib: ctypes.CDLL | None = None):
+        if fmt not in FORMATS or k % 32:
+            raise ValueError(f"native product: {fmt} with rows of {k} (known: {', '.join(FORMATS)}; k a multiple of 32)")
+        self.k, self.fmt = k, fmt
         self.parts = [np.ascontiguousarray(p).view(np.uint8).reshape(p.shape[0], -1) for p in parts]
         for p in self.parts:
-            if p.shape[1] != k // 32 * 34:
-                raise ValueError(f"Q8_0 rows of {p.shape[1]} bytes for k = {k}")
+            if p.shape[1] != k // 32 * FORMATS[fmt]:
+                raise ValueError(f"{fmt} rows of {p.shape[1]} bytes for k = {k}")
         self.n = sum(p.shape[0] for p in self.parts)
         self._ptrs = (ctypes.c_void_p * len(self.parts))(*[p.ctypes.data for p in self.parts])
         self._rows = (ctypes.c_int64 * len(self.parts))(*[p.shape[0] for p in self.parts])
@@ -158,12 +168,19 @@ class Q8_0Rows:
             x = x.float()
         m = x.shape[0]
         if x.dim() != 2 or x.shape[1] != self.k:
-            raise ValueError(f"native Q8_0 product: input of shape {tuple(x.shape)}, expected [m, {self.k}]")
+            raise ValueError(f"native {self.fmt} product: input of shape {tuple(x.shape)}, expected [m, {self.k}]")
         y = torch.empty((m, self.n), dtype=torch.float32) if out is None else out
         if y.shape != (m, self.n) or y.dtype != torch.float32 or not y.is_contiguous():
-            raise ValueError(f"native Q8_0 product: out of shape {tuple(y.shape)} {y.dtype}, expected contiguous float32 [{m}, {self.n}]")
+            raise ValueError(f"native {self.fmt} product: out of shape {tuple(y.shape)} {y.dtype}, expected contiguous float32 [{m}, {self.n}]")
         xq = torch.empty((m, self.k), dtype=torch.int8)
         xd = torch.empty((m, self.k // 32), dtype=torch.float32)
-        self._lib.edgellm_q8_0_matmul(self._ptrs, self._rows, len(self.parts), self.k, x.data_ptr(), m,
-                                      y.data_ptr(), xq.data_ptr(), xd.data_ptr(), torch.get_num_threads())
+        threads = torch.get_num_threads()
+        if self.fmt == "Q8_0":
+            self._lib.edgellm_q8_0_matmul(self._ptrs, self._rows, len(self.parts), self.k, x.data_ptr(), m,
+                                          y.data_ptr(), xq.data_ptr(), xd.data_ptr(), threads)
+        else:
+            xs = torch.empty((m, self.k // 32), dtype=torch.float32)
+            self._lib.edgellm_q4_matmul(self._ptrs, self._rows, len(self.parts), self.k, int(self.fmt == "Q4_1"),
+                                        x.data_ptr(), m, y.data_ptr(), xq.data_ptr(), xd.data_ptr(), xs.data_ptr(),
+                                        threads)
         return y

@@ -261,7 +261,7 @@ def _host_slowdown(h, d, dev) -> float:
     raw = quantize(np.random.default_rng(0).standard_normal((14336, 4096), dtype=np.float32), "Q8_0")
     copies = [raw] + [raw.copy() for _ in range(5)]
     if cpu_native.library() is not None:
-        ws = [cpu_native.Q8_0Rows([r], 4096) for r in copies]
+        ws = [cpu_native.NativeRows([r], 4096) for r in copies]
     else:
         ws = [PackedLinear(r, "Q8_0", (14336, 4096)) for r in copies]
     x = torch.randn(1, 4096)

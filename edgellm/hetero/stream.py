@@ -253,12 +253,13 @@ class StreamedProducts:
         return call % self.n_slots
 
     def _upload(self, hx: torch.Tensor, xd: torch.Tensor) -> None:
-        """x (pinned, float32) to the device in fp16, on the compute stream. A kernel reads the
-        pinned memory over the link itself: a copy would go to the link's copy engine and wait
-        there behind the weight pieces already queued for the next products (about a millisecond
-        at 54 GB/s). Where the kernel cannot read host memory, or with EDGELLM_STREAM_X=copy, the
-        copy is used."""
-        if self._mapped_x:
+        """x (pinned, float32) to the device in fp16, on the compute stream. A decode step's x
+        (a few rows) is read by a kernel from the pinned memory over the link itself: a copy would
+        go to the link's copy engine and wait there behind the weight pieces already queued for
+        the next products (about a millisecond at 54 GB/s). A prefill chunk's x (megabytes) is
+        copied. Where the kernel cannot read host memory, or with EDGELLM_STREAM_X=copy, the copy
+        is used."""
+        if self._mapped_x and hx.shape[0] <= STREAM_ALL_TOKENS:  # a prefill chunk's x: the copy engine, in order
             try:
                 self.K.upload_fp16(hx, xd)
                 return
