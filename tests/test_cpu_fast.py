@@ -80,11 +80,14 @@ def test_synthetic_models_match_reference_prefill_and_decode(tmp_path, spec):
     m = edgellm.load(path, backend="cpu-fast", ctx=32, prefill_chunk=8)  # two prefill chunks
     got = m.logits(ids)
     scale = np.abs(ref).max()
-    assert np.abs(got - ref).max() <= 0.02 * scale
+    # 3%: the second chunk (5 rows) and the decode steps run the native kernels, whose int8 input
+    # blocks (llama.cpp's scheme) move each input by up to 1/254 of its block's largest value:
+    # up to 2.6% of the largest logit on these 64-wide models (torch's bf16 packs: under 2%)
+    assert np.abs(got - ref).max() <= 0.03 * scale
     # decode, one token at a time, through the in-place cache
     steps = [m.forward(ids[:6], 0, all_logits=False)[-1]]
     steps += [m.forward([ids[i]], i, all_logits=False)[-1] for i in range(6, len(ids))]
-    assert np.abs(np.stack(steps) - ref[5:]).max() <= 0.02 * scale
+    assert np.abs(np.stack(steps) - ref[5:]).max() <= 0.03 * scale
 
 
 def test_auto_without_gpu_is_cpu_fast():

@@ -91,8 +91,12 @@ def test_row_split_unit_matches_unsplit(model_path):
     assert all(k[0][0].startswith("blk.1.") and k[1][0] > 0 for k in there)  # the other holds only the rest
     a, b = m.logits(ids), ref.logits(ids)
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max())
-    steps = [m.forward(ids[:4], 0, all_logits=False)[-1]] + [m.forward([ids[i]], i, all_logits=False)[-1] for i in (4, 5, 6)]
-    np.testing.assert_allclose(np.stack(steps), b[3:], rtol=0, atol=1e-5 * np.abs(b).max())
+    # the same prompt then decode steps on both (a decode step's products read int8-rounded inputs,
+    # so they are compared with the unsplit model's decode steps, not its prompt logits)
+    steps = [[mm.forward(ids[:4], 0, all_logits=False)[-1]] + [mm.forward([ids[i]], i, all_logits=False)[-1]
+                                                               for i in (4, 5, 6)] for mm in (m, ref)]
+    np.testing.assert_allclose(np.stack(steps[0]), np.stack(steps[1]), rtol=0, atol=1e-5 * np.abs(b).max())
+    assert np.abs(np.stack(steps[1]) - b[3:]).max() <= 0.05 * np.abs(b).max()
 
 
 def test_streamed_row_split_matches_unsplit(monkeypatch, tmp_path):

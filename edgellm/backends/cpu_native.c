@@ -138,13 +138,27 @@ static void q8_0_rows(const uint8_t *w, int64_t nb, int64_t r0, int64_t r1, cons
         acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_to_f32(*(const uint16_t *)(wr + o)) * s), p, acc); \
     }
                 EDGELLM_ROW(a0, w0) EDGELLM_ROW(a1, w1) EDGELLM_ROW(a2, w2) EDGELLM_ROW(a3, w3)
-#undef EDGELLM_ROW
             }
             y[t * ldy + r] = hsum8(a0);
             y[t * ldy + r + 1] = hsum8(a1);
             y[t * ldy + r + 2] = hsum8(a2);
             y[t * ldy + r + 3] = hsum8(a3);
         }
+        /* the last rows one at a time, with the same arithmetic: a row's result does not depend on
+         * which rows it was computed with (a matrix split by rows gives the whole one's values) */
+        for (; r < r1; r++) {
+            const uint8_t *w0 = w + r * nb * Q8_0_BYTES;
+            __m256 a0 = _mm256_setzero_ps();
+            for (int64_t b = 0; b < nb; b++) {
+                const __m256i vx = _mm256_loadu_si256((const __m256i *)(qx + b * QK));
+                const __m256i ax = _mm256_sign_epi8(vx, vx);
+                const int64_t o = b * Q8_0_BYTES;
+                const float s = dx[b];
+                EDGELLM_ROW(a0, w0)
+            }
+            y[t * ldy + r] = hsum8(a0);
+        }
+#undef EDGELLM_ROW
 #endif
         for (; r < r1; r++) {
             const uint8_t *wr = w + r * nb * Q8_0_BYTES;
@@ -213,15 +227,22 @@ static void q4_rows(const uint8_t *w, int64_t nb, int has_min, int64_t r0, int64
         const float *dx = xd + t * nb, *sx = xs + t * nb;
         int64_t r = r0;
 #if defined(__AVX2__)
-        for (; r + 4 <= r1; r += 4) {
-            const uint8_t *wr[4] = {w + r * nb * bb, w + (r + 1) * nb * bb, w + (r + 2) * nb * bb,
-                                    w + (r + 3) * nb * bb};
-            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-            float off[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        /* four rows at a time share each block's x load; the last rows go one at a time through
+         * the same arithmetic (a row's result does not depend on the rows computed with it) */
+        for (; r < r1;) {
+            const int rows = r + 4 <= r1 ? 4 : 1;
+            const uint8_t *wr[4];
+            __m256 acc[4];
+            float off[4];
+            for (int j = 0; j < rows; j++) {
+                wr[j] = w + (r + j) * nb * bb;
+                acc[j] = _mm256_setzero_ps();
+                off[j] = 0.0f;
+            }
             for (int64_t b = 0; b < nb; b++) {
                 const __m256i vx = _mm256_loadu_si256((const __m256i *)(qx + b * QK));
                 const int64_t o = b * bb;
-                for (int j = 0; j < 4; j++) {
+                for (int j = 0; j < rows; j++) {
                     const uint8_t *blk = wr[j] + o;
                     const float d = f16_to_f32(*(const uint16_t *)blk);
                     const __m256 p = _mm256_cvtepi32_ps(dot32(unpack_q4(blk + head), vx));
@@ -229,8 +250,9 @@ static void q4_rows(const uint8_t *w, int64_t nb, int has_min, int64_t r0, int64
                     off[j] += (has_min ? f16_to_f32(*(const uint16_t *)(blk + 2)) : -8.0f * d) * sx[b];
                 }
             }
-            for (int j = 0; j < 4; j++)
+            for (int j = 0; j < rows; j++)
                 y[t * ldy + r + j] = hsum8(acc[j]) + off[j];
+            r += rows;
         }
 #endif
         for (; r < r1; r++) {
