@@ -145,9 +145,10 @@ def stream_options(f, decode_graph, prefill_graph, g: str, profile: Profile, *, 
     docstring). By default only SHARE 1.00: the CPU multiplies every row in decode and the GPU
     streams every row of a prefill chunk. Decode shares below 1 (the GPU multiplying part of each
     decode product from streamed rows at the same time as the CPU) are offered with
-    EDGELLM_STREAM_DECODE=1: on the H100 machine (2026-11-27, 8B Q8_0 under a 6 GiB cap) they ran
-    decode at 21.4 tok/s against the model's 35 predicted and 26.1 without them, for reasons not
-    yet measured."""
+    EDGELLM_STREAM_DECODE=1: on the H100 machine (2026-11-27, 8B Q8_0 under 6 and 4 GiB caps, the
+    CPU side on the native kernels) they ran decode at 24.6 / 14.2 tok/s against 45 / 24 predicted
+    and 33.9 / 17.4 without them: the CPU's products wait for the GPU's rows, which wait for the
+    link (docs/benchmarks.md)."""
     link = profile.link("cpu", g)
     back = profile.link(g, "cpu")
     slow = link.host_slowdown
