@@ -54,11 +54,12 @@ def main() -> None:
 
     from edgellm.backends import cpu_native as native
     from edgellm.backends.cpu_fast import PackedLinear, physical_cores
+    from edgellm.bench.device import cpu_name
     from edgellm.quant import quantize
 
     threads = a.threads or physical_cores()
     torch.set_num_threads(threads)
-    out: dict = {"threads": threads, "cpu": _cpu_name(), "format": a.format}
+    out: dict = {"threads": threads, "cpu": cpu_name(), "format": a.format}
 
     src = torch.empty(1 << 30, dtype=torch.uint8).fill_(1)
     dst = torch.empty_like(src)
@@ -162,17 +163,6 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(out, fh, indent=1)
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 if __name__ == "__main__":

@@ -19,21 +19,12 @@ import mmap
 import os
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from host_probe import best  # noqa: E402  (this folder's)
+
 SHAPES = {"q|k|v": (6144, 4096), "o": (4096, 4096), "gate|up": (28672, 4096), "down": (4096, 14336)}
-
-
-def best(fn, reps: int) -> float:
-    fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return min(ts)
 
 
 def random_q8_0(n: int, k: int, rng):
@@ -66,6 +57,7 @@ def main() -> None:
 
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
     from edgellm.backends.cpu_fast import physical_cores
+    from edgellm.bench.device import cpu_name
 
     threads = [int(t) for t in a.threads.split(",")] if a.threads else [physical_cores()]
     rng = np.random.default_rng(0)
@@ -92,7 +84,7 @@ def main() -> None:
     for kind in a.memory.split(","):
         mems[kind] = [{name: place(kind, c, name, raw) for name, raw in layer.items()} for c in range(copies)]
     x = {4096: torch.randn(1, 4096), 14336: torch.randn(1, 14336)}
-    out = {"cpu": _cpu_name(), "copies": copies, "layer_GB": layer_bytes / 1e9, "rows": []}
+    out = {"cpu": cpu_name(), "copies": copies, "layer_GB": layer_bytes / 1e9, "rows": []}
     print(f"{out['cpu']}; {copies} copies of the 8B layer ({copies * layer_bytes / 1e9:.2f} GB) per memory kind")
     print(f"{'variant':<10} {'memory':<6} {'threads':>7} {'GB/s':>7} {'torch sum GB/s':>15}")
     for vname, flags in (v.split(":", 1) for v in a.variants.split(";")):
@@ -120,17 +112,6 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(out, fh, indent=1)
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 if __name__ == "__main__":

@@ -105,9 +105,11 @@ static inline __m256i dot32(__m256i ax, __m256i sw) {
 }
 #endif
 
-/* rows [r0, r1) of one weight matrix times every input row */
-static void q8_0_rows(const uint8_t *w, int64_t nb, int64_t r0, int64_t r1, const int8_t *xq,
-                      const float *xd, int64_t m, float *y, int64_t ldy) {
+/* rows [r0, r1) of one Q8_0 matrix times every input row (has_min and xs: the 4-bit formats') */
+static void q8_0_rows(const uint8_t *w, int64_t nb, int has_min, int64_t r0, int64_t r1, const int8_t *xq,
+                      const float *xd, const float *xs, int64_t m, float *y, int64_t ldy) {
+    (void)has_min;
+    (void)xs;
     for (int64_t t = 0; t < m; t++) {
         const int8_t *qx = xq + t * nb * QK;
         const float *dx = xd + t * nb;
@@ -175,16 +177,18 @@ static void q8_0_rows(const uint8_t *w, int64_t nb, int64_t r0, int64_t r1, cons
     }
 }
 
-/* Several Q8_0 matrices stacked by rows (a fused q|k|v or gate|up product, each part read where
- * it lies in the file): part p has rows[p] rows starting at w[p]. x [m][k] float32 -> y [m][sum
- * of rows] float32. xq [m][k] and xd [m][k/32] are the caller's scratch. */
-void edgellm_q8_0_matmul(const uint8_t *const *w, const int64_t *rows, int64_t parts, int64_t k,
-                         const float *x, int64_t m, float *y, int8_t *xq, float *xd, int nthreads) {
-    const int64_t nb = k / QK;
+typedef void (*rows_fn)(const uint8_t *w, int64_t nb, int has_min, int64_t r0, int64_t r1, const int8_t *xq,
+                        const float *xd, const float *xs, int64_t m, float *y, int64_t ldy);
+
+/* The rows of parts stacked by rows (a fused q|k|v or gate|up product, each part read where it
+ * lies in the file; part p has rows[p] rows starting at w[p]) handed out to the threads in tasks
+ * of ROWS_PER_TASK, each task's rows multiplied by `rows_of` from its own part. */
+static void run_tasks(rows_fn rows_of, const uint8_t *const *w, const int64_t *rows, int64_t parts, int64_t nb,
+                      int has_min, const int8_t *xq, const float *xd, const float *xs, int64_t m, float *y,
+                      int nthreads) {
     int64_t n = 0;
     for (int64_t p = 0; p < parts; p++)
         n += rows[p];
-    edgellm_quantize_q8(x, m, k, xq, xd, NULL);
     const int64_t tasks = (n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
     /* dynamic: a thread that loses its core for a while (another process, the GPU runtime's
      * threads) takes fewer tasks instead of holding the whole product back */
@@ -197,12 +201,20 @@ void edgellm_q8_0_matmul(const uint8_t *const *w, const int64_t *rows, int64_t p
             const int64_t end = base + rows[p];
             if (r0 < end) {
                 const int64_t stop = r1 < end ? r1 : end;
-                q8_0_rows(w[p], nb, r0 - base, stop - base, xq, xd, m, y + base, n);
+                rows_of(w[p], nb, has_min, r0 - base, stop - base, xq, xd, xs, m, y + base, n);
                 r0 = stop;
             }
             base = end;
         }
     }
+}
+
+/* Several Q8_0 matrices stacked by rows (see run_tasks). x [m][k] float32 -> y [m][sum of rows]
+ * float32. xq [m][k] and xd [m][k/32] are the caller's scratch. */
+void edgellm_q8_0_matmul(const uint8_t *const *w, const int64_t *rows, int64_t parts, int64_t k,
+                         const float *x, int64_t m, float *y, int8_t *xq, float *xd, int nthreads) {
+    edgellm_quantize_q8(x, m, k, xq, xd, NULL);
+    run_tasks(q8_0_rows, w, rows, parts, k / QK, 0, xq, xd, NULL, m, y, nthreads);
 }
 
 /* ---- 4-bit formats ------------------------------------------------------------------------- */
@@ -275,24 +287,6 @@ static void q4_rows(const uint8_t *w, int64_t nb, int has_min, int64_t r0, int64
  * for the input's block sums. */
 void edgellm_q4_matmul(const uint8_t *const *w, const int64_t *rows, int64_t parts, int64_t k, int has_min,
                        const float *x, int64_t m, float *y, int8_t *xq, float *xd, float *xs, int nthreads) {
-    const int64_t nb = k / QK;
-    int64_t n = 0;
-    for (int64_t p = 0; p < parts; p++)
-        n += rows[p];
     edgellm_quantize_q8(x, m, k, xq, xd, xs);
-    const int64_t tasks = (n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
-#pragma omp parallel for schedule(dynamic, 4) num_threads(nthreads)
-    for (int64_t task = 0; task < tasks; task++) {
-        int64_t r0 = task * ROWS_PER_TASK, r1 = r0 + ROWS_PER_TASK < n ? r0 + ROWS_PER_TASK : n;
-        int64_t base = 0;
-        for (int64_t p = 0; p < parts && r0 < r1; p++) {
-            const int64_t end = base + rows[p];
-            if (r0 < end) {
-                const int64_t stop = r1 < end ? r1 : end;
-                q4_rows(w[p], nb, has_min, r0 - base, stop - base, xq, xd, xs, m, y + base, n);
-                r0 = stop;
-            }
-            base = end;
-        }
-    }
+    run_tasks(q4_rows, w, rows, parts, k / QK, has_min, xq, xd, xs, m, y, nthreads);
 }
