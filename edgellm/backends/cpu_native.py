@@ -36,7 +36,6 @@ _state: dict = {}
 
 def _openmp_runtime() -> str | None:
     """The OpenMP runtime file torch loaded into this process (None: torch was built without one)."""
-    torch.get_num_threads()  # torch's runtime is loaded with torch; this only makes the use explicit
     try:
         with open("/proc/self/maps") as f:
             for line in f:
@@ -54,7 +53,7 @@ def _compiler() -> str | None:
     return shutil.which(cc) if cc else (shutil.which("cc") or shutil.which("gcc"))
 
 
-def _build(cc: str, omp: str, out: Path, extra: list[str] | None = None) -> None:
+def _build(cc: str, omp: str, out: Path, extra: list[str]) -> None:
     """Compile into a temporary file beside `out`, then rename: a concurrent build or a reader
     never sees a partial library."""
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -64,7 +63,7 @@ def _build(cc: str, omp: str, out: Path, extra: list[str] | None = None) -> None
         # compiled with -fopenmp, but linked (without it) to the runtime torch loaded, by path,
         # instead of the compiler's default one
         obj = tmp[:-3] + ".o"
-        for cmd in ([cc, *FLAGS, *(EXTRA if extra is None else extra), "-c", str(SOURCE), "-o", obj],
+        for cmd in ([cc, *FLAGS, *extra, "-c", str(SOURCE), "-o", obj],
                     [cc, "-shared", obj, omp, f"-Wl,-rpath,{os.path.dirname(omp)}", "-lm", "-o", tmp]):
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             if r.returncode != 0:
@@ -78,7 +77,9 @@ def _build(cc: str, omp: str, out: Path, extra: list[str] | None = None) -> None
 
 def _library_path(extra: list[str] | None = None) -> tuple[Path, str, str]:
     """Where this machine's build lives in the engine cache (keyed by the source, flags, compiler,
-    OpenMP runtime, CPU features and Python), with the compiler and runtime it is built with."""
+    OpenMP runtime, CPU features and Python), with the compiler and runtime it is built with.
+    extra: compiler flags beyond FLAGS (default: EDGELLM_NATIVE_CFLAGS)."""
+    extra = EXTRA if extra is None else extra
     if os.environ.get("EDGELLM_NATIVE", "1") == "0":
         raise RuntimeError("turned off (EDGELLM_NATIVE=0)")
     if platform.system() != "Linux":
@@ -94,11 +95,12 @@ def _library_path(extra: list[str] | None = None) -> tuple[Path, str, str]:
     ver = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     with open("/proc/cpuinfo") as f:  # -march=native: one build per kind of CPU
         cpu = next((ln for ln in f if ln.startswith("flags")), "")
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS + (EXTRA if extra is None else extra)), ver, omp, cpu, sys.version]).encode()).hexdigest()[:24]
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS + extra), ver, omp, cpu, sys.version]).encode()).hexdigest()[:24]
     return cache_root() / "native" / f"cpu_native-{key}.so", cc, omp
 
 
 def _load(extra: list[str] | None = None) -> ctypes.CDLL:
+    extra = EXTRA if extra is None else extra
     out, cc, omp = _library_path(extra)
     if not out.exists():
         _build(cc, omp, out, extra)

@@ -85,7 +85,7 @@ class StreamedProducts:
         self._pos = 0
         self._orders: dict[str, list[tuple]] = {}
         self._recording: list[tuple] | None = None
-        self._x = self._y = None
+        self._stage: dict[str, torch.Tensor] = {}  # staging buffers (_staging)
         self._mapped_x = os.environ.get("EDGELLM_STREAM_X", "mapped") != "copy"
         self.bytes_copied = 0
 
@@ -208,12 +208,10 @@ class StreamedProducts:
         m, k = x.shape
         n = key[1][1] - key[1][0]
         if self.gpu:
-            hx, dx, hy = self._buffers(m * k, m * n)
             cur = torch.cuda.current_stream(self.device)
-            hx = hx[:m * k].view(m, k)
-            hx.copy_(x)
-            xd = dx[:m * k].view(m, k)
-            self._upload(hx, xd)
+            xd = self._staging("x_dev", m * k, torch.float16, self.device).view(m, k)
+            self._upload(x, xd)
+            hy = self._staging("y", m * n, torch.float16)
         else:
             xd = x.to(torch.float16)
             hy = torch.empty(m * n, dtype=torch.float16)
@@ -252,31 +250,34 @@ class StreamedProducts:
         self._pos += 1
         return call % self.n_slots
 
-    def _upload(self, hx: torch.Tensor, xd: torch.Tensor) -> None:
-        """x (pinned, float32) to the device in fp16, on the compute stream. A decode step's x
-        (a few rows) is read by a kernel from the pinned memory over the link itself: a copy would
-        go to the link's copy engine and wait there behind the weight pieces already queued for
-        the next products (about a millisecond at 54 GB/s). A prefill chunk's x (megabytes) is
-        copied. Where the kernel cannot read host memory, or with EDGELLM_STREAM_X=copy, the copy
-        is used."""
-        if self._mapped_x and hx.shape[0] <= STREAM_ALL_TOKENS:  # a prefill chunk's x: the copy engine, in order
+    def _upload(self, x: torch.Tensor, xd: torch.Tensor) -> None:
+        """x (float32, host) to the device in fp16, on the compute stream. A decode step's x (a few
+        rows) is read by a kernel from pinned memory over the link itself: a copy would go to the
+        link's copy engine and wait there behind the weight pieces already queued for the next
+        products (about a millisecond at 54 GB/s). A prefill chunk's x (megabytes) is rounded to
+        fp16 here and copied (half the bytes). Where the kernel cannot read host memory, or with
+        EDGELLM_STREAM_X=copy, the copy is used for both."""
+        m, k = x.shape
+        if self._mapped_x and m <= STREAM_ALL_TOKENS:
+            h32 = self._staging("x32", m * k, torch.float32).view(m, k)
+            h32.copy_(x)
             try:
-                self.K.upload_fp16(hx, xd)
+                self.K.upload_fp16(h32, xd)
                 return
             except (ValueError, RuntimeError):
                 self._mapped_x = False
-        xd.copy_(hx, non_blocking=True)
+        h16 = self._staging("x16", m * k, torch.float16).view(m, k)
+        h16.copy_(x)
+        xd.copy_(h16, non_blocking=True)
 
-    def _buffers(self, nx: int, ny: int):
-        """Staging, grown to the largest call: x pinned on the host (float32) and on the device
-        (fp16), y pinned (fp16). A call's result() is taken before the next call starts, so one set
-        serves all."""
-        if self._x is None or self._x[0].numel() < nx:
-            self._x = (torch.empty(nx, dtype=torch.float32).pin_memory(),
-                       torch.empty(nx, dtype=torch.float16, device=self.device))
-        if self._y is None or self._y.numel() < ny:
-            self._y = torch.empty(ny, dtype=torch.float16).pin_memory()
-        return self._x[0], self._x[1], self._y
+    def _staging(self, name: str, n: int, dtype: torch.dtype, device=None) -> torch.Tensor:
+        """The first n elements of a staging buffer, grown to the largest call: pinned on the host,
+        or on `device`. A call's result() is taken before the next call starts, so one serves all."""
+        buf = self._stage.get(name)
+        if buf is None or buf.numel() < n:
+            buf = torch.empty(n, dtype=dtype, device=device)
+            self._stage[name] = buf = buf if device is not None else buf.pin_memory()
+        return buf[:n]
 
 
 class _Done:
