@@ -340,14 +340,33 @@ class CpuFastWeights:
 class CpuFastProgram(CpuProgram):
     """A CpuProgram whose matrix products and embeddings read packed weights."""
 
-    def __init__(self, graph, weights: CpuFastWeights, states, plan=None, arena=None, rope_tables=None):
+    def __init__(self, graph, weights: CpuFastWeights, states, plan=None, arena=None, rope_tables=None,
+                 max_seq=None):
         super().__init__(graph, weights, states, plan, arena)
+        self.max_seq = max_seq
+        self._step, self.step_unavailable = None, None  # the native decode step (cpu_step), built at the first step
         ctx = max(t.shape[0] for t in states.values()) if states else 1  # rings are shorter
         self._rope_tables = rope_tables or RopeTables(ctx)
         self._kernels = {**CPU_KERNELS, **self._fast_kernels(weights)}
         for op in graph.ops:  # pack every product's weights now, not at the first token
             if op.kind in _WEIGHT_SLOTS:
                 self.prepare_product(self._weight_names(op))
+
+    def run(self, inputs: dict) -> dict:
+        step = self._native_step() if self.max_seq == 1 else None
+        return step.run(inputs) if step is not None else super().run(inputs)
+
+    def _native_step(self):
+        """A program for one token runs as one native call where every op has a native form
+        (cpu_step); not where `product` was replaced (the executor's row splits)."""
+        if self._step is None and self.step_unavailable is None:
+            if getattr(self.product, "__func__", None) is not CpuFastProgram.product:
+                self.step_unavailable = "its products are split across processors"
+            else:
+                from .cpu_step import lower
+
+                self._step, self.step_unavailable = lower(self)
+        return self._step
 
     # the matrix products, overridable: the executor's row splits (edgellm/hetero/executor.py)
     # replace `product` with one that multiplies a share of the rows here and the rest elsewhere
@@ -517,7 +536,7 @@ class CpuFastBackend(CpuFastInfo, CpuBackend):
         ctx = max(t.shape[0] for t in states.values()) if states else 1  # rings are shorter
         if self._rope is None or self._rope.ctx < ctx:
             self._rope = RopeTables(ctx)
-        return self.program_cls(graph, self.weights, states, plan, arena, self._rope)
+        return self.program_cls(graph, self.weights, states, plan, arena, self._rope, max_seq=max_seq)
 
     # -- the program cache (Model calls these around compiling its programs) ---------------------
     def _weights_key(self, fingerprint: str) -> str:

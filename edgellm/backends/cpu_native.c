@@ -19,6 +19,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
+#include <time.h>
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -181,18 +182,19 @@ typedef void (*rows_fn)(const uint8_t *w, int64_t nb, int has_min, int64_t r0, i
                         const float *xd, const float *xs, int64_t m, float *y, int64_t ldy);
 
 /* The rows of parts stacked by rows (a fused q|k|v or gate|up product, each part read where it
- * lies in the file; part p has rows[p] rows starting at w[p]) handed out to the threads in tasks
- * of ROWS_PER_TASK, each task's rows multiplied by `rows_of` from its own part. */
-static void run_tasks(rows_fn rows_of, const uint8_t *const *w, const int64_t *rows, int64_t parts, int64_t nb,
-                      int has_min, const int8_t *xq, const float *xd, const float *xs, int64_t m, float *y,
-                      int nthreads) {
+ * lies in the file; part p has rows[p] rows starting at w[p]) handed out to the threads of the
+ * enclosing parallel region in tasks of ROWS_PER_TASK, each task's rows multiplied by `rows_of`
+ * from its own part. An orphaned worksharing loop: called outside a parallel region it runs on
+ * the calling thread alone; it ends with the loop's barrier. */
+static void tasks_body(rows_fn rows_of, const uint8_t *const *w, const int64_t *rows, int64_t parts, int64_t nb,
+                       int has_min, const int8_t *xq, const float *xd, const float *xs, int64_t m, float *y) {
     int64_t n = 0;
     for (int64_t p = 0; p < parts; p++)
         n += rows[p];
     const int64_t tasks = (n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
     /* dynamic: a thread that loses its core for a while (another process, the GPU runtime's
      * threads) takes fewer tasks instead of holding the whole product back */
-#pragma omp parallel for schedule(dynamic, 4) num_threads(nthreads)
+#pragma omp for schedule(dynamic, 4)
     for (int64_t task = 0; task < tasks; task++) {
         int64_t r0 = task * ROWS_PER_TASK, r1 = r0 + ROWS_PER_TASK < n ? r0 + ROWS_PER_TASK : n;
         /* a task's rows may span two parts: each piece is multiplied from its own part */
@@ -207,6 +209,13 @@ static void run_tasks(rows_fn rows_of, const uint8_t *const *w, const int64_t *r
             base = end;
         }
     }
+}
+
+static void run_tasks(rows_fn rows_of, const uint8_t *const *w, const int64_t *rows, int64_t parts, int64_t nb,
+                      int has_min, const int8_t *xq, const float *xd, const float *xs, int64_t m, float *y,
+                      int nthreads) {
+#pragma omp parallel num_threads(nthreads)
+    tasks_body(rows_of, w, rows, parts, nb, has_min, xq, xd, xs, m, y);
 }
 
 /* Several Q8_0 matrices stacked by rows (see run_tasks). x [m][k] float32 -> y [m][sum of rows]
@@ -230,42 +239,65 @@ static inline __m256i unpack_q4(const uint8_t *qs) {
 }
 #endif
 
-/* rows [r0, r1) of a Q4_0 (has_min 0) or Q4_1 (has_min 1) matrix times every input row */
-static void q4_rows(const uint8_t *w, int64_t nb, int has_min, int64_t r0, int64_t r1, const int8_t *xq,
+/* rows [r0, r1) of a Q4_0 (has_min 0) or Q4_1 (has_min 1) matrix times every input row (inlined
+ * into one function per format, has_min a constant in each) */
+static inline __attribute__((always_inline)) void q4_rows(const uint8_t *w, int64_t nb, int has_min, int64_t r0, int64_t r1, const int8_t *xq,
                     const float *xd, const float *xs, int64_t m, float *y, int64_t ldy) {
     const int64_t bb = has_min ? Q4_1_BYTES : Q4_0_BYTES, head = has_min ? 4 : 2;
+    /* the offset sum: Q4_1's in lane 1 of the head products, Q4_0's in lane 0 of its own */
+#define OFFSET(f) _mm_cvtss_f32(has_min ? _mm_shuffle_ps(f, f, 1) : f)
     for (int64_t t = 0; t < m; t++) {
         const int8_t *qx = xq + t * nb * QK;
         const float *dx = xd + t * nb, *sx = xs + t * nb;
         int64_t r = r0;
 #if defined(__AVX2__)
+        /* a block's contribution to one row: the integer sum of codes times x's int8 values
+         * (maddubs: unsigned codes times signed x), scaled by d_w d_x, and the offset (m, or -8 d
+         * for Q4_0) times x's block sum. The block's fp16 head (d, or d and m) is converted in one
+         * instruction and multiplied by (d_x, x's sum): lane 0 is the scale, lane 1 accumulates
+         * the offset term (Q4_1; Q4_0's -8 d sum_x goes into lane 0 of a second product). */
+#define EDGELLM_Q4(acc, off, wr)                                                                   \
+    {                                                                                              \
+        const uint8_t *blk = wr + o;                                                               \
+        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(has_min ? *(const int32_t *)blk           \
+                                                                 : *(const uint16_t *)blk));       \
+        const __m128 f = _mm_mul_ps(dm, sv);                                                       \
+        const __m256 p = _mm256_cvtepi32_ps(dot32(unpack_q4(blk + head), vx));                    \
+        acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(f), p, acc);                                   \
+        off = has_min ? _mm_add_ps(off, f) : _mm_fmadd_ps(dm, ov, off);                            \
+    }
         /* four rows at a time share each block's x load; the last rows go one at a time through
          * the same arithmetic (a row's result does not depend on the rows computed with it) */
-        for (; r < r1;) {
-            const int rows = r + 4 <= r1 ? 4 : 1;
-            const uint8_t *wr[4];
-            __m256 acc[4];
-            float off[4];
-            for (int j = 0; j < rows; j++) {
-                wr[j] = w + (r + j) * nb * bb;
-                acc[j] = _mm256_setzero_ps();
-                off[j] = 0.0f;
-            }
+        for (; r + 4 <= r1; r += 4) {
+            const uint8_t *w0 = w + r * nb * bb, *w1 = w0 + nb * bb, *w2 = w1 + nb * bb, *w3 = w2 + nb * bb;
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
+                   a3 = _mm256_setzero_ps();
+            __m128 f0 = _mm_setzero_ps(), f1 = _mm_setzero_ps(), f2 = _mm_setzero_ps(), f3 = _mm_setzero_ps();
             for (int64_t b = 0; b < nb; b++) {
                 const __m256i vx = _mm256_loadu_si256((const __m256i *)(qx + b * QK));
                 const int64_t o = b * bb;
-                for (int j = 0; j < rows; j++) {
-                    const uint8_t *blk = wr[j] + o;
-                    const float d = f16_to_f32(*(const uint16_t *)blk);
-                    const __m256 p = _mm256_cvtepi32_ps(dot32(unpack_q4(blk + head), vx));
-                    acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[b]), p, acc[j]);
-                    off[j] += (has_min ? f16_to_f32(*(const uint16_t *)(blk + 2)) : -8.0f * d) * sx[b];
-                }
+                const __m128 sv = _mm_set_ps(0.0f, 0.0f, sx[b], dx[b]), ov = _mm_set_ss(-8.0f * sx[b]);
+                EDGELLM_Q4(a0, f0, w0) EDGELLM_Q4(a1, f1, w1) EDGELLM_Q4(a2, f2, w2) EDGELLM_Q4(a3, f3, w3)
             }
-            for (int j = 0; j < rows; j++)
-                y[t * ldy + r + j] = hsum8(acc[j]) + off[j];
-            r += rows;
+            y[t * ldy + r] = hsum8(a0) + OFFSET(f0);
+            y[t * ldy + r + 1] = hsum8(a1) + OFFSET(f1);
+            y[t * ldy + r + 2] = hsum8(a2) + OFFSET(f2);
+            y[t * ldy + r + 3] = hsum8(a3) + OFFSET(f3);
         }
+        for (; r < r1; r++) {
+            const uint8_t *w0 = w + r * nb * bb;
+            __m256 a0 = _mm256_setzero_ps();
+            __m128 f0 = _mm_setzero_ps();
+            for (int64_t b = 0; b < nb; b++) {
+                const __m256i vx = _mm256_loadu_si256((const __m256i *)(qx + b * QK));
+                const int64_t o = b * bb;
+                const __m128 sv = _mm_set_ps(0.0f, 0.0f, sx[b], dx[b]), ov = _mm_set_ss(-8.0f * sx[b]);
+                EDGELLM_Q4(a0, f0, w0)
+            }
+            y[t * ldy + r] = hsum8(a0) + OFFSET(f0);
+        }
+#undef EDGELLM_Q4
+#undef OFFSET
 #endif
         for (; r < r1; r++) {
             const uint8_t *wr = w + r * nb * bb;
@@ -283,10 +315,232 @@ static void q4_rows(const uint8_t *w, int64_t nb, int has_min, int64_t r0, int64
     }
 }
 
+static void q4_0_rows(const uint8_t *w, int64_t nb, int has_min, int64_t r0, int64_t r1, const int8_t *xq,
+                      const float *xd, const float *xs, int64_t m, float *y, int64_t ldy) {
+    (void)has_min;
+    q4_rows(w, nb, 0, r0, r1, xq, xd, xs, m, y, ldy);
+}
+
+static void q4_1_rows(const uint8_t *w, int64_t nb, int has_min, int64_t r0, int64_t r1, const int8_t *xq,
+                      const float *xd, const float *xs, int64_t m, float *y, int64_t ldy) {
+    (void)has_min;
+    q4_rows(w, nb, 1, r0, r1, xq, xd, xs, m, y, ldy);
+}
+
 /* As edgellm_q8_0_matmul for Q4_0 (has_min 0) or Q4_1 (has_min 1) parts; xs [m][k/32] is scratch
  * for the input's block sums. */
 void edgellm_q4_matmul(const uint8_t *const *w, const int64_t *rows, int64_t parts, int64_t k, int has_min,
                        const float *x, int64_t m, float *y, int8_t *xq, float *xd, float *xs, int nthreads) {
     edgellm_quantize_q8(x, m, k, xq, xd, xs);
-    run_tasks(q4_rows, w, rows, parts, k / QK, has_min, xq, xd, xs, m, y, nthreads);
+    run_tasks(has_min ? q4_1_rows : q4_0_rows, w, rows, parts, k / QK, has_min, xq, xd, xs, m, y, nthreads);
+}
+
+/* ---- a whole decode step ------------------------------------------------------------------- */
+/* A decode step's graph (one token) lowered to a list of ops (edgellm/backends/cpu_step.py) and
+ * run in one call: one parallel region for the whole step, the threads meeting at a barrier after
+ * each op, instead of an interpreter calling a library per op. Products split their rows over
+ * the threads (tasks_body); attention splits its heads; the small vector ops run on one thread.
+ * Weights are read from the file's blocks as by the products above; activations are float32. */
+enum { EOP_EMBED = 1, EOP_RMS = 2, EOP_ADD_RMS = 3, EOP_LINEAR = 4, EOP_SWIGLU = 5, EOP_ROPE_STORE = 6,
+       EOP_ATTN = 7 };
+enum { FMT_Q8_0 = 0, FMT_Q4_0 = 1, FMT_Q4_1 = 2 };
+
+typedef struct {
+    int32_t kind, fmt, act, style;         /* act: 0 SiLU, 1 GELU (tanh); style: 0 pairs (2i, 2i+1), 1 (i, i + r/2) */
+    int32_t n_heads, n_kv, head_dim, rope_dim;
+    int64_t n, k, parts;                   /* a product's rows, row length, stacked parts */
+    const uint8_t *const *w;               /* the parts' blocks (an embedding: the table's) */
+    const int64_t *rows;                   /* rows per part */
+    const float *a, *b, *wv, *bias, *res;  /* inputs: activations, a norm's weight, a bias, a residual */
+    float *y, *y2;                         /* outputs */
+    const float *cos, *sin;                /* RoPE tables [positions][rope_dim / 2] */
+    float *kc, *vc;                        /* KV caches [positions][n_kv * head_dim] */
+    const float *qn, *kn;                  /* per-head q and k RMSNorm weights [head_dim] (or NULL) */
+    float eps, scale;
+} edgellm_op;
+
+static const int64_t FMT_BYTES[3] = {Q8_0_BYTES, Q4_0_BYTES, Q4_1_BYTES};
+
+static void dequant_row(const uint8_t *row, int fmt, int64_t k, float *y) {
+    for (int64_t b = 0; b < k / QK; b++) {
+        const uint8_t *blk = row + b * FMT_BYTES[fmt];
+        const float d = f16_to_f32(*(const uint16_t *)blk);
+        float *yb = y + b * QK;
+        if (fmt == FMT_Q8_0) {
+            for (int i = 0; i < QK; i++)
+                yb[i] = d * (float)((const int8_t *)(blk + 2))[i];
+        } else {
+            const uint8_t *qs = blk + (fmt == FMT_Q4_1 ? 4 : 2);
+            for (int i = 0; i < 16; i++) {
+                const int lo = qs[i] & 0x0F, hi = qs[i] >> 4;
+                if (fmt == FMT_Q4_1) {
+                    const float m = f16_to_f32(*(const uint16_t *)(blk + 2));
+                    yb[i] = d * (float)lo + m;
+                    yb[i + 16] = d * (float)hi + m;
+                } else {
+                    yb[i] = d * (float)(lo - 8);
+                    yb[i + 16] = d * (float)(hi - 8);
+                }
+            }
+        }
+    }
+}
+
+static void rms_norm(const float *x, const float *w, float *y, int64_t k, float eps) {
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < k; i++)
+        ss += x[i] * x[i];
+    const float inv = 1.0f / sqrtf(ss / (float)k + eps);
+    for (int64_t i = 0; i < k; i++)
+        y[i] = x[i] * inv * w[i];
+}
+
+/* the product of one op's weights with its input a (quantized once by one thread), into y */
+static void step_product(const edgellm_op *op, float *y, int8_t *xq, float *xd, float *xs) {
+    const int has_min = op->fmt == FMT_Q4_1;
+#pragma omp single
+    edgellm_quantize_q8(op->a, 1, op->k, xq, xd, op->fmt == FMT_Q8_0 ? NULL : xs);
+    tasks_body(op->fmt == FMT_Q8_0 ? q8_0_rows : op->fmt == FMT_Q4_1 ? q4_1_rows : q4_0_rows, op->w, op->rows, op->parts, op->k / QK, has_min, xq, xd,
+               xs, 1, y);
+}
+
+#define MAX_HEAD_DIM 1024
+/* heads of d features, each first normalised (RMSNorm with weight nw over the head, when nw is not
+ * NULL), its first r features rotated by the position's angles (c, s: cos and sin [r/2]) */
+static void rope_heads(const float *x, float *y, int heads, int d, int r, int style, const float *c, const float *s,
+                       const float *nw, float eps) {
+    float normed[MAX_HEAD_DIM];
+    for (int h = 0; h < heads; h++) {
+        const float *xh = x + (int64_t)h * d;
+        float *yh = y + (int64_t)h * d;
+        if (nw) {
+            rms_norm(xh, nw, normed, d, eps);
+            xh = normed;
+        }
+        for (int i = r; i < d; i++)
+            yh[i] = xh[i];
+        for (int i = 0; i < r / 2; i++) {
+            const int i0 = style == 0 ? 2 * i : i, i1 = style == 0 ? 2 * i + 1 : i + r / 2;
+            const float x0 = xh[i0], x1 = xh[i1];
+            yh[i0] = x0 * c[i] - x1 * s[i];
+            yh[i1] = x0 * s[i] + x1 * c[i];
+        }
+    }
+}
+
+static void attend_head(const edgellm_op *op, int h, int64_t n, float *p) {
+    const int d = op->head_dim, kvh = h / (op->n_heads / op->n_kv);
+    const int64_t stride = (int64_t)op->n_kv * d;
+    const float *q = op->a + (int64_t)h * d;
+    float mx = -INFINITY;
+    for (int64_t t = 0; t < n; t++) {
+        const float *kt = op->kc + t * stride + (int64_t)kvh * d;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int i = 0; i < d; i++)
+            dot += q[i] * kt[i];
+        p[t] = dot * op->scale;
+        mx = p[t] > mx ? p[t] : mx;
+    }
+    float sum = 0.0f;
+    for (int64_t t = 0; t < n; t++) {
+        p[t] = expf(p[t] - mx);
+        sum += p[t];
+    }
+    const float inv = 1.0f / sum;
+    float *out = op->y + (int64_t)h * d;
+    for (int i = 0; i < d; i++)
+        out[i] = 0.0f;
+    for (int64_t t = 0; t < n; t++) {
+        const float *vt = op->vc + t * stride + (int64_t)kvh * d;
+        const float pt = p[t] * inv;
+#pragma omp simd
+        for (int i = 0; i < d; i++)
+            out[i] += pt * vt[i];
+    }
+}
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* ops[0..nops) for the token at position pos. Scratch: xq [kmax] and xd, xs [kmax / 32] (the
+ * quantized input of a product), tmp [nmax] (a gated MLP's two halves), scores [heads][pos + 1].
+ * op_ns (or NULL): each op's wall time is added to op_ns[i] (every op ends at a barrier). */
+void edgellm_step(const edgellm_op *ops, int64_t nops, int64_t pos, int64_t token, int8_t *xq, float *xd, float *xs,
+                  float *tmp, float *scores, int nthreads, int64_t *op_ns) {
+    int64_t last = op_ns ? now_ns() : 0;
+#pragma omp parallel num_threads(nthreads)
+    for (int64_t i = 0; i < nops; i++) {
+        const edgellm_op *op = ops + i;
+        switch (op->kind) {
+        case EOP_EMBED:
+#pragma omp single
+            dequant_row(op->w[0] + token * (op->k / QK) * FMT_BYTES[op->fmt], op->fmt, op->k, op->y);
+            break;
+        case EOP_RMS:
+#pragma omp single
+            rms_norm(op->a, op->wv, op->y, op->k, op->eps);
+            break;
+        case EOP_ADD_RMS:
+#pragma omp single
+            {
+                for (int64_t j = 0; j < op->k; j++)
+                    op->y[j] = op->a[j] + op->b[j];
+                rms_norm(op->y, op->wv, op->y2, op->k, op->eps);
+            }
+            break;
+        case EOP_LINEAR:
+            step_product(op, op->y, xq, xd, xs);
+            if (op->bias || op->res) {
+#pragma omp single
+                for (int64_t j = 0; j < op->n; j++) {
+                    if (op->bias)
+                        op->y[j] += op->bias[j];
+                    if (op->res)
+                        op->y[j] += op->res[j];
+                }
+            }
+            break;
+        case EOP_SWIGLU: {
+            step_product(op, tmp, xq, xd, xs);
+            const int64_t h = op->n / 2;
+#pragma omp single
+            for (int64_t j = 0; j < h; j++) {
+                const float g = tmp[j];
+                const float a = op->act == 0 ? g / (1.0f + expf(-g))
+                                             : 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+                op->y[j] = a * tmp[h + j];
+            }
+            break;
+        }
+        case EOP_ROPE_STORE:
+#pragma omp single
+            {
+                const int d = op->head_dim, r = op->rope_dim;
+                const int64_t nq = (int64_t)op->n_heads * d, nkv = (int64_t)op->n_kv * d;
+                const float *c = op->cos + pos * (r / 2), *s = op->sin + pos * (r / 2);
+                rope_heads(op->a, op->y, op->n_heads, d, r, op->style, c, s, op->qn, op->eps);
+                rope_heads(op->a + nq, op->kc + pos * nkv, op->n_kv, d, r, op->style, c, s, op->kn, op->eps);
+                memcpy(op->vc + pos * nkv, op->a + nq + nkv, (size_t)nkv * sizeof(float));
+            }
+            break;
+        case EOP_ATTN:
+#pragma omp for schedule(static)
+            for (int h = 0; h < op->n_heads; h++)
+                attend_head(op, h, pos + 1, scores + (int64_t)h * (pos + 1));
+            break;
+        }
+        if (op_ns) {
+#pragma omp master
+            {
+                const int64_t t = now_ns();
+                op_ns[i] += t - last;
+                last = t;
+            }
+        }
+    }
 }

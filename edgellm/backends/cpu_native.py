@@ -116,6 +116,8 @@ def _load(extra: list[str] | None = None) -> ctypes.CDLL:
     lib.edgellm_q4_matmul.restype = None
     lib.edgellm_quantize_q8.argtypes = [p, i64, i64, p, p, p]
     lib.edgellm_quantize_q8.restype = None
+    lib.edgellm_step.argtypes = [p, i64, i64, i64, p, p, p, p, p, c_int, p]
+    lib.edgellm_step.restype = None
     return lib
 
 
