@@ -70,11 +70,13 @@ def main() -> None:
             step.profile(False)
             by_kind, count, nbytes = defaultdict(float), defaultdict(int), defaultdict(int)
             for k, (kind, t) in enumerate(zip(step.kinds, ns)):
+                r = step.ops[k]
+                if kind.startswith("linear"):  # products by shape and format
+                    fmt = {0: "Q8_0", 1: "Q4_0", 2: "Q4_1"}[r.fmt]
+                    kind = f"{kind} {r.n}x{r.k} {fmt}"
+                    nbytes[kind] += r.n * r.k // 32 * {0: 34, 1: 18, 2: 20}[r.fmt]
                 by_kind[kind] += t / 1e6
                 count[kind] += 1
-                r = step.ops[k]
-                if kind.startswith("linear"):
-                    nbytes[kind] += r.n * r.k // 32 * {0: 34, 1: 18, 2: 20}[r.fmt]
             total = ns.sum() / 1e6
         del m
 
@@ -83,7 +85,7 @@ def main() -> None:
     print(f"decode step (model.forward): native {results['1']:.2f} ms ({1e3 / results['1']:.1f} tok/s), "
           f"interpreter {results['0']:.2f} ms ({1e3 / results['0']:.1f} tok/s)")
     print(f"inside the native call: {total:.2f} ms a step\n")
-    print("| op kind | per step | ms a step | share | weight bytes | GB/s |")
+    print("| op kind (products: rows x columns, format) | per step | ms a step | share | weight bytes | GB/s |")
     print("|---|---:|---:|---:|---:|---:|")
     for kind in sorted(by_kind, key=lambda k: -by_kind[k]):
         gb = f"{nbytes[kind] / 1e6:.1f} MB | {nbytes[kind] / (by_kind[kind] * 1e-3) / 1e9:.1f}" if nbytes[kind] else " | "

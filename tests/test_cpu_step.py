@@ -59,6 +59,7 @@ def test_native_step_decodes_as_the_reference(tmp_path, monkeypatch, case):
     ids = [3, 17, 5, 9, 30, 2, 11, 40, 7]
     a, b = _decode(ref, ids), _decode(fast, ids)
     assert np.isfinite(b).all()
+    assert "decode step one native call" in fast.backend.describe()
     err = np.abs(a - b).max(1) / np.abs(a).max(1)
     # the products' int8 inputs: the interpreter errs as much (up to 4-5% at the first position of
     # these random models, where one key gives attention no averaging)
@@ -110,6 +111,7 @@ def test_unsupported_graphs_keep_the_interpreter(tmp_path):
     a, b = _decode(ref, ids), _decode(fast, ids)
     prog = _decode_program(fast)
     assert prog._step is None and "op '" in prog.step_unavailable
+    assert f"decode step interpreted: {prog.step_unavailable}" in fast.backend.describe()
     assert np.abs(a - b).max() <= 0.05 * np.abs(a).max()
 
 

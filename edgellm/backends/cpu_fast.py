@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import platform
+import weakref
 
 import numpy as np
 import torch
@@ -522,6 +523,7 @@ class CpuFastBackend(CpuFastInfo, CpuBackend):
         self.weights = CpuFastWeights(f)
         self._arena = None
         self._rope = None
+        self._steps = weakref.WeakSet()  # the one-token programs compiled here (describe() says how they ran)
 
     def compile(self, graph, states, plan=None, max_seq=None) -> CpuFastProgram:
         if max_seq == 1:
@@ -536,7 +538,10 @@ class CpuFastBackend(CpuFastInfo, CpuBackend):
         ctx = max(t.shape[0] for t in states.values()) if states else 1  # rings are shorter
         if self._rope is None or self._rope.ctx < ctx:
             self._rope = RopeTables(ctx)
-        return self.program_cls(graph, self.weights, states, plan, arena, self._rope, max_seq=max_seq)
+        prog = self.program_cls(graph, self.weights, states, plan, arena, self._rope, max_seq=max_seq)
+        if max_seq == 1:
+            self._steps.add(prog)
+        return prog
 
     # -- the program cache (Model calls these around compiling its programs) ---------------------
     def _weights_key(self, fingerprint: str) -> str:
@@ -585,5 +590,9 @@ class CpuFastBackend(CpuFastInfo, CpuBackend):
         native = sum(p.native is not None for p in self.weights._packs.values())
         if native:
             held += f"; {native} native for <= {NATIVE_MAX_ROWS} rows"
+        ran = {"one native call" if p._step is not None else f"interpreted: {p.step_unavailable}"
+               for p in self._steps if p._step is not None or p.step_unavailable is not None}
+        if ran:
+            held += f"; decode step {', '.join(sorted(ran))}"
         return (f"cpu-fast (torch {torch.__version__}, {torch.get_num_threads()} threads; "
                 f"weights {self.weights.nbytes / 2**20:.0f} MiB: {held})")
