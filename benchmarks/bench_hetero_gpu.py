@@ -44,20 +44,25 @@ def llama_bench_ngl(exe: str, path: str, ngl: int, p: int, n: int, r: int, threa
 
 
 def cpu_ops_by_kind(m, f, steps) -> str:
-    """ms per step of each op kind in the decode program's CPU segments (each op timed alone); for
-    the matrix products also the file's bytes they read per second."""
+    """ms per step of each op kind in the decode program's CPU segments (each op timed alone, or
+    inside the native call where a segment's step is one); for the matrix products also the
+    file's bytes they read per second."""
     prog = m.programs["decode"]
     times: dict[str, float] = {}
     nbytes: dict[str, int] = {}
-    saved = []
+    saved, native = [], []
     for seg, proc, sub in prog.parts:
         if not seg.processor.startswith("cpu") or not hasattr(sub, "_kernels"):
             continue
-        kernels = sub._kernels
-        saved.append((sub, kernels))
         for op in sub.graph.ops:
             if op.kind in ("linear", "linear_qkv", "linear_swiglu"):
                 nbytes[op.kind] = nbytes.get(op.kind, 0) + sum(f.tensors[n].nbytes for n in sub._weight_names(op))
+        if sub._native_step() is not None:
+            sub._step.profile(True)
+            native.append(sub)
+            continue
+        kernels = sub._kernels
+        saved.append((sub, kernels))
 
         def timed(fn):
             def run(op, inputs):
@@ -73,12 +78,17 @@ def cpu_ops_by_kind(m, f, steps) -> str:
     finally:
         for sub, kernels in saved:
             sub._kernels = kernels
+        for sub in native:
+            for kind, ns in zip(sub._step.kinds, sub._step.op_ns.tolist()):
+                times[kind] = times.get(kind, 0.0) + ns * 1e-9
+            sub._step.profile(False)
     parts = []
     for kind, t in sorted(times.items(), key=lambda kv: -kv[1]):
         ms = t / len(steps) * 1e3
         bw = f" ({nbytes[kind] / (t / len(steps)) / 1e9:.0f} GB/s)" if kind in nbytes else ""
         parts.append(f"{kind} {ms:.2f}{bw}")
-    return ", ".join(parts) + f"; total {sum(times.values()) / len(steps) * 1e3:.2f} ms"
+    how = f"; {len(native)} segment(s) as one native call" if native else ""
+    return ", ".join(parts) + f"; total {sum(times.values()) / len(steps) * 1e3:.2f} ms{how}"
 
 
 def fit_ngl(f, cfg, cap: int, ctx: int) -> int:

@@ -78,8 +78,11 @@ def test_cuda_and_cpu_split_matches_reference(tmp_path, monkeypatch):
     assert np.abs(np.stack(steps) - ref[2:]).max() <= 0.02 * np.abs(ref).max()
 
 
-def test_row_split_unit_matches_unsplit(model_path):
-    """blk.1's products: 40% of the rows on one processor, the rest on the other at the same time."""
+def test_row_split_unit_matches_unsplit(model_path, monkeypatch):
+    """blk.1's products: 40% of the rows on one processor, the rest on the other at the same time.
+    Both models' decode steps through the interpreter (a program with a split product is not
+    lowered to the native step; the unsplit one would be, with other rounding in its norms)."""
+    monkeypatch.setenv("EDGELLM_NATIVE_STEP", "0")
     ids = np.random.default_rng(4).integers(0, SPEC.vocab_size, 7).tolist()
     ref = edgellm.load(model_path, backend="cpu-fast", ctx=32)
     placement = _placement(("cpu", "cpu", "rows cpu 0.40 | cpu:1", "cpu", "cpu", "cpu"))
@@ -97,6 +100,12 @@ def test_row_split_unit_matches_unsplit(model_path):
                                                                for i in (4, 5, 6)] for mm in (m, ref)]
     np.testing.assert_allclose(np.stack(steps[0]), np.stack(steps[1]), rtol=0, atol=1e-5 * np.abs(b).max())
     assert np.abs(np.stack(steps[1]) - b[3:]).max() <= 0.05 * np.abs(b).max()
+    monkeypatch.delenv("EDGELLM_NATIVE_STEP")
+    m = load_split(model_path, placement, ctx=32)  # the segment with the split stays interpreted
+    m.forward(ids[:4], 0, all_logits=False)
+    m.forward([ids[4]], 4, all_logits=False)
+    (prog,) = [p for s, _, p in m.programs["decode"].parts if "blk.1.attn_norm.weight" in str(p.graph.ops)]
+    assert prog._step is None and "not multiplied natively here" in prog.step_unavailable
 
 
 def test_streamed_row_split_matches_unsplit(monkeypatch, tmp_path):
@@ -142,6 +151,30 @@ def test_streamed_row_split_matches_unsplit(monkeypatch, tmp_path):
     # every call's slot held what it multiplied: the products agree with cpu-fast's at 1e-2 too
     fast = run(edgellm.load(path, backend="cpu-fast", ctx=32, prefill_chunk=16), plan)
     assert np.abs(got - fast).max() <= 0.01 * np.abs(fast).max()
+
+
+def test_streamed_prompts_with_cpu_decode_use_the_native_step(monkeypatch, tmp_path):
+    """'rows cpu 1.00 | cuda': the unit's decode products are all the CPU's, its prompt chunks
+    stream every row to the GPU (Triton's interpreter here): the CPU segment's decode step is
+    still lowered to one native call, and the logits follow cpu-fast's."""
+    pytest.importorskip("triton")
+    import torch
+
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("EDGELLM_CUDA_DEVICE", "cpu")
+    spec = SyntheticSpec(arch="llama", n_layers=2, d_model=64, ffn_dim=128, weight_type="Q8_0", embed_type="Q8_0",
+                         seed=13)
+    path = write_synthetic_gguf(tmp_path / "m.gguf", spec)
+    ids = np.random.default_rng(6).integers(0, spec.vocab_size, 12).tolist()
+    placement = {"embed": "cpu", "blk.0": "rows cpu 1.00 | cuda", "blk.1": "rows cpu 1.00 | cuda", "head": "cpu"}
+    m = load_split(path, placement, ctx=32, prefill_chunk=16)
+    fast = edgellm.load(path, backend="cpu-fast", ctx=32, prefill_chunk=16)
+    got, want = ([mm.forward(ids[:9], 0, all_logits=False)[-1]]
+                 + [mm.forward([t], 9 + i, all_logits=False)[-1] for i, t in enumerate(ids[9:])] for mm in (m, fast))
+    progs = [p for _, _, p in m.programs["decode"].parts]
+    assert len(progs) == 1 and progs[0]._step is not None, progs[0].step_unavailable
+    assert m.backend._streamers["cuda"].bytes_copied > 0  # the prompt streamed its rows
+    assert np.abs(np.stack(got) - np.stack(want)).max() <= 0.02 * np.abs(np.stack(want)).max()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="reads pinned host memory from a GPU kernel: needs a GPU")

@@ -38,7 +38,9 @@ def test_profile_measures_every_op_and_round_trips(tiny, tmp_path, monkeypatch):
     g = m.programs["decode"].graph
     decode_keys = [k for k in p.measured if k.split("|")[1].split("/")[1] == "s1"]
     kinds = {k.split("|")[1].split("/")[0] for k in decode_keys}
-    assert kinds == {op.kind for op in g.ops}  # every decode op kind measured
+    # every decode op kind measured: inside the native step, which runs all but last_row (a view)
+    assert m.programs["decode"]._step is not None
+    assert kinds == {op.kind for op in g.ops} - {"last_row"}
     assert all(v > 0 for v in p.measured.values())
     assert p.processors["cpu"].bandwidth > 0 and p.processors["cpu"].throughput > 0
     save_profile(p)
@@ -54,13 +56,14 @@ def test_profile_measures_every_op_and_round_trips(tiny, tmp_path, monkeypatch):
 
 
 def _gpu_profile(tmp_path, monkeypatch, tiny):
-    """A stored profile with the CPU measured here and a GPU described by a cost model."""
+    """A stored profile with the CPU measured here and a GPU described by a cost model, far faster
+    than the CPU even on this tiny model's microsecond ops (whose decode step is one native call)."""
     monkeypatch.setenv("EDGELLM_CACHE_DIR", str(tmp_path))
     m = edgellm.load(tiny, backend="cpu-fast", ctx=64)
     p = profile_cpu(m, Profile(), kv_len=32, prefill=16)
-    p.processors["cuda:0"] = ProcessorModel("cuda:0", 2e12, 4e14, 4e-6)
-    p.links["cpu>cuda:0"] = Link(1e-5, 2e10)
-    p.links["cuda:0>cpu"] = Link(1e-5, 2e10)
+    p.processors["cuda:0"] = ProcessorModel("cuda:0", 2e12, 4e14, 1e-8)
+    p.links["cpu>cuda:0"] = Link(1e-7, 2e10)
+    p.links["cuda:0>cpu"] = Link(1e-7, 2e10)
     save_profile(p)
 
 

@@ -359,10 +359,10 @@ class CpuFastProgram(CpuProgram):
 
     def _native_step(self):
         """A program for one token runs as one native call where every op has a native form
-        (cpu_step); not where `product` was replaced (the executor's row splits)."""
+        (cpu_step) and every product's rows are read here (`decode_rows`)."""
         if self._step is None and self.step_unavailable is None:
-            if getattr(self.product, "__func__", None) is not CpuFastProgram.product:
-                self.step_unavailable = "its products are split across processors"
+            if "product" in vars(self) and "decode_rows" not in vars(self):
+                self.step_unavailable = "its products are replaced without their one-token rows"
             else:
                 from .cpu_step import lower
 
@@ -377,6 +377,12 @@ class CpuFastProgram(CpuProgram):
     def product(self, names: tuple[str, ...], x: torch.Tensor) -> torch.Tensor:
         """x [m, k] times the named weights stacked by rows, transposed: [m, rows]."""
         return self.weights.pack(names)(x)
+
+    def decode_rows(self, names: tuple[str, ...]):
+        """The rows a one-token product of the named weights multiplies here, as the native kernels
+        read them (cpu_native.NativeRows), or None where it is not read natively here (the native
+        step then keeps the interpreter). Replaced with `product` by the executor's row splits."""
+        return self.weights.pack(names).native
 
     def _weight_names(self, op: Op) -> tuple[str, ...]:
         return tuple(self.graph.tensors[t].source or t for t in (op.inputs[i] for i in _WEIGHT_SLOTS[op.kind]))

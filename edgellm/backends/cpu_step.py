@@ -93,7 +93,8 @@ class NativeStep:
         self.caches: list[torch.Tensor] = []
         self.rope_rows: list[int] = []
         records, kmax, nmax, heads = [], 32, 2, 1
-        for op in g.ops:
+        self.op_index: list[int] = []  # the graph op of each record
+        for index, op in enumerate(g.ops):
             extra = set(op.attrs) - ATTRS.get(op.kind, set())
             if op.kind not in ATTRS or extra:
                 raise Unsupported(f"op '{op.name}' ({op.kind}{', attributes ' + str(sorted(extra)) if extra else ''})")
@@ -114,10 +115,11 @@ class NativeStep:
                 else:
                     r.y = _ptr(self._out(op.outputs[0], r.k, op))
             elif op.kind in ("linear", "linear_qkv", "linear_swiglu"):
-                p = w.pack(program._weight_names(op))
-                nat = p.native
+                names = program._weight_names(op)
+                nat = program.decode_rows(names)
                 if nat is None:
-                    raise Unsupported(f"op '{op.name}': {p.type_name} weights have no native product")
+                    raise Unsupported(f"op '{op.name}': weights {names[0]}{'...' if len(names) > 1 else ''} "
+                                      "are not multiplied natively here")
                 r.fmt, r.n, r.k, r.parts, r.w, r.rows = FMT[nat.fmt], nat.n, nat.k, len(nat.parts), \
                     ctypes.addressof(nat._ptrs), ctypes.addressof(nat._rows)
                 self.keep.append(nat)
@@ -150,13 +152,14 @@ class NativeStep:
                 r.y = _ptr(self._out(op.outputs[0], nq, op))
                 heads = max(heads, a["n_heads"])
             records.append(r)
+            self.op_index.append(index)
         self.ops = (EdgellmOp * len(records))(*records)
         self.xq = torch.empty(kmax, dtype=torch.int8)
         self.xd = torch.empty(kmax // 32, dtype=torch.float32)
         self.xs = torch.empty(kmax // 32, dtype=torch.float32)
         self.tmp = torch.empty(nmax, dtype=torch.float32)
         self.scores = torch.empty(heads * ctx, dtype=torch.float32)
-        self.kinds = [k for k in (op.kind for op in g.ops) if k != "last_row"]  # the records' op kinds
+        self.kinds = [g.ops[i].kind for i in self.op_index]  # the records' op kinds
         self.op_ns: torch.Tensor | None = None  # per-record wall time, summed over steps, when profiling
         # the positions every cache and RoPE table holds (a segment without attention has no bound)
         self.rows = min([c.shape[0] for c in self.caches] + self.rope_rows, default=None)

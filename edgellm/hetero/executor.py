@@ -216,7 +216,19 @@ def _split_products(prog, backend: "SplitBackend", splits: dict) -> None:
         got = there.result()
         return got if here is None else torch.cat([here, got], dim=1)
 
+    own_rows = prog.decode_rows
+
+    def decode_rows(names):
+        """A one-token product runs wholly here where this processor holds all of its rows for
+        decode (a unit whose decode is the CPU's and whose prompt chunks stream to a GPU)."""
+        p = plan.get(names)
+        if p is None:
+            return own_rows(names)
+        cut, n, _, _ = p
+        return prog.weights.pack(names, rows=(0, cut)).native if cut == n else None
+
     prog.product = product
+    prog.decode_rows = decode_rows
 
 
 def _move(t: torch.Tensor, proc) -> torch.Tensor:
