@@ -43,6 +43,15 @@ def test_profile_measures_every_op_and_round_trips(tiny, tmp_path, monkeypatch):
     assert kinds == {op.kind for op in g.ops} - {"last_row"}
     assert all(v > 0 for v in p.measured.values())
     assert p.processors["cpu"].bandwidth > 0 and p.processors["cpu"].throughput > 0
+    # a token's ops and a prompt's fitted apart: the decode model prices the one-token ops it was
+    # fitted to in total within a factor of two (one model over both stages gave ~7x)
+    from edgellm.backends.info import CpuFastInfo
+    from edgellm.hetero.profile import op_cost_inputs, op_signature
+
+    assert "cpu@prefill" in p.processors
+    t = {i: p.measured[f"cpu|{op_signature(g, i, 1, 32)}"] for i, op in enumerate(g.ops) if op.kind != "last_row"}
+    pred = sum(p.processors["cpu"].predict(*op_cost_inputs(g, i, m.file, CpuFastInfo, 1, 32), 1) for i in t)
+    assert 0.5 <= pred / sum(t.values()) <= 2.0
     save_profile(p)
     assert cache_path().parent == tmp_path / "hetero"
     q = load_profile()
@@ -197,7 +206,7 @@ def test_plan_streams_layers_the_gpu_cannot_hold_when_the_link_pays(tiny, tmp_pa
     # every CPU cost from a cost model, not the timings (a busy machine must not move the choice):
     # a CPU slow at arithmetic (prefill), a link far faster than it
     p.measured = {k: v for k, v in p.measured.items() if not k.startswith("cpu|")}
-    p.processors["cpu"] = ProcessorModel("cpu", 1e9, 1e8, 1e-5)
+    p.processors["cpu"] = p.processors["cpu@prefill"] = ProcessorModel("cpu", 1e9, 1e8, 1e-5)
     p.links["cpu>cuda:0"] = Link(1e-6, 1e12, 1.2)
     fast = plan()
     on_gpu = [u for u, d in fast["placement"].items() if d == "cuda:0" and u.startswith("blk.")]

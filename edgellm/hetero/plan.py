@@ -46,7 +46,9 @@ def unit_tables(f, graph, proc: str, profile: Profile, seq: int, kv_len: int, pr
                 ) -> dict[str, float]:
     """Seconds per unit of one run of `graph` (seq tokens, attending to kv_len keys) on proc;
     products=True counts only the matrix products, False everything else."""
-    model = profile.processors.get(proc) or profile.processors.get(proc.split(":")[0])
+    base = proc.split(":")[0]
+    model = ((profile.processors.get(f"{proc}@prefill") or profile.processors.get(f"{base}@prefill")) if seq > 1
+             else None) or profile.processors.get(proc) or profile.processors.get(base)
     if model is None:
         raise EdgeLLMError(f"no profile for processor '{proc}': run `edgellm plan --profile` on the machine that has it")  # noqa: E501
     info = _info(proc)

@@ -198,21 +198,27 @@ def fit_processor(name: str, samples: list[tuple[float, float, float]]) -> Proce
 
 def profile_cpu(model, profile: Profile, kv_len: int = 256, prefill: int = 64, name: str = "cpu") -> Profile:
     """Measure a cpu-fast model's ops (decode at kv_len, prefill of `prefill` tokens) and fit the
-    CPU's cost model to them."""
+    CPU's cost models to them: one for a token's ops (`name`: the native decode kernels) and one
+    for a prompt's (`name@prefill`: torch's packed kernels), whose costs per byte and per flop
+    differ by an order of magnitude: one linear model over both (as before 2026-11-27) put the
+    prompt's residue into a per-op overhead of ~25 ms, which then priced every unmeasured decode
+    op (a 1B-shape layer on the 2-core machine: decode predicted 7.4x its measured time; fitted
+    per stage, 1.0x)."""
     from ..backends.info import CpuFastInfo
 
-    samples = []
     for stage, seq, start in (("decode", 1, kv_len - 1), ("last", prefill, 0)):
         if stage == "last" and prefill > model.compiled["last"].sizes["seq"]:
             continue
         g = model.programs[stage].graph
         times = measure_cpu_ops(model, stage, seq, start)
+        samples = []
         for i, t in times.items():
             sig = op_signature(g, i, seq, start + seq)
             profile.measured[f"{name}|{sig}"] = t
             nbytes, nfl = op_cost_inputs(g, i, model.file, CpuFastInfo, seq, start + seq)
             samples.append((nbytes, nfl, t))
-    profile.processors[name] = fit_processor(name, samples)
+        key = name if stage == "decode" else f"{name}@prefill"
+        profile.processors[key] = fit_processor(key, samples)
     return profile
 
 
