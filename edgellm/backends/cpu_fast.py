@@ -22,6 +22,10 @@ The packs of a model are built at its first load and kept in the program cache (
 `weights.bin` of the model's cpu-fast entry); later loads map them back from the file instead of
 repacking (0.5 s of the default model's load on the 2-core machine).
 
+A program for one token (the decode step) whose ops all have native forms runs as one call into
+the native library (cpu_step.py: norms, products, RoPE with the cache write and attention between
+barriers of one parallel region); other programs, and steps with an op it lacks, run op by op.
+
 This is the default cpu path of `edgellm run` (`--backend auto` without a GPU). The float32
 reference (`cpu`) stays the ground truth that tests compare against.
 """
