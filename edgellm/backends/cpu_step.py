@@ -84,6 +84,7 @@ class NativeStep:
                 continue
             self.inputs.append(name)
             self.buf[name] = self._activation(name)
+        self.states = {t.name for t in g.states()}
         for t in g.states():
             s = program.states[t.name]
             if s.dtype != torch.float32 or not s.is_contiguous():
@@ -165,6 +166,8 @@ class NativeStep:
         self.rows = min([c.shape[0] for c in self.caches] + self.rope_rows, default=None)
         for name in g.outputs:
             self._in(name)
+        cache_ids = {id(program.states[n]) for n in self.states}
+        self.no_copy = {n for n in g.outputs if id(self.buf[n]) in cache_ids}  # a cache or its alias
 
     def profile(self, on: bool = True) -> None:
         """Start (zeroed) or stop adding each op's wall time to `op_ns` (benchmarks/profile_cpu_step.py)."""
@@ -258,7 +261,9 @@ class NativeStep:
         self.lib.edgellm_step(ctypes.addressof(self.ops), len(self.ops), pos, token, _ptr(self.xq), _ptr(self.xd), _ptr(self.xs),
                               _ptr(self.tmp), _ptr(self.scores), torch.get_num_threads(),
                               _ptr(self.op_ns) if self.op_ns is not None else None)
-        return {name: self.buf[name].clone() for name in self.graph.outputs}
+        # the caches are returned as they are (as the interpreter returns them); activations as
+        # copies, since the next step overwrites their buffers
+        return {name: self.buf[name] if name in self.no_copy else self.buf[name].clone() for name in self.graph.outputs}
 
 
 def lower(program) -> tuple[NativeStep | None, str | None]:
