@@ -57,9 +57,10 @@ def cpu_ops_by_kind(m, f, steps) -> str:
         for op in sub.graph.ops:
             if op.kind in ("linear", "linear_qkv", "linear_swiglu"):
                 nbytes[op.kind] = nbytes.get(op.kind, 0) + sum(f.tensors[n].nbytes for n in sub._weight_names(op))
-        if sub._native_step() is not None:
-            sub._step.profile(True)
-            native.append(sub)
+        step = sub._native_step()
+        if step is not None:
+            step.profile(True)
+            native.append(step)
             continue
         kernels = sub._kernels
         saved.append((sub, kernels))
@@ -78,10 +79,10 @@ def cpu_ops_by_kind(m, f, steps) -> str:
     finally:
         for sub, kernels in saved:
             sub._kernels = kernels
-        for sub in native:
-            for kind, ns in zip(sub._step.kinds, sub._step.op_ns.tolist()):
+        for step in native:
+            for kind, ns in zip(step.kinds, step.op_ns.tolist()):
                 times[kind] = times.get(kind, 0.0) + ns * 1e-9
-            sub._step.profile(False)
+            step.profile(False)
     parts = []
     for kind, t in sorted(times.items(), key=lambda kv: -kv[1]):
         ms = t / len(steps) * 1e3

@@ -23,6 +23,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import edgellm  # noqa: E402
+from edgellm.backends.cpu_native import FORMATS  # noqa: E402
+from edgellm.backends.cpu_step import FMT  # noqa: E402
 from edgellm.bench.device import cpu_name  # noqa: E402
 
 
@@ -72,9 +74,9 @@ def main() -> None:
             for k, (kind, t) in enumerate(zip(step.kinds, ns)):
                 r = step.ops[k]
                 if kind.startswith("linear"):  # products by shape and format
-                    fmt = {0: "Q8_0", 1: "Q4_0", 2: "Q4_1"}[r.fmt]
+                    fmt = next(name for name, code in FMT.items() if code == r.fmt)
                     kind = f"{kind} {r.n}x{r.k} {fmt}"
-                    nbytes[kind] += r.n * r.k // 32 * {0: 34, 1: 18, 2: 20}[r.fmt]
+                    nbytes[kind] += r.n * r.k // 32 * FORMATS[fmt]
                 by_kind[kind] += t / 1e6
                 count[kind] += 1
             total = ns.sum() / 1e6
