@@ -92,6 +92,73 @@ def cpu_ops_by_kind(m, f, steps) -> str:
     return ", ".join(parts) + f"; total {sum(times.values()) / len(steps) * 1e3:.2f} ms{how}"
 
 
+def decode_breakdown(m, steps) -> str:
+    """Where a decode step's wall time goes, nothing synchronised beyond what the step itself does:
+    each segment's run (for a GPU segment its launches; for a CPU segment the native call and the
+    Python around it), Python's garbage collections, and the rest of Model.forward (the head's
+    logits read back, which waits for the GPU's work)."""
+    import torch
+
+    prog = m.programs["decode"]
+    acc: dict[str, float] = {}
+
+    def add(key, dt):
+        acc[key] = acc.get(key, 0.0) + dt
+
+    saved = []
+    for k, (seg, _, sub) in enumerate(prog.parts):
+        name = f"{k}:{seg.processor}"
+        orig = sub.run
+
+        def run(feed, orig=orig, name=name):
+            t0 = time.perf_counter()
+            out = orig(feed)
+            add(f"{name} run", time.perf_counter() - t0)
+            return out
+        sub.run = run
+        step = sub._native_step() if hasattr(sub, "_native_step") else None
+        if step is not None:
+            lib = step.lib
+
+            class Timed:
+                def __getattr__(self, attr, lib=lib):
+                    return getattr(lib, attr)
+
+                def edgellm_step(self, *args, lib=lib, name=name):
+                    t0 = time.perf_counter()
+                    lib.edgellm_step(*args)
+                    add(f"{name} native call", time.perf_counter() - t0)
+            step.lib = Timed()
+        saved.append((sub, step, lib if step is not None else None))
+    gc_t = [0.0, 0]
+
+    def on_gc(phase, info, t=[0.0]):
+        if phase == "start":
+            t[0] = time.perf_counter()
+        else:
+            gc_t[0] += time.perf_counter() - t[0]
+            gc_t[1] += 1
+    gc.callbacks.append(on_gc)
+    try:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for toks, pos in steps:
+            m.forward(toks, pos, all_logits=False)
+        wall = time.perf_counter() - t0
+    finally:
+        gc.callbacks.remove(on_gc)
+        for sub, step, lib in saved:
+            del sub.run
+            if step is not None:
+                step.lib = lib
+    n = len(steps)
+    runs = sum(v for k, v in acc.items() if k.endswith(" run"))
+    parts = [f"{k} {v / n * 1e3:.2f}" for k, v in acc.items()]
+    return (f"{wall / n * 1e3:.2f} ms a step: " + ", ".join(parts) + f", gc {gc_t[0] / n * 1e3:.2f} ({gc_t[1]} collections), "
+            f"forward outside the segments {(wall - runs) / n * 1e3:.2f}")
+
+
 def fit_ngl(f, cfg, cap: int, ctx: int) -> int:
     """llama.cpp's -ngl N that fits the cap: N repeating layers (their stored bytes + f16 KV), plus
     the output layer when all of them fit (-ngl n_layers+1), less 512 MiB for its buffers."""
@@ -185,23 +252,33 @@ def main() -> None:
         t_load = time.perf_counter()
         m = load_split(path, placement, ctx=a.ctx, prefill_chunk=a.p)
         t_load = time.perf_counter() - t_load
+        mem_load = torch.cuda.memory_allocated() - base
+        peak_load = torch.cuda.max_memory_allocated() - base
         rng = np.random.default_rng(0)
         prompt = rng.integers(3, cfg.vocab_size, a.p).tolist()
         m.forward(prompt, 0, all_logits=False)  # first runs: kernels load, graphs are captured, orders recorded
         for i in range(3):
             m.forward([1], i, all_logits=False)
+        mem_warm = torch.cuda.memory_allocated() - base
+        peak_warm = torch.cuda.max_memory_allocated() - base
+        peaks = {"pp": 0, "tg": 0}  # each phase's peak (the first round's)
         pp, tg = [], []
         for _ in range(a.r):
             torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
             t = time.perf_counter()
             m.forward(prompt, 0, all_logits=False)
             pp.append(a.p / (time.perf_counter() - t))
+            peaks["pp"] = max(peaks["pp"], torch.cuda.max_memory_allocated() - base)
+            torch.cuda.reset_peak_memory_stats()
             tok = 1
             t = time.perf_counter()
             for i in range(a.n):
                 tok = int(np.argmax(m.forward([tok], i, all_logits=False)[-1]))
             tg.append(a.n / (time.perf_counter() - t))
-        used = (torch.cuda.max_memory_allocated() - base) / 2**30  # peak of this model: weights, caches, slots, activations
+            peaks["tg"] = max(peaks["tg"], torch.cuda.max_memory_allocated() - base)
+        # the peak of this model: weights, caches, slots, activations
+        used = max(peak_load, peak_warm, *peaks.values()) / 2**30
         # where a step goes: each segment's wall time, the GPU synchronised after each
         for stage, steps in (("decode", [([1], i) for i in range(16)]), ("last", [(prompt, 0)])):
             prog = m.programs[stage]
@@ -215,6 +292,12 @@ def main() -> None:
             print(f"  {stage} step {wall * 1e3:.2f} ms (segments synchronised): " + ", ".join(segs), flush=True)
             prog.time_segments(False)
         print("  decode, the CPU's ops by kind: " + cpu_ops_by_kind(m, f, [([1], i) for i in range(16)]), flush=True)
+        print("  decode, unsynchronised: " + decode_breakdown(m, [([1], i) for i in range(32)]), flush=True)
+        print(f"  GPU memory: after load {mem_load / 2**30:.2f} GiB (peak while loading {peak_load / 2**30:.2f}), "
+              f"solver's weights + caches + reserve {sum(plan['memory_bytes'].get(p, 0) for p in plan['memory_bytes'] if p.startswith('cuda')) / 2**30:.2f}, "
+              f"after the first prompt and steps "
+              f"{mem_warm / 2**30:.2f} (peak {peak_warm / 2**30:.2f}), peak of a prompt {peaks['pp'] / 2**30:.2f}, "
+              f"of decode {peaks['tg'] / 2**30:.2f} (cap {cap_gib:g})", flush=True)
         del m
         gc.collect()  # the programs hold cycles: the GPU memory goes back only once they are collected
         torch.cuda.empty_cache()

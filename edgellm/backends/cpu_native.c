@@ -20,6 +20,9 @@
 #include <string.h>
 #include <math.h>
 #include <time.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <omp.h>
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -186,29 +189,44 @@ typedef void (*rows_fn)(const uint8_t *w, int64_t nb, int has_min, int64_t r0, i
  * enclosing parallel region in tasks of ROWS_PER_TASK, each task's rows multiplied by `rows_of`
  * from its own part. An orphaned worksharing loop: called outside a parallel region it runs on
  * the calling thread alone; it ends with the loop's barrier. */
-static void tasks_body(rows_fn rows_of, const uint8_t *const *w, const int64_t *rows, int64_t parts, int64_t nb,
-                       int has_min, const int8_t *xq, const float *xd, const float *xs, int64_t m, float *y) {
+/* task number `task` of the rows of `parts` stacked parts (n rows in all; see tasks_body): its
+ * rows may span two parts, each piece multiplied from its own part */
+static inline void task_rows(rows_fn rows_of, const uint8_t *const *w, const int64_t *rows, int64_t parts, int64_t nb,
+                             int has_min, const int8_t *xq, const float *xd, const float *xs, int64_t m, float *y,
+                             int64_t n, int64_t task) {
+    int64_t r0 = task * ROWS_PER_TASK, r1 = r0 + ROWS_PER_TASK < n ? r0 + ROWS_PER_TASK : n;
+    int64_t base = 0;
+    for (int64_t p = 0; p < parts && r0 < r1; p++) {
+        const int64_t end = base + rows[p];
+        if (r0 < end) {
+            const int64_t stop = r1 < end ? r1 : end;
+            rows_of(w[p], nb, has_min, r0 - base, stop - base, xq, xd, xs, m, y + base, n);
+            r0 = stop;
+        }
+        base = end;
+    }
+}
+
+static inline int64_t total_rows(const int64_t *rows, int64_t parts) {
     int64_t n = 0;
     for (int64_t p = 0; p < parts; p++)
         n += rows[p];
-    const int64_t tasks = (n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+    return n;
+}
+
+/* The rows of parts stacked by rows (a fused q|k|v or gate|up product, each part read where it
+ * lies in the file; part p has rows[p] rows starting at w[p]) handed out to the threads of the
+ * enclosing parallel region in tasks of ROWS_PER_TASK, each task's rows multiplied by `rows_of`
+ * from its own part. An orphaned worksharing loop: called outside a parallel region it runs on
+ * the calling thread alone; it ends with the loop's barrier. */
+static void tasks_body(rows_fn rows_of, const uint8_t *const *w, const int64_t *rows, int64_t parts, int64_t nb,
+                       int has_min, const int8_t *xq, const float *xd, const float *xs, int64_t m, float *y) {
+    const int64_t n = total_rows(rows, parts), tasks = (n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
     /* dynamic: a thread that loses its core for a while (another process, the GPU runtime's
      * threads) takes fewer tasks instead of holding the whole product back */
 #pragma omp for schedule(dynamic, 4)
-    for (int64_t task = 0; task < tasks; task++) {
-        int64_t r0 = task * ROWS_PER_TASK, r1 = r0 + ROWS_PER_TASK < n ? r0 + ROWS_PER_TASK : n;
-        /* a task's rows may span two parts: each piece is multiplied from its own part */
-        int64_t base = 0;
-        for (int64_t p = 0; p < parts && r0 < r1; p++) {
-            const int64_t end = base + rows[p];
-            if (r0 < end) {
-                const int64_t stop = r1 < end ? r1 : end;
-                rows_of(w[p], nb, has_min, r0 - base, stop - base, xq, xd, xs, m, y + base, n);
-                r0 = stop;
-            }
-            base = end;
-        }
-    }
+    for (int64_t task = 0; task < tasks; task++)
+        task_rows(rows_of, w, rows, parts, nb, has_min, xq, xd, xs, m, y, n, task);
 }
 
 static void run_tasks(rows_fn rows_of, const uint8_t *const *w, const int64_t *rows, int64_t parts, int64_t nb,
@@ -396,13 +414,57 @@ static void rms_norm(const float *x, const float *w, float *y, int64_t k, float 
         y[i] = x[i] * inv * w[i];
 }
 
-/* the product of one op's weights with its input a (quantized once by one thread), into y */
-static void step_product(const edgellm_op *op, float *y, int8_t *xq, float *xd, float *xs) {
+/* The threads of a decode step meet at this barrier after each op, spinning: an op lasts from a
+ * few to a few hundred microseconds, and the OpenMP runtime's own barriers may put a waiting
+ * thread to sleep (how soon depends on OMP_WAIT_POLICY, GOMP_SPINCOUNT and how many threads the
+ * process has made), after which waking it costs about as much as a small op. A thread that has
+ * spun for a while yields its core once, in case more threads than cores were asked for. */
+typedef struct {
+    _Atomic int64_t arrived, generation;
+} step_barrier;
+
+#ifndef SPINS_BEFORE_YIELD
+#define SPINS_BEFORE_YIELD 4096
+#endif
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static void step_barrier_wait(step_barrier *b, int nthreads) {
+    const int64_t g = atomic_load_explicit(&b->generation, memory_order_acquire);
+    if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == nthreads - 1) {
+        atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
+        atomic_store_explicit(&b->generation, g + 1, memory_order_release);
+        return;
+    }
+    for (int spins = 0; atomic_load_explicit(&b->generation, memory_order_acquire) == g;) {
+        cpu_relax();
+        if (++spins == SPINS_BEFORE_YIELD) {
+            sched_yield();
+            spins = 0;
+        }
+    }
+}
+
+/* the product of one op's weights with its input a (quantized once by thread 0, before a barrier)
+ * into y; the row tasks handed out through the op's own counter, 4 at a time (a thread that loses
+ * its core for a while takes fewer). The caller's barrier ends it. */
+static void step_product(const edgellm_op *op, float *y, int8_t *xq, float *xd, float *xs, int tid, int nthreads,
+                         step_barrier *bar, _Atomic int64_t *next) {
     const int has_min = op->fmt == FMT_Q4_1;
-#pragma omp single
-    edgellm_quantize_q8(op->a, 1, op->k, xq, xd, op->fmt == FMT_Q8_0 ? NULL : xs);
-    tasks_body(op->fmt == FMT_Q8_0 ? q8_0_rows : op->fmt == FMT_Q4_1 ? q4_1_rows : q4_0_rows, op->w, op->rows, op->parts, op->k / QK, has_min, xq, xd,
-               xs, 1, y);
+    if (tid == 0)
+        edgellm_quantize_q8(op->a, 1, op->k, xq, xd, op->fmt == FMT_Q8_0 ? NULL : xs);
+    step_barrier_wait(bar, nthreads);
+    const rows_fn rows_of = op->fmt == FMT_Q8_0 ? q8_0_rows : op->fmt == FMT_Q4_1 ? q4_1_rows : q4_0_rows;
+    const int64_t n = total_rows(op->rows, op->parts), tasks = (n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+    for (int64_t t0; (t0 = atomic_fetch_add_explicit(next, 4, memory_order_relaxed)) < tasks;)
+        for (int64_t task = t0; task < t0 + 4 && task < tasks; task++)
+            task_rows(rows_of, op->w, op->rows, op->parts, op->k / QK, has_min, xq, xd, xs, 1, y, n, task);
 }
 
 #define MAX_HEAD_DIM 1024
@@ -469,74 +531,83 @@ static int64_t now_ns(void) {
 
 /* ops[0..nops) for the token at position pos. Scratch: xq [kmax] and xd, xs [kmax / 32] (the
  * quantized input of a product), tmp [nmax] (a gated MLP's two halves), scores [heads][pos + 1].
- * op_ns (or NULL): each op's wall time is added to op_ns[i] (every op ends at a barrier). */
+ * op_ns (or NULL): each op's wall time is added to op_ns[i] (every op ends at a barrier). One
+ * parallel region; the work of one thread: thread 0 alone, the rows of a product by tasks, the
+ * heads of attention by a static split; a barrier after each op (step_barrier_wait). */
 void edgellm_step(const edgellm_op *ops, int64_t nops, int64_t pos, int64_t token, int8_t *xq, float *xd, float *xs,
                   float *tmp, float *scores, int nthreads, int64_t *op_ns) {
     int64_t last = op_ns ? now_ns() : 0;
+    step_barrier bar;
+    atomic_init(&bar.arrived, 0);
+    atomic_init(&bar.generation, 0);
+    _Atomic int64_t next[nops > 0 ? nops : 1];  /* each product's task counter */
+    for (int64_t i = 0; i < nops; i++)
+        atomic_init(&next[i], 0);
 #pragma omp parallel num_threads(nthreads)
-    for (int64_t i = 0; i < nops; i++) {
-        const edgellm_op *op = ops + i;
-        switch (op->kind) {
-        case EOP_EMBED:
-#pragma omp single
-            dequant_row(op->w[0] + token * (op->k / QK) * FMT_BYTES[op->fmt], op->fmt, op->k, op->y);
-            break;
-        case EOP_RMS:
-#pragma omp single
-            rms_norm(op->a, op->wv, op->y, op->k, op->eps);
-            break;
-        case EOP_ADD_RMS:
-#pragma omp single
-            {
-                for (int64_t j = 0; j < op->k; j++)
-                    op->y[j] = op->a[j] + op->b[j];
-                rms_norm(op->y, op->wv, op->y2, op->k, op->eps);
-            }
-            break;
-        case EOP_LINEAR:
-            step_product(op, op->y, xq, xd, xs);
-            if (op->bias || op->res) {
-#pragma omp single
-                for (int64_t j = 0; j < op->n; j++) {
-                    if (op->bias)
-                        op->y[j] += op->bias[j];
-                    if (op->res)
-                        op->y[j] += op->res[j];
+    {
+        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();  /* the team may be smaller than asked */
+        for (int64_t i = 0; i < nops; i++) {
+            const edgellm_op *op = ops + i;
+            _Atomic int64_t *counter = next + i;
+            switch (op->kind) {
+            case EOP_EMBED:
+                if (tid == 0)
+                    dequant_row(op->w[0] + token * (op->k / QK) * FMT_BYTES[op->fmt], op->fmt, op->k, op->y);
+                break;
+            case EOP_RMS:
+                if (tid == 0)
+                    rms_norm(op->a, op->wv, op->y, op->k, op->eps);
+                break;
+            case EOP_ADD_RMS:
+                if (tid == 0) {
+                    for (int64_t j = 0; j < op->k; j++)
+                        op->y[j] = op->a[j] + op->b[j];
+                    rms_norm(op->y, op->wv, op->y2, op->k, op->eps);
                 }
+                break;
+            case EOP_LINEAR:
+                step_product(op, op->y, xq, xd, xs, tid, nt, &bar, counter);
+                if (op->bias || op->res) {
+                    step_barrier_wait(&bar, nt);
+                    if (tid == 0)
+                        for (int64_t j = 0; j < op->n; j++) {
+                            if (op->bias)
+                                op->y[j] += op->bias[j];
+                            if (op->res)
+                                op->y[j] += op->res[j];
+                        }
+                }
+                break;
+            case EOP_SWIGLU: {
+                step_product(op, tmp, xq, xd, xs, tid, nt, &bar, counter);
+                step_barrier_wait(&bar, nt);
+                const int64_t h = op->n / 2;
+                if (tid == 0)
+                    for (int64_t j = 0; j < h; j++) {
+                        const float g = tmp[j];
+                        const float a = op->act == 0 ? g / (1.0f + expf(-g))
+                                                     : 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+                        op->y[j] = a * tmp[h + j];
+                    }
+                break;
             }
-            break;
-        case EOP_SWIGLU: {
-            step_product(op, tmp, xq, xd, xs);
-            const int64_t h = op->n / 2;
-#pragma omp single
-            for (int64_t j = 0; j < h; j++) {
-                const float g = tmp[j];
-                const float a = op->act == 0 ? g / (1.0f + expf(-g))
-                                             : 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
-                op->y[j] = a * tmp[h + j];
+            case EOP_ROPE_STORE:
+                if (tid == 0) {
+                    const int d = op->head_dim, r = op->rope_dim;
+                    const int64_t nq = (int64_t)op->n_heads * d, nkv = (int64_t)op->n_kv * d;
+                    const float *c = op->cos + pos * (r / 2), *s = op->sin + pos * (r / 2);
+                    rope_heads(op->a, op->y, op->n_heads, d, r, op->style, c, s, op->qn, op->eps);
+                    rope_heads(op->a + nq, op->kc + pos * nkv, op->n_kv, d, r, op->style, c, s, op->kn, op->eps);
+                    memcpy(op->vc + pos * nkv, op->a + nq + nkv, (size_t)nkv * sizeof(float));
+                }
+                break;
+            case EOP_ATTN:
+                for (int h = tid; h < op->n_heads; h += nt)
+                    attend_head(op, h, pos + 1, scores + (int64_t)h * (pos + 1));
+                break;
             }
-            break;
-        }
-        case EOP_ROPE_STORE:
-#pragma omp single
-            {
-                const int d = op->head_dim, r = op->rope_dim;
-                const int64_t nq = (int64_t)op->n_heads * d, nkv = (int64_t)op->n_kv * d;
-                const float *c = op->cos + pos * (r / 2), *s = op->sin + pos * (r / 2);
-                rope_heads(op->a, op->y, op->n_heads, d, r, op->style, c, s, op->qn, op->eps);
-                rope_heads(op->a + nq, op->kc + pos * nkv, op->n_kv, d, r, op->style, c, s, op->kn, op->eps);
-                memcpy(op->vc + pos * nkv, op->a + nq + nkv, (size_t)nkv * sizeof(float));
-            }
-            break;
-        case EOP_ATTN:
-#pragma omp for schedule(static)
-            for (int h = 0; h < op->n_heads; h++)
-                attend_head(op, h, pos + 1, scores + (int64_t)h * (pos + 1));
-            break;
-        }
-        if (op_ns) {
-#pragma omp master
-            {
+            step_barrier_wait(&bar, nt);
+            if (op_ns && tid == 0) {
                 const int64_t t = now_ns();
                 op_ns[i] += t - last;
                 last = t;
