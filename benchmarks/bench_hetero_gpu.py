@@ -184,18 +184,21 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=128)
     ap.add_argument("-r", type=int, default=3)
     ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--reuse-profile", action="store_true",
+                    help="plan with the stored profile (the tuning cache's) instead of measuring one: the same "
+                         "placement across runs that compare something else")
     ap.add_argument("--model-dir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "edgellm-synthetic"))
     a = ap.parse_args()
 
+    import edgellm  # before torch: its OpenMP settings (edgellm/__init__.py)
     import torch
 
-    import edgellm
     from dataclasses import replace
     from edgellm.backends.cpu_fast import physical_cores
     from edgellm.gguf_file import open_gguf
     from edgellm.hetero.executor import load_split
     from edgellm.hetero.plan import plan_split
-    from edgellm.hetero.profile import Profile, profile_cpu, profile_cuda, save_profile
+    from edgellm.hetero.profile import Profile, load_profile, profile_cpu, profile_cuda, save_profile
     from edgellm.models import config_from_gguf
     from edgellm.synthetic import preset, write_synthetic_gguf
 
@@ -211,11 +214,13 @@ def main() -> None:
             write_synthetic_gguf(pth, sp, fast=True)
             print(f"wrote {pth} ({os.path.getsize(pth) / 1e9:.2f} GB, {time.perf_counter() - t:.0f} s)", flush=True)
 
-    prof = profile_cuda(Profile(), "cuda:0")
-    m2 = edgellm.load(small, backend="cpu-fast", ctx=a.ctx, prefill_chunk=a.p)
-    profile_cpu(m2, prof, kv_len=a.ctx // 2, prefill=a.p)
-    del m2
-    save_profile(prof)
+    prof = load_profile() if a.reuse_profile else Profile()
+    if not {"cuda:0", "cpu", "cpu@prefill"} <= set(prof.processors):
+        prof = profile_cuda(Profile(), "cuda:0")
+        m2 = edgellm.load(small, backend="cpu-fast", ctx=a.ctx, prefill_chunk=a.p)
+        profile_cpu(m2, prof, kv_len=a.ctx // 2, prefill=a.p)
+        del m2
+        save_profile(prof)
     print("profile:", {k: (f"{v.bandwidth / 1e9:.0f} GB/s", f"{v.throughput / 1e12:.1f} TFLOP/s",
                            f"{v.overhead_s * 1e6:.1f} us/op") for k, v in prof.processors.items()}, flush=True)
 

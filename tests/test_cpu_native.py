@@ -154,3 +154,19 @@ def test_plain_c_build_matches_the_vector_build(fmt):
     a = NativeRows([raw], k, fmt)(x).numpy()
     b = NativeRows([raw], k, fmt, lib=plain)(x).numpy()
     assert np.allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(a).max())
+
+
+def test_edgellm_sets_the_openmp_spin_count_before_torch_loads_it_and_keeps_the_users():
+    """edgellm/__init__.py: the OpenMP runtime's idle threads spin longer than libgomp's default
+    unless the user chose a value; set at import, before torch (and with it the runtime) loads."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import os, sys, edgellm; print(os.environ['GOMP_SPINCOUNT'], 'torch' in sys.modules)"
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["2000000", "False"]
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "GOMP_SPINCOUNT": "7"}, capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert out[0] == "7"

@@ -129,3 +129,34 @@ def test_native_step_rejects_bad_positions_and_tokens(tmp_path):
         prog.run({"tokens": np.array([256], np.int32), "start_pos": 1})
     with pytest.raises(GraphError, match="token id -1"):
         prog.run({"tokens": np.array([-1], np.int32), "start_pos": 1})
+
+
+@pytest.mark.parametrize("threads", [1, 3, 8])
+def test_step_gives_the_same_result_on_any_number_of_threads(tmp_path, threads):
+    """The step's barrier and task counters (cpu_native.c: step_barrier_wait): one step from the
+    same caches on 1, 3 and 8 threads (8: more than the machine's cores in CI, where waiting threads
+    must yield theirs) gives bitwise the logits and cache rows of 2 threads; each row of a product
+    and each head is computed whole by one thread, whichever it is, so nothing may differ."""
+    spec = SyntheticSpec(arch="llama", weight_type="Q4_1", embed_type="Q8_0", seed=21, **SMALL)
+    path = write_synthetic_gguf(tmp_path / "m.gguf", spec)
+    fast = edgellm.load(path, backend="cpu-fast", ctx=32)
+    fast.forward([5, 6, 7, 8, 9], 0, all_logits=False)
+    prog = _decode_program(fast)
+    saved = {n: t.clone() for n, t in prog.states.items()}
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (2, threads):
+            torch.set_num_threads(n)
+            for name, t in prog.states.items():
+                t.copy_(saved[name])
+            out = prog.run({"tokens": np.array([11], np.int32), "start_pos": 5})
+            outs.append(({k: v.clone() for k, v in out.items()}, {k: t.clone() for k, t in prog.states.items()}))
+    finally:
+        torch.set_num_threads(before)
+    assert prog._native_step() is not None
+    (a, ca), (b, cb) = outs
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    for name in ca:  # the rows written (the prompt's and the step's; the rest were never set)
+        assert torch.equal(ca[name][:6], cb[name][:6]), name
