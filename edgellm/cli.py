@@ -55,8 +55,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
             def note(text):
                 if not args.quiet:
                     print(text, file=sys.stderr)
-            m, _ = load_placed(args.model, args.gpu_memory, ctx=args.ctx, log=note)
+            m, placed = load_placed(args.model, args.gpu_memory, ctx=args.ctx, log=note)
         else:
+            placed = None
             m = load(args.model, backend=args.backend, ctx=args.ctx)
     chat = False if args.raw else None
     stream = m.generate(prompt, max_tokens=args.max_tokens, chat=chat, system=args.system, stop=args.stop or (),
@@ -69,6 +70,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if not args.quiet:
         cached = f" (cached: {', '.join(m.cache_hits)})" if m.cache_hits else ""
         print(f"[{m.backend.describe()}; load {m.load_s:.2f} s{cached}; {m.last_stats.summary()}]", file=sys.stderr)
+    if placed is not None:  # the solver's prediction beside this run's time, kept for `edgellm plan`
+        from .hetero.plan import compare_line, record_measured
+
+        st = m.last_stats
+        decode_s = 1 / st.decode_tps if st.decode_tps else None
+        new_tokens = st.prompt_tokens - st.cached_tokens
+        record_measured(placed, decode_s=decode_s, prompt_s=st.prefill_s or None, prompt_tokens=new_tokens)
+        if not args.quiet:
+            print(compare_line(placed, decode_s), file=sys.stderr)
     return 0
 
 

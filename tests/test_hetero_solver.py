@@ -76,3 +76,42 @@ def test_parse_bytes():
     assert parse_bytes("512MiB") == 512 * 2**20 and parse_bytes("1.5GB") == 1_500_000_000
     with pytest.raises(Exception, match="--gpu-memory"):
         parse_bytes("six gigs")
+
+
+def test_a_runs_measured_times_are_shown_for_its_placement_only(tmp_path, monkeypatch):
+    """`edgellm run --gpu-memory` records its measured times (hetero.plan.record_measured) and
+    `edgellm plan` shows them beside the prediction, for the same file, context and placement
+    only; a changed file or another placement shows none; an unreadable record file is ignored
+    and rewritten."""
+    import os
+
+    from edgellm.hetero import plan as hp
+
+    monkeypatch.setenv("EDGELLM_CACHE_DIR", str(tmp_path / "cache"))
+    model = tmp_path / "m.gguf"
+    model.write_bytes(os.urandom(256))
+    p = {"model": str(model), "ctx": 1024, "prefill": 512, "processors": ["cuda:0", "cpu"],
+         "placement": {"embed": "cpu", "blk.0": "cuda:0", "blk.1": "rows cpu 1.00 | cuda:0", "head": "cuda:0"},
+         "runs": [{"on": "cuda:0", "from": "blk.0", "to": "blk.0", "count": 1}],
+         "memory_bytes": {"cuda:0": 2**30}, "budgets": {"cuda:0": 2**31},
+         "predicted_decode_s": 0.0250, "predicted_prefill_s": 0.150}
+    assert hp.measured_for(p) is None
+    hp.record_measured(p, decode_s=0.0265, prompt_s=0.160, prompt_tokens=37)
+    got = hp.measured_for(p)
+    assert got["decode_s"] == 0.0265 and got["prompt_tokens"] == 37
+    text = hp.render({**p, "measured": got})
+    assert "measured (edgellm run, " in text and "decode 26.50 ms/token (37.7 tok/s)" in text
+    assert "a prompt of 37 tokens 160.0 ms" in text
+    assert "-6%" in hp.compare_line(p, 0.0265)  # predicted 25.0 against 26.5 measured
+
+    other = {**p, "placement": {**p["placement"], "blk.1": "cpu"}}
+    assert hp.measured_for(other) is None
+    assert "measured (" not in hp.render({**other, "measured": hp.measured_for(other)})
+    st = os.stat(model)
+    os.utime(model, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the file changed
+    assert hp.measured_for(p) is None
+
+    hp._measured_path().write_text("{not json")
+    assert hp.measured_for(p) is None
+    hp.record_measured(p, decode_s=0.03, prompt_s=None, prompt_tokens=5)
+    assert hp.measured_for(p)["decode_s"] == 0.03

@@ -337,7 +337,78 @@ def plan_split(path: str, *, gpu_memory: str | None, devices: str | None, ctx: i
     out = summarize(problem, sol)
     out["gpu_workspace_bytes"] = reserve
     out.update({"model": str(path), "ctx": ctx, "prefill": prefill, "processors": procs})
+    out["measured"] = measured_for(out)
     return out
+
+
+# -- measured times of a placement (`edgellm run --gpu-memory` records them, `edgellm plan` shows
+# them beside the prediction) ---------------------------------------------------------------------
+MAX_MEASURED = 64  # placements remembered, the most recent kept
+
+
+def _measured_path():
+    return cache_path().with_name("measured.json")
+
+
+def _placement_key(p: dict) -> str:
+    """The file (path, size, modification time), the context and the placement itself: a time
+    measured for one placement of one file is shown only for that."""
+    import hashlib
+    import json
+
+    try:
+        st = os.stat(p["model"])
+        ident = f"{os.path.abspath(p['model'])}|{st.st_size}|{st.st_mtime_ns}"
+    except OSError:
+        ident = str(p["model"])
+    placement = json.dumps(sorted(p["placement"].items()))
+    return hashlib.sha256(f"{ident}|{p['ctx']}|{placement}".encode()).hexdigest()[:32]
+
+
+def _read_measured() -> dict:
+    import json
+
+    try:
+        data = json.loads(_measured_path().read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}  # none yet, or unreadable: rewritten by the next record
+
+
+def record_measured(p: dict, *, decode_s: float | None, prompt_s: float | None, prompt_tokens: int) -> None:
+    """Store a run's measured decode time per token and prompt time for this placement (p: a
+    plan_split result). Written whole to a temporary file and renamed: a reader never sees half
+    of it; of two processes recording at once, one's entry may be lost, never the file."""
+    import json
+    import time
+
+    data = _read_measured()
+    data[_placement_key(p)] = {"decode_s": decode_s, "prompt_s": prompt_s, "prompt_tokens": int(prompt_tokens),
+                               "predicted_decode_s": p["predicted_decode_s"], "date": time.strftime("%Y-%m-%d %H:%M")}
+    data = dict(list(data.items())[-MAX_MEASURED:])
+    path = _measured_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache: the run's own report already showed the times
+
+
+def measured_for(p: dict) -> dict | None:
+    """The last recorded measurement of this placement (record_measured), or None."""
+    got = _read_measured().get(_placement_key(p))
+    return got if isinstance(got, dict) and "date" in got else None
+
+
+def compare_line(p: dict, decode_s: float | None) -> str:
+    """`edgellm run --gpu-memory`'s line: the solver's predicted decode time beside the run's."""
+    pred = p["predicted_decode_s"]
+    if not decode_s:
+        return f"split: predicted decode {pred * 1e3:.2f} ms/token (too few tokens generated to measure it)"
+    return (f"split: decode {decode_s * 1e3:.2f} ms/token measured, {pred * 1e3:.2f} predicted "
+            f"({(pred - decode_s) / decode_s:+.0%})")
 
 
 def plan_gpus(path: str, gpus: list[str], *, ctx: int | None, prefill: int, profile: Profile | None = None,
@@ -399,6 +470,15 @@ def render(p: dict) -> str:
     lines.append(f"  predicted decode: {p['predicted_decode_s'] * 1e3:.2f} ms/token "
                  f"({1 / max(p['predicted_decode_s'], 1e-12):.1f} tok/s); "
                  f"prefill of {p['prefill']} tokens: {p['predicted_prefill_s'] * 1e3:.1f} ms")
+    m = p.get("measured")
+    if m:
+        parts = []
+        if m.get("decode_s"):
+            parts.append(f"decode {m['decode_s'] * 1e3:.2f} ms/token ({1 / m['decode_s']:.1f} tok/s)")
+        if m.get("prompt_s"):
+            parts.append(f"a prompt of {m['prompt_tokens']} tokens {m['prompt_s'] * 1e3:.1f} ms")
+        if parts:
+            lines.append(f"  measured (edgellm run, {m['date']}): " + "; ".join(parts))
     return "\n".join(lines) + "\n"
 
 
