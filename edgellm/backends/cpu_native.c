@@ -531,7 +531,8 @@ static int64_t now_ns(void) {
 
 /* ops[0..nops) for the token at position pos. Scratch: xq [kmax] and xd, xs [kmax / 32] (the
  * quantized input of a product), tmp [nmax] (a gated MLP's two halves), scores [heads][pos + 1].
- * op_ns (or NULL): each op's wall time is added to op_ns[i] (every op ends at a barrier). One
+ * op_ns (or NULL): each op's wall time is added to op_ns[i] (every op ends at a barrier; the
+ * first starts when every thread has arrived, so the pool's wake-up is not counted). One
  * parallel region; the work of one thread: thread 0 alone, the rows of a product by tasks, the
  * heads of attention by a static split; a barrier after each op (step_barrier_wait). */
 void edgellm_step(const edgellm_op *ops, int64_t nops, int64_t pos, int64_t token, int8_t *xq, float *xd, float *xs,
@@ -546,6 +547,11 @@ void edgellm_step(const edgellm_op *ops, int64_t nops, int64_t pos, int64_t toke
 #pragma omp parallel num_threads(nthreads)
     {
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();  /* the team may be smaller than asked */
+        if (op_ns) {  /* the ops' times start once every thread is here: waking the pool is no op's */
+            step_barrier_wait(&bar, nt);
+            if (tid == 0)
+                last = now_ns();
+        }
         for (int64_t i = 0; i < nops; i++) {
             const edgellm_op *op = ops + i;
             _Atomic int64_t *counter = next + i;
