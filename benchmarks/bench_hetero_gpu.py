@@ -190,8 +190,12 @@ def main() -> None:
     ap.add_argument("--model-dir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "edgellm-synthetic"))
     a = ap.parse_args()
 
-    import edgellm  # before torch: its OpenMP settings (edgellm/__init__.py)
+    from edgellm.omp import keep_pool_awake
+
+    keep_pool_awake()  # as `edgellm run --gpu-memory` does, before torch loads the OpenMP runtime
     import torch
+
+    import edgellm
 
     from dataclasses import replace
     from edgellm.backends.cpu_fast import physical_cores

@@ -2,16 +2,6 @@
 
 __version__ = "0.1.0"
 
-import os as _os
-
-# The OpenMP runtime's idle threads (torch's and the native CPU kernels' one pool) spin this many
-# times before they sleep, instead of GNU libgomp's default 300,000 (a few milliseconds). A split
-# model's CPU segments start every few milliseconds, after the GPU's, and waking a sleeping pool
-# cost 7-15% of decode speed on the H100 host (2026-11-27, docs/benchmarks.md). Read once, when the
-# runtime loads: this takes effect where edgellm is imported before torch (the CLI, the server);
-# a value the user set is kept.
-_os.environ.setdefault("GOMP_SPINCOUNT", "2000000")
-
 from .errors import EdgeLLMError  # noqa: E402
 
 __all__ = ["EdgeLLMError", "Model", "load", "__version__"]

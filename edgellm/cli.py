@@ -26,6 +26,10 @@ def _add_model_arg(p: argparse.ArgumentParser, positional: bool = False) -> None
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    if getattr(args, "gpu_memory", None):  # a split model: the CPU's threads kept awake across the GPU's segments
+        from .omp import keep_pool_awake
+
+        keep_pool_awake()
     from .model import load
     from .onnx.cli import is_onnx, run_onnx
 

@@ -156,17 +156,26 @@ def test_plain_c_build_matches_the_vector_build(fmt):
     assert np.allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(a).max())
 
 
-def test_edgellm_sets_the_openmp_spin_count_before_torch_loads_it_and_keeps_the_users():
-    """edgellm/__init__.py: the OpenMP runtime's idle threads spin longer than libgomp's default
-    unless the user chose a value; set at import, before torch (and with it the runtime) loads."""
+
+def test_split_runs_keep_the_openmp_pool_awake_and_nothing_else_changes_it():
+    """edgellm/omp.py: a split run (`edgellm run --gpu-memory`) sets GOMP_SPINCOUNT before torch
+    loads the OpenMP runtime, unless the user chose a value; importing edgellm alone, or too late
+    (torch already loaded), leaves the environment as it was."""
     import os
     import subprocess
     import sys
 
-    code = "import os, sys, edgellm; print(os.environ['GOMP_SPINCOUNT'], 'torch' in sys.modules)"
     env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["2000000", "False"]
-    out = subprocess.run([sys.executable, "-c", code], env={**env, "GOMP_SPINCOUNT": "7"}, capture_output=True,
-                         text=True, check=True).stdout.split()
-    assert out[0] == "7"
+
+    def run(code, **extra):
+        return subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True,
+                              check=True).stdout.split()
+
+    show = "print(ok, os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules)"
+    assert run("import os, sys, edgellm; ok = None; " + show) == ["None", "None", "False"]
+    assert run("import os, sys; from edgellm.omp import keep_pool_awake; ok = keep_pool_awake(); " + show) == \
+        ["True", "2000000", "False"]
+    assert run("import os, sys; from edgellm.omp import keep_pool_awake; ok = keep_pool_awake(); " + show,
+               GOMP_SPINCOUNT="7") == ["False", "7", "False"]
+    assert run("import os, sys, torch; from edgellm.omp import keep_pool_awake; ok = keep_pool_awake(); " + show) == \
+        ["False", "None", "True"]
