@@ -79,6 +79,20 @@ def _tree_digest(data) -> bytes:
     return hashlib.sha256(b"".join(parts)).digest()
 
 
+def write_text_atomic(path: str | os.PathLike, text: str) -> bool:
+    """Write a small file whole: to a temporary name of this process, then renamed over `path`, so
+    a reader never sees half of it. False (nothing written) where the folder cannot be written."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+        return True
+    except OSError:
+        return False
+
+
 def file_fingerprint(path: str | os.PathLike) -> str:
     """A content fingerprint of a model file, cheap enough for every load: BLAKE2b over its size,
     its first 8 MiB (the GGUF header: every key and tensor description), 64 evenly spaced 64 KiB

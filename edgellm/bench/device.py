@@ -103,13 +103,9 @@ def peak_bandwidth(backend: str, cache_file: Path | None = None) -> dict:
     bw = measure_copy_bandwidth(backend)
     when = time.strftime("%Y-%m-%dT%H:%M:%S")
     cached[name] = {"bytes_per_s": bw, "measured_at": when, "method": "torch copy_, read + write, best of 7"}
-    try:
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cached, indent=1))
-        os.replace(tmp, cache_file)
-    except OSError:
-        pass  # an unwritable cache only costs a re-measurement next time
+    from ..cache import write_text_atomic
+
+    write_text_atomic(cache_file, json.dumps(cached, indent=1))  # unwritable: a re-measurement next time
     return {"device": name, "bytes_per_s": bw, "source": "measured", "measured_at": when}
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 
+from ..cache import file_fingerprint, write_text_atomic
 from ..errors import EdgeLLMError
 from .profile import Profile, cache_path, load_profile, op_cost_inputs, op_signature
 from .solver import Option, PlacementError, Problem, Solution, check_budgets, parse_bytes, solve
@@ -351,14 +352,13 @@ def _measured_path():
 
 
 def _placement_key(p: dict) -> str:
-    """The file (path, size, modification time), the context and the placement itself: a time
-    measured for one placement of one file is shown only for that."""
+    """The file's content (its fingerprint, as the program cache keys it), the context and the
+    placement itself: a time measured for one placement of one file is shown only for that."""
     import hashlib
     import json
 
     try:
-        st = os.stat(p["model"])
-        ident = f"{os.path.abspath(p['model'])}|{st.st_size}|{st.st_mtime_ns}"
+        ident = file_fingerprint(p["model"])
     except OSError:
         ident = str(p["model"])
     placement = json.dumps(sorted(p["placement"].items()))
@@ -377,8 +377,8 @@ def _read_measured() -> dict:
 
 def record_measured(p: dict, *, decode_s: float | None, prompt_s: float | None, prompt_tokens: int) -> None:
     """Store a run's measured decode time per token and prompt time for this placement (p: a
-    plan_split result). Written whole to a temporary file and renamed: a reader never sees half
-    of it; of two processes recording at once, one's entry may be lost, never the file."""
+    plan_split result). Written whole (write_text_atomic): of two processes recording at once,
+    one's entry may be lost, never the file."""
     import json
     import time
 
@@ -386,14 +386,7 @@ def record_measured(p: dict, *, decode_s: float | None, prompt_s: float | None, 
     data[_placement_key(p)] = {"decode_s": decode_s, "prompt_s": prompt_s, "prompt_tokens": int(prompt_tokens),
                                "predicted_decode_s": p["predicted_decode_s"], "date": time.strftime("%Y-%m-%d %H:%M")}
     data = dict(list(data.items())[-MAX_MEASURED:])
-    path = _measured_path()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only cache: the run's own report already showed the times
+    write_text_atomic(_measured_path(), json.dumps(data, indent=1))  # a read-only cache: the run showed them
 
 
 def measured_for(p: dict) -> dict | None:

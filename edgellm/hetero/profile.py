@@ -21,7 +21,6 @@ cost the same in any model, so a small model of a large one's layer shape profil
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -98,14 +97,9 @@ def load_profile(path: Path | None = None) -> Profile:
 
 
 def save_profile(p: Profile, path: Path | None = None) -> None:
-    path = path or cache_path()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(p.to_json())
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only cache folder: the profile stays in memory
+    from ..cache import write_text_atomic
+
+    write_text_atomic(path or cache_path(), p.to_json())  # a read-only cache folder: it stays in memory
 
 
 # -- what an op moves and computes ----------------------------------------------------------------
