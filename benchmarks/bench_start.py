@@ -13,6 +13,10 @@ Per model and engine:
                  cache of its own: its first run is reported as cold);
   run cold/warm  `edgellm run -n 8 --temperature 0` wall time for the default question, as a user
                  types it (process start to exit).
+--cli-variant LABEL:K=V,K=V (repeatable) measures the `edgellm run` rows once per variant instead,
+the warm runs of the variants interleaved round by round; the key TREE runs the CLI from another
+source tree (e.g. one made by `git archive`), other keys are environment variables:
+    --cli-variant new: --cli-variant base:TREE=/tmp/base --cli-variant late-ctx:EDGELLM_EARLY_CONTEXT=0
 A sample's numbers: import (the engine's Python modules), load (edgellm.load / Llama()), TTFT
 (a 37-token chat prompt's prefill and its first token, after load), 8 tokens (TTFT + 7 decode
 steps), process (the child's wall time from exec to exit). Prints a Markdown table; -o writes JSON.
@@ -101,6 +105,13 @@ def _child(engine: str, backend: str, path: str, ids: list[int], ctx: int, env: 
     return d
 
 
+def _variant(spec: str) -> tuple[str, dict]:
+    """'LABEL:K=V,K=V' -> (label, settings)."""
+    label, _, rest = spec.partition(":")
+    settings = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
+    return label, settings
+
+
 def _cli(path: str | None, backend: str, env: dict) -> dict:
     cmd = [sys.executable, "-m", "edgellm", "run", "--backend", backend, "--temperature", "0", "-n", "8", QUESTION]
     if path:
@@ -138,6 +149,8 @@ def main() -> int:
     ap.add_argument("-r", "--repeat", type=int, default=3)
     ap.add_argument("-c", "--ctx", type=int, default=4096)
     ap.add_argument("--no-cli", action="store_true", help="skip the `edgellm run` wall-time rows")
+    ap.add_argument("--cli-variant", action="append", default=[], metavar="LABEL:K=V,...",
+                    help="measure the `edgellm run` rows per variant, interleaved (see above)")
     ap.add_argument("-o", "--output", default=None, help="write the results as JSON here")
     ap.add_argument("--no-bytecode-cache", action="store_true",
                     help="run the children without a bytecode cache of their own (see above)")
@@ -200,16 +213,31 @@ def main() -> int:
                                         **{k: _median(ss, k) for k in ("import_s", "load_s", "ttft_s", "eight_s",
                                                                           "process_s")}})
         if not args.no_cli and "edgellm" in engines:
-            cache = tempfile.mkdtemp(prefix="edgellm-cache-")
-            env = {**base_env, "EDGELLM_CACHE_DIR": cache}
-            env.pop("TRITON_CACHE_DIR", None)
             cli_path = None if not args.model and not args.synthetic else path  # None: as a user types it
-            runs = [_cli(cli_path, args.backend, env) for _ in range(1 + args.repeat)]
-            for s in runs:
-                print(f"{Path(path).name} edgellm run: {s}", file=sys.stderr, flush=True)
-            for label, ss in (("`edgellm run` cold", runs[:1]), ("`edgellm run` warm", runs[1:])):
-                results["rows"].append({"model": Path(path).name, "what": label, "samples": ss,
-                                        "process_s": _median(ss, "process_s")})
+            variants = [_variant(v) for v in args.cli_variant] or [("", {})]
+            envs = []
+            for label, settings in variants:
+                env = {**base_env, "EDGELLM_CACHE_DIR": tempfile.mkdtemp(prefix="edgellm-cache-")}
+                env.pop("TRITON_CACHE_DIR", None)
+                tree = settings.get("TREE")
+                if tree:
+                    env["PYTHONPATH"] = f"{tree}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+                    env["PYTHONPYCACHEPREFIX"] = tempfile.mkdtemp(prefix="edgellm-pyc-")  # its own modules
+                    subprocess.run([sys.executable, "-c", "import edgellm.cli, edgellm.model"], env=env,
+                                   capture_output=True, timeout=600)
+                env.update({k: v for k, v in settings.items() if k != "TREE"})
+                envs.append(env)
+            runs = [[_cli(cli_path, args.backend, env)] for env in envs]  # each variant's cold run
+            for _ in range(args.repeat):  # then the warm ones, a round of every variant at a time
+                for v, env in enumerate(envs):
+                    runs[v].append(_cli(cli_path, args.backend, env))
+            for (name, _), rs in zip(variants, runs):
+                tag = f" [{name}]" if name else ""
+                for s in rs:
+                    print(f"{Path(path).name} edgellm run{tag}: {s}", file=sys.stderr, flush=True)
+                for label, ss in ((f"`edgellm run` cold{tag}", rs[:1]), (f"`edgellm run` warm{tag}", rs[1:])):
+                    results["rows"].append({"model": Path(path).name, "what": label, "samples": ss,
+                                            "process_s": _median(ss, "process_s")})
 
     def ms(v):
         return "—" if v is None else f"{v * 1e3:,.0f}"

@@ -36,6 +36,9 @@ def _cmd_cache(args: argparse.Namespace) -> int:
 
 
 def _cmd_warmup(args: argparse.Namespace) -> int:
+    from .backends.cuda.early import start_for
+
+    start_for(args.backend)  # the GPU's context made while torch imports
     from .model import load
     from .progress import slow_notice
 
@@ -47,14 +50,16 @@ def _cmd_warmup(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_cache_parser(sub) -> None:
-    c = sub.add_parser("cache", help="show or clear the persistent cache (compiled programs, kernels, tuning)",
+def add_cache_parser(sub, help: str | None = None) -> None:
+    c = sub.add_parser("cache", help=help,
                        description="The cache under ~/.cache/edgellm (EDGELLM_CACHE_DIR moves it) holds what a load "
                                    "computes, so that a second load of the same model skips it.")
     c.add_argument("action", choices=("info", "clear"), nargs="?", default="info")
     c.set_defaults(func=_cmd_cache)
 
-    w = sub.add_parser("warmup", help="compile every kernel and program a model needs, ahead of time",
+
+def add_warmup_parser(sub, help: str | None = None) -> None:
+    w = sub.add_parser("warmup", help=help,
                        description="Load a model and run every program shape once (each prefill size, each "
                                    "decode context bucket), so that later runs find all kernels in the cache.")
     w.add_argument("-m", "--model", default=None, help="a .gguf file (default: the embedded SmolLM2-135M-Instruct)")

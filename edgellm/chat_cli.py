@@ -17,8 +17,8 @@ from .errors import EdgeLLMError
 HELP = "/reset  forget the conversation | /system TEXT  set the system message (empty: none) | /exit  leave"
 
 
-def add_chat_parser(sub) -> None:
-    c = sub.add_parser("chat", help="chat with a model in the terminal (multi-turn)",
+def add_chat_parser(sub, help: str | None = None) -> None:
+    c = sub.add_parser("chat", help=help,
                        description="An interactive multi-turn chat through the model's chat template. " + HELP +
                                    ". Ctrl-C stops the current answer; Ctrl-D or /exit leaves.")
     c.add_argument("-m", "--model", default=None, help="a .gguf file (default: the embedded SmolLM2-135M-Instruct Q4_1)")
@@ -39,6 +39,9 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.text import Text
 
+    from .backends.cuda.early import start_for
+
+    start_for(args.backend)  # the GPU's context made while torch imports
     from .model import load
     from .sampling import SamplingParams
 

@@ -420,6 +420,10 @@ def load(path: str | os.PathLike | None = None, backend: str = "cpu", ctx: int |
         raise EdgeLLMError(f"ctx must be a positive number of tokens, got {ctx!r}")
     if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk <= 0:
         raise EdgeLLMError(f"prefill_chunk must be a positive number of tokens, got {prefill_chunk!r}")
+    if isinstance(backend, str):
+        from .backends.cuda.early import start_for
+
+        start_for(backend)  # the GPU's context made on a thread while the file and tokenizer load
     prefetch = getattr(get_backend(backend), "prefetch", None) if isinstance(backend, str) else None
     if prefetch is not None:
         prefetch()  # the backend's start-up work that needs no file, on a thread (cuda: Triton's cache key)

@@ -833,10 +833,10 @@ def _configure_quantize_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary")
 
 
-def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
+def add_quantize_parser(subparsers, help: str | None = None) -> argparse.ArgumentParser:
     """Register `quantize` on an argparse subparsers object; its func(args) returns the exit status."""
     p = subparsers.add_parser(
-        "quantize", help="write a model's weights in another format (GGUF or HF safetensors -> GGUF)",
+        "quantize", help=help,
         description="Quantize a GGUF file or a Hugging Face safetensors folder into a GGUF file. Norms, biases and "
                     "other 1-D tensors stay F32. A tensor whose rows are not a whole number of the type's blocks "
                     "gets the next wider format that fits (q4_0 -> q8_0 -> f16; q4_g128 -> q4_g64 -> q4_g32 -> "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -226,3 +227,72 @@ def test_generation_cut_inside_a_character_prints_nothing_for_it(files, monkeypa
 
     monkeypatch.setattr(m, "generate_tokens", fake_tokens)
     assert "".join(m.generate("hi", max_tokens=len(ids) - 1)) == "ok "
+
+
+# -- 10. start and exit: only the chosen subcommand's imports, no interpreter teardown -----------------
+def test_each_subcommand_gets_its_own_options_when_chosen(capsys):
+    """Given argv, the parser builds the named subcommand in full (its --help lists its options) and
+    lists the others; without argv, every subcommand in full."""
+    from edgellm.cli import COMMANDS, build_parser
+
+    for name, *_ in COMMANDS:
+        with pytest.raises(SystemExit) as e:
+            build_parser([name, "--help"]).parse_args([name, "--help"])
+        assert e.value.code == 0
+        out = capsys.readouterr().out
+        assert out.startswith(f"usage: edgellm {name}") and "--" in out.split("\n", 1)[1], (name, out[:300])
+    full = build_parser()
+    assert full.parse_args(["quantize", "a.gguf", "b.gguf", "--type", "q8_0"]).type == "q8_0"
+    assert full.parse_args(["serve", "--port", "9"]).port == 9 and full.parse_args(["run", "x"]).prompt == "x"
+    r = edgellm("--help")
+    assert r.returncode == 0 and all(f"    {name} " in r.stdout for name, *_ in COMMANDS), r.stdout
+
+
+def test_run_does_not_import_the_other_subcommands():
+    """`edgellm run` builds only run's options: quantize's, bench's, serve's and plan's modules (and
+    what they import) stay unloaded."""
+    code = ("import sys; from edgellm.cli import build_parser; build_parser(['run', 'x']).parse_args(['run', 'x']); "
+            "print(' '.join(sorted(m for m in sys.modules if m.startswith(('edgellm.', 'gguf', 'yaml', 'psutil')))))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child_env(), timeout=120)
+    assert r.returncode == 0, r.stderr
+    loaded = set(r.stdout.split())
+    assert "edgellm.onnx.cli" in loaded  # run's own --input options
+    for m in ("edgellm.quantize_model", "edgellm.bench.cli", "edgellm.serve.cli", "edgellm.chat_cli",
+              "edgellm.cache_cli", "edgellm.hetero.plan", "gguf", "yaml"):
+        assert m not in loaded, (m, sorted(loaded))
+
+
+def test_exit_now_keeps_output_threads_and_atexit_work(tmp_path):
+    """exit_now ends the process without the interpreter's teardown, but only after what the process
+    still owes: unflushed output (no newline, in a pipe), atexit callbacks, threads that are not daemons."""
+    script = f"""
+import atexit, sys, threading, time
+from pathlib import Path
+from edgellm.cli import exit_now
+d = Path({str(tmp_path)!r})
+atexit.register(lambda: (d / "atexit").write_text("ran"))
+def work():
+    time.sleep(0.3)
+    (d / "thread").write_text("done")
+threading.Thread(target=work).start()
+sys.stdout.write("partial line, not flushed")
+sys.stderr.write("err text")
+exit_now(3)
+print("never")
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=child_env(), timeout=120)
+    assert r.returncode == 3, r.stderr
+    assert r.stdout == "partial line, not flushed" and r.stderr == "err text"
+    assert (tmp_path / "atexit").read_text() == "ran" and (tmp_path / "thread").read_text() == "done"
+
+
+def test_run_into_a_closed_pipe_ends_quietly(files):
+    """`edgellm run ... | head -c 5`: the reader goes away mid-answer; the CLI ends with no traceback."""
+    p = subprocess.Popen([sys.executable, "-m", "edgellm", "run", "-m", str(files["gguf"]), "-n", "48",
+                          "--temperature", "1.5", "--seed", "1", "-q", "hello"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=child_env())
+    first = p.stdout.read(1)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) in (0, 1) and len(first) == 1
+    assert "Traceback" not in err, err

@@ -42,8 +42,8 @@ def _number(value: str | None, what: str, kind=float):
         raise BenchArgumentError(f"{what}: '{value}' is not a number") from None
 
 
-def add_bench_parser(subparsers) -> argparse.ArgumentParser:
-    b = subparsers.add_parser("bench", help="benchmark engines, quantizations and backends (tokens/s, MBU, perplexity)",
+def add_bench_parser(subparsers, help: str | None = None) -> argparse.ArgumentParser:
+    b = subparsers.add_parser("bench", help=help,
                               description=DESCRIPTION, epilog=EPILOG,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_arguments(b)

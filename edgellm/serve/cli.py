@@ -14,9 +14,9 @@ import time
 from ..errors import EdgeLLMError
 
 
-def add_serve_parser(sub) -> None:
+def add_serve_parser(sub, help: str | None = None) -> None:
     s = sub.add_parser(
-        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        "serve", help=help,
         description="Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, "
                     "/health) with continuous batching over --parallel KV-cache slots. Binds 127.0.0.1 "
                     "unless --host says otherwise.")
@@ -75,6 +75,9 @@ def _is_loopback(host: str) -> bool:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     _check_args(args)  # before the model loads: a typo costs no waiting
+    from ..backends.cuda.early import start_for
+
+    start_for(args.backend)  # the GPU's context made while torch and the server's stack import
     try:
         import uvicorn
 
