@@ -13,6 +13,8 @@ Per model and engine:
                  cache of its own: its first run is reported as cold);
   run cold/warm  `edgellm run -n 8 --temperature 0` wall time for the default question, as a user
                  types it (process start to exit).
+--variant LABEL:K=V,K=V (repeatable) does the same for the edgellm load rows: one cold load (the first
+variant's), then each variant's warm loads from that cache, interleaved round by round.
 --cli-variant LABEL:K=V,K=V (repeatable) measures the `edgellm run` rows once per variant instead,
 the warm runs of the variants interleaved round by round; the key TREE runs the CLI from another
 source tree (e.g. one made by `git archive`), other keys are environment variables:
@@ -149,6 +151,8 @@ def main() -> int:
     ap.add_argument("-r", "--repeat", type=int, default=3)
     ap.add_argument("-c", "--ctx", type=int, default=4096)
     ap.add_argument("--no-cli", action="store_true", help="skip the `edgellm run` wall-time rows")
+    ap.add_argument("--variant", action="append", default=[], metavar="LABEL:K=V,...",
+                    help="edgellm load rows per variant (environment settings), interleaved (see above)")
     ap.add_argument("--cli-variant", action="append", default=[], metavar="LABEL:K=V,...",
                     help="measure the `edgellm run` rows per variant, interleaved (see above)")
     ap.add_argument("-o", "--output", default=None, help="write the results as JSON here")
@@ -200,13 +204,28 @@ def main() -> int:
             env = {**base_env, "EDGELLM_CACHE_DIR": cache}
             env.pop("TRITON_CACHE_DIR", None)
             samples = []
-            for i in range(args.repeat + (1 if engine == "edgellm" else 0)):
-                s = _child(engine, args.backend, path, ids, args.ctx, env)
-                print(f"{Path(path).name} {engine} #{i}: {s}", file=sys.stderr, flush=True)
-                samples.append(s)
-            if engine == "edgellm":
+            if engine == "edgellm" and args.variant:
+                variants = [_variant(v) for v in args.variant]
+                cold = _child(engine, args.backend, path, ids, args.ctx, {**env, **variants[0][1]})
+                print(f"{Path(path).name} {engine} cold [{variants[0][0]}]: {cold}", file=sys.stderr, flush=True)
+                warm = {label: [] for label, _ in variants}
+                for i in range(args.repeat):
+                    for label, settings in variants:
+                        s = _child(engine, args.backend, path, ids, args.ctx, {**env, **settings})
+                        print(f"{Path(path).name} {engine} warm [{label}] #{i}: {s}", file=sys.stderr, flush=True)
+                        warm[label].append(s)
+                rows = [(f"edgellm cold [{variants[0][0]}]", [cold])] + [(f"edgellm warm [{k}]", v) for k, v in warm.items()]
+            elif engine == "edgellm":
+                for i in range(args.repeat + 1):
+                    s = _child(engine, args.backend, path, ids, args.ctx, env)
+                    print(f"{Path(path).name} {engine} #{i}: {s}", file=sys.stderr, flush=True)
+                    samples.append(s)
                 rows = [("edgellm cold", samples[:1]), ("edgellm warm", samples[1:])]
             else:
+                for i in range(args.repeat):
+                    s = _child(engine, args.backend, path, ids, args.ctx, env)
+                    print(f"{Path(path).name} {engine} #{i}: {s}", file=sys.stderr, flush=True)
+                    samples.append(s)
                 rows = [(f"{engine} first", samples[:1]), (f"{engine} median", samples)]
             for label, ss in rows:
                 results["rows"].append({"model": Path(path).name, "what": label, "samples": ss,

@@ -108,6 +108,9 @@ def _wait_prefetch() -> None:
         _prefetch_thread.join()
 
 
+# numpy dtype string -> torch dtype, for float weights read as bytes
+_TORCH_DTYPES = {"<f2": torch.float16, "<f4": torch.float32, "<i1": torch.int8}
+
 # weights decoded on the device a slab of this many elements at a time (float32: 256 MiB)
 _DECODE_SLAB_ELEMENTS = 64 << 20
 
@@ -120,6 +123,33 @@ class CudaWeights:
         self.K = _kernels()
         self._packed: dict[tuple[str, ...], object] = {}
         self._vectors: dict[tuple[str, ...], torch.Tensor] = {}
+        self._uploader = None  # upload.Uploader, made at the first weight it carries
+        self.uploaded_bytes = 0  # weight bytes that went through it
+
+    def _raw(self, t):
+        """A weight's stored bytes as a uint8 tensor of rows (out, row bytes): on the device, read
+        through page-locked slots (upload.py) where the tensor is one run of the file's bytes;
+        else the host array, which repack copies to the device itself."""
+        from . import upload
+
+        data = t.data
+        whole = (self.device.type == "cuda" and upload.enabled() and data.nbytes >= upload.MIN_BYTES
+                 and data.ndim == 2 and data.flags.c_contiguous
+                 and (data.dtype == np.uint8 or data.dtype.str in _TORCH_DTYPES)
+                 and data.__array_interface__["data"][0] == self.file._map.__array_interface__["data"][0] + t.offset)
+        if not whole:
+            return np.ascontiguousarray(data)
+        if self._uploader is None:
+            self._uploader = upload.Uploader(self.file.path, self.device)
+        rows = self._uploader.upload(t.offset, data.nbytes).view(data.shape[0], -1)
+        self.uploaded_bytes += data.nbytes
+        return rows if data.dtype == np.uint8 else rows.view(_TORCH_DTYPES[data.dtype.str])
+
+    def done_loading(self) -> None:
+        """The uploader's threads and page-locked slots are let go (the weights are all on the device)."""
+        if self._uploader is not None:
+            self._uploader.close()
+            self._uploader = None
 
     def packed(self, *names: str):
         """One PackedWeight for these tensors stacked along the output axis."""
@@ -139,7 +169,7 @@ class CudaWeights:
     def _pack_one(self, name: str):
         t = self.file.tensor(name)
         if self.K.can_repack(t.type_name):
-            return self.K.repack(np.ascontiguousarray(t.data), t.type_name, t.shape, device=self.device)
+            return self.K.repack(self._raw(t), t.type_name, t.shape, device=self.device)
         # no layout of its own (Q2_K, Q3_K, IQ*; Q6_K, Q5_K, Q5_1 have Q6/Q6M and are repacked above,
         # on the device): the raw blocks go to the device and are decoded there (bitwise the
         # reference decode) and packed as Q8_0, a slab of rows at a time, which keeps them within
@@ -1345,6 +1375,8 @@ class CudaBackend(CudaInfo):
             free, total = torch.cuda.mem_get_info(self.device)
             raise DeviceMemoryError(f"out of GPU memory converting {self.file.path.name}'s weights "
                                     f"({free / 2**30:.2f} of {total / 2**30:.2f} GiB free): {e}") from None
+        finally:
+            self.weights.done_loading()  # the weights this program needs are on the device by now
 
     @staticmethod
     def to_numpy(t: torch.Tensor) -> np.ndarray:
