@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import os
-import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import Iterator
@@ -438,57 +437,18 @@ def load(path: str | os.PathLike | None = None, backend: str = "cpu", ctx: int |
     pc = cache_mod.ProgramCache() if use_cache else None
     fingerprint = cache_mod.file_fingerprint(path) if pc is not None else None
     t1 = time.perf_counter()
-    # The tokenizer (a BPE model of up to 260k tokens built by the tokenizers library: 0.2-0.7 s on
-    # the H100 host) is built on a thread while the backend compiles, uploads the weights and warms
-    # up: those phases spend much of their time outside the GIL (hashing, copies to the GPU, waiting
-    # for it), which the build needs. Nothing before the end of load() reads the tokenizer.
-    # EDGELLM_TOKENIZER_THREAD=0 builds it first, in this thread.
-    tok_job = _Job(_load_tokenizer, f, path, pc, fingerprint)
-    if os.environ.get("EDGELLM_TOKENIZER_THREAD", "1") == "0":
-        tok_job.run()
-    else:
-        tok_job.start()
+    tok, tok_cached = _load_tokenizer(f, path, pc, fingerprint)
+    t2 = time.perf_counter()
     if ctx is None:
         ctx = min(cfg.context_length, 4096)
-    try:
-        m = Model(path=path, backend_name=backend, ctx=ctx, file=f, config=cfg, tokenizer=None, fuse=fuse,
-                  prefill_chunk=prefill_chunk, program_cache=pc, fingerprint=fingerprint,
-                  load_phases={"start": t_start - t0, "open": t1 - t_start})
-        if warmup:
-            m.warmup()
-    finally:
-        t2 = time.perf_counter()
-        tok, tok_cached = tok_job.result()  # its error, if it failed, before the backend's
-    m.tokenizer = tok
-    if tok_cached:
-        m.cache_hits.insert(0, "tokenizer")
-    m.load_phases["tokenizer"] = tok_job.seconds  # its own time, overlapped with the phases above
-    m.load_phases["tokenizer wait"] = time.perf_counter() - t2
+    m = Model(path=path, backend_name=backend, ctx=ctx, file=f, config=cfg, tokenizer=tok, fuse=fuse,
+              prefill_chunk=prefill_chunk, program_cache=pc, fingerprint=fingerprint,
+              load_phases={"start": t_start - t0, "open": t1 - t_start, "tokenizer": t2 - t1},
+              cache_hits=["tokenizer"] if tok_cached else [])
+    if warmup:
+        m.warmup()
     m.load_s = time.perf_counter() - t0
     return m
-
-
-class _Job(threading.Thread):
-    """fn(*args) on a thread of its own; result() joins it and returns its value or raises its error."""
-
-    def __init__(self, fn, *args):
-        super().__init__(name="edgellm-load-job", daemon=True)
-        self.fn, self.args, self.value, self.error, self.seconds = fn, args, None, None, 0.0
-
-    def run(self) -> None:
-        t = time.perf_counter()
-        try:
-            self.value = self.fn(*self.args)
-        except BaseException as e:  # noqa: BLE001 - handed to the caller of result()
-            self.error = e
-        self.seconds = time.perf_counter() - t
-
-    def result(self):
-        if self.ident is not None:
-            self.join()
-        if self.error is not None:
-            raise self.error
-        return self.value
 
 
 def _load_tokenizer(f, path: str, pc, fingerprint: str | None) -> tuple[Tokenizer | None, bool]:

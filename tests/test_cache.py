@@ -279,30 +279,3 @@ def test_triton_key_is_remembered_between_processes(tmp_path, monkeypatch):
     monkeypatch.setattr(tc, "triton_key", real)
     assert tk.memoize_triton_key() == real()  # Triton's real key, remembered
 
-
-@pytest.mark.parametrize("threaded", ["1", "0"])
-def test_tokenizer_built_beside_the_backend_is_the_same_and_reports_its_errors(tmp_path, cache_dir, monkeypatch,
-                                                                               threaded):
-    """load() builds the tokenizer on a thread while the backend loads (EDGELLM_TOKENIZER_THREAD=0:
-    before it): the model comes back with the tokenizer the file describes, and a vocabulary that
-    cannot be built fails the load with the tokenizer's own error, naming the file."""
-    from edgellm.errors import MetadataError
-
-    monkeypatch.setenv("EDGELLM_TOKENIZER_THREAD", threaded)
-    path = _model(tmp_path / "m.gguf")
-    for _ in range(2):  # built, then read from the cache
-        m = edgellm.load(path, ctx=64)
-        assert m.tokenizer is not None and m.load_phases["tokenizer"] > 0
-        ids = m.tokenizer.encode("hello world", add_bos=False)
-        assert m.tokenizer.decode(ids) == "hello world"
-    assert "tokenizer" in m.cache_hits
-
-    def broken_vocab(writer) -> int:
-        n = byte_bpe_vocab(512)(writer)
-        writer.add_token_merges(["zz qq"])  # a merge of tokens the vocabulary does not have
-        return n
-
-    spec = SyntheticSpec(n_layers=1, d_model=64, n_heads=4, n_kv_heads=2, ffn_dim=96, weight_type="Q8_0")
-    bad = write_synthetic_gguf(tmp_path / "bad.gguf", spec, tokenizer=broken_vocab)
-    with pytest.raises(MetadataError, match=r"bad\.gguf"):
-        edgellm.load(bad, ctx=64)

@@ -67,7 +67,7 @@ def test_cuda_backend_gives_the_same_logits_through_the_slots(tmp_path, monkeypa
     from edgellm.synthetic import SyntheticSpec, write_synthetic_gguf
 
     monkeypatch.setenv("EDGELLM_CACHE", "0")
-    spec = SyntheticSpec(n_layers=2, d_model=512, n_heads=8, n_kv_heads=4, ffn_dim=2048, vocab_size=1024,
+    spec = SyntheticSpec(n_layers=2, d_model=1024, n_heads=8, n_kv_heads=4, ffn_dim=4096, vocab_size=1024,
                          weight_type=fmt, seed=3)
     path = write_synthetic_gguf(tmp_path / f"m-{fmt}.gguf", spec)
     ids = [5, 900, 17, 3, 64, 1000, 2]
