@@ -107,6 +107,16 @@ def _child(engine: str, backend: str, path: str, ids: list[int], ctx: int, env: 
     return d
 
 
+def _priming_imports(engine: str, backend: str) -> str:
+    """The imports whose bytecode one untimed process leaves in a run's bytecode cache (see above)."""
+    if engine == "llama.cpp":
+        return "import llama_cpp, edgellm.bench.engines"
+    imports = "import edgellm.cli, edgellm.model, edgellm.compiler.compile, edgellm.tokenizer, rich"
+    if engine == "edgellm" and backend == "cuda":
+        imports += "; import edgellm.backends.cuda.backend, triton, sympy"
+    return imports if engine == "edgellm" else "import edgellm"
+
+
 def _variant(spec: str) -> tuple[str, dict]:
     """'LABEL:K=V,K=V' -> (label, settings)."""
     label, _, rest = spec.partition(":")
@@ -185,13 +195,9 @@ def main() -> int:
     if not args.no_bytecode_cache:  # as after a pip install: the libraries' bytecode exists (see above)
         base_env.pop("PYTHONDONTWRITEBYTECODE", None)
         base_env["PYTHONPYCACHEPREFIX"] = tempfile.mkdtemp(prefix="edgellm-pyc-")
-        modules = {"edgellm": "import edgellm.cli, edgellm.model, edgellm.compiler.compile, edgellm.tokenizer, rich",
-                   "llama.cpp": "import llama_cpp, edgellm.bench.engines"}
         for engine in engines:
-            imports = modules.get(engine, "import edgellm")
-            if args.backend == "cuda" and engine == "edgellm":
-                imports += "; import edgellm.backends.cuda.backend"
-            subprocess.run([sys.executable, "-c", imports], env=base_env, capture_output=True, timeout=600)
+            subprocess.run([sys.executable, "-c", _priming_imports(engine, args.backend)], env=base_env,
+                           capture_output=True, timeout=600)
     results["bytecode_cache"] = not args.no_bytecode_cache
     for path in models:
         for f in (path,):  # page cache: read the file once before any timed run
@@ -241,9 +247,10 @@ def main() -> int:
                 tree = settings.get("TREE")
                 if tree:
                     env["PYTHONPATH"] = f"{tree}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
-                    env["PYTHONPYCACHEPREFIX"] = tempfile.mkdtemp(prefix="edgellm-pyc-")  # its own modules
-                    subprocess.run([sys.executable, "-c", "import edgellm.cli, edgellm.model"], env=env,
-                                   capture_output=True, timeout=600)
+                    if not args.no_bytecode_cache:  # its own modules' bytecode, primed as the main tree's
+                        env["PYTHONPYCACHEPREFIX"] = tempfile.mkdtemp(prefix="edgellm-pyc-")
+                        subprocess.run([sys.executable, "-c", _priming_imports("edgellm", args.backend)], env=env,
+                                       capture_output=True, timeout=600)
                 env.update({k: v for k, v in settings.items() if k != "TREE"})
                 envs.append(env)
             runs = [[_cli(cli_path, args.backend, env)] for env in envs]  # each variant's cold run

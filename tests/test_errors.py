@@ -135,3 +135,45 @@ def test_reader_agrees_with_gguf_py(default_model_path, good):
             assert mine.ggml_type == t.tensor_type
             assert mine.shape == tuple(int(x) for x in reversed(t.shape.tolist()))
             assert np.array_equal(mine.data.view(np.uint8).ravel(), t.data.view(np.uint8).ravel()), t.name
+
+
+def test_long_string_arrays_are_parsed_when_read_and_never_seen_unparsed(default_model_path, tmp_path):
+    """The vocabulary's tokens and merges (49k strings each in the default model) are parsed on
+    first use; every way of reading the metadata gives gguf-py's values, and length() counts them
+    without parsing. A file cut inside such an array is still refused at open, naming the key."""
+    import json
+
+    from gguf import GGUFReader
+
+    from edgellm.gguf_file import LAZY_STRINGS
+
+    ref = GGUFReader(str(default_model_path))
+    want = {k: ref.fields[k].contents() for k in ref.fields if not k.startswith("GGUF.")}
+    big = [k for k, v in want.items() if isinstance(v, list) and len(v) >= LAZY_STRINGS and isinstance(v[0], str)]
+    assert set(big) == {"tokenizer.ggml.tokens", "tokenizer.ggml.merges"}
+
+    def fresh():
+        m = open_gguf(default_model_path).metadata
+        assert all(not isinstance(dict.__getitem__(m, k), list) for k in big)  # not parsed yet
+        return m
+
+    m = fresh()
+    assert [m.length(k) for k in big] == [len(want[k]) for k in big] and m.length("no.such.key") == 0
+    assert all(not isinstance(dict.__getitem__(m, k), list) for k in big)  # length() parsed nothing
+    for read in (lambda m: dict(m), lambda m: {**m}, lambda m: dict(m.items()), lambda m: m.copy(),
+                 lambda m: dict(zip(m, m.values())), lambda m: json.loads(json.dumps(m)),
+                 lambda m: {k: m.get(k) for k in m}):
+        got = read(fresh())
+        assert got.keys() == want.keys()
+        for k in big:
+            assert got[k] == want[k], k
+    assert fresh() == {k: (m[k]) for k in m} and not (fresh() != dict(fresh()))
+    m = fresh()
+    assert m.pop("tokenizer.ggml.merges") == want["tokenizer.ggml.merges"] and "tokenizer.ggml.merges" not in m
+
+    raw = default_model_path.read_bytes()
+    at = raw.find(b"tokenizer.ggml.merges") + 100_000  # inside the merges' strings
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(raw[:at])
+    with pytest.raises(ModelFileError, match=r"cut\.gguf.*tokenizer\.ggml\.merges"):
+        open_gguf(cut)

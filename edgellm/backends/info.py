@@ -35,7 +35,7 @@ class CpuInfo:
         """The file's tensor pages (memory-mapped, all read once at load and kept mapped), the
         tokenizer (about 400 bytes per vocabulary entry and merge, measured on SmolLM2) and the
         graphs and programs (about 16 MiB)."""
-        vocab_entries = len(f.metadata.get("tokenizer.ggml.tokens", ())) + len(f.metadata.get("tokenizer.ggml.merges", ()))
+        vocab_entries = f.metadata.length("tokenizer.ggml.tokens") + f.metadata.length("tokenizer.ggml.merges")
         return f.total_tensor_bytes + 400 * vocab_entries + (16 << 20)
 
 
@@ -89,7 +89,7 @@ class CpuFastInfo(CpuInfo):
     def runtime_overhead_bytes(f: GGUFFile, cfg) -> int:
         """The file's pages are dropped after packing (only embedding rows are read later); the
         tokenizer and programs as for the cpu backend."""
-        vocab_entries = len(f.metadata.get("tokenizer.ggml.tokens", ())) + len(f.metadata.get("tokenizer.ggml.merges", ()))
+        vocab_entries = f.metadata.length("tokenizer.ggml.tokens") + f.metadata.length("tokenizer.ggml.merges")
         return 400 * vocab_entries + (16 << 20)
 
 

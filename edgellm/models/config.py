@@ -117,7 +117,7 @@ def read_config(f: GGUFFile, family: Family) -> ModelConfig:
         raise MissingTensorError(f"{f.path.name}: tensor 'token_embd.weight' is missing")
     vocab = f.arch_get("vocab_size", emb.shape[0], kind=int)
     if "tokenizer.ggml.tokens" in f.metadata:
-        vocab = len(f.metadata["tokenizer.ggml.tokens"])
+        vocab = f.metadata.length("tokenizer.ggml.tokens")
     scaling = f.arch_get("rope.scaling.type", "none", kind=str)
     pos_scale = 1.0
     if scaling == "linear":
