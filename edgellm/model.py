@@ -460,8 +460,13 @@ def _load_tokenizer(f, path: str, pc, fingerprint: str | None) -> tuple[Tokenize
 
     key = program_key(model=fingerprint, artifact="tokenizer") if pc is not None else None
     cached = pc.get(key, "tokenizer.json") if pc is not None else None
+    got = pc.get_arrays(key, "derived") if pc is not None and cached is not None else None
+    derived = Tokenizer.derived_from(*got) if got is not None else None
     tok = Tokenizer.from_metadata(f.metadata, source=os.path.basename(path),
-                                  backend_json=cached.decode() if cached is not None else None)
+                                  backend_json=cached.decode() if cached is not None else None, derived=derived)
     if pc is not None and cached is None:
         pc.put(key, "tokenizer.json", tok.backend_json().encode())
+    if pc is not None and derived is None:
+        d = tok.derived()
+        pc.put_arrays(key, "derived", d["arrays"], meta=d["meta"])
     return tok, cached is not None

@@ -448,3 +448,51 @@ def test_synthetic_byte_bpe_vocab_is_shaped_like_a_real_one(tmp_path):
 
     hf = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="w.gguf")
     assert hf(text, add_special_tokens=False)["input_ids"] == ids
+
+
+@pytest.mark.parametrize("which", ["default", "spm", "llama3"])
+def test_cached_tables_give_the_same_tokenizer_without_reading_the_strings(which, spm_path, bpe_files):
+    """from_metadata with the program cache's pieces (the built BPE model and the byte table of
+    derived()) gives the tokenizer built from the strings: ids, text, pieces, specials, stops and
+    chat rendering alike; it does not parse the vocabulary's strings until a piece is asked for;
+    pieces that do not fit the file are ignored (the tokenizer is built from the strings)."""
+    import numpy as np
+
+    path = {"default": DEFAULT_MODEL, "spm": spm_path, "llama3": bpe_files["llama3"]}[which]
+    full = Tokenizer.from_metadata(open_gguf(path).metadata, source=path.name)
+    d = full.derived()
+    derived = Tokenizer.derived_from(d["meta"], d["arrays"])
+    meta = open_gguf(path).metadata
+    cached = Tokenizer.from_metadata(meta, source=path.name, backend_json=full.backend_json(), derived=derived)
+    strings = "tokenizer.ggml.tokens"
+    if meta.length(strings) >= 4096:  # long enough to be deferred: the cached path left it unparsed
+        assert not isinstance(dict.__getitem__(meta, strings), list)
+    texts = ["Hello world!", "The capital of France is Paris.\n\n  x=1;  # ünïcödé 🤖", " leading", "ab12 345"]
+    for t in texts:
+        assert cached.encode(t) == full.encode(t) and cached.decode(cached.encode(t)) == full.decode(full.encode(t))
+    ids = list(range(0, full.vocab_size, max(1, full.vocab_size // 500)))
+    assert [cached.token_text(i) for i in ids] == [full.token_text(i) for i in ids]
+    assert [cached.is_special(i) for i in range(full.vocab_size)] == [full.is_special(i) for i in range(full.vocab_size)]
+    assert cached.decode(ids, skip_special=True) == full.decode(ids, skip_special=True)
+    assert (cached.stop_ids, cached.bos_id, cached.eos_id, cached.add_bos, cached.vocab_size, cached.pre) == \
+        (full.stop_ids, full.bos_id, full.eos_id, full.add_bos, full.vocab_size, full.pre)
+    assert [cached.token_piece(i) for i in ids] == [full.token_piece(i) for i in ids]
+    if full.chat_template:
+        msgs = [{"role": "user", "content": "hi"}]
+        assert cached.apply_chat_template(msgs) == full.apply_chat_template(msgs)
+    # pieces of another vocabulary size, or malformed ones, are not used
+    from edgellm.tokenizer import ByteTable
+
+    offsets = d["arrays"]["offsets"]
+    short = {**derived, "token_bytes": ByteTable(d["arrays"]["bytes"][:offsets[-6]], offsets[:-5])}
+    fewer = Tokenizer.from_metadata(open_gguf(path).metadata, source=path.name, backend_json=full.backend_json(),
+                                    derived=short)
+    assert fewer.vocab_size == full.vocab_size and fewer.token_text(full.vocab_size - 1) == full.token_text(full.vocab_size - 1)
+    bad = d["arrays"]["offsets"].copy()
+    bad[3] = bad[-1] + 7
+    assert Tokenizer.derived_from(d["meta"], {"bytes": d["arrays"]["bytes"], "offsets": bad}) is None
+    assert Tokenizer.derived_from({"model": "gpt2"}, d["arrays"]) is None
+    again = Tokenizer.from_metadata(open_gguf(path).metadata, source=path.name, backend_json=full.backend_json(),
+                                    derived=None)
+    assert again.encode(texts[1]) == full.encode(texts[1])
+    assert np.array_equal(again.derived()["arrays"]["offsets"], d["arrays"]["offsets"])
