@@ -112,9 +112,9 @@ def _priming_imports(engine: str, backend: str) -> str:
     if engine == "llama.cpp":
         return "import llama_cpp, edgellm.bench.engines"
     imports = "import edgellm.cli, edgellm.model, edgellm.compiler.compile, edgellm.tokenizer, rich"
-    if engine == "edgellm" and backend == "cuda":
+    if backend == "cuda":
         imports += "; import edgellm.backends.cuda.backend, triton, sympy"
-    return imports if engine == "edgellm" else "import edgellm"
+    return imports if engine in ("edgellm", "cli") else "import edgellm"
 
 
 def _variant(spec: str) -> tuple[str, dict]:
@@ -124,12 +124,14 @@ def _variant(spec: str) -> tuple[str, dict]:
     return label, settings
 
 
-def _cli(path: str | None, backend: str, env: dict) -> dict:
+def _cli(path: str | None, backend: str, env: dict, cwd: str | None = None) -> dict:
+    """`python -m edgellm run` in cwd: `-m` puts the working directory first on sys.path, so a
+    variant's source tree must be the working directory too, not only on PYTHONPATH."""
     cmd = [sys.executable, "-m", "edgellm", "run", "--backend", backend, "--temperature", "0", "-n", "8", QUESTION]
     if path:
         cmd[4:4] = ["-m", path]
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=cwd or str(ROOT))
     wall = time.perf_counter() - t0
     if p.returncode != 0:
         return {"error": p.stderr.strip().splitlines()[-1:]}
@@ -157,7 +159,8 @@ def main() -> int:
                     help="PRESET:FORMAT written with edgellm.synthetic (with a vocabulary), e.g. llama-3.1-8b:Q4_0")
     ap.add_argument("--model-dir", default=None, help="where synthetic files go (default: a temporary folder)")
     ap.add_argument("--backend", default="cpu")
-    ap.add_argument("--engines", default="edgellm,llama.cpp")
+    ap.add_argument("--engines", default="edgellm,llama.cpp",
+                    help="edgellm, llama.cpp (comma-separated); 'cli' alone: only the `edgellm run` rows")
     ap.add_argument("-r", "--repeat", type=int, default=3)
     ap.add_argument("-c", "--ctx", type=int, default=4096)
     ap.add_argument("--no-cli", action="store_true", help="skip the `edgellm run` wall-time rows")
@@ -206,6 +209,8 @@ def main() -> int:
                     pass
         ids = _prompt_ids(path)
         for engine in engines:
+            if engine == "cli":  # (--engines cli: only the `edgellm run` rows)
+                continue
             cache = tempfile.mkdtemp(prefix="edgellm-cache-")
             env = {**base_env, "EDGELLM_CACHE_DIR": cache}
             env.pop("TRITON_CACHE_DIR", None)
@@ -237,10 +242,10 @@ def main() -> int:
                 results["rows"].append({"model": Path(path).name, "what": label, "samples": ss,
                                         **{k: _median(ss, k) for k in ("import_s", "load_s", "ttft_s", "eight_s",
                                                                           "process_s")}})
-        if not args.no_cli and "edgellm" in engines:
+        if not args.no_cli and ("edgellm" in engines or "cli" in engines):
             cli_path = None if not args.model and not args.synthetic else path  # None: as a user types it
             variants = [_variant(v) for v in args.cli_variant] or [("", {})]
-            envs = []
+            envs, cwds = [], []
             for label, settings in variants:
                 env = {**base_env, "EDGELLM_CACHE_DIR": tempfile.mkdtemp(prefix="edgellm-cache-")}
                 env.pop("TRITON_CACHE_DIR", None)
@@ -253,10 +258,11 @@ def main() -> int:
                                        capture_output=True, timeout=600)
                 env.update({k: v for k, v in settings.items() if k != "TREE"})
                 envs.append(env)
-            runs = [[_cli(cli_path, args.backend, env)] for env in envs]  # each variant's cold run
+                cwds.append(tree or str(ROOT))
+            runs = [[_cli(cli_path, args.backend, env, cwd)] for env, cwd in zip(envs, cwds)]  # cold runs
             for _ in range(args.repeat):  # then the warm ones, a round of every variant at a time
                 for v, env in enumerate(envs):
-                    runs[v].append(_cli(cli_path, args.backend, env))
+                    runs[v].append(_cli(cli_path, args.backend, env, cwds[v]))
             for (name, _), rs in zip(variants, runs):
                 tag = f" [{name}]" if name else ""
                 for s in rs:
