@@ -31,7 +31,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from ...errors import BackendUnavailableError, EdgeLLMError, GraphError
+from ...errors import BackendUnavailableError, EdgeLLMError, GraphError, ModelFileError
 from ...gguf_file import GGUFFile
 from ...graph.ir import Graph, Op
 from ...graph.shapes import shape_function
@@ -139,9 +139,12 @@ class CudaWeights:
                  and data.__array_interface__["data"][0] == self.file._map.__array_interface__["data"][0] + t.offset)
         if not whole:
             return np.ascontiguousarray(data)
-        if self._uploader is None:
-            self._uploader = upload.Uploader(self.file.path, self.device)
-        rows = self._uploader.upload(t.offset, data.nbytes).view(data.shape[0], -1)
+        try:
+            if self._uploader is None:
+                self._uploader = upload.Uploader(self.file.path, self.device)
+            rows = self._uploader.upload(t.offset, data.nbytes).view(data.shape[0], -1)
+        except OSError as e:  # the file went away or shrank under the load
+            raise ModelFileError(f"cannot read tensor '{t.name}' of {self.file.path.name}: {e}") from None
         self.uploaded_bytes += data.nbytes
         return rows if data.dtype == np.uint8 else rows.view(_TORCH_DTYPES[data.dtype.str])
 

@@ -28,7 +28,8 @@ MIN_BYTES = 1 << 20  # smaller tensors take the plain path (a pread and a DMA co
 
 
 def enabled() -> bool:
-    return os.environ.get("EDGELLM_PINNED_UPLOAD", "1") != "0"
+    """On unless EDGELLM_PINNED_UPLOAD=0, where the platform has os.preadv (Linux, macOS, BSDs)."""
+    return os.environ.get("EDGELLM_PINNED_UPLOAD", "1") != "0" and hasattr(os, "preadv")
 
 
 class Uploader:
