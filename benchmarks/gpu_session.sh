@@ -4,8 +4,8 @@
 # (GPU_SESSION_DIR), which survives between calls while the machine stays warm.
 #
 # Carried into the call (ignored by git; `bash benchmarks/prepare_gpu_carry.sh` makes both): .whl/
-# (wheels the image lacks: gguf, tokenizers, rich, the serving stack, and diskcache, which
-# llama-cpp-python imports; wgpu and its needs for the webgpu steps are added by hand) and
+# (wheels the image lacks: gguf, tokenizers, rich, the serving stack, wgpu, and diskcache, which
+# llama-cpp-python imports) and
 # .llama/llama_trim.tar.gz (llama-cpp-python 0.3.36's sdist without the vendored llama.cpp's
 # models/, docs/, examples/ and backends other than CUDA/CPU: 6 MB instead of 76 MB).
 # For build_llama_vk also (both made by benchmarks/prepare_llama_vk.sh): .llama/llama_vk.tar.gz
