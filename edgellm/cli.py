@@ -360,9 +360,16 @@ def exit_now(status: int) -> None:
     import atexit
     import threading
 
-    for t in threading.enumerate():
-        if t is not threading.current_thread() and not t.daemon:
-            t.join()
+    # what the interpreter does first at exit: the threading module's own exit hooks (idle
+    # ThreadPoolExecutor workers are told to stop there; joining them without it waits forever),
+    # then every thread that is not a daemon joined
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None and threading.current_thread() is threading.main_thread():
+        shutdown()
+    else:
+        for t in threading.enumerate():
+            if t is not threading.current_thread() and not t.daemon:
+                t.join()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

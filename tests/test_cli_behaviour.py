@@ -264,7 +264,8 @@ def test_run_does_not_import_the_other_subcommands():
 
 def test_exit_now_keeps_output_threads_and_atexit_work(tmp_path):
     """exit_now ends the process without the interpreter's teardown, but only after what the process
-    still owes: unflushed output (no newline, in a pipe), atexit callbacks, threads that are not daemons."""
+    still owes: unflushed output (no newline, in a pipe), atexit callbacks, threads that are not
+    daemons; an idle thread pool that was never shut down does not hold it up."""
     script = f"""
 import atexit, sys, threading, time
 from pathlib import Path
@@ -275,12 +276,15 @@ def work():
     time.sleep(0.3)
     (d / "thread").write_text("done")
 threading.Thread(target=work).start()
+from concurrent.futures import ThreadPoolExecutor
+pool = ThreadPoolExecutor(2)  # idle workers of a pool never shut down: told to stop, not waited on forever
+assert pool.submit(lambda: 1).result() == 1
 sys.stdout.write("partial line, not flushed")
 sys.stderr.write("err text")
 exit_now(3)
 print("never")
 """
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=child_env(), timeout=120)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=child_env(), timeout=60)
     assert r.returncode == 3, r.stderr
     assert r.stdout == "partial line, not flushed" and r.stderr == "err text"
     assert (tmp_path / "atexit").read_text() == "ran" and (tmp_path / "thread").read_text() == "done"
