@@ -403,6 +403,12 @@ class GGUFFile:
             data = np.ascontiguousarray(t.data[:, a // block * size:b // block * size])
         return TensorData(source, t.ggml_type, (t.shape[0], b - a), data, t.offset, t.format)
 
+    def stored_whole(self, t: TensorData) -> bool:
+        """t's data is the file's own bytes from t.offset on, in one contiguous run (every stored
+        tensor; not a column slice cut by `tensor`, which is a copy)."""
+        d = t.data
+        return d.flags.c_contiguous and d.__array_interface__["data"][0] == self._map.__array_interface__["data"][0] + t.offset
+
     @property
     def total_tensor_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())

@@ -182,6 +182,17 @@ class _Meta:
             raise self.error(key, f"is {type(value).__name__} {value!r:.60}, expected {want}")
         return value
 
+    def chat_template(self) -> tuple[str | None, bool]:
+        """(template, built in): the file's chat template, else the family's known format, as
+        llama.cpp's built-in templates (--raw turns it off)."""
+        template = self.get("tokenizer.chat_template", str)
+        if template:
+            return template, False
+        from .chat import BUILTIN_TEMPLATES
+
+        template = BUILTIN_TEMPLATES.get(str(self.meta.get("general.architecture", "")))
+        return template, template is not None
+
     def token_id(self, key: str, n_vocab: int) -> int | None:
         value = self.get(key, int)
         if value is None:
@@ -304,7 +315,7 @@ class Tokenizer:
 
         # added tokens: matched whole in the text before the model sees it
         referenced = {i for i in (bos, eos, unk, pad) if i is not None}
-        special = sorted({i for i, t in enumerate(types) if t in (CONTROL, UNKNOWN)} | referenced)
+        special = _special_ids(types, referenced)
         backend = None
         if backend_json is not None:
             try:
@@ -322,13 +333,7 @@ class Tokenizer:
         stop = {i for i in (eos, ids["eot_token_id"], ids["eom_token_id"]) if i is not None}
         stop |= {i for i, (t, ty) in enumerate(zip(tokens, types))
                  if t in _EOG_TEXTS and ty in (CONTROL, USER_DEFINED)}
-        template = m.get("tokenizer.chat_template", str)
-        builtin = False
-        if not template:  # the family's known format, as llama.cpp's built-in templates (--raw turns it off)
-            from .chat import BUILTIN_TEMPLATES
-
-            template = BUILTIN_TEMPLATES.get(str(meta.get("general.architecture", "")))
-            builtin = template is not None
+        template, builtin = m.chat_template()
         tok = cls(backend=backend, tokens=tokens, token_types=types, token_bytes=token_bytes,
                    special_ids=frozenset(special), model=model, pre=pre, bos_id=bos, eos_id=eos, unk_id=unk,
                    pad_id=pad, add_bos=add_bos, add_eos=add_eos, stop_ids=frozenset(stop),
@@ -354,18 +359,12 @@ class Tokenizer:
         bos, eos, unk, pad = (ids["bos_token_id"], ids["eos_token_id"], ids["unknown_token_id"],
                               ids["padding_token_id"])
         referenced = {i for i in (bos, eos, unk, pad) if i is not None}
-        special = sorted({i for i, t in enumerate(types) if t in (CONTROL, UNKNOWN)} | referenced)
+        special = _special_ids(types, referenced)
         try:
             backend = _HFTokenizer.from_str(backend_json)
         except Exception:  # noqa: BLE001 - not a tokenizer: build it all
             return None
-        template = m.get("tokenizer.chat_template", str)
-        builtin = False
-        if not template:
-            from .chat import BUILTIN_TEMPLATES
-
-            template = BUILTIN_TEMPLATES.get(str(m.meta.get("general.architecture", "")))
-            builtin = template is not None
+        template, builtin = m.chat_template()
         meta = m.meta
         tok = cls(backend=backend, tokens=lambda: meta[key], token_types=types, token_bytes=table,
                   special_ids=frozenset(special), model=model,
@@ -515,6 +514,12 @@ class StreamDecoder:
 
 
 # -- builders --------------------------------------------------------------------------------------
+def _special_ids(types: list[int], referenced: set[int]) -> list[int]:
+    """Ids matched whole in the text before the model sees it: control and unknown tokens, and the
+    ones the metadata names (bos, eos, unk, pad)."""
+    return sorted({i for i, t in enumerate(types) if t in (CONTROL, UNKNOWN)} | referenced)
+
+
 def _guess_token_types(tokens: list[str], model: str, referenced: set[int]) -> list[int]:
     """Token types for a file without tokenizer.ggml.token_type: byte tokens by their <0xNN>
     spelling (SentencePiece), the BOS/EOS/UNK/PAD tokens as control, the rest normal."""

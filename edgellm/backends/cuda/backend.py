@@ -134,9 +134,8 @@ class CudaWeights:
 
         data = t.data
         whole = (self.device.type == "cuda" and upload.enabled() and data.nbytes >= upload.MIN_BYTES
-                 and data.ndim == 2 and data.flags.c_contiguous
-                 and (data.dtype == np.uint8 or data.dtype.str in _TORCH_DTYPES)
-                 and data.__array_interface__["data"][0] == self.file._map.__array_interface__["data"][0] + t.offset)
+                 and data.ndim == 2 and (data.dtype == np.uint8 or data.dtype.str in _TORCH_DTYPES)
+                 and self.file.stored_whole(t))
         if not whole:
             return np.ascontiguousarray(data)
         try:
