@@ -45,6 +45,7 @@ is the same data as 32-bit words (the decode kernels read Q4 that way).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -116,7 +117,12 @@ def can_repack(fmt: str) -> bool:
 
 def _as_torch(raw) -> torch.Tensor:
     if isinstance(raw, np.ndarray):
-        raw = torch.from_numpy(np.ascontiguousarray(raw))
+        raw = np.ascontiguousarray(raw)
+        if not raw.flags.writeable:  # a read-only map of the model file: only ever read from here
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+                return torch.from_numpy(raw)
+        raw = torch.from_numpy(raw)
     if not isinstance(raw, torch.Tensor):
         raise TypeError(f"raw weight data must be a torch tensor or numpy array, got {type(raw).__name__}")
     return raw
