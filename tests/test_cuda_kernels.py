@@ -310,6 +310,32 @@ def test_silu_mul(rng):
     check(out2, _silu(np64(g)) * np64(u), 2e-3, "silu_mul separate")
 
 
+def test_add_into(rng):
+    """y += r in fp32, rounded once; strided rows (a column slice) included."""
+    wide = rand(rng, 3, 80)
+    y, r = wide[:, 5:42], rand(rng, 3, 37)
+    before = np64(wide)
+    K.add_into(y, r, config=dict(BLOCK=16, num_warps=1))
+    check(y, before[:, 5:42] + np64(r), 1e-3, "add_into")
+    outside = np.r_[0:5, 42:80]
+    assert np.array_equal(np64(wide)[:, outside], before[:, outside]), "add_into wrote outside y"
+    with pytest.raises(ValueError, match="differ"):
+        K.add_into(rand(rng, 3, 37), rand(rng, 2, 37))
+
+
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+def test_take_rows(rng, idx_dtype):
+    """out[i] = x[index[i]] for an index on the device, in any order and with repeats; out may be
+    of another float type (the prefill's last real row into a float32 buffer)."""
+    x = rand(rng, 9, 37)
+    idx = torch.tensor([8, 0, 3, 3], dtype=idx_dtype, device=DEV)
+    out = poisoned((4, 37), torch.float32)
+    K.take_rows(x, idx, out=out, config=dict(BLOCK=16, num_warps=1))
+    check(out, np64(x)[[8, 0, 3, 3]], 1e-6, "take_rows")
+    with pytest.raises(ValueError, match="1-D int32/int64"):
+        K.take_rows(x, idx.float())
+
+
 @pytest.mark.parametrize("with_res", [False, True])
 def test_rms_norm(rng, with_res):
     x, w = rand(rng, 3, 100), rand(rng, 100, dtype=torch.float32)

@@ -98,7 +98,12 @@ def prefetch() -> None:
         except Exception:  # noqa: BLE001 - the loading thread meets and reports the same error
             pass
 
-    if torch.cuda.is_available():  # the interpreter compiles nothing and needs no key
+    # not torch.cuda.is_available(): that initialises the CUDA driver on this thread, which then
+    # waits for the early context's cuInit (early.py) instead of reading the file meanwhile (the
+    # "start" phase of a load took 0.19 s on the H100 host that way, 2026-11-28)
+    interpreted = (os.environ.get("TRITON_INTERPRET") == "1"
+                   or os.environ.get("EDGELLM_CUDA_DEVICE", "").startswith("cpu"))
+    if not interpreted:  # the interpreter compiles nothing and needs no key
         _prefetch_thread = threading.Thread(target=work, name="edgellm-triton-key", daemon=True)
         _prefetch_thread.start()
 
@@ -244,6 +249,15 @@ def residual_stream(graph: Graph) -> set[str]:
                 wide.add(op.outputs[0])
                 changed = True
     return wide
+
+
+# A shape's first step is captured into its CUDA graph directly: the kernels it meets for the first
+# time in this process are read from Triton's cache (or compiled) and loaded during the capture,
+# which only records their launches. An eager run of the step before the capture used to do that
+# loading outside it; on the H100 it cost about a quarter of a warm load's warm-up (0.48 -> 0.35-0.38 s
+# for the 135M shape, benchmarks/profile_warmup.py) and gave the same tokens. EDGELLM_EAGER_BEFORE_CAPTURE=1
+# runs it again.
+_EAGER_BEFORE_CAPTURE = os.environ.get("EDGELLM_EAGER_BEFORE_CAPTURE", "0") == "1"
 
 
 class CudaProgram:
@@ -665,7 +679,7 @@ class CudaProgram:
         if kind in ("rope_rows", "kv_store_rows", "attention_rows"):
             return self._lower_rows(op)
         if kind == "last_row":  # the last real token's row (prefill may run padded, see run)
-            return lambda env, s, c: torch.index_select(env[ins[0]], 0, self.last_index, out=env[outs[0]])
+            return lambda env, s, c: K.take_rows(env[ins[0]], self.last_index, out=env[outs[0]])
         if kind in ("add", "mul"):
             fn = torch.add if kind == "add" else torch.mul
             return lambda env, s, c: fn(env[ins[0]], env[ins[1]], out=env[outs[0]])
@@ -819,7 +833,7 @@ class CudaProgram:
             y = K.linear(env[ins[0]], w, bias=bias, out=env[outs[0]], act_int8=i8, decode_max_tokens=dmt,
                          config=cfg_at(s), xq=None if xq is None else self._xq_rows(xq, s), l2_prefetch=pf)
             if res is not None:
-                y.add_(env[res])
+                K.add_into(y, env[res])
         return run_linear
 
     def _tuned_gemv(self, op: Op, w, i8: bool) -> dict | None:
@@ -1087,7 +1101,7 @@ class CudaProgram:
         ctx = max(t.shape[0] for t in self.states.values())  # the context (ring caches are shorter)
         if start + n > ctx:
             raise GraphError(f"{start + n} tokens exceed the context of {ctx}")
-        self.run({"tokens": [first_token], "start_pos": start})  # warm-up / compile outside the capture
+        self.run({"tokens": [first_token], "start_pos": start})  # the first token's own step (the decode program)
         self._host_start = start
         self.tokens[:1].fill_(first_token)
         self.start.fill_(start)
@@ -1112,10 +1126,11 @@ class CudaProgram:
             bucket = self._set_context(start + 1 + i)
             g = self._greedy_graphs.get(bucket)
             if g is None:
-                # compile this bucket's kernels outside the capture (the step it runs is the one the
-                # replay below repeats: same token, same cache row)
+                # this bucket's step captured (see _EAGER_BEFORE_CAPTURE), then replayed below:
+                # the replay is the step (same token, same cache row as any eager run before it)
                 t0 = time.perf_counter()
-                self._launch_all(self._greedy_env, 1, ctx)
+                if _EAGER_BEFORE_CAPTURE:
+                    self._launch_all(self._greedy_env, 1, ctx)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g):
                     self._launch_all(self._greedy_env, 1, ctx)
@@ -1137,20 +1152,21 @@ class CudaProgram:
         return padded if start + padded <= ctx else seq
 
     def _execute(self, key: tuple, padded: int, ctx: int) -> dict:
-        """Run every op for `padded` rows; on a GPU the second step of a key (rows or tokens,
-        context bucket) is captured into a CUDA graph and later ones replay it (the first runs
-        outside a capture, so that kernels compile there). Returns the environment of buffers."""
+        """Run every op for `padded` rows; on a GPU a key's (rows or tokens, context bucket) first
+        step is captured into a CUDA graph, and every step replays it. Returns the environment of
+        buffers."""
         if self.use_cuda_graph and not _precompile.collecting():
             env = self._graph_envs.get(padded)
             if env is None:
                 env = self._graph_envs[padded] = self._env(padded, ctx)
             g = self._graphs.get(key)
             if g is None:
-                # a shape's first step: its kernels compile (or load from Triton's cache) in a run
-                # outside the capture, then the capture; the replay below is the step itself. Running
-                # it twice is harmless: the same rows of the KV cache get the same values.
+                # a shape's first step: captured (its kernels compiled or read from Triton's cache
+                # and loaded during the capture, see _EAGER_BEFORE_CAPTURE); the replay below is the
+                # step itself. An eager run before it is harmless: the same KV rows get the same values.
                 t0 = time.perf_counter()
-                self._launch_all(env, padded, ctx)
+                if _EAGER_BEFORE_CAPTURE:
+                    self._launch_all(env, padded, ctx)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g):
                     self._launch_all(env, padded, ctx)
@@ -1167,9 +1183,9 @@ class CudaProgram:
         return env
 
     def run(self, inputs: dict[str, object]) -> dict[str, torch.Tensor]:
-        """One step over the given tokens at start_pos. On a GPU the second step of the same shape
-        (decode: context bucket; prefill: padded token count) is captured into a CUDA graph and
-        later ones replay it (the first runs outside a capture, so that kernels compile there).
+        """One step over the given tokens at start_pos. On a GPU each shape (decode: context bucket;
+        prefill: padded token count) is captured into a CUDA graph at its first step, and that step
+        and later ones replay it.
         The returned tensors are the program's own buffers, valid until its next run."""
         if self.rows_mode:
             return self._run_rows(inputs)

@@ -20,7 +20,7 @@ GPU and prints registers, spills and the instruction mix of each.
 from ._common import INTERPRET, USE_DP4A, set_l2_prefetch, set_pdl
 from .attention import (attention_decode, attention_prefill, attention_rows, decode_workspace, default_decode_splits,
                         rows_splits)
-from .elementwise import silu_mul, unary, upload_fp16
+from .elementwise import add_into, silu_mul, take_rows, unary, upload_fp16
 from .embedding import embedding
 from .linear import QuantizedActivations, linear, linear_silu_mul, quantize_activations
 from .norm import NormTail, head_rms_norm, rms_norm
@@ -31,7 +31,7 @@ from .rope import RopeStore, kv_store_rows, rope_qkv_cache, rope_rows
 from .sampling import argmax, sample
 
 __all__ = [
-    "INTERPRET", "USE_DP4A", "PACKED_FORMATS", "SUPPORTED_FORMATS", "PackedWeight", "UnsupportedFormatError",
+    "INTERPRET", "USE_DP4A", "add_into", "take_rows", "PACKED_FORMATS", "SUPPORTED_FORMATS", "PackedWeight", "UnsupportedFormatError",
     "NormTail", "QuantizedActivations", "RopeStore", "argmax", "attention_decode", "attention_prefill", "can_repack",
     "concat_packed", "convert_packed", "unify_formats", "decode_workspace", "default_decode_splits", "dequantize", "embedding", "linear",
     "linear_silu_mul", "pack_float", "quantize_activations", "repack", "rms_norm", "rope_qkv_cache", "sample", "set_l2_prefetch", "set_pdl", "silu_mul",

@@ -91,7 +91,7 @@ def summarise(kernel, sass_dir: str | None = None, tag: str = "") -> dict:
 def _cases():
     from . import NormTail, PackedWeight, QuantizedActivations, quantize_activations
     from . import attention_decode, attention_prefill, embedding, linear, linear_silu_mul, rms_norm
-    from . import rope_qkv_cache, silu_mul, argmax, head_rms_norm, unary
+    from . import rope_qkv_cache, silu_mul, argmax, head_rms_norm, unary, add_into, take_rows
 
     def pw(fmt, n, k):
         if fmt == "F16":
@@ -144,6 +144,9 @@ def _cases():
     yield "rope", lambda: rope_qkv_cache(torch.empty(1, 6144, dtype=h16), None, None, kc, kc, seq, 32, 8, 128,
                                          theta=5e5)
     yield "silu_mul", lambda: silu_mul(torch.empty(1, 28672, dtype=h16))
+    yield "add_into", lambda: add_into(torch.empty(512, 4096, dtype=h16), torch.empty(512, 4096, dtype=h16))
+    yield "take_rows", lambda: take_rows(torch.empty(512, 4096, dtype=h16), torch.empty(1, dtype=torch.int64),
+                                         out=torch.empty(1, 4096, dtype=torch.float32))
     # the model families' kernels (gemma3: GeGLU, sliding window, per-head q/k norm, softcap)
     yield "gelu_mul", lambda: silu_mul(torch.empty(1, 4096, dtype=h16), act="gelu_tanh")
     yield "glu-gelu Q8_0", lambda: linear_silu_mul(x1, pw("Q8_0", 2 * 2048, 4096), act="gelu_tanh")

@@ -1,6 +1,11 @@
 """Gated activations: out = act(gate) * up (SwiGLU: silu; GeGLU: GELU with the tanh approximation),
-from one [T, 2F] gate|up tensor or from two [T, F] tensors; and the one-input element-wise ops
-(gelu, scale, softcap), computed in fp32."""
+from one [T, 2F] gate|up tensor or from two [T, F] tensors; the one-input element-wise ops
+(gelu, scale, softcap) and a residual add, computed in fp32; and rows gathered by a device index.
+
+The last two replace torch ops on the run path (index_select, add_): a process's first call of a
+torch CUDA op loads that op's kernels from libtorch's fatbinary (CUDA lazy loading), which took
+tens of milliseconds each in a load's warm-up on the H100 (benchmarks/profile_warmup.py), against
+a few for a Triton kernel read from its cache."""
 
 from __future__ import annotations
 
@@ -125,4 +130,59 @@ def silu_mul(gate_up: torch.Tensor, up: torch.Tensor | None = None, out: torch.T
         grid = (T, triton.cdiv(F, cfg["BLOCK"]))
         _silu_mul_kernel[grid](gate, gate.stride(0), up, up.stride(0), out, out.stride(0), F,
                                BLOCK=cfg["BLOCK"], ACT=ACT_CODES[act], num_warps=cfg["num_warps"], **pdl())
+    return out
+
+
+@jit
+def _add_into_kernel(y_ptr, stride_y, r_ptr, stride_r, F, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = c < F
+    y = tl.load(y_ptr + row * stride_y + c, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(r_ptr + row * stride_r + c, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + c, (y + r).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def add_into(y: torch.Tensor, r: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    """y += r (both [T, F], rows may be strided), summed in fp32 and rounded once to y's dtype."""
+    check_2d(y, "y")
+    check_2d(r, "r")
+    if y.shape != r.shape:
+        raise ValueError(f"add_into: y {tuple(y.shape)} and r {tuple(r.shape)} differ")
+    T, F = y.shape
+    cfg = {**configs.ELEMENTWISE_DEFAULT, **(config or {})}
+    if T and F:
+        grid = (T, triton.cdiv(F, cfg["BLOCK"]))
+        _add_into_kernel[grid](y, y.stride(0), r, r.stride(0), F, BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"],
+                               **pdl())
+    return y
+
+
+@jit
+def _take_rows_kernel(x_ptr, stride_x, idx_ptr, out_ptr, stride_o, F, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
+    i = tl.program_id(0)
+    src = tl.load(idx_ptr + i).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = c < F
+    v = tl.load(x_ptr + src * stride_x + c, mask=mask, other=0.0)
+    tl.store(out_ptr + i.to(tl.int64) * stride_o + c, v.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def take_rows(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None,
+              config: dict | None = None) -> torch.Tensor:
+    """out[i] = x[index[i]] for an integer index tensor on the device (read by the kernel, so a
+    CUDA graph replays it with the index of the step). Every index must be in 0..len(x) - 1: the
+    kernel does not check (the caller writes the index)."""
+    check_2d(x, "x")
+    if index.dim() != 1 or index.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"take_rows: index must be a 1-D int32/int64 tensor, got {index.dtype} {tuple(index.shape)}")
+    n, F = index.shape[0], x.shape[1]
+    out = out_buffer(out, (n, F), x.dtype, x.device)
+    cfg = {**configs.ELEMENTWISE_DEFAULT, **(config or {})}
+    if n and F:
+        grid = (n, triton.cdiv(F, cfg["BLOCK"]))
+        _take_rows_kernel[grid](x, x.stride(0), index, out, out.stride(0), F, BLOCK=cfg["BLOCK"],
+                                num_warps=cfg["num_warps"], **pdl())
     return out
