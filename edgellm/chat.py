@@ -22,27 +22,10 @@ import jinja2.nodes
 from jinja2.exceptions import SecurityError, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from .chat_builtin import BUILTIN_TEMPLATES  # noqa: F401 - re-exported
 from .errors import MetadataError
 
 MAX_REPEAT_LEN = 10_000_000  # the longest string or list a template may build with '*'
-
-# The chat format of a family whose files often carry no tokenizer.chat_template (as llama.cpp's
-# built-in templates), by general.architecture. Gemma: a system message is folded into the first
-# user turn; the assistant's role is 'model'.
-BUILTIN_TEMPLATES = {
-    "gemma3": (
-        "{{ bos_token }}"
-        "{% if messages and messages[0]['role'] == 'system' %}"
-        "{% set prefix = messages[0]['content'] | trim + '\n\n' %}{% set msgs = messages[1:] %}"
-        "{% else %}{% set prefix = '' %}{% set msgs = messages %}{% endif %}"
-        "{% for m in msgs %}"
-        "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\n'"
-        " + (prefix if loop.first else '') + m['content'] | trim + '<end_of_turn>\n' }}"
-        "{% endfor %}"
-        "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
-    ),
-}
-
 
 class _StrictSandbox(ImmutableSandboxedEnvironment):
     """The immutable sandbox, but reaching an unsafe attribute raises instead of giving Undefined,

@@ -174,7 +174,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
         print(f"  vocab {tok.vocab_size}, bos {tok.bos_id} {bos!r}, eos {tok.eos_id} {eos!r}, add_bos {tok.add_bos}")
         print(f"  stop tokens {sorted(tok.stop_ids)}")
     tmpl = f.get("tokenizer.chat_template", None)
-    from .chat import BUILTIN_TEMPLATES
+    from .chat_builtin import BUILTIN_TEMPLATES
 
     builtin = f"built-in {f.architecture} format (the file has none)" if f.architecture in BUILTIN_TEMPLATES else "none"
     print(f"chat template {'yes (' + str(len(tmpl)) + ' chars)' if tmpl else builtin}")

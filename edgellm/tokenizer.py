@@ -188,7 +188,7 @@ class _Meta:
         template = self.get("tokenizer.chat_template", str)
         if template:
             return template, False
-        from .chat import BUILTIN_TEMPLATES
+        from .chat_builtin import BUILTIN_TEMPLATES
 
         template = BUILTIN_TEMPLATES.get(str(self.meta.get("general.architecture", "")))
         return template, template is not None

@@ -496,3 +496,24 @@ def test_cached_tables_give_the_same_tokenizer_without_reading_the_strings(which
                                     derived=None)
     assert again.encode(texts[1]) == full.encode(texts[1])
     assert np.array_equal(again.derived()["arrays"]["offsets"], d["arrays"]["offsets"])
+
+
+def test_loading_a_file_without_a_chat_template_leaves_jinja_unimported(tmp_path):
+    """A file without tokenizer.chat_template looks up the engine's built-in formats at load; that
+    lookup must not import jinja2 (tens of milliseconds of every such load), which only rendering
+    a template needs. The gemma3 built-in format is found, a llama file gets none."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_model(path, add_bpe_vocab)
+    code = ("import sys; from edgellm.gguf_file import open_gguf; from edgellm.tokenizer import Tokenizer\n"
+            f"f = open_gguf({str(path)!r}); meta = dict(f.metadata)\n"
+            "meta.pop('tokenizer.chat_template', None)\n"
+            "t = Tokenizer.from_metadata(meta)\n"
+            "g = Tokenizer.from_metadata({**meta, 'general.architecture': 'gemma3'})\n"
+            "print(t.chat_template is None, g.builtin_template and 'start_of_turn' in g.chat_template, "
+            "'jinja2' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "True", "False"]

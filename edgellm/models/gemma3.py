@@ -7,7 +7,7 @@
 - sliding-window (local) layers with their own RoPE base, every `pattern`-th layer global;
 - the softmax scale as llama.cpp computes it (the file carries no query_pre_attn_scalar);
 - final logit softcapping when the file has it.
-Files without tokenizer.chat_template get Gemma's turn format (edgellm.chat.BUILTIN_TEMPLATES).
+Files without tokenizer.chat_template get Gemma's turn format (edgellm.chat_builtin.BUILTIN_TEMPLATES).
 """
 
 from __future__ import annotations
