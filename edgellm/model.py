@@ -437,8 +437,7 @@ def load(path: str | os.PathLike | None = None, backend: str = "cpu", ctx: int |
     pc = cache_mod.ProgramCache() if use_cache else None
     fingerprint = cache_mod.file_fingerprint(path) if pc is not None else None
     t1 = time.perf_counter()
-    beside = _TokenizerBeside(f, path, pc, fingerprint) if _tokenizer_beside_weights(backend, f) else None
-    tok, tok_cached = (None, False) if beside is not None else _load_tokenizer(f, path, pc, fingerprint)
+    tok, tok_cached = _load_tokenizer(f, path, pc, fingerprint)
     t2 = time.perf_counter()
     if ctx is None:
         ctx = min(cfg.context_length, 4096)
@@ -446,70 +445,10 @@ def load(path: str | os.PathLike | None = None, backend: str = "cpu", ctx: int |
               prefill_chunk=prefill_chunk, program_cache=pc, fingerprint=fingerprint,
               load_phases={"start": t_start - t0, "open": t1 - t_start, "tokenizer": t2 - t1},
               cache_hits=["tokenizer"] if tok_cached else [])
-    if beside is not None:
-        t3 = time.perf_counter()
-        m.tokenizer, tok_cached = beside.result()
-        m.load_phases["tokenizer"] = time.perf_counter() - t3  # what the load waited for it
-        m.load_phases["tokenizer beside"] = beside.seconds
-        if tok_cached:
-            m.cache_hits.insert(0, "tokenizer")
     if warmup:
         m.warmup()
     m.load_s = time.perf_counter() - t0
     return m
-
-
-# A file whose weights are at least this many bytes builds its tokenizer on a thread while the cuda
-# backend uploads them: that upload is mostly pread() and DMA on the uploader's threads, the loading
-# thread waiting without the GIL, and a 128k-entry vocabulary's build took 0.47 s of an 8B load on
-# the H100 host (2026-11-28). Smaller files build it in line: their weights phase is Python work
-# (many small tensors), which a thread holding the GIL for the build would only slow down.
-TOKENIZER_BESIDE_MIN_BYTES = 512 << 20
-
-
-def _tokenizer_beside_weights(backend, f) -> bool:
-    """Whether load() builds the tokenizer beside the weights' upload (see TOKENIZER_BESIDE_MIN_BYTES;
-    EDGELLM_TOKENIZER_BESIDE=0 turns it off, =1 on for any file and backend)."""
-    mode = os.environ.get("EDGELLM_TOKENIZER_BESIDE", "auto")
-    if mode in ("0", "1"):
-        return mode == "1"
-    if backend != "cuda" and backend != "auto":
-        return False
-    if backend == "auto":
-        from .backends import _auto
-
-        if _auto() != "cuda":
-            return False
-    from .backends.cuda import upload
-
-    return upload.enabled() and sum(t.data.nbytes for t in f.tensors.values()) >= TOKENIZER_BESIDE_MIN_BYTES
-
-
-class _TokenizerBeside:
-    """_load_tokenizer on a daemon thread; result() joins it and returns its value or raises its error."""
-
-    def __init__(self, f, path: str, pc, fingerprint: str | None):
-        import threading
-
-        self._out: dict = {}
-        self.seconds = 0.0
-        self._thread = threading.Thread(target=self._run, args=(f, path, pc, fingerprint),
-                                        name="edgellm-tokenizer", daemon=True)
-        self._thread.start()
-
-    def _run(self, *args) -> None:
-        t0 = time.perf_counter()
-        try:
-            self._out["value"] = _load_tokenizer(*args)
-        except BaseException as e:  # noqa: BLE001 - handed to the loading thread by result()
-            self._out["error"] = e
-        self.seconds = time.perf_counter() - t0
-
-    def result(self) -> tuple[Tokenizer | None, bool]:
-        self._thread.join()
-        if "error" in self._out:
-            raise self._out["error"]
-        return self._out["value"]
 
 
 def _load_tokenizer(f, path: str, pc, fingerprint: str | None) -> tuple[Tokenizer | None, bool]:

@@ -47,42 +47,6 @@ def test_second_load_reads_the_cache_and_gives_the_same_logits(tmp_path, cache_d
     assert second.tokenizer.encode(text) == uncached.tokenizer.encode(text)
 
 
-@pytest.mark.parametrize("cached", [False, True])
-def test_tokenizer_built_beside_the_weights_is_the_inline_one(tmp_path, cache_dir, monkeypatch, cached):
-    """EDGELLM_TOKENIZER_BESIDE=1 builds the tokenizer on a thread while the backend loads (as the
-    cuda backend does for large files): the same ids and text as the one built in line, the same
-    cache entries read and written, and its own phase recorded."""
-    path = _model(tmp_path / "m.gguf")
-    monkeypatch.setenv("EDGELLM_TOKENIZER_BESIDE", "0")
-    if cached:
-        edgellm.load(path, ctx=64)  # fills the cache: both loads below read it
-    inline = edgellm.load(path, ctx=64, cache=cached)
-    monkeypatch.setenv("EDGELLM_TOKENIZER_BESIDE", "1")
-    beside = edgellm.load(path, ctx=64, cache=cached)
-    assert "tokenizer beside" in beside.load_phases and "tokenizer beside" not in inline.load_phases
-    assert ("tokenizer" in beside.cache_hits) == cached
-    assert sorted(beside.cache_hits) == sorted(inline.cache_hits)
-    text = "hello world, caf\u00e9 <|im_start|> 12345"
-    ids = inline.tokenizer.encode(text)
-    assert beside.tokenizer.encode(text) == ids and beside.tokenizer.decode(ids) == inline.tokenizer.decode(ids)
-    assert beside.tokenizer.stop_ids == inline.tokenizer.stop_ids
-    np.testing.assert_array_equal(beside.logits(IDS), inline.logits(IDS))
-
-
-def test_tokenizer_error_beside_the_weights_reaches_the_caller(tmp_path, cache_dir, monkeypatch):
-    """A vocabulary that cannot be built is the same error when it is built on the thread."""
-    from edgellm.errors import MetadataError
-
-    path = _model(tmp_path / "m.gguf")
-    monkeypatch.setenv("EDGELLM_TOKENIZER_BESIDE", "1")
-
-    def broken(*args, **kwargs):
-        raise MetadataError("m.gguf: tokenizer.ggml.merges is broken")
-    monkeypatch.setattr(edgellm.model.Tokenizer, "from_metadata", broken)
-    with pytest.raises(MetadataError, match="merges is broken"):
-        edgellm.load(path, ctx=64, cache=False)
-
-
 def test_changed_file_engine_or_context_miss(tmp_path, cache_dir, monkeypatch):
     path = _model(tmp_path / "m.gguf")
     edgellm.load(path, ctx=64)
