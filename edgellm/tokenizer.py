@@ -22,6 +22,7 @@ tests compare with): after a special token, a SentencePiece vocabulary gets no e
 from __future__ import annotations
 
 import codecs
+import json
 import operator
 import re
 import threading
@@ -397,8 +398,12 @@ class Tokenizer:
 
     def backend_json(self) -> str:
         """The built BPE model (vocabulary, merges, added tokens) as tokenizers' JSON: what
-        from_metadata(..., backend_json=) takes back."""
-        return self._backend.to_str()
+        from_metadata(..., backend_json=) takes back. The merges are written as "left right"
+        strings, tokenizers' older form, where no merged piece contains a space (byte-level and
+        SentencePiece pieces never do): tokenizers reads that form back about a fifth faster than
+        pairs of strings (a 128k vocabulary: 0.13 against 0.17 s on the CPU machine), which is a
+        cached load's largest tokenizer cost."""
+        return merges_as_strings(self._backend.to_str())
 
     # -- encoding ----------------------------------------------------------------------------------
     def encode(self, text: str, *, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
@@ -607,6 +612,19 @@ def _sentencepiece_token_bytes(tokens: list[str], types: list[int]) -> list[byte
         else:
             token_bytes.append(t.replace(SPIECE_SPACE, " ").encode("utf-8"))
     return token_bytes
+
+
+def merges_as_strings(backend_json: str) -> str:
+    """tokenizers' JSON with a BPE model's merges as "left right" strings instead of pairs, where
+    that form is unambiguous (no piece of any merge contains a space); otherwise unchanged."""
+    data = json.loads(backend_json)
+    model = data.get("model") or {}
+    merges = model.get("merges")
+    if not merges or not all(isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) and " " not in x for x in p)
+                             for p in merges):
+        return backend_json
+    model["merges"] = [f"{a} {b}" for a, b in merges]
+    return json.dumps(data, ensure_ascii=False)
 
 
 def sentencepiece_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:

@@ -517,3 +517,36 @@ def test_loading_a_file_without_a_chat_template_leaves_jinja_unimported(tmp_path
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["True", "True", "False"]
+
+
+def test_merges_written_as_strings_read_back_the_same():
+    """backend_json() writes merges in tokenizers' "left right" form where no piece has a space
+    (it reads back faster); a vocabulary with a space inside a piece keeps the pairs. Either way
+    the tokenizer read back encodes as the original does."""
+    import json
+
+    from tokenizers import Tokenizer as HF
+    from tokenizers import models, pre_tokenizers
+
+    from edgellm.tokenizer import merges_as_strings
+
+    def build(pieces):
+        vocab = {c: i for i, c in enumerate(sorted(set("".join(pieces))))}
+        merges = []
+        for p in pieces:  # each piece from its first character and the rest, both in the vocabulary
+            for a, b in [(p[:-1], p[-1])]:
+                for part in (a, b, p):
+                    vocab.setdefault(part, len(vocab))
+                merges.append((a, b))
+        t = HF(models.BPE(vocab=vocab, merges=merges))
+        t.pre_tokenizer = pre_tokenizers.Split(pattern="|", behavior="removed")
+        return t
+
+    text = "ab|abc|a b|abd|ba"
+    plain = build(["ab", "abc", "abd", "ba"])
+    out = merges_as_strings(plain.to_str())
+    assert all(isinstance(m, str) for m in json.loads(out)["model"]["merges"])
+    assert HF.from_str(out).encode(text).ids == plain.encode(text).ids
+    spaced = build(["ab", "a b", "abc"])
+    assert merges_as_strings(spaced.to_str()) == spaced.to_str()
+    assert HF.from_str(merges_as_strings(spaced.to_str())).encode(text).ids == spaced.encode(text).ids
