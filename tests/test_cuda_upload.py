@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from edgellm.backends.cuda.upload import ReadAhead, Uploader
+from edgellm.backends.cuda.upload import Uploader
 
 
 @pytest.fixture()
@@ -48,56 +48,6 @@ def test_a_file_that_ends_early_is_named(blob):
             up.upload(len(data) - 100, 5000)
     finally:
         up.close()
-
-
-@pytest.mark.parametrize("window", [0, 5000, 1 << 30])
-def test_read_ahead_gives_every_run_in_any_order(blob, window):
-    """Runs taken in an order unlike the file's (as a load asks for its weights) come back with
-    their own bytes whatever the window; with a window, later runs are read before they are
-    asked for, and runs never taken are read only within it."""
-    path, data = blob
-    runs = {f"t{i}": (off, n) for i, (off, n) in enumerate(
-        [(0, 3000), (3000, 9000), (12000, 1), (12001, 40000), (52001, 2 << 20), (len(data) - 4000, 4000)])}
-    up = Uploader(path, torch.device("cpu"), chunk=4096, slots=3)
-    ahead = ReadAhead(up, runs, window)
-    try:
-        for name in ["t3", "t0", "t1", "t4", "t2"]:  # t5 never taken
-            off, n = runs[name]
-            got = ahead.take(name)
-            assert got.numel() == n
-            np.testing.assert_array_equal(got.numpy(), data[off:off + n])
-        again = ahead.take("t0")  # taken twice: read again
-        np.testing.assert_array_equal(again.numpy(), data[0:3000])
-        assert ahead.has("t5") and not ahead.has("t9")
-        if window == 0:
-            assert ahead.read_ahead_bytes == 0
-        else:
-            assert ahead.read_ahead_bytes > 0
-        if window < runs["t5"][1]:  # t5 sits past the window when the others are taken
-            assert up.bytes == sum(n for _, n in runs.values()) - runs["t5"][1] + 3000
-    finally:
-        ahead.close()
-        up.close()
-
-
-def test_read_ahead_error_reaches_the_taker_only(blob):
-    """A run past the end of the file is an error for whoever takes it; one never taken is not."""
-    path, data = blob
-    runs = {"ok": (0, 1000), "bad": (len(data) - 10, 5000)}
-    up = Uploader(path, torch.device("cpu"), chunk=4096, slots=2)
-    ahead = ReadAhead(up, runs, 1 << 20)
-    try:
-        np.testing.assert_array_equal(ahead.take("ok").numpy(), data[:1000])  # "bad" is read ahead meanwhile
-        with pytest.raises(OSError, match="ended"):
-            ahead.take("bad")
-    finally:
-        ahead.close()
-        up.close()
-    up = Uploader(path, torch.device("cpu"), chunk=4096, slots=2)
-    ahead = ReadAhead(up, runs, 1 << 20)
-    ahead.take("ok")
-    ahead.close()  # "bad" read ahead and never taken: no error
-    up.close()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

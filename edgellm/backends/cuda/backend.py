@@ -129,7 +129,6 @@ class CudaWeights:
         self._packed: dict[tuple[str, ...], object] = {}
         self._vectors: dict[tuple[str, ...], torch.Tensor] = {}
         self._uploader = None  # upload.Uploader, made at the first weight it carries
-        self._ahead = None  # upload.ReadAhead of the weights it will carry
         self.uploaded_bytes = 0  # weight bytes that went through it
 
     def _raw(self, t):
@@ -139,57 +138,23 @@ class CudaWeights:
         from . import upload
 
         data = t.data
-        if not self._whole(t):
+        whole = (self.device.type == "cuda" and upload.enabled() and data.nbytes >= upload.MIN_BYTES
+                 and data.ndim == 2 and (data.dtype == np.uint8 or data.dtype.str in _TORCH_DTYPES)
+                 and self.file.stored_whole(t))
+        if not whole:
             return np.ascontiguousarray(data)
         try:
             if self._uploader is None:
                 self._uploader = upload.Uploader(self.file.path, self.device)
-                self._ahead = upload.ReadAhead(self._uploader, self._read_ahead_runs(), self._read_ahead_window())
-            if self._ahead.has(t.name):
-                rows = self._ahead.take(t.name)
-            else:
-                rows = self._uploader.upload(t.offset, data.nbytes)
-            rows = rows.view(data.shape[0], -1)
+            rows = self._uploader.upload(t.offset, data.nbytes).view(data.shape[0], -1)
         except OSError as e:  # the file went away or shrank under the load
             raise ModelFileError(f"cannot read tensor '{t.name}' of {self.file.path.name}: {e}") from None
         self.uploaded_bytes += data.nbytes
         return rows if data.dtype == np.uint8 else rows.view(_TORCH_DTYPES[data.dtype.str])
 
-    def _whole(self, t) -> bool:
-        """Whether tensor t goes through the uploader: one run of the file's bytes, large enough."""
-        from . import upload
-
-        data = t.data
-        return (self.device.type == "cuda" and upload.enabled() and data.nbytes >= upload.MIN_BYTES
-                and data.ndim == 2 and (data.dtype == np.uint8 or data.dtype.str in _TORCH_DTYPES)
-                and self.file.stored_whole(t))
-
-    def _read_ahead_runs(self) -> dict:
-        """name -> (offset, bytes) of the tensors a load will read through the uploader: every one
-        that qualifies, but those already packed (the program cache's weights)."""
-        packed = {n for names in self._packed for n in names}
-        return {name: (t.offset, t.data.nbytes) for name, t in self.file.tensors.items()
-                if name not in packed and self._whole(t)}
-
-    def _read_ahead_window(self) -> int:
-        """Bytes read ahead of their use (upload.ReadAhead): READ_AHEAD_BYTES (EDGELLM_READ_AHEAD_MB
-        sets it; 0 reads each weight only when asked), at most an eighth of the device's free memory."""
-        from . import upload
-
-        raw = os.environ.get("EDGELLM_READ_AHEAD_MB", "").strip()
-        try:
-            window = int(float(raw) * (1 << 20)) if raw else upload.READ_AHEAD_BYTES
-        except ValueError:
-            raise ValueError(f"EDGELLM_READ_AHEAD_MB={raw!r}: expected a number of megabytes") from None
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            window = min(window, free // 8)
-        return window
-
     def done_loading(self) -> None:
         """The uploader's threads and page-locked slots are let go (the weights are all on the device)."""
         if self._uploader is not None:
-            self._ahead.close()
             self._uploader.close()
             self._uploader = None
 

@@ -25,7 +25,6 @@ import torch
 CHUNK = 4 << 20  # bytes a slot carries (a 4096 x 4096 Q4_0 weight is 9.4 MB: three chunks at once)
 SLOTS = 8  # page-locked slots (CHUNK each) and threads working them
 MIN_BYTES = 1 << 20  # smaller tensors take the plain path (a pread and a DMA cost more than they save)
-READ_AHEAD_BYTES = 256 << 20  # bytes of later weights read while the load works on the current one
 
 
 def enabled() -> bool:
@@ -82,20 +81,17 @@ class Uploader:
         finally:
             self._slots.put((buf, view, stream, event))
 
-    def submit(self, offset: int, nbytes: int) -> "Pending":
-        """Start copying the file's bytes [offset, offset + nbytes) into a new uint8 device tensor;
-        Pending.result() waits for it. Runs submitted earlier are worked first (the pool's queue)."""
-        dst = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        jobs = [self._pool.submit(self._copy, dst, offset, s, min(self.chunk, nbytes - s))
-                for s in range(0, nbytes, self.chunk)]
-        self.bytes += nbytes
-        self.calls += 1
-        return Pending(dst, jobs)
-
     def upload(self, offset: int, nbytes: int) -> torch.Tensor:
         """The file's bytes [offset, offset + nbytes) as a uint8 tensor on the device, complete when
         this returns (every chunk's copy has finished)."""
-        return self.submit(offset, nbytes).result()
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        jobs = [self._pool.submit(self._copy, dst, offset, s, min(self.chunk, nbytes - s))
+                for s in range(0, nbytes, self.chunk)]
+        for j in jobs:
+            j.result()  # the first error, if any
+        self.bytes += nbytes
+        self.calls += 1
+        return dst
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -105,73 +101,3 @@ class Uploader:
             pass
         while not self._slots.empty():  # the page-locked buffers go back to the allocator's cache
             self._slots.get_nowait()
-
-
-class Pending:
-    """A run being copied to the device: result() waits for its chunks and returns the tensor (or
-    raises the first chunk's error)."""
-
-    def __init__(self, dst: torch.Tensor, jobs: list):
-        self.dst, self.jobs = dst, jobs
-        self.nbytes = dst.numel()
-
-    def done(self) -> bool:
-        return all(j.done() for j in self.jobs)
-
-    def result(self) -> torch.Tensor:
-        for j in self.jobs:
-            j.result()
-        return self.dst
-
-
-class ReadAhead:
-    """Runs of one file read ahead of their use, in file order, a window of bytes at a time.
-
-    A load asks for its weights one at a time and turns each into its kernel layout before it asks
-    for the next; reading each only when asked left the uploader's threads idle between weights
-    and busy only with the chunks of one weight (a 4096 x 4096 Q4_0 weight is three chunks). Here
-    the runs not yet asked for are submitted in file order while the bytes in flight stay under
-    `window`, so the reads of the next weights go on while the load works on this one. take()
-    returns a run's tensor (waiting for it, or reading it then if it was not ahead); runs never
-    taken are only read if they fall in the window. close() waits for what is in flight."""
-
-    def __init__(self, uploader: Uploader, runs: dict, window: int):
-        self.up, self.window = uploader, int(window)
-        self._order = sorted(runs.items(), key=lambda kv: kv[1][0])  # name -> (offset, nbytes)
-        self._runs = dict(runs)
-        self._next = 0
-        self._ahead: dict = {}  # name -> Pending
-        self._taken: set = set()
-        self.read_ahead_bytes = 0  # bytes submitted before they were asked for
-
-    def _in_flight(self) -> int:
-        return sum(p.nbytes for p in self._ahead.values())
-
-    def _fill(self) -> None:
-        while self._next < len(self._order) and self._in_flight() < self.window:
-            name, (off, n) = self._order[self._next]
-            self._next += 1
-            if name in self._taken or name in self._ahead:
-                continue
-            self._ahead[name] = self.up.submit(off, n)
-            self.read_ahead_bytes += n
-
-    def has(self, name: str) -> bool:
-        return name in self._runs
-
-    def take(self, name: str) -> torch.Tensor:
-        pending = self._ahead.pop(name, None)
-        if pending is None:
-            off, n = self._runs[name]
-            pending = self.up.submit(off, n)
-        self._taken.add(name)
-        self._fill()  # the next runs start while this one's copies finish and the caller works on it
-        return pending.result()
-
-    def close(self) -> None:
-        for p in self._ahead.values():
-            try:
-                p.result()
-            except OSError:  # a run never taken: its error is nobody's
-                pass
-        self._ahead.clear()
