@@ -33,6 +33,10 @@ MODELS = {
                                       weight_type="Q4_K", embed_type="Q8_0", type_overrides={
                                           "blk.0.attn_v.weight": "Q6_K", "blk.0.ffn_down.weight": "Q5_0"},
                                       std=0.05, seed=24),
+    # every weight Q4_K, kept in its own terms (the Q4K layout: EDGELLM_Q4K=native), the embedding
+    # and the tied output projection included
+    "llama-q4_k-native": SyntheticSpec(n_layers=1, d_model=256, n_heads=4, n_kv_heads=2, ffn_dim=256,
+                                       weight_type="Q4_K", embed_type="Q4_K", std=0.05, seed=25),
 }
 
 
@@ -49,8 +53,10 @@ def _cuda_device(monkeypatch):
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-def test_cuda_logits_match_cpu(name, tmp_path):
+def test_cuda_logits_match_cpu(name, tmp_path, monkeypatch):
     spec = MODELS[name]
+    if name.endswith("native"):
+        monkeypatch.setenv("EDGELLM_Q4K", "native")
     path = write_synthetic_gguf(tmp_path / "m.gguf", spec)
     ids = np.random.default_rng(spec.seed).integers(0, spec.vocab_size, 11).tolist()
     ref = edgellm.load(path, ctx=32).logits(ids)
@@ -58,6 +64,9 @@ def test_cuda_logits_match_cpu(name, tmp_path):
     # in one chunk of 11 (the GEMM), its GEMVs taking over ten minutes there (they have kernel tests)
     slow = "q4_k" in name and not ON_GPU
     m = edgellm.load(path, backend="cuda", ctx=32, prefill_chunk=16 if slow else 8)
+    if name.endswith("native"):
+        fmts = {w.fmt for w in m.backend.weights._packed.values()}
+        assert fmts == {"Q4K"}, fmts
     got = m.logits(ids)
     assert got.shape == ref.shape and np.isfinite(got).all()
     # fp16 activations and caches: relative to the logit scale. The K-quant model is looser: measured

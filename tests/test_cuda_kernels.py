@@ -1062,13 +1062,14 @@ def test_prefill_gemm_copies_every_weight_load_ahead(tmp_path):
     the scales of each quantized format did (one fp16 per thread, too narrow to copy). Compiled for
     sm_90 with Triton's own ptxas, 512 tokens: a 128 x 64 x 128 tile (scales 4 bytes a thread)
     copies everything ahead; the large-M default (128 x 64 x 64, chosen for correctness: see
-    configs.GEMM_DEFAULT_LARGE_M) copies its quants ahead, its [64, 2] scales stay in place."""
+    configs.GEMM_DEFAULT_LARGE_M) copies its quants ahead, its [64, 2] scales stay in place (the Q4K
+    layout: its [64, 2] scale codes; its super-block pairs are copied)."""
     import subprocess
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sass = tmp_path / "sass"
-    fmts = ["Q4_0", "Q4_1", "Q8_0", "Q6", "Q6M"]
+    fmts = ["Q4_0", "Q4_1", "Q8_0", "Q6", "Q6M", "Q4K"]
     r = subprocess.run([sys.executable, "-m", "edgellm.backends.cuda.kernels.compile_check", "--arch", "90",
                         "--only", ",".join(f"gemm{t} {f}" for f in fmts for t in ("", "-k128")), "--sass",
                         str(sass)],
@@ -1085,4 +1086,116 @@ def test_prefill_gemm_copies_every_weight_load_ahead(tmp_path):
         ir = f.read_text()
         assert "ttg.async_copy_global_to_local" in ir, f.name
         in_place = [line for line in ir.splitlines() if " tt.load " in line]
-        assert all("x!tt.ptr<f16>" in line for line in in_place), f"{f.name}: quants loaded in place"
+        # the scales may stay in place (fp16; the Q4K layout's int16 codes), the quants may not
+        assert all("x!tt.ptr<f16>" in line or "x!tt.ptr<i16>" in line for line in in_place), \
+            f"{f.name}: quants loaded in place"
+
+
+# ------------------------------------------------------------------------ Q4_K in its own terms (Q4K)
+
+def make_q4k(rng, n_out, n_in, monkeypatch, extreme=False):
+    """A Q4_K weight from edgellm's quantizer, repacked into the Q4K layout (EDGELLM_Q4K=native),
+    with gguf-py's dequantization as the float64 reference. extreme: rows scaled by 1e-4 .. 1e3,
+    so that super-block scales and minimums span fp16's range."""
+    from edgellm.quant import quantize as eq_quantize
+
+    w = rng.standard_normal((n_out, n_in)).astype(np.float32)
+    w *= (10.0 ** rng.uniform(-4, 3, (n_out, 1)) if extreme else rng.uniform(0.01, 3, (n_out, 1))).astype(np.float32)
+    w += rng.uniform(-1, 1, (n_out, 1)).astype(np.float32) * np.abs(w).max(axis=1, keepdims=True)  # off-centre rows
+    raw = eq_quantize(w, "Q4_K")
+    ref = gg_dequantize(raw, GGMLQuantizationType.Q4_K).astype(np.float64)
+    monkeypatch.setenv("EDGELLM_Q4K", "native")
+    pw = K.repack(raw, "Q4_K", (n_out, n_in), device=DEV)
+    monkeypatch.delenv("EDGELLM_Q4K")
+    return pw, ref
+
+
+@pytest.mark.parametrize("extreme", [False, True])
+def test_repack_q4k_native_holds_q4_k_exactly(rng, monkeypatch, extreme):
+    """The Q4K layout keeps Q4_K's codes and super-block pairs as stored: its values are gguf-py's
+    (the same fp32 products, no fp16 rounding of the sub-block scales), at 4.625 bits per weight;
+    the default still converts to Q4_1."""
+    pw, ref = make_q4k(rng, 6, 768, monkeypatch, extreme)
+    assert pw.fmt == "Q4K" and pw.source_fmt == "Q4_K"
+    assert pw.nbytes * 8 == 6 * 768 * 4.625
+    got = np64(K.dequantize(pw))
+    scale = np.abs(ref).max(axis=1, keepdims=True)
+    assert (np.abs(got - ref) <= 1e-6 * scale).all()
+    from edgellm.quant import quantize as eq_quantize
+    assert K.repack(eq_quantize(ref.astype(np.float32), "Q4_K"), "Q4_K", (6, 768), device=DEV).fmt == "Q4_1"
+    with pytest.raises(ValueError, match="EDGELLM_Q4K"):
+        monkeypatch.setenv("EDGELLM_Q4K", "q4k")
+        K.repack(eq_quantize(ref.astype(np.float32), "Q4_K"), "Q4_K", (6, 768), device=DEV)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_linear_decode_q4k(rng, monkeypatch, masked):
+    """Every decode path on Q4K against the float64 product: float and int8 activations, 1 and 8
+    tokens, tiles that overhang the matrix (37 rows, a partial K tile) or cover it."""
+    n_out, n_in = (37, 768) if masked else (40, 512)
+    pw, w = make_q4k(rng, n_out, n_in, monkeypatch, extreme=masked)
+    bias = rand(rng, n_out, dtype=torch.float32)
+    cfg = dict(BLOCK_N=8, BLOCK_K=512, num_warps=4)
+    for T in (1, 8):
+        x = rand(rng, T, n_in)
+        for int8 in (False, True):
+            out = poisoned((T, n_out), torch.float32)  # the extreme rows' products pass fp16's range
+            K.linear(x, pw, bias=bias, out=out, act_int8=int8, config=cfg)
+            xr = _q8_act_ref(np64(x)) if int8 else np64(x)
+            check(out, xr @ w.T + np64(bias), 2e-3, f"Q4K decode T={T} int8={int8}")
+
+
+@pytest.mark.parametrize("fused,int8", [(True, False), (False, True)])
+def test_linear_silu_mul_decode_q4k(rng, monkeypatch, fused, int8):
+    wg, g = make_q4k(rng, 21, 512, monkeypatch)
+    wu, u = make_q4k(rng, 21, 512, monkeypatch)
+    x = rand(rng, 2, 512)
+    out = poisoned((2, 21))
+    cfg = dict(BLOCK_N=8, BLOCK_K=256, num_warps=4)
+    if fused:
+        K.linear_silu_mul(x, K.concat_packed([wg, wu]), out=out, act_int8=int8, config=cfg)
+    else:
+        K.linear_silu_mul(x, wg, wu, out=out, act_int8=int8, config=cfg)
+    xr = _q8_act_ref(np64(x)) if int8 else np64(x)
+    check(out, _silu(xr @ g.T) * (xr @ u.T), 3e-3, "Q4K gate/up decode")
+
+
+def test_linear_prefill_and_skinny_q4k(rng, monkeypatch):
+    """The tensor-core paths on Q4K (each sub-block's scale and minimum rounded to fp16 in the tile,
+    as the Q4_1 layout stores them): prefill tiles and the default configurations, and the skinny
+    product of a 16-row batched decode step."""
+    pw, w = make_q4k(rng, 37, 512, monkeypatch)
+    x = rand(rng, 19, 512)
+    bias = rand(rng, 37)
+    out = poisoned((19, 37))
+    K.linear(x, pw, bias=bias, out=out, config=GEMM_CFG)
+    check(out, np64(x) @ w.T + np64(bias), 2e-3, "Q4K prefill")
+    out = poisoned((16, 37))
+    K.linear(x[:16], pw, out=out, decode_max_tokens=0)  # default tiles: the skinny product
+    check(out, np64(x[:16]) @ w.T, 2e-3, "Q4K skinny default config")
+
+
+def test_embedding_q4k(rng, monkeypatch):
+    pw, w = make_q4k(rng, 11, 512, monkeypatch, extreme=True)
+    ids = torch.tensor([3, 0, 10, 3, 7], dtype=torch.int32, device=DEV)
+    out = K.embedding(ids, pw, out=poisoned((5, 512), torch.float32))
+    ref = w[[3, 0, 10, 3, 7]]
+    assert (np.abs(np64(out) - ref) <= 1e-6 * np.abs(ref).max(axis=1, keepdims=True)).all()
+
+
+def test_q4k_in_a_mixed_stack(rng, monkeypatch):
+    """Q4K parts stacked with a part in another format (a Q4_K_M file's q, k with a Q6_K v) take the
+    Q4_1 conversion first (fp16 scales, as the default repack), then the common layout; Q4K parts
+    alone stay Q4K."""
+    q, wq = make_q4k(rng, 16, 512, monkeypatch)
+    k, wk = make_q4k(rng, 8, 512, monkeypatch)
+    v, wv = make_q6(rng, 8, 512, False)
+    alone = K.unify_formats([q, k])
+    assert [p.fmt for p in alone] == ["Q4K", "Q4K"]
+    stack = K.concat_packed(alone)
+    assert (np.abs(np64(K.dequantize(stack)) - np.concatenate([wq, wk])) <= 1e-6 * np.abs(wq).max()).all()
+    mixed = K.unify_formats([q, k, v])
+    assert len({p.fmt for p in mixed}) == 1 and mixed[0].fmt == "Q6M"
+    got = np64(K.dequantize(K.concat_packed(mixed)))
+    ref = np.concatenate([wq, wk, wv])
+    assert np.abs(got - ref).max() <= 2.0 ** -10 * np.abs(ref).max()

@@ -27,6 +27,7 @@ GEMV_DEFAULT = {
     "Q8_0": dict(BLOCK_N=2, BLOCK_K=1024, num_warps=1),
     "Q4_0": dict(BLOCK_N=8, BLOCK_K=1024, num_warps=1),
     "Q4_1": dict(BLOCK_N=8, BLOCK_K=1024, num_warps=1),
+    "Q4K": dict(BLOCK_N=8, BLOCK_K=1024, num_warps=1),  # not measured: Q4_1's (the same nibbles, codes for scales)
     # Q6 (Q6_K) and Q6M (Q5_K, Q5_1, mixed stacks): not measured, Q4_0's tiles. A block is 24 + 4
     # (Q6M: + 4) bytes in three arrays instead of Q4_0's 16 + 2 in two, and the float loop does about
     # 3.6 instructions per weight (Q4: 3); if BLOCK_N=8 spills or stalls, the tuner's smaller tiles win.
@@ -43,12 +44,14 @@ LARGE_GEMV_ELEMENTS = 4 << 20
 GEMV_SMALL_DEFAULT = {
     "Q4_0": dict(BLOCK_N=2, BLOCK_K=512, num_warps=1),
     "Q4_1": dict(BLOCK_N=2, BLOCK_K=512, num_warps=1),  # not measured: Q4_0's layout plus one array
+    "Q4K": dict(BLOCK_N=2, BLOCK_K=512, num_warps=1),  # as Q4_1
     "Q6": dict(BLOCK_N=2, BLOCK_K=512, num_warps=1),  # not measured: Q4_0's
     "Q6M": dict(BLOCK_N=2, BLOCK_K=512, num_warps=1),
 }
 GEMV_LARGE_DEFAULT = {
     "Q4_0": dict(BLOCK_N=16, BLOCK_K=512, num_warps=1),
     "Q4_1": dict(BLOCK_N=16, BLOCK_K=512, num_warps=1),
+    "Q4K": dict(BLOCK_N=16, BLOCK_K=512, num_warps=1),  # as Q4_1
     # not measured; the 8B Q4_K_M output projection (128256 x 4096, Q6_K) runs here. Q4_0's
     # BLOCK_N=16 spills registers with 6-bit codes (compile_check: 255 registers, ~140 spill
     # stores); 8 rows take 127 (Q6M 167) and none
@@ -72,6 +75,7 @@ GEMV_I8_DEFAULT = {
     "Q8_0": dict(BLOCK_N=2, BLOCK_K=2048, num_warps=1),
     "Q4_0": dict(BLOCK_N=2, BLOCK_K=2048, num_warps=1),
     "Q4_1": dict(BLOCK_N=2, BLOCK_K=2048, num_warps=1),  # not tuned: Q4_0's layout plus one array
+    "Q4K": dict(BLOCK_N=2, BLOCK_K=2048, num_warps=1),  # as Q4_1
     "Q6": dict(BLOCK_N=2, BLOCK_K=2048, num_warps=1),  # not tuned: Q4_0's
     "Q6M": dict(BLOCK_N=2, BLOCK_K=2048, num_warps=1),
 }

@@ -8,7 +8,7 @@ import triton.language as tl
 
 from . import configs
 from ._common import jit, out_buffer, pdl, pdl_prologue, require_device
-from .linear import _FMT_CODE
+from .linear import _FMT_CODE, _q4k_scales
 from .packing import PackedWeight
 
 
@@ -27,7 +27,7 @@ def _embedding_kernel(ids_ptr, q_ptr, d_ptr, m_ptr, out_ptr, stride_o, V, D, str
     elif FMT == 3:
         q = tl.load(q_ptr + tok * stride_q + c, mask=mask, other=0).to(tl.float32)
         v = q * tl.load(d_ptr + tok * stride_d + c // 32, mask=mask, other=0.0).to(tl.float32)
-    elif FMT >= 4:  # Q6/Q6M (packing.py): nibbles as Q4, the top two bits after the row's nibbles
+    elif FMT == 4 or FMT == 5:  # Q6/Q6M (packing.py): nibbles as Q4, the top two bits after the row's nibbles
         e = c % 32
         row = q_ptr + tok * stride_q
         byte = tl.load(row + (c // 32) * 16 + e % 16, mask=mask, other=0)
@@ -41,11 +41,15 @@ def _embedding_kernel(ids_ptr, q_ptr, d_ptr, m_ptr, out_ptr, stride_o, V, D, str
     else:
         byte = tl.load(q_ptr + tok * stride_q + (c // 32) * 16 + c % 16, mask=mask, other=0)
         nib = tl.where(c % 32 < 16, byte & 15, byte >> 4).to(tl.float32)
-        d = tl.load(d_ptr + tok * stride_d + c // 32, mask=mask, other=0.0).to(tl.float32)
-        if FMT == 1:
-            v = (nib - 8.0) * d
+        if FMT == 6:  # Q4K: scale and minimum from the sub-block's codes and the super-block's pair
+            dk, mk = _q4k_scales(d_ptr, m_ptr, tok, c // 32, mask, stride_d, True)
+            v = nib * dk + mk
         else:
-            v = nib * d + tl.load(m_ptr + tok * stride_d + c // 32, mask=mask, other=0.0).to(tl.float32)
+            d = tl.load(d_ptr + tok * stride_d + c // 32, mask=mask, other=0.0).to(tl.float32)
+            if FMT == 1:
+                v = (nib - 8.0) * d
+            else:
+                v = nib * d + tl.load(m_ptr + tok * stride_d + c // 32, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + t.to(tl.int64) * stride_o + c, v.to(out_ptr.dtype.element_ty), mask=c < D)
 
 

@@ -50,7 +50,7 @@ from .norm import NormTail, norm_tail_epilogue
 from .packing import PackedWeight
 from .rope import RopeStore, rope_cos_sin
 
-_FMT_CODE = {"F16": 0, "Q4_0": 1, "Q4_1": 2, "Q8_0": 3, "Q6": 4, "Q6M": 5}
+_FMT_CODE = {"F16": 0, "Q4_0": 1, "Q4_1": 2, "Q8_0": 3, "Q6": 4, "Q6M": 5, "Q4K": 6}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -96,8 +96,21 @@ def _q8_part(q_ptr, d_ptr, rows64, rmask, kb, kmask, x, stride_q, stride_d, MASK
 
 
 @jit
+def _q4k_scales(c_ptr, p_ptr, rows64, kb, mask, stride_c, MASKED: tl.constexpr):
+    """The Q4K layout's scale and minimum (float32, broadcast shapes of rows64 x kb) of sub-blocks kb
+    of rows rows64: codes c (int16 [out, nb]: 6-bit scale, 6-bit minimum << 8) and the super-block's
+    fp16 (D, DMIN) pair at p (one 4-byte word per super-block, row stride stride_c / 8 words):
+    D * scale and -(DMIN * minimum), products in fp32 as llama.cpp forms them."""
+    code = _ld(c_ptr + rows64 * stride_c + kb, mask, MASKED, True).to(tl.int32)
+    pair = _ld(p_ptr.to(tl.pointer_type(tl.int32)) + rows64 * (stride_c // 8) + kb // 8, mask, MASKED, True)
+    dd = (pair & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    dm = ((pair >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return dd * (code & 63).to(tl.float32), -(dm * ((code >> 8) & 63).to(tl.float32))
+
+
+@jit
 def _q4_part(q_ptr, d_ptr, m_ptr, rows64, rmask, kb, kmask, xrow, xsum, stride_q, stride_d,
-             HAS_MIN: tl.constexpr, MASKED: tl.constexpr, USE_ASM: tl.constexpr):
+             FMT: tl.constexpr, MASKED: tl.constexpr, USE_ASM: tl.constexpr):
     # q as 32-bit words [blocks, rows, 4]: word w holds elements 4w..4w+3 (low nibbles) and
     # 16+4w..16+4w+3 (high nibbles). Nibble n becomes the float 1 + n/16 by moving it under the
     # exponent bits of 1.0 (one shift, one 3-input logic op): no int-to-float conversion, which
@@ -118,11 +131,15 @@ def _q4_part(q_ptr, d_ptr, m_ptr, rows64, rmask, kb, kmask, xrow, xsum, stride_q
         xi = _ld(xrow + kb[:, None] * 32 + (16 * (i % 2) + i // 2) + 4 * w[None, :], kmask[:, None], MASKED)
         acc += f * xi.to(tl.float32)[:, None, :]
     s = tl.sum(acc, axis=2)  # per block and row: sum of (1 + n/16) * x
-    d = _ld(d_ptr + rows64[None, :] * stride_d + kb[:, None], mask2, MASKED, True).to(tl.float32)
-    if HAS_MIN:
+    if FMT == 6:
+        d, mn = _q4k_scales(d_ptr, m_ptr, rows64[None, :], kb[:, None], mask2, stride_d, MASKED)
+        r = (16.0 * d) * (s - xsum[:, None]) + mn * xsum[:, None]
+    elif FMT == 2:
+        d = _ld(d_ptr + rows64[None, :] * stride_d + kb[:, None], mask2, MASKED, True).to(tl.float32)
         mn = _ld(m_ptr + rows64[None, :] * stride_d + kb[:, None], mask2, MASKED, True).to(tl.float32)
         r = (16.0 * d) * (s - xsum[:, None]) + mn * xsum[:, None]
     else:
+        d = _ld(d_ptr + rows64[None, :] * stride_d + kb[:, None], mask2, MASKED, True).to(tl.float32)
         r = (16.0 * d) * (s - 1.5 * xsum[:, None])  # n - 8 = 16 * ((1 + n/16) - 1.5)
     return r
 
@@ -258,7 +275,7 @@ def _gemv_kernel(x_ptr, stride_xm,
             acc_a += _q8_part(a_q, a_d, rows64, rmask, kb, kmask, x, stride_q, stride_d, MASKED)
             if GLU:
                 acc_b += _q8_part(b_q, b_d, rows64, rmask, kb, kmask, x, stride_q, stride_d, MASKED)
-        elif FMT >= 4:
+        elif FMT == 4 or FMT == 5:
             kb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
             kmask = kb < n_blocks
             xo = kb[:, None] * 32 + tl.arange(0, 16)[None, :]
@@ -274,11 +291,11 @@ def _gemv_kernel(x_ptr, stride_xm,
             kmask = kb < n_blocks
             xsum = tl.sum(_ld(xrow + kb[:, None] * 32 + tl.arange(0, 32)[None, :], kmask[:, None],
                               MASKED).to(tl.float32), axis=1)
-            acc_a += _q4_part(a_q, a_d, a_m, rows64, rmask, kb, kmask, xrow, xsum, stride_q, stride_d, FMT == 2,
+            acc_a += _q4_part(a_q, a_d, a_m, rows64, rmask, kb, kmask, xrow, xsum, stride_q, stride_d, FMT,
                               MASKED, USE_ASM)
             if GLU:
                 acc_b += _q4_part(b_q, b_d, b_m, rows64, rmask, kb, kmask, xrow, xsum, stride_q, stride_d,
-                                  FMT == 2, MASKED, USE_ASM)
+                                  FMT, MASKED, USE_ASM)
     _gemv_epilogue(acc_a, acc_b, rows, rmask, tok, bias_ptr, out_ptr, stride_om, FMT == 0, GLU, HAS_BIAS, BLOCK_N,
                    pos_ptr, pos_val, ff_ptr, log2_theta, qo_ptr, stride_qo, kc_ptr, vc_ptr, stride_c, QD, KVD,
                    ROPE, POS_FROM_PTR, HEAD_DIM, N_ROT, HAS_FF, M, N, res_ptr, stride_r, sum_ptr, stride_s,
@@ -409,7 +426,7 @@ def _q8_part_i8(q_ptr, d_ptr, rows64, rmask, kb, kmask, xw, xdb, stride_q, strid
 
 @jit
 def _q4_part_i8(q_ptr, d_ptr, m_ptr, rows64, rmask, kb, kmask, xlo, xhi, xdb, xsb, stride_q, stride_d,
-                HAS_MIN: tl.constexpr, USE_ASM: tl.constexpr, MASKED: tl.constexpr):
+                FMT: tl.constexpr, USE_ASM: tl.constexpr, MASKED: tl.constexpr):
     w = tl.arange(0, 4)
     mask2 = kmask[:, None] & rmask[None, :]
     q = _ld(q_ptr + rows64[None, :, None] * stride_q + kb[:, None, None] * 4 + w[None, None, :],
@@ -417,11 +434,15 @@ def _q4_part_i8(q_ptr, d_ptr, m_ptr, rows64, rmask, kb, kmask, xlo, xhi, xdb, xs
     lo = q & 0x0F0F0F0F  # elements 4w..4w+3 of the block, one per byte
     hi = (q >> 4) & 0x0F0F0F0F  # elements 16+4w..16+4w+3
     s = tl.sum(dp4a(lo, xlo[:, None, :], USE_ASM) + dp4a(hi, xhi[:, None, :], USE_ASM), axis=2)
-    d = _ld(d_ptr + rows64[None, :] * stride_d + kb[:, None], mask2, MASKED, True).to(tl.float32)
-    if HAS_MIN:
+    if FMT == 6:
+        d, mn = _q4k_scales(d_ptr, m_ptr, rows64[None, :], kb[:, None], mask2, stride_d, MASKED)
+        r = d * s.to(tl.float32) * xdb[:, None] + mn * xsb[:, None]
+    elif FMT == 2:
+        d = _ld(d_ptr + rows64[None, :] * stride_d + kb[:, None], mask2, MASKED, True).to(tl.float32)
         mn = _ld(m_ptr + rows64[None, :] * stride_d + kb[:, None], mask2, MASKED, True).to(tl.float32)
         r = d * s.to(tl.float32) * xdb[:, None] + mn * xsb[:, None]
     else:
+        d = _ld(d_ptr + rows64[None, :] * stride_d + kb[:, None], mask2, MASKED, True).to(tl.float32)
         r = d * (s.to(tl.float32) * xdb[:, None] - 8.0 * xsb[:, None])
     return r
 
@@ -478,7 +499,7 @@ def _gemv_i8_kernel(xq_ptr, xd_ptr, xs_ptr,
             acc_a += _q8_part_i8(a_q, a_d, rows64, rmask, kb, kmask, xw, xdb, stride_q, stride_d, USE_ASM, MASKED)
             if GLU:
                 acc_b += _q8_part_i8(b_q, b_d, rows64, rmask, kb, kmask, xw, xdb, stride_q, stride_d, USE_ASM, MASKED)
-        elif FMT >= 4:
+        elif FMT == 4 or FMT == 5:
             xp = xrow + kb[:, None] * 8 + tl.arange(0, 4)[None, :]
             xlo = _ld(xp, kmask[:, None], MASKED)
             xhi = _ld(xp + 4, kmask[:, None], MASKED)
@@ -496,10 +517,10 @@ def _gemv_i8_kernel(xq_ptr, xd_ptr, xs_ptr,
             xlo = _ld(xp, kmask[:, None], MASKED)
             xhi = _ld(xp + 4, kmask[:, None], MASKED)
             acc_a += _q4_part_i8(a_q, a_d, a_m, rows64, rmask, kb, kmask, xlo, xhi, xdb, xsb, stride_q, stride_d,
-                                 FMT == 2, USE_ASM, MASKED)
+                                 FMT, USE_ASM, MASKED)
             if GLU:
                 acc_b += _q4_part_i8(b_q, b_d, b_m, rows64, rmask, kb, kmask, xlo, xhi, xdb, xsb, stride_q,
-                                     stride_d, FMT == 2, USE_ASM, MASKED)
+                                     stride_d, FMT, USE_ASM, MASKED)
     _gemv_epilogue(acc_a, acc_b, rows, rmask, tok, bias_ptr, out_ptr, stride_om, False, GLU, HAS_BIAS, BLOCK_N,
                    pos_ptr, pos_val, ff_ptr, log2_theta, qo_ptr, stride_qo, kc_ptr, vc_ptr, stride_c, QD, KVD,
                    ROPE, POS_FROM_PTR, HEAD_DIM, N_ROT, HAS_FF, M, N, res_ptr, stride_r, sum_ptr, stride_s,
@@ -604,7 +625,7 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
                 km = k < K
                 xt = tl.load(xcol + k[:, None], mask=km[:, None] & mmask[None, :], other=0.0)
                 acc = _mma(w, xt.to(tl.float16), acc, WEIGHT_B)
-            elif FMT >= 4:
+            elif FMT == 4 or FMT == 5:
                 # Q6/Q6M: the nibbles as Q4, each element's top two bits from its half's byte
                 # 4h + (j % 4), bits 2 (j // 4) (see packing.py); per-16 scales d[2b], d[2b + 1]
                 j = tl.arange(0, 16)
@@ -649,6 +670,12 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
                 if FMT == 1:
                     lo = (lo - 1032.0) * d
                     hi = (hi - 1032.0) * d
+                elif FMT == 6:  # Q4K: each sub-block's scale and minimum from its codes (rounded to fp16 here)
+                    dk, mk = _q4k_scales(w_d, w_m, rn64[:, None], kb[None, :], wm, stride_d, True)
+                    dk = dk.to(tl.float16)[:, :, None]
+                    mk = mk.to(tl.float16)[:, :, None]
+                    lo = (lo - 1024.0) * dk + mk
+                    hi = (hi - 1024.0) * dk + mk
                 else:
                     mn = tl.load(w_m + rn64[:, None] * stride_d + kb[None, :], mask=wm,
                                  other=0.0).to(tl.float16)[:, :, None]
@@ -780,7 +807,7 @@ def _launch_gemv(x, wa, wb, b_offset, bias, out, glu, act_int8, xq, config, rope
                               BLOCK_N=bn, BLOCK_K=bk, USE_ASM=USE_DP4A, MASKED=masked, num_warps=cfg["num_warps"], **rope_ce, **norm_ce,
                               **pf_ce, **pdl())
         return
-    words = fmt in ("Q4_0", "Q4_1", "Q6", "Q6M")
+    words = fmt in ("Q4_0", "Q4_1", "Q6", "Q6M", "Q4K")
     a = _weight_args(wa, out, 0, int_words=words)
     b = _weight_args(wb, out, b_offset, int_words=words) if glu else a
     stride_q = a[0].stride(0)

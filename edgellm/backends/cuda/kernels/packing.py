@@ -10,6 +10,12 @@ Layouts (all row-major, one row per output feature, `nb = in / 32` blocks per ro
   Q8_0  qs int8 [out, in]      d fp16 [out, nb]          value = q * d
   Q4_0  qs uint8 [out, in/2]   d fp16 [out, nb]          value = (q - 8) * d
   Q4_1  qs uint8 [out, in/2]   d fp16 [out, nb]  m fp16 [out, nb]   value = q * d + m
+  Q4K   qs uint8 [out, in/2]   d int16 [out, nb]  m fp16 [out, nb / 4]  value = q * (D * sc) - (DMIN * mn)
+        Q4_K in its own terms: the nibbles as in Q4_0, d holds each 32-element sub-block's 6-bit scale
+        sc (bits 0..5) and 6-bit minimum mn (bits 8..13), m each 256-element super-block's fp16 D and
+        DMIN, one (D, DMIN) pair per 8 blocks (4.625 bits per weight; the kernels multiply in fp32,
+        as llama.cpp does). Made from Q4_K when EDGELLM_Q4K=native (see q4k_layout); not yet the
+        default: the H100 has not measured it against the Q4_1 conversion below.
 Two GGML types are converted into these layouts rather than given their own:
   Q5_0 -> Q8_0 exactly (q - 16 fits in int8, same fp16 scale per 32);
   Q4_K -> Q4_1: each 32-element sub-block gets d = super-block d * 6-bit scale and m = -dmin * 6-bit
@@ -45,6 +51,7 @@ is the same data as 32-bit words (the decode kernels read Q4 that way).
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass, field
 
@@ -57,7 +64,7 @@ from ....errors import TensorShapeError
 _BLOCK = {"F16": (1, 2), "BF16": (1, 2), "F32": (1, 4), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34),
           "Q5_0": (32, 22), "Q4_K": (256, 144), "Q5_1": (32, 24), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 SUPPORTED_FORMATS = frozenset(_BLOCK)
-PACKED_FORMATS = ("F16", "Q4_0", "Q4_1", "Q8_0", "Q6", "Q6M")  # what PackedWeight.fmt can be after repacking
+PACKED_FORMATS = ("F16", "Q4_0", "Q4_1", "Q8_0", "Q6", "Q6M", "Q4K")  # what PackedWeight.fmt can be after repacking
 _SIX_BIT = ("Q6_K", "Q5_K", "Q5_1")  # GGML types repacked into Q6 / Q6M
 # six-bit repacking decodes a slab of this many weights at a time (a few bytes of temporaries each)
 _REPACK_SLAB_ELEMENTS = 16 << 20
@@ -179,7 +186,7 @@ def repack(raw, fmt: str, shape, device=None) -> PackedWeight:
         raise TensorShapeError(f"{fmt} weight {(n_out, n_in)}: raw data is {raw.dtype} {tuple(raw.shape)}, "
                                f"expected uint8 {(n_out, row_bytes)}")
     if fmt == "Q4_K":
-        return _repack_q4_k(raw, n_out, n_in)
+        return _repack_q4_k(raw, n_out, n_in, native=q4k_layout() == "native")
     if fmt in _SIX_BIT:
         return _repack_six_bit(raw, fmt, n_out, n_in)
     nb = n_in // 32
@@ -206,28 +213,44 @@ def repack(raw, fmt: str, shape, device=None) -> PackedWeight:
     return PackedWeight("Q4_1", (n_out, n_in), qs=qs, d=f16(0), m=f16(2))
 
 
-def _repack_q4_k(raw: torch.Tensor, n_out: int, n_in: int) -> PackedWeight:
+def q4k_layout() -> str:
+    """How Q4_K weights are laid out for the kernels: "q4_1" (default; each sub-block's scale and
+    minimum multiplied out and rounded to fp16) or "native" (the Q4K layout: the 6-bit codes and the
+    super-block's fp16 pair, as stored), from EDGELLM_Q4K."""
+    mode = os.environ.get("EDGELLM_Q4K", "q4_1").strip().lower()
+    if mode not in ("q4_1", "native"):
+        raise ValueError(f"EDGELLM_Q4K={mode!r}: expected 'q4_1' or 'native'")
+    return mode
+
+
+def _repack_q4_k(raw: torch.Tensor, n_out: int, n_in: int, native: bool = False) -> PackedWeight:
     """Q4_K super-blocks (d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles) -> the
-    Q4_1 layout, one (d * scale, -dmin * min) pair per 32-element sub-block."""
+    Q4_1 layout, one (d * scale, -dmin * min) pair per 32-element sub-block; with native, the Q4K
+    layout (the codes and the super-block pair as stored, no rounding)."""
     from ....quant.ggml_kquants import _unpack_scales
 
     nsb = n_in // 256
     blocks = raw.contiguous().reshape(n_out * nsb, 144)
+    sc, mn = _unpack_scales(blocks[:, 4:16])  # [N, 8] each
+    # 64-element chunks: 32 bytes whose low nibbles are sub-block 2j and high nibbles sub-block 2j + 1
+    qs = blocks[:, 16:].reshape(n_out * nsb, 4, 32)
+    vals = torch.stack([qs & 15, qs >> 4], dim=2).reshape(n_out * nsb * 8, 32)  # element order
+    packed = (vals[:, :16] | (vals[:, 16:] << 4)).reshape(n_out, n_in // 2)  # byte i: element i, i + 16
+    nb = n_in // 32
+    if native:
+        codes = (sc.to(torch.int16) | (mn.to(torch.int16) << 8)).reshape(n_out, nb)
+        pair = blocks[:, 0:4].contiguous().view(torch.float16).reshape(n_out, 2 * nsb)  # (D, DMIN) per super-block
+        return PackedWeight("Q4K", (n_out, n_in), qs=packed.contiguous(), d=codes.contiguous(), m=pair.contiguous(),
+                            source_fmt="Q4_K")
     d = blocks[:, 0:2].contiguous().view(torch.float16).float()  # [N, 1]
     dmin = blocks[:, 2:4].contiguous().view(torch.float16).float()
-    sc, mn = _unpack_scales(blocks[:, 4:16])  # [N, 8] each
     sub_d = d * sc.float()
     sub_m = -(dmin * mn.float())
     for what, v in (("scale", sub_d), ("minimum", sub_m)):
         big = v.abs().max().item() if v.numel() else 0.0
         if not np.isfinite(big) or big > _FP16_MAX:
             raise ValueError(f"Q4_K weight {(n_out, n_in)}: a sub-block {what} of {big} does not fit in fp16")
-    # 64-element chunks: 32 bytes whose low nibbles are sub-block 2j and high nibbles sub-block 2j + 1
-    qs = blocks[:, 16:].reshape(n_out * nsb, 4, 32)
-    vals = torch.stack([qs & 15, qs >> 4], dim=2).reshape(n_out * nsb * 8, 32)  # element order
-    packed = vals[:, :16] | (vals[:, 16:] << 4)  # byte i: element i (low), element i + 16 (high)
-    nb = n_in // 32
-    return PackedWeight("Q4_1", (n_out, n_in), qs=packed.reshape(n_out, nb * 16).contiguous(),
+    return PackedWeight("Q4_1", (n_out, n_in), qs=packed.contiguous(),
                         d=sub_d.reshape(n_out, nb).half(), m=sub_m.reshape(n_out, nb).half(), source_fmt="Q4_K")
 
 
@@ -327,6 +350,25 @@ def _codes_of(w: PackedWeight) -> torch.Tensor:
     return torch.cat([q & 15, q >> 4], dim=2).reshape(n_out, n_in).to(torch.int16)
 
 
+def q4k_scales(w: PackedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q4K weight's per-32 scale and minimum (float32 [out, nb]): D * sc and -(DMIN * mn)."""
+    n_out, nb = w.d.shape
+    codes = w.d.to(torch.int32)
+    pair = w.m.float().reshape(n_out, nb // 8, 2)
+    dd = pair[:, :, 0].repeat_interleave(8, dim=1)
+    dm = pair[:, :, 1].repeat_interleave(8, dim=1)
+    return dd * (codes & 63).float(), -(dm * ((codes >> 8) & 63).float())
+
+
+def q4k_as_q4_1(w: PackedWeight) -> PackedWeight:
+    """A Q4K weight in the Q4_1 layout, each scale and minimum rounded to fp16 (as the default
+    Q4_K -> Q4_1 repack rounds them); for stacks with parts in other formats."""
+    d, m = q4k_scales(w)
+    what = f"Q4_K weight {w.shape}: a sub-block scale or minimum"
+    return PackedWeight("Q4_1", w.shape, qs=w.qs, d=_checked_f16(d, what), m=_checked_f16(m, what),
+                        source_fmt=w.source_fmt)
+
+
 def convert_packed(w: PackedWeight, fmt: str) -> PackedWeight | None:
     """w in the layout `fmt`, holding exactly the same values (every fp16 field is copied or
     multiplied by a power of two), or None where `fmt` cannot hold them: Q4_0 -> Q4_1 (m = -8 d),
@@ -367,6 +409,9 @@ def unify_formats(parts: list[PackedWeight]) -> list[PackedWeight]:
     else F16 (values rounded to fp16)."""
     if len({p.fmt for p in parts}) <= 1:
         return list(parts)
+    parts = [q4k_as_q4_1(p) if p.fmt == "Q4K" else p for p in parts]
+    if len({p.fmt for p in parts}) <= 1:
+        return parts
     for fmt in _STACK_LAYOUTS:
         conv = [convert_packed(p, fmt) for p in parts]
         if all(c is not None for c in conv):
@@ -422,6 +467,11 @@ def dequantize(w: PackedWeight, dtype=torch.float32) -> torch.Tensor:
         if w.m is not None:
             v = v + w.m.float().reshape(n_out, n_in // 16, 1)
         return v.reshape(n_out, n_in).to(dtype)
+    if w.fmt == "Q4K":
+        d, m = q4k_scales(w)
+        q = w.qs.reshape(n_out, n_in // 32, 16)
+        q = torch.cat([q & 15, q >> 4], dim=2).float()
+        return (q * d[:, :, None] + m[:, :, None]).reshape(n_out, n_in).to(dtype)
     d = w.d.float().reshape(n_out, n_in // 32, 1)
     if w.fmt == "Q8_0":
         return (w.qs.float().reshape(n_out, n_in // 32, 32) * d).reshape(n_out, n_in).to(dtype)
