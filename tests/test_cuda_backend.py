@@ -33,10 +33,13 @@ MODELS = {
                                       weight_type="Q4_K", embed_type="Q8_0", type_overrides={
                                           "blk.0.attn_v.weight": "Q6_K", "blk.0.ffn_down.weight": "Q5_0"},
                                       std=0.05, seed=24),
-    # every weight Q4_K, kept in its own terms (the Q4K layout: EDGELLM_Q4K=native), the embedding
-    # and the tied output projection included
+    # K-quants kept in their own terms (EDGELLM_KQUANTS=native): Q4_K (the Q4K layout: gate|up, o, the
+    # embedding and the tied output projection), a Q6_K down projection (Q6K), and a q|k|v stack of
+    # Q4_K with a Q6_K v (converted to one layout)
     "llama-q4_k-native": SyntheticSpec(n_layers=1, d_model=256, n_heads=4, n_kv_heads=2, ffn_dim=256,
-                                       weight_type="Q4_K", embed_type="Q4_K", std=0.05, seed=25),
+                                       weight_type="Q4_K", embed_type="Q4_K", type_overrides={
+                                           "blk.0.attn_v.weight": "Q6_K", "blk.0.ffn_down.weight": "Q6_K"},
+                                       std=0.05, seed=25),
 }
 
 
@@ -56,7 +59,7 @@ def _cuda_device(monkeypatch):
 def test_cuda_logits_match_cpu(name, tmp_path, monkeypatch):
     spec = MODELS[name]
     if name.endswith("native"):
-        monkeypatch.setenv("EDGELLM_Q4K", "native")
+        monkeypatch.setenv("EDGELLM_KQUANTS", "native")
     path = write_synthetic_gguf(tmp_path / "m.gguf", spec)
     ids = np.random.default_rng(spec.seed).integers(0, spec.vocab_size, 11).tolist()
     ref = edgellm.load(path, ctx=32).logits(ids)
@@ -65,8 +68,9 @@ def test_cuda_logits_match_cpu(name, tmp_path, monkeypatch):
     slow = "q4_k" in name and not ON_GPU
     m = edgellm.load(path, backend="cuda", ctx=32, prefill_chunk=16 if slow else 8)
     if name.endswith("native"):
-        fmts = {w.fmt for w in m.backend.weights._packed.values()}
-        assert fmts == {"Q4K"}, fmts
+        fmts = {names: w.fmt for names, w in m.backend.weights._packed.items()}
+        assert {"Q4K", "Q6K"} <= set(fmts.values()), fmts
+        assert fmts[("blk.0.ffn_down.weight",)] == "Q6K" and fmts[("token_embd.weight",)] == "Q4K", fmts
     got = m.logits(ids)
     assert got.shape == ref.shape and np.isfinite(got).all()
     # fp16 activations and caches: relative to the logit scale. The K-quant model is looser: measured

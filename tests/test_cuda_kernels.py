@@ -1069,7 +1069,7 @@ def test_prefill_gemm_copies_every_weight_load_ahead(tmp_path):
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sass = tmp_path / "sass"
-    fmts = ["Q4_0", "Q4_1", "Q8_0", "Q6", "Q6M", "Q4K"]
+    fmts = ["Q4_0", "Q4_1", "Q8_0", "Q6", "Q6M", "Q4K", "Q6K"]
     r = subprocess.run([sys.executable, "-m", "edgellm.backends.cuda.kernels.compile_check", "--arch", "90",
                         "--only", ",".join(f"gemm{t} {f}" for f in fmts for t in ("", "-k128")), "--sass",
                         str(sass)],
@@ -1086,15 +1086,15 @@ def test_prefill_gemm_copies_every_weight_load_ahead(tmp_path):
         ir = f.read_text()
         assert "ttg.async_copy_global_to_local" in ir, f.name
         in_place = [line for line in ir.splitlines() if " tt.load " in line]
-        # the scales may stay in place (fp16; the Q4K layout's int16 codes), the quants may not
-        assert all("x!tt.ptr<f16>" in line or "x!tt.ptr<i16>" in line for line in in_place), \
+        # the scales may stay in place (fp16; the Q4K and Q6K layouts' scale codes), the quants may not
+        assert all(any(f"x!tt.ptr<{t}>" in line for t in ("f16", "i16", "i8")) for line in in_place), \
             f"{f.name}: quants loaded in place"
 
 
 # ------------------------------------------------------------------------ Q4_K in its own terms (Q4K)
 
 def make_q4k(rng, n_out, n_in, monkeypatch, extreme=False):
-    """A Q4_K weight from edgellm's quantizer, repacked into the Q4K layout (EDGELLM_Q4K=native),
+    """A Q4_K weight from edgellm's quantizer, repacked into the Q4K layout (EDGELLM_KQUANTS=native),
     with gguf-py's dequantization as the float64 reference. extreme: rows scaled by 1e-4 .. 1e3,
     so that super-block scales and minimums span fp16's range."""
     from edgellm.quant import quantize as eq_quantize
@@ -1104,9 +1104,9 @@ def make_q4k(rng, n_out, n_in, monkeypatch, extreme=False):
     w += rng.uniform(-1, 1, (n_out, 1)).astype(np.float32) * np.abs(w).max(axis=1, keepdims=True)  # off-centre rows
     raw = eq_quantize(w, "Q4_K")
     ref = gg_dequantize(raw, GGMLQuantizationType.Q4_K).astype(np.float64)
-    monkeypatch.setenv("EDGELLM_Q4K", "native")
+    monkeypatch.setenv("EDGELLM_KQUANTS", "native")
     pw = K.repack(raw, "Q4_K", (n_out, n_in), device=DEV)
-    monkeypatch.delenv("EDGELLM_Q4K")
+    monkeypatch.delenv("EDGELLM_KQUANTS")
     return pw, ref
 
 
@@ -1123,8 +1123,8 @@ def test_repack_q4k_native_holds_q4_k_exactly(rng, monkeypatch, extreme):
     assert (np.abs(got - ref) <= 1e-6 * scale).all()
     from edgellm.quant import quantize as eq_quantize
     assert K.repack(eq_quantize(ref.astype(np.float32), "Q4_K"), "Q4_K", (6, 768), device=DEV).fmt == "Q4_1"
-    with pytest.raises(ValueError, match="EDGELLM_Q4K"):
-        monkeypatch.setenv("EDGELLM_Q4K", "q4k")
+    with pytest.raises(ValueError, match="EDGELLM_KQUANTS"):
+        monkeypatch.setenv("EDGELLM_KQUANTS", "q4k-please")
         K.repack(eq_quantize(ref.astype(np.float32), "Q4_K"), "Q4_K", (6, 768), device=DEV)
 
 
@@ -1198,4 +1198,90 @@ def test_q4k_in_a_mixed_stack(rng, monkeypatch):
     assert len({p.fmt for p in mixed}) == 1 and mixed[0].fmt == "Q6M"
     got = np64(K.dequantize(K.concat_packed(mixed)))
     ref = np.concatenate([wq, wk, wv])
+    assert np.abs(got - ref).max() <= 2.0 ** -10 * np.abs(ref).max()
+
+
+# ------------------------------------------------------------------------ Q6_K in its own terms (Q6K)
+
+def make_q6k(rng, n_out, n_in, monkeypatch, extreme=False):
+    """A Q6_K weight from edgellm's quantizer in the Q6K layout (EDGELLM_KQUANTS=native), with
+    gguf-py's dequantization as the float64 reference; extreme: rows scaled by 1e-4 .. 1e3."""
+    from edgellm.quant import quantize as eq_quantize
+
+    w = rng.standard_normal((n_out, n_in)).astype(np.float32)
+    w *= (10.0 ** rng.uniform(-4, 3, (n_out, 1)) if extreme else rng.uniform(0.01, 3, (n_out, 1))).astype(np.float32)
+    raw = eq_quantize(w, "Q6_K")
+    ref = gg_dequantize(raw, GGMLQuantizationType.Q6_K).astype(np.float64)
+    monkeypatch.setenv("EDGELLM_KQUANTS", "native")
+    pw = K.repack(raw, "Q6_K", (n_out, n_in), device=DEV)
+    monkeypatch.delenv("EDGELLM_KQUANTS")
+    return pw, ref
+
+
+@pytest.mark.parametrize("extreme", [False, True])
+def test_repack_q6k_native_holds_q6_k_exactly(rng, monkeypatch, extreme):
+    pw, ref = make_q6k(rng, 6, 768, monkeypatch, extreme)
+    assert pw.fmt == "Q6K" and pw.source_fmt == "Q6_K"
+    assert pw.nbytes * 8 == 6 * 768 * 6.625
+    got = np64(K.dequantize(pw))
+    assert (np.abs(got - ref) <= 1e-6 * np.abs(ref).max(axis=1, keepdims=True)).all()
+    from edgellm.quant import quantize as eq_quantize
+    assert K.repack(eq_quantize(ref.astype(np.float32), "Q6_K"), "Q6_K", (6, 768), device=DEV).fmt == "Q6"
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_linear_decode_q6k(rng, monkeypatch, masked):
+    n_out, n_in = (37, 768) if masked else (40, 512)
+    pw, w = make_q6k(rng, n_out, n_in, monkeypatch, extreme=masked)
+    bias = rand(rng, n_out, dtype=torch.float32)
+    cfg = dict(BLOCK_N=8, BLOCK_K=512, num_warps=4)
+    for T in (1, 8):
+        x = rand(rng, T, n_in)
+        for int8 in (False, True):
+            out = poisoned((T, n_out), torch.float32)
+            K.linear(x, pw, bias=bias, out=out, act_int8=int8, config=cfg)
+            xr = _q8_act_ref(np64(x)) if int8 else np64(x)
+            check(out, xr @ w.T + np64(bias), 2e-3, f"Q6K decode T={T} int8={int8}")
+
+
+@pytest.mark.parametrize("fused,int8", [(True, False), (False, True)])
+def test_linear_silu_mul_decode_q6k(rng, monkeypatch, fused, int8):
+    wg, g = make_q6k(rng, 21, 512, monkeypatch)
+    wu, u = make_q6k(rng, 21, 512, monkeypatch)
+    x = rand(rng, 2, 512)
+    out = poisoned((2, 21))
+    cfg = dict(BLOCK_N=4, BLOCK_K=256, num_warps=4)
+    if fused:
+        K.linear_silu_mul(x, K.concat_packed([wg, wu]), out=out, act_int8=int8, config=cfg)
+    else:
+        K.linear_silu_mul(x, wg, wu, out=out, act_int8=int8, config=cfg)
+    xr = _q8_act_ref(np64(x)) if int8 else np64(x)
+    check(out, _silu(xr @ g.T) * (xr @ u.T), 3e-3, "Q6K gate/up decode")
+
+
+def test_linear_prefill_and_skinny_q6k(rng, monkeypatch):
+    pw, w = make_q6k(rng, 37, 512, monkeypatch)
+    x = rand(rng, 19, 512)
+    bias = rand(rng, 37)
+    out = poisoned((19, 37))
+    K.linear(x, pw, bias=bias, out=out, config=GEMM_CFG)
+    check(out, np64(x) @ w.T + np64(bias), 2e-3, "Q6K prefill")
+    out = poisoned((16, 37))
+    K.linear(x[:16], pw, out=out, decode_max_tokens=0)
+    check(out, np64(x[:16]) @ w.T, 2e-3, "Q6K skinny default config")
+
+
+def test_embedding_and_stacks_q6k(rng, monkeypatch):
+    pw, w = make_q6k(rng, 11, 512, monkeypatch, extreme=True)
+    ids = torch.tensor([3, 0, 10, 3, 7], dtype=torch.int32, device=DEV)
+    out = K.embedding(ids, pw, out=poisoned((5, 512), torch.float32))
+    ref = w[[3, 0, 10, 3, 7]]
+    assert (np.abs(np64(out) - ref) <= 1e-6 * np.abs(ref).max(axis=1, keepdims=True)).all()
+    # a Q4_K_M file's q, k (Q4K) with v (Q6K): one common layout, values as the converted parts
+    q, wq = make_q4k(rng, 16, 512, monkeypatch)
+    v, wv = make_q6k(rng, 8, 512, monkeypatch)
+    mixed = K.unify_formats([q, v])
+    assert {p.fmt for p in mixed} == {"Q6M"}
+    got = np64(K.dequantize(K.concat_packed(mixed)))
+    ref = np.concatenate([wq, wv])
     assert np.abs(got - ref).max() <= 2.0 ** -10 * np.abs(ref).max()

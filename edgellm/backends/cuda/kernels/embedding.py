@@ -27,15 +27,19 @@ def _embedding_kernel(ids_ptr, q_ptr, d_ptr, m_ptr, out_ptr, stride_o, V, D, str
     elif FMT == 3:
         q = tl.load(q_ptr + tok * stride_q + c, mask=mask, other=0).to(tl.float32)
         v = q * tl.load(d_ptr + tok * stride_d + c // 32, mask=mask, other=0.0).to(tl.float32)
-    elif FMT == 4 or FMT == 5:  # Q6/Q6M (packing.py): nibbles as Q4, the top two bits after the row's nibbles
+    elif FMT == 4 or FMT == 5 or FMT == 7:  # Q6/Q6M/Q6K (packing.py): nibbles as Q4, the top two bits after
         e = c % 32
         row = q_ptr + tok * stride_q
         byte = tl.load(row + (c // 32) * 16 + e % 16, mask=mask, other=0)
         nib = tl.where(e < 16, byte & 15, byte >> 4)
         top = tl.load(row + (D // 32) * 16 + (c // 32) * 8 + (e // 16) * 4 + e % 4, mask=mask, other=0)
         top = (top >> (2 * ((e % 16) // 4)).to(tl.uint8)) & 3
-        v = ((nib | (top << 4)).to(tl.float32) - 32.0) * \
-            tl.load(d_ptr + tok * stride_d + c // 16, mask=mask, other=0.0).to(tl.float32)
+        if FMT == 7:  # Q6K: the int8 scale code times the super-block's D
+            dk = tl.load(d_ptr + tok * stride_d + c // 16, mask=mask, other=0).to(tl.float32) * \
+                tl.load(m_ptr + tok * (stride_d // 16) + c // 256, mask=mask, other=0.0).to(tl.float32)
+        else:
+            dk = tl.load(d_ptr + tok * stride_d + c // 16, mask=mask, other=0.0).to(tl.float32)
+        v = ((nib | (top << 4)).to(tl.float32) - 32.0) * dk
         if FMT == 5:
             v += tl.load(m_ptr + tok * stride_d + c // 16, mask=mask, other=0.0).to(tl.float32)
     else:

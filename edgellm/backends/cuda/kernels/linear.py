@@ -50,7 +50,7 @@ from .norm import NormTail, norm_tail_epilogue
 from .packing import PackedWeight
 from .rope import RopeStore, rope_cos_sin
 
-_FMT_CODE = {"F16": 0, "Q4_0": 1, "Q4_1": 2, "Q8_0": 3, "Q6": 4, "Q6M": 5, "Q4K": 6}
+_FMT_CODE = {"F16": 0, "Q4_0": 1, "Q4_1": 2, "Q8_0": 3, "Q6": 4, "Q6M": 5, "Q4K": 6, "Q6K": 7}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,6 +106,22 @@ def _q4k_scales(c_ptr, p_ptr, rows64, kb, mask, stride_c, MASKED: tl.constexpr):
     dd = (pair & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     dm = ((pair >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     return dd * (code & 63).to(tl.float32), -(dm * ((code >> 8) & 63).to(tl.float32))
+
+
+@jit
+def _q6_scales(d_ptr, m_ptr, rows64, kb, mask, stride_d, FMT: tl.constexpr, MASKED: tl.constexpr):
+    """The two per-16 scales (float32) of blocks kb of rows rows64 in a six-bit layout: Q6/Q6M's
+    fp16 pair (one 4-byte load); Q6K's two int8 scale codes (one 2-byte load) times the super-block's
+    D (fp32, row stride stride_d / 16), in fp32 as llama.cpp forms them."""
+    if FMT == 7:
+        pair = _ld(d_ptr.to(tl.pointer_type(tl.int16)) + rows64 * (stride_d // 2) + kb, mask, MASKED, True)
+        pair = pair.to(tl.int32)
+        dd = _ld(m_ptr + rows64 * (stride_d // 16) + kb // 8, mask, MASKED, True).to(tl.float32)
+        d_lo = dd * ((pair << 24) >> 24).to(tl.float32)
+        d_hi = dd * (pair >> 8).to(tl.float32)
+    else:
+        d_lo, d_hi = _ld_pair(d_ptr + rows64 * stride_d + kb * 2, mask, MASKED)
+    return d_lo, d_hi
 
 
 @jit
@@ -182,7 +198,7 @@ def _q6_words(q_ptr, rows64, kb, mask2, stride_q, n_blocks, MASKED: tl.constexpr
 
 @jit
 def _q6_part(q_ptr, d_ptr, m_ptr, rows64, rmask, kb, kmask, xrow, xs_lo, xs_hi, stride_q, stride_d, n_blocks,
-             HAS_MIN: tl.constexpr, MASKED: tl.constexpr, USE_ASM: tl.constexpr):
+             FMT: tl.constexpr, MASKED: tl.constexpr, USE_ASM: tl.constexpr):
     # the Q4 float trick with 6-bit codes: code q of byte i moved under the exponent of 1.0 gives the
     # float 1 + q/64 (one shift, one lop3); per half, sum((q - 32) x) = 64 (sum((1 + q/64) x) - 1.5 sum(x))
     mask2 = kmask[:, None] & rmask[None, :]
@@ -204,9 +220,9 @@ def _q6_part(q_ptr, d_ptr, m_ptr, rows64, rmask, kb, kmask, xrow, xs_lo, xs_hi, 
         acc_hi += fb * _ld(xp + 16, kmask[:, None], MASKED).to(tl.float32)[:, None, :]
     s_lo = tl.sum(acc_lo, axis=2)
     s_hi = tl.sum(acc_hi, axis=2)
-    d_lo, d_hi = _ld_pair(d_ptr + rows64[None, :] * stride_d + kb[:, None] * 2, mask2, MASKED)
+    d_lo, d_hi = _q6_scales(d_ptr, m_ptr, rows64[None, :], kb[:, None], mask2, stride_d, FMT, MASKED)
     r = (64.0 * d_lo) * (s_lo - 1.5 * xs_lo[:, None]) + (64.0 * d_hi) * (s_hi - 1.5 * xs_hi[:, None])
-    if HAS_MIN:
+    if FMT == 5:
         m_lo, m_hi = _ld_pair(m_ptr + rows64[None, :] * stride_d + kb[:, None] * 2, mask2, MASKED)
         r += m_lo * xs_lo[:, None] + m_hi * xs_hi[:, None]
     return r
@@ -275,17 +291,17 @@ def _gemv_kernel(x_ptr, stride_xm,
             acc_a += _q8_part(a_q, a_d, rows64, rmask, kb, kmask, x, stride_q, stride_d, MASKED)
             if GLU:
                 acc_b += _q8_part(b_q, b_d, rows64, rmask, kb, kmask, x, stride_q, stride_d, MASKED)
-        elif FMT == 4 or FMT == 5:
+        elif FMT == 4 or FMT == 5 or FMT == 7:
             kb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
             kmask = kb < n_blocks
             xo = kb[:, None] * 32 + tl.arange(0, 16)[None, :]
             xs_lo = tl.sum(_ld(xrow + xo, kmask[:, None], MASKED).to(tl.float32), axis=1)
             xs_hi = tl.sum(_ld(xrow + xo + 16, kmask[:, None], MASKED).to(tl.float32), axis=1)
             acc_a += _q6_part(a_q, a_d, a_m, rows64, rmask, kb, kmask, xrow, xs_lo, xs_hi, stride_q, stride_d,
-                              n_blocks, FMT == 5, MASKED, USE_ASM)
+                              n_blocks, FMT, MASKED, USE_ASM)
             if GLU:
                 acc_b += _q6_part(b_q, b_d, b_m, rows64, rmask, kb, kmask, xrow, xs_lo, xs_hi, stride_q, stride_d,
-                                  n_blocks, FMT == 5, MASKED, USE_ASM)
+                                  n_blocks, FMT, MASKED, USE_ASM)
         else:
             kb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
             kmask = kb < n_blocks
@@ -449,15 +465,15 @@ def _q4_part_i8(q_ptr, d_ptr, m_ptr, rows64, rmask, kb, kmask, xlo, xhi, xdb, xs
 
 @jit
 def _q6_part_i8(q_ptr, d_ptr, m_ptr, rows64, rmask, kb, kmask, xlo, xhi, xdb, isum_lo, isum_hi, stride_q, stride_d,
-                n_blocks, HAS_MIN: tl.constexpr, USE_ASM: tl.constexpr, MASKED: tl.constexpr):
+                n_blocks, FMT: tl.constexpr, USE_ASM: tl.constexpr, MASKED: tl.constexpr):
     # per half (16 elements, one scale): s * xd * (sum(q * xq) - 32 sum(xq)), integer inside the half
     mask2 = kmask[:, None] & rmask[None, :]
     a, b = _q6_words(q_ptr, rows64, kb, mask2, stride_q, n_blocks, MASKED, True)
     dot_lo = tl.sum(dp4a(a, xlo[:, None, :], USE_ASM), axis=2) - 32 * isum_lo[:, None]
     dot_hi = tl.sum(dp4a(b, xhi[:, None, :], USE_ASM), axis=2) - 32 * isum_hi[:, None]
-    d_lo, d_hi = _ld_pair(d_ptr + rows64[None, :] * stride_d + kb[:, None] * 2, mask2, MASKED)
+    d_lo, d_hi = _q6_scales(d_ptr, m_ptr, rows64[None, :], kb[:, None], mask2, stride_d, FMT, MASKED)
     r = d_lo * dot_lo.to(tl.float32) + d_hi * dot_hi.to(tl.float32)
-    if HAS_MIN:
+    if FMT == 5:
         m_lo, m_hi = _ld_pair(m_ptr + rows64[None, :] * stride_d + kb[:, None] * 2, mask2, MASKED)
         r += m_lo * isum_lo[:, None].to(tl.float32) + m_hi * isum_hi[:, None].to(tl.float32)
     return r * xdb[:, None]
@@ -499,7 +515,7 @@ def _gemv_i8_kernel(xq_ptr, xd_ptr, xs_ptr,
             acc_a += _q8_part_i8(a_q, a_d, rows64, rmask, kb, kmask, xw, xdb, stride_q, stride_d, USE_ASM, MASKED)
             if GLU:
                 acc_b += _q8_part_i8(b_q, b_d, rows64, rmask, kb, kmask, xw, xdb, stride_q, stride_d, USE_ASM, MASKED)
-        elif FMT == 4 or FMT == 5:
+        elif FMT == 4 or FMT == 5 or FMT == 7:
             xp = xrow + kb[:, None] * 8 + tl.arange(0, 4)[None, :]
             xlo = _ld(xp, kmask[:, None], MASKED)
             xhi = _ld(xp + 4, kmask[:, None], MASKED)
@@ -507,10 +523,10 @@ def _gemv_i8_kernel(xq_ptr, xd_ptr, xs_ptr,
             isum_lo = tl.sum(dp4a(xlo, ones, USE_ASM), axis=1)  # per-half sums of the int8 codes of x
             isum_hi = tl.sum(dp4a(xhi, ones, USE_ASM), axis=1)
             acc_a += _q6_part_i8(a_q, a_d, a_m, rows64, rmask, kb, kmask, xlo, xhi, xdb, isum_lo, isum_hi, stride_q,
-                                 stride_d, n_blocks, FMT == 5, USE_ASM, MASKED)
+                                 stride_d, n_blocks, FMT, USE_ASM, MASKED)
             if GLU:
                 acc_b += _q6_part_i8(b_q, b_d, b_m, rows64, rmask, kb, kmask, xlo, xhi, xdb, isum_lo, isum_hi,
-                                     stride_q, stride_d, n_blocks, FMT == 5, USE_ASM, MASKED)
+                                     stride_q, stride_d, n_blocks, FMT, USE_ASM, MASKED)
         else:
             xsb = _ld(xs_ptr + srow + kb, kmask, MASKED)
             xp = xrow + kb[:, None] * 8 + tl.arange(0, 4)[None, :]
@@ -625,8 +641,8 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
                 km = k < K
                 xt = tl.load(xcol + k[:, None], mask=km[:, None] & mmask[None, :], other=0.0)
                 acc = _mma(w, xt.to(tl.float16), acc, WEIGHT_B)
-            elif FMT == 4 or FMT == 5:
-                # Q6/Q6M: the nibbles as Q4, each element's top two bits from its half's byte
+            elif FMT == 4 or FMT == 5 or FMT == 7:
+                # Q6/Q6M/Q6K: the nibbles as Q4, each element's top two bits from its half's byte
                 # 4h + (j % 4), bits 2 (j // 4) (see packing.py); per-16 scales d[2b], d[2b + 1]
                 j = tl.arange(0, 16)
                 rowp = w_q + rn64[:, None, None] * stride_q
@@ -648,8 +664,13 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
                 # the per-16 scales (and minimums) of the tile's blocks as one contiguous [rows, 2 * blocks]
                 # load (copied ahead like the quants), split into each block's first and second half
                 pair = (kb * 2)[None, :, None] + tl.arange(0, 2)[None, None, :]
-                d_lo, d_hi = tl.split(tl.load(w_d + rn64[:, None, None] * stride_d + pair, mask=wm[:, :, None],
-                                              other=0.0).to(tl.float16))
+                if FMT == 7:  # Q6K: the int8 codes times the super-block's D, rounded to fp16 here
+                    d_lo, d_hi = _q6_scales(w_d, w_m, rn64[:, None], kb[None, :], wm, stride_d, FMT, True)
+                    d_lo = d_lo.to(tl.float16)
+                    d_hi = d_hi.to(tl.float16)
+                else:
+                    d_lo, d_hi = tl.split(tl.load(w_d + rn64[:, None, None] * stride_d + pair, mask=wm[:, :, None],
+                                                  other=0.0).to(tl.float16))
                 lo = (lo - 1056.0) * d_lo[:, :, None]
                 hi = (hi - 1056.0) * d_hi[:, :, None]
                 if FMT == 5:
@@ -807,7 +828,7 @@ def _launch_gemv(x, wa, wb, b_offset, bias, out, glu, act_int8, xq, config, rope
                               BLOCK_N=bn, BLOCK_K=bk, USE_ASM=USE_DP4A, MASKED=masked, num_warps=cfg["num_warps"], **rope_ce, **norm_ce,
                               **pf_ce, **pdl())
         return
-    words = fmt in ("Q4_0", "Q4_1", "Q6", "Q6M", "Q4K")
+    words = fmt in ("Q4_0", "Q4_1", "Q6", "Q6M", "Q4K", "Q6K")
     a = _weight_args(wa, out, 0, int_words=words)
     b = _weight_args(wb, out, b_offset, int_words=words) if glu else a
     stride_q = a[0].stride(0)

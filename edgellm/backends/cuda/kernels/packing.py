@@ -14,8 +14,13 @@ Layouts (all row-major, one row per output feature, `nb = in / 32` blocks per ro
         Q4_K in its own terms: the nibbles as in Q4_0, d holds each 32-element sub-block's 6-bit scale
         sc (bits 0..5) and 6-bit minimum mn (bits 8..13), m each 256-element super-block's fp16 D and
         DMIN, one (D, DMIN) pair per 8 blocks (4.625 bits per weight; the kernels multiply in fp32,
-        as llama.cpp does). Made from Q4_K when EDGELLM_Q4K=native (see q4k_layout); not yet the
-        default: the H100 has not measured it against the Q4_1 conversion below.
+        as llama.cpp does).
+  Q6K   qs uint8 [out, nb * 24] as Q6  d int8 [out, in/16]  m fp32 [out, in/256]  value = (q - 32) * D * sc
+        Q6_K in its own terms: the codes as Q6 stores them, each 16 elements' int8 scale sc as stored,
+        each 256-element super-block's fp16 D held as fp32 (exactly; a 4-byte load the prefill
+        tile's pipeliner copies ahead, a 2-byte one it would not): 6.625 bits per weight.
+  Q4K and Q6K are made from Q4_K and Q6_K when EDGELLM_KQUANTS=native (see kquant_layout); not yet
+  the default: the H100 has not measured them against the conversions below.
 Two GGML types are converted into these layouts rather than given their own:
   Q5_0 -> Q8_0 exactly (q - 16 fits in int8, same fp16 scale per 32);
   Q4_K -> Q4_1: each 32-element sub-block gets d = super-block d * 6-bit scale and m = -dmin * 6-bit
@@ -64,7 +69,7 @@ from ....errors import TensorShapeError
 _BLOCK = {"F16": (1, 2), "BF16": (1, 2), "F32": (1, 4), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34),
           "Q5_0": (32, 22), "Q4_K": (256, 144), "Q5_1": (32, 24), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 SUPPORTED_FORMATS = frozenset(_BLOCK)
-PACKED_FORMATS = ("F16", "Q4_0", "Q4_1", "Q8_0", "Q6", "Q6M", "Q4K")  # what PackedWeight.fmt can be after repacking
+PACKED_FORMATS = ("F16", "Q4_0", "Q4_1", "Q8_0", "Q6", "Q6M", "Q4K", "Q6K")  # what PackedWeight.fmt can be after repacking
 _SIX_BIT = ("Q6_K", "Q5_K", "Q5_1")  # GGML types repacked into Q6 / Q6M
 # six-bit repacking decodes a slab of this many weights at a time (a few bytes of temporaries each)
 _REPACK_SLAB_ELEMENTS = 16 << 20
@@ -186,7 +191,9 @@ def repack(raw, fmt: str, shape, device=None) -> PackedWeight:
         raise TensorShapeError(f"{fmt} weight {(n_out, n_in)}: raw data is {raw.dtype} {tuple(raw.shape)}, "
                                f"expected uint8 {(n_out, row_bytes)}")
     if fmt == "Q4_K":
-        return _repack_q4_k(raw, n_out, n_in, native=q4k_layout() == "native")
+        return _repack_q4_k(raw, n_out, n_in, native=kquant_layout() == "native")
+    if fmt == "Q6_K" and kquant_layout() == "native":
+        return _repack_q6_k_native(raw, n_out, n_in)
     if fmt in _SIX_BIT:
         return _repack_six_bit(raw, fmt, n_out, n_in)
     nb = n_in // 32
@@ -213,13 +220,14 @@ def repack(raw, fmt: str, shape, device=None) -> PackedWeight:
     return PackedWeight("Q4_1", (n_out, n_in), qs=qs, d=f16(0), m=f16(2))
 
 
-def q4k_layout() -> str:
-    """How Q4_K weights are laid out for the kernels: "q4_1" (default; each sub-block's scale and
-    minimum multiplied out and rounded to fp16) or "native" (the Q4K layout: the 6-bit codes and the
-    super-block's fp16 pair, as stored), from EDGELLM_Q4K."""
-    mode = os.environ.get("EDGELLM_Q4K", "q4_1").strip().lower()
-    if mode not in ("q4_1", "native"):
-        raise ValueError(f"EDGELLM_Q4K={mode!r}: expected 'q4_1' or 'native'")
+def kquant_layout() -> str:
+    """How Q4_K and Q6_K weights are laid out for the kernels, from EDGELLM_KQUANTS: "converted"
+    (default: Q4_K as Q4_1, Q6_K as Q6, each sub-block's scale (and minimum) multiplied out and
+    rounded to fp16) or "native" (the Q4K and Q6K layouts: the scales' codes and the super-block's
+    fp16 fields as stored)."""
+    mode = os.environ.get("EDGELLM_KQUANTS", "converted").strip().lower()
+    if mode not in ("converted", "native"):
+        raise ValueError(f"EDGELLM_KQUANTS={mode!r}: expected 'converted' or 'native'")
     return mode
 
 
@@ -339,12 +347,41 @@ def _repack_six_bit(raw: torch.Tensor, fmt: str, n_out: int, n_in: int) -> Packe
                         source_fmt=fmt)
 
 
+def _repack_q6_k_native(raw: torch.Tensor, n_out: int, n_in: int) -> PackedWeight:
+    """Q6_K rows -> the Q6K layout: the codes packed as Q6, the int8 scales and fp16 D as stored."""
+    nsb = n_in // 256
+    rows = max(1, _REPACK_SLAB_ELEMENTS // n_in)
+    qs, scs = [], []
+    for r0 in range(0, n_out, rows):
+        slab = raw[r0:r0 + rows].contiguous()
+        r = slab.shape[0]
+        blocks = slab.reshape(r * nsb, 210)
+        q, _, _ = _six_bit_codes(blocks, "Q6_K")
+        qs.append(_pack_q6_codes(q.reshape(r, n_in)))
+        scs.append(blocks[:, 192:208].contiguous().view(torch.int8).reshape(r, n_in // 16))
+    blocks = raw.contiguous().reshape(n_out * nsb, 210)
+    dd = blocks[:, 208:210].contiguous().view(torch.float16).reshape(n_out, nsb).float()
+    cat = (lambda t: t[0] if len(t) == 1 else torch.cat(t, 0))
+    return PackedWeight("Q6K", (n_out, n_in), qs=cat(qs), d=cat(scs).contiguous(), m=dd.contiguous(), source_fmt="Q6_K")
+
+
+def q6k_scales(w: PackedWeight) -> torch.Tensor:
+    """A Q6K weight's per-16 scale (float32 [out, in / 16]): D * sc."""
+    return w.m.float().repeat_interleave(16, dim=1) * w.d.float()
+
+
+def q6k_as_q6(w: PackedWeight) -> PackedWeight:
+    """A Q6K weight in the Q6 layout, each scale rounded to fp16 (as the default Q6_K -> Q6 repack)."""
+    return PackedWeight("Q6", w.shape, qs=w.qs, d=_checked_f16(q6k_scales(w), f"Q6_K weight {w.shape}: a scale"),
+                        source_fmt=w.source_fmt)
+
+
 def _codes_of(w: PackedWeight) -> torch.Tensor:
     """The integer codes of a quantized PackedWeight, [out, in] int16, element order."""
     n_out, n_in = w.shape
     if w.fmt == "Q8_0":
         return w.qs.to(torch.int16)
-    if w.fmt in ("Q6", "Q6M"):
+    if w.fmt in ("Q6", "Q6M", "Q6K"):
         return _unpack_q6_codes(w.qs, n_in).to(torch.int16)
     q = w.qs.reshape(n_out, n_in // 32, 16)
     return torch.cat([q & 15, q >> 4], dim=2).reshape(n_out, n_in).to(torch.int16)
@@ -409,7 +446,7 @@ def unify_formats(parts: list[PackedWeight]) -> list[PackedWeight]:
     else F16 (values rounded to fp16)."""
     if len({p.fmt for p in parts}) <= 1:
         return list(parts)
-    parts = [q4k_as_q4_1(p) if p.fmt == "Q4K" else p for p in parts]
+    parts = [q4k_as_q4_1(p) if p.fmt == "Q4K" else q6k_as_q6(p) if p.fmt == "Q6K" else p for p in parts]
     if len({p.fmt for p in parts}) <= 1:
         return parts
     for fmt in _STACK_LAYOUTS:
@@ -461,10 +498,11 @@ def dequantize(w: PackedWeight, dtype=torch.float32) -> torch.Tensor:
     n_out, n_in = w.shape
     if w.fmt == "F16":
         return w.qs.to(dtype)
-    if w.fmt in ("Q6", "Q6M"):
+    if w.fmt in ("Q6", "Q6M", "Q6K"):
         q = _unpack_q6_codes(w.qs, n_in).float().reshape(n_out, n_in // 16, 16)
-        v = (q - 32) * w.d.float().reshape(n_out, n_in // 16, 1)
-        if w.m is not None:
+        d = q6k_scales(w) if w.fmt == "Q6K" else w.d.float()
+        v = (q - 32) * d.reshape(n_out, n_in // 16, 1)
+        if w.fmt == "Q6M":
             v = v + w.m.float().reshape(n_out, n_in // 16, 1)
         return v.reshape(n_out, n_in).to(dtype)
     if w.fmt == "Q4K":
