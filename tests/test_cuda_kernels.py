@@ -1091,148 +1091,60 @@ def test_prefill_gemm_copies_every_weight_load_ahead(tmp_path):
             f"{f.name}: quants loaded in place"
 
 
-# ------------------------------------------------------------------------ Q4_K in its own terms (Q4K)
+# ------------------------------------------------ Q4_K and Q6_K in their own terms (the Q4K, Q6K layouts)
 
-def make_q4k(rng, n_out, n_in, monkeypatch, extreme=False):
-    """A Q4_K weight from edgellm's quantizer, repacked into the Q4K layout (EDGELLM_KQUANTS=native),
-    with gguf-py's dequantization as the float64 reference. extreme: rows scaled by 1e-4 .. 1e3,
-    so that super-block scales and minimums span fp16's range."""
+_KQ_SOURCE = {"Q4K": "Q4_K", "Q6K": "Q6_K"}
+
+
+def make_kquant(fmt, rng, n_out, n_in, monkeypatch, extreme=False):
+    """A Q4_K or Q6_K weight from edgellm's quantizer, repacked into the Q4K / Q6K layout
+    (EDGELLM_KQUANTS=native), with gguf-py's dequantization as the float64 reference. extreme: rows
+    scaled by 1e-4 .. 1e3, so that super-block scales (and minimums) span fp16's range; Q4_K rows
+    are moved off centre so that their minimums matter."""
     from edgellm.quant import quantize as eq_quantize
 
+    src = _KQ_SOURCE[fmt]
     w = rng.standard_normal((n_out, n_in)).astype(np.float32)
     w *= (10.0 ** rng.uniform(-4, 3, (n_out, 1)) if extreme else rng.uniform(0.01, 3, (n_out, 1))).astype(np.float32)
-    w += rng.uniform(-1, 1, (n_out, 1)).astype(np.float32) * np.abs(w).max(axis=1, keepdims=True)  # off-centre rows
-    raw = eq_quantize(w, "Q4_K")
-    ref = gg_dequantize(raw, GGMLQuantizationType.Q4_K).astype(np.float64)
+    if src == "Q4_K":
+        w += rng.uniform(-1, 1, (n_out, 1)).astype(np.float32) * np.abs(w).max(axis=1, keepdims=True)
+    raw = eq_quantize(w, src)
+    ref = gg_dequantize(raw, GGMLQuantizationType[src]).astype(np.float64)
     monkeypatch.setenv("EDGELLM_KQUANTS", "native")
-    pw = K.repack(raw, "Q4_K", (n_out, n_in), device=DEV)
+    pw = K.repack(raw, src, (n_out, n_in), device=DEV)
     monkeypatch.delenv("EDGELLM_KQUANTS")
     return pw, ref
 
 
+@pytest.mark.parametrize("fmt", ["Q4K", "Q6K"])
 @pytest.mark.parametrize("extreme", [False, True])
-def test_repack_q4k_native_holds_q4_k_exactly(rng, monkeypatch, extreme):
-    """The Q4K layout keeps Q4_K's codes and super-block pairs as stored: its values are gguf-py's
-    (the same fp32 products, no fp16 rounding of the sub-block scales), at 4.625 bits per weight;
-    the default still converts to Q4_1."""
-    pw, ref = make_q4k(rng, 6, 768, monkeypatch, extreme)
-    assert pw.fmt == "Q4K" and pw.source_fmt == "Q4_K"
-    assert pw.nbytes * 8 == 6 * 768 * 4.625
-    got = np64(K.dequantize(pw))
-    scale = np.abs(ref).max(axis=1, keepdims=True)
-    assert (np.abs(got - ref) <= 1e-6 * scale).all()
-    from edgellm.quant import quantize as eq_quantize
-    assert K.repack(eq_quantize(ref.astype(np.float32), "Q4_K"), "Q4_K", (6, 768), device=DEV).fmt == "Q4_1"
-    with pytest.raises(ValueError, match="EDGELLM_KQUANTS"):
-        monkeypatch.setenv("EDGELLM_KQUANTS", "q4k-please")
-        K.repack(eq_quantize(ref.astype(np.float32), "Q4_K"), "Q4_K", (6, 768), device=DEV)
-
-
-@pytest.mark.parametrize("masked", [False, True])
-def test_linear_decode_q4k(rng, monkeypatch, masked):
-    """Every decode path on Q4K against the float64 product: float and int8 activations, 1 and 8
-    tokens, tiles that overhang the matrix (37 rows, a partial K tile) or cover it."""
-    n_out, n_in = (37, 768) if masked else (40, 512)
-    pw, w = make_q4k(rng, n_out, n_in, monkeypatch, extreme=masked)
-    bias = rand(rng, n_out, dtype=torch.float32)
-    cfg = dict(BLOCK_N=8, BLOCK_K=512, num_warps=4)
-    for T in (1, 8):
-        x = rand(rng, T, n_in)
-        for int8 in (False, True):
-            out = poisoned((T, n_out), torch.float32)  # the extreme rows' products pass fp16's range
-            K.linear(x, pw, bias=bias, out=out, act_int8=int8, config=cfg)
-            xr = _q8_act_ref(np64(x)) if int8 else np64(x)
-            check(out, xr @ w.T + np64(bias), 2e-3, f"Q4K decode T={T} int8={int8}")
-
-
-@pytest.mark.parametrize("fused,int8", [(True, False), (False, True)])
-def test_linear_silu_mul_decode_q4k(rng, monkeypatch, fused, int8):
-    wg, g = make_q4k(rng, 21, 512, monkeypatch)
-    wu, u = make_q4k(rng, 21, 512, monkeypatch)
-    x = rand(rng, 2, 512)
-    out = poisoned((2, 21))
-    cfg = dict(BLOCK_N=8, BLOCK_K=256, num_warps=4)
-    if fused:
-        K.linear_silu_mul(x, K.concat_packed([wg, wu]), out=out, act_int8=int8, config=cfg)
-    else:
-        K.linear_silu_mul(x, wg, wu, out=out, act_int8=int8, config=cfg)
-    xr = _q8_act_ref(np64(x)) if int8 else np64(x)
-    check(out, _silu(xr @ g.T) * (xr @ u.T), 3e-3, "Q4K gate/up decode")
-
-
-def test_linear_prefill_and_skinny_q4k(rng, monkeypatch):
-    """The tensor-core paths on Q4K (each sub-block's scale and minimum rounded to fp16 in the tile,
-    as the Q4_1 layout stores them): prefill tiles and the default configurations, and the skinny
-    product of a 16-row batched decode step."""
-    pw, w = make_q4k(rng, 37, 512, monkeypatch)
-    x = rand(rng, 19, 512)
-    bias = rand(rng, 37)
-    out = poisoned((19, 37))
-    K.linear(x, pw, bias=bias, out=out, config=GEMM_CFG)
-    check(out, np64(x) @ w.T + np64(bias), 2e-3, "Q4K prefill")
-    out = poisoned((16, 37))
-    K.linear(x[:16], pw, out=out, decode_max_tokens=0)  # default tiles: the skinny product
-    check(out, np64(x[:16]) @ w.T, 2e-3, "Q4K skinny default config")
-
-
-def test_embedding_q4k(rng, monkeypatch):
-    pw, w = make_q4k(rng, 11, 512, monkeypatch, extreme=True)
-    ids = torch.tensor([3, 0, 10, 3, 7], dtype=torch.int32, device=DEV)
-    out = K.embedding(ids, pw, out=poisoned((5, 512), torch.float32))
-    ref = w[[3, 0, 10, 3, 7]]
-    assert (np.abs(np64(out) - ref) <= 1e-6 * np.abs(ref).max(axis=1, keepdims=True)).all()
-
-
-def test_q4k_in_a_mixed_stack(rng, monkeypatch):
-    """Q4K parts stacked with a part in another format (a Q4_K_M file's q, k with a Q6_K v) take the
-    Q4_1 conversion first (fp16 scales, as the default repack), then the common layout; Q4K parts
-    alone stay Q4K."""
-    q, wq = make_q4k(rng, 16, 512, monkeypatch)
-    k, wk = make_q4k(rng, 8, 512, monkeypatch)
-    v, wv = make_q6(rng, 8, 512, False)
-    alone = K.unify_formats([q, k])
-    assert [p.fmt for p in alone] == ["Q4K", "Q4K"]
-    stack = K.concat_packed(alone)
-    assert (np.abs(np64(K.dequantize(stack)) - np.concatenate([wq, wk])) <= 1e-6 * np.abs(wq).max()).all()
-    mixed = K.unify_formats([q, k, v])
-    assert len({p.fmt for p in mixed}) == 1 and mixed[0].fmt == "Q6M"
-    got = np64(K.dequantize(K.concat_packed(mixed)))
-    ref = np.concatenate([wq, wk, wv])
-    assert np.abs(got - ref).max() <= 2.0 ** -10 * np.abs(ref).max()
-
-
-# ------------------------------------------------------------------------ Q6_K in its own terms (Q6K)
-
-def make_q6k(rng, n_out, n_in, monkeypatch, extreme=False):
-    """A Q6_K weight from edgellm's quantizer in the Q6K layout (EDGELLM_KQUANTS=native), with
-    gguf-py's dequantization as the float64 reference; extreme: rows scaled by 1e-4 .. 1e3."""
+def test_repack_kquants_native_hold_the_file_exactly(rng, monkeypatch, fmt, extreme):
+    """The Q4K and Q6K layouts keep the K-quant's codes and super-block fields as stored: their
+    values are gguf-py's (the same fp32 products, no fp16 rounding of the sub-block scales), at 4.625
+    and 6.625 bits per weight; by default the file's blocks are still converted (Q4_1, Q6)."""
     from edgellm.quant import quantize as eq_quantize
 
-    w = rng.standard_normal((n_out, n_in)).astype(np.float32)
-    w *= (10.0 ** rng.uniform(-4, 3, (n_out, 1)) if extreme else rng.uniform(0.01, 3, (n_out, 1))).astype(np.float32)
-    raw = eq_quantize(w, "Q6_K")
-    ref = gg_dequantize(raw, GGMLQuantizationType.Q6_K).astype(np.float64)
-    monkeypatch.setenv("EDGELLM_KQUANTS", "native")
-    pw = K.repack(raw, "Q6_K", (n_out, n_in), device=DEV)
-    monkeypatch.delenv("EDGELLM_KQUANTS")
-    return pw, ref
-
-
-@pytest.mark.parametrize("extreme", [False, True])
-def test_repack_q6k_native_holds_q6_k_exactly(rng, monkeypatch, extreme):
-    pw, ref = make_q6k(rng, 6, 768, monkeypatch, extreme)
-    assert pw.fmt == "Q6K" and pw.source_fmt == "Q6_K"
-    assert pw.nbytes * 8 == 6 * 768 * 6.625
+    pw, ref = make_kquant(fmt, rng, 6, 768, monkeypatch, extreme)
+    assert pw.fmt == fmt and pw.source_fmt == _KQ_SOURCE[fmt]
+    assert pw.nbytes * 8 == 6 * 768 * {"Q4K": 4.625, "Q6K": 6.625}[fmt]
     got = np64(K.dequantize(pw))
     assert (np.abs(got - ref) <= 1e-6 * np.abs(ref).max(axis=1, keepdims=True)).all()
-    from edgellm.quant import quantize as eq_quantize
-    assert K.repack(eq_quantize(ref.astype(np.float32), "Q6_K"), "Q6_K", (6, 768), device=DEV).fmt == "Q6"
+    raw = eq_quantize(ref.astype(np.float32), _KQ_SOURCE[fmt])
+    assert K.repack(raw, _KQ_SOURCE[fmt], (6, 768), device=DEV).fmt == {"Q4K": "Q4_1", "Q6K": "Q6"}[fmt]
+    monkeypatch.setenv("EDGELLM_KQUANTS", "q4k-please")
+    with pytest.raises(ValueError, match="EDGELLM_KQUANTS"):
+        K.repack(raw, _KQ_SOURCE[fmt], (6, 768), device=DEV)
 
 
+
+@pytest.mark.parametrize("fmt", ["Q4K", "Q6K"])
 @pytest.mark.parametrize("masked", [False, True])
-def test_linear_decode_q6k(rng, monkeypatch, masked):
+def test_linear_decode_kquants_native(rng, monkeypatch, fmt, masked):
+    """Every decode path on Q4K and Q6K against the float64 product: float and int8 activations, 1
+    and 8 tokens, tiles that overhang the matrix (37 rows, a partial K tile) or cover it, rows of
+    extreme scales (float32 output: their products pass fp16's range)."""
     n_out, n_in = (37, 768) if masked else (40, 512)
-    pw, w = make_q6k(rng, n_out, n_in, monkeypatch, extreme=masked)
+    pw, w = make_kquant(fmt, rng, n_out, n_in, monkeypatch, extreme=masked)
     bias = rand(rng, n_out, dtype=torch.float32)
     cfg = dict(BLOCK_N=8, BLOCK_K=512, num_warps=4)
     for T in (1, 8):
@@ -1241,13 +1153,14 @@ def test_linear_decode_q6k(rng, monkeypatch, masked):
             out = poisoned((T, n_out), torch.float32)
             K.linear(x, pw, bias=bias, out=out, act_int8=int8, config=cfg)
             xr = _q8_act_ref(np64(x)) if int8 else np64(x)
-            check(out, xr @ w.T + np64(bias), 2e-3, f"Q6K decode T={T} int8={int8}")
+            check(out, xr @ w.T + np64(bias), 2e-3, f"{fmt} decode T={T} int8={int8}")
 
 
-@pytest.mark.parametrize("fused,int8", [(True, False), (False, True)])
-def test_linear_silu_mul_decode_q6k(rng, monkeypatch, fused, int8):
-    wg, g = make_q6k(rng, 21, 512, monkeypatch)
-    wu, u = make_q6k(rng, 21, 512, monkeypatch)
+@pytest.mark.parametrize("fmt,fused,int8", [("Q4K", True, False), ("Q4K", False, True), ("Q6K", True, False),
+                                            ("Q6K", False, True)])
+def test_linear_silu_mul_decode_kquants_native(rng, monkeypatch, fmt, fused, int8):
+    wg, g = make_kquant(fmt, rng, 21, 512, monkeypatch)
+    wu, u = make_kquant(fmt, rng, 21, 512, monkeypatch)
     x = rand(rng, 2, 512)
     out = poisoned((2, 21))
     cfg = dict(BLOCK_N=4, BLOCK_K=256, num_warps=4)
@@ -1256,32 +1169,47 @@ def test_linear_silu_mul_decode_q6k(rng, monkeypatch, fused, int8):
     else:
         K.linear_silu_mul(x, wg, wu, out=out, act_int8=int8, config=cfg)
     xr = _q8_act_ref(np64(x)) if int8 else np64(x)
-    check(out, _silu(xr @ g.T) * (xr @ u.T), 3e-3, "Q6K gate/up decode")
+    check(out, _silu(xr @ g.T) * (xr @ u.T), 3e-3, f"{fmt} gate/up decode")
 
 
-def test_linear_prefill_and_skinny_q6k(rng, monkeypatch):
-    pw, w = make_q6k(rng, 37, 512, monkeypatch)
+@pytest.mark.parametrize("fmt", ["Q4K", "Q6K"])
+def test_linear_prefill_and_skinny_kquants_native(rng, monkeypatch, fmt):
+    """The tensor-core paths on Q4K and Q6K (each sub-block's scale (and minimum) rounded to fp16 in
+    the tile, as the converted layouts store them): prefill tiles and the default configurations,
+    and the skinny product of a 16-row batched decode step."""
+    pw, w = make_kquant(fmt, rng, 37, 512, monkeypatch)
     x = rand(rng, 19, 512)
     bias = rand(rng, 37)
     out = poisoned((19, 37))
     K.linear(x, pw, bias=bias, out=out, config=GEMM_CFG)
-    check(out, np64(x) @ w.T + np64(bias), 2e-3, "Q6K prefill")
+    check(out, np64(x) @ w.T + np64(bias), 2e-3, f"{fmt} prefill")
     out = poisoned((16, 37))
-    K.linear(x[:16], pw, out=out, decode_max_tokens=0)
-    check(out, np64(x[:16]) @ w.T, 2e-3, "Q6K skinny default config")
+    K.linear(x[:16], pw, out=out, decode_max_tokens=0)  # default tiles: the skinny product
+    check(out, np64(x[:16]) @ w.T, 2e-3, f"{fmt} skinny default config")
 
 
-def test_embedding_and_stacks_q6k(rng, monkeypatch):
-    pw, w = make_q6k(rng, 11, 512, monkeypatch, extreme=True)
+@pytest.mark.parametrize("fmt", ["Q4K", "Q6K"])
+def test_embedding_kquants_native(rng, monkeypatch, fmt):
+    pw, w = make_kquant(fmt, rng, 11, 512, monkeypatch, extreme=True)
     ids = torch.tensor([3, 0, 10, 3, 7], dtype=torch.int32, device=DEV)
     out = K.embedding(ids, pw, out=poisoned((5, 512), torch.float32))
     ref = w[[3, 0, 10, 3, 7]]
     assert (np.abs(np64(out) - ref) <= 1e-6 * np.abs(ref).max(axis=1, keepdims=True)).all()
-    # a Q4_K_M file's q, k (Q4K) with v (Q6K): one common layout, values as the converted parts
-    q, wq = make_q4k(rng, 16, 512, monkeypatch)
-    v, wv = make_q6k(rng, 8, 512, monkeypatch)
-    mixed = K.unify_formats([q, v])
-    assert {p.fmt for p in mixed} == {"Q6M"}
-    got = np64(K.dequantize(K.concat_packed(mixed)))
-    ref = np.concatenate([wq, wv])
-    assert np.abs(got - ref).max() <= 2.0 ** -10 * np.abs(ref).max()
+
+
+def test_kquants_native_in_mixed_stacks(rng, monkeypatch):
+    """Q4K or Q6K parts stacked with a part in another format (a Q4_K_M file's q, k with a Q6_K v)
+    take their converted layout first (fp16 scales, as the default repack), then the common one;
+    parts of one native layout alone stay in it."""
+    q, wq = make_kquant("Q4K", rng, 16, 512, monkeypatch)
+    k, wk = make_kquant("Q4K", rng, 8, 512, monkeypatch)
+    alone = K.unify_formats([q, k])
+    assert [p.fmt for p in alone] == ["Q4K", "Q4K"]
+    stack = K.concat_packed(alone)
+    assert (np.abs(np64(K.dequantize(stack)) - np.concatenate([wq, wk])) <= 1e-6 * np.abs(wq).max()).all()
+    for v, wv in (make_q6(rng, 8, 512, False), make_kquant("Q6K", rng, 8, 512, monkeypatch)):
+        mixed = K.unify_formats([q, k, v])
+        assert {p.fmt for p in mixed} == {"Q6M"}
+        got = np64(K.dequantize(K.concat_packed(mixed)))
+        ref = np.concatenate([wq, wk, wv])
+        assert np.abs(got - ref).max() <= 2.0 ** -10 * np.abs(ref).max()
