@@ -256,7 +256,8 @@ def residual_stream(graph: Graph) -> set[str]:
 # which only records their launches. An eager run of the step before the capture used to do that
 # loading outside it; on the H100 it cost about a quarter of a warm load's warm-up (0.48 -> 0.35-0.38 s
 # for the 135M shape, benchmarks/profile_warmup.py) and gave the same tokens. EDGELLM_EAGER_BEFORE_CAPTURE=1
-# runs it again.
+# runs it again; a program with collectives (tensor parallelism) always does, so that a communicator's
+# first use (which may set it up) is not inside a capture.
 _EAGER_BEFORE_CAPTURE = os.environ.get("EDGELLM_EAGER_BEFORE_CAPTURE", "0") == "1"
 
 
@@ -318,6 +319,8 @@ class CudaProgram:
         self._prepare_tuning()
         self._after_gemv = self._gemvs_after_gemvs()  # products that skip the L2 prefetch (see there)
         self._launches: list[Callable[[dict, int, int], None]] = [self._lower(op) for op in graph.ops]
+        # an eager run of a shape's first step before its capture (see _EAGER_BEFORE_CAPTURE)
+        self._eager_first = _EAGER_BEFORE_CAPTURE or any(op.kind in ("all_reduce", "all_gather") for op in graph.ops)
         # CUDA graphs: decode, one per context bucket; prefill, one per padded token count (see run)
         self._graphs: OrderedDict[tuple[int, int], torch.cuda.CUDAGraph] = OrderedDict()
         self._graph_envs: dict[int, dict] = {}
@@ -1129,7 +1132,7 @@ class CudaProgram:
                 # this bucket's step captured (see _EAGER_BEFORE_CAPTURE), then replayed below:
                 # the replay is the step (same token, same cache row as any eager run before it)
                 t0 = time.perf_counter()
-                if _EAGER_BEFORE_CAPTURE:
+                if self._eager_first:
                     self._launch_all(self._greedy_env, 1, ctx)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g):
@@ -1165,7 +1168,7 @@ class CudaProgram:
                 # and loaded during the capture, see _EAGER_BEFORE_CAPTURE); the replay below is the
                 # step itself. An eager run before it is harmless: the same KV rows get the same values.
                 t0 = time.perf_counter()
-                if _EAGER_BEFORE_CAPTURE:
+                if self._eager_first:
                     self._launch_all(env, padded, ctx)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g):
