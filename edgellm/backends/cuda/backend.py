@@ -2,8 +2,10 @@
 
 - Weights are repacked once at load into the layout each kernel reads (kernels/packing.py):
   F16/BF16/F32 as F16, Q4_0, Q4_1, Q8_0 as themselves, Q5_0 as Q8_0 (exact), Q4_K as Q4_1 (fp16
-  sub-block scales), Q6_K as Q6 and Q5_K, Q5_1 as Q6M (6-bit codes, fp16 scales per 16); the types
-  without a layout of their own (Q2_K, Q3_K, IQ*) are dequantized and stored as Q8_0.
+  sub-block scales), Q6_K as Q6 and Q5_K, Q5_1 as Q6M (6-bit codes, fp16 scales per 16); with
+  EDGELLM_KQUANTS=native, Q4_K and Q6_K as Q4K and Q6K instead (their scale codes and super-block
+  scales as stored; not yet measured on a GPU, so not the default); the types without a layout of
+  their own (Q2_K, Q3_K, IQ*) are dequantized and stored as Q8_0.
   Projections that a fused op reads together (q|k|v, gate|up) are concatenated at load, parts in
   different formats first converted to a common layout (packing.unify_formats: exact, Q6M for a
   Q4_K_M file's Q4_K q, k with its Q6_K v).

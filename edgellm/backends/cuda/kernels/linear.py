@@ -31,6 +31,12 @@ bytes to dp4a; both keep a sum per 16-element half, since each half has its own 
 minimum), and fold the offset 32 into per-half sums of x. Prefill dequantizes to fp16 as Q4 does
 (1024 + q, exact, minus 1056). compile_check: about 5 instructions per weight on the float path
 (Q4: 3.6) and 2.1 on the int8 path (Q4: 1.2), i.e. per byte read about what Q4 costs.
+
+The K-quants in their own terms (Q4K, Q6K; packing.py) take the Q4_1 and Q6 paths with the
+scales formed from codes: a block's scale (and minimum) is its 6-bit (Q6K: int8) code times the
+super-block's D (and DMIN), multiplied in fp32 per block and row (`_q4k_scales`, `_q6_scales`),
+where the converted layouts load an fp16 per block; the prefill tile rounds them to fp16 as the
+converted layouts store them.
 """
 
 from __future__ import annotations
