@@ -273,19 +273,25 @@ def _silu(v):
     return v / (1 + np.exp(-v))
 
 
+def check_silu_mul_decode(x, wg, g, wu, u, fused, int8, cfg, what):
+    """linear_silu_mul on gate and up weights (stacked with fused, else apart) against
+    silu(x g^T) * (x u^T) in float64, x as the int8 path quantizes it where int8."""
+    out = poisoned((x.shape[0], g.shape[0]))
+    if fused:
+        K.linear_silu_mul(x, K.concat_packed([wg, wu]), out=out, act_int8=int8, config=cfg)
+    else:
+        K.linear_silu_mul(x, wg, wu, out=out, act_int8=int8, config=cfg)
+    xr = _q8_act_ref(np64(x)) if int8 else np64(x)
+    check(out, _silu(xr @ g.T) * (xr @ u.T), 3e-3, f"{what} gate/up decode")
+
+
 @pytest.mark.parametrize("fmt,fused,int8", [("Q4_0", False, False), ("Q8_0", True, False),
                                             ("F16", False, False), ("Q4_1", True, True)])
 def test_linear_silu_mul_decode(rng, fmt, fused, int8):
     wg, g = make_weight(rng, fmt, 21, 96)
     wu, u = make_weight(rng, fmt, 21, 96)
     x = rand(rng, 1, 96)
-    out = poisoned((1, 21))
-    if fused:
-        K.linear_silu_mul(x, K.concat_packed([wg, wu]), out=out, act_int8=int8, config=GEMV_CFG)
-    else:
-        K.linear_silu_mul(x, wg, wu, out=out, act_int8=int8, config=GEMV_CFG)
-    xr = _q8_act_ref(np64(x)) if int8 else np64(x)
-    check(out, _silu(xr @ g.T) * (xr @ u.T), 3e-3, f"{fmt} gate/up decode")
+    check_silu_mul_decode(x, wg, g, wu, u, fused, int8, GEMV_CFG, fmt)
 
 
 def test_linear_silu_mul_prefill(rng):
@@ -932,13 +938,7 @@ def test_linear_silu_mul_decode_six_bit(rng, fmt, fused, int8):
     wg, g = make_q6(rng, 21, 96, fmt == "Q6M")
     wu, u = make_q6(rng, 21, 96, fmt == "Q6M")
     x = rand(rng, 2, 96)
-    out = poisoned((2, 21))
-    if fused:
-        K.linear_silu_mul(x, K.concat_packed([wg, wu]), out=out, act_int8=int8, config=GEMV_CFG)
-    else:
-        K.linear_silu_mul(x, wg, wu, out=out, act_int8=int8, config=GEMV_CFG)
-    xr = _q8_act_ref(np64(x)) if int8 else np64(x)
-    check(out, _silu(xr @ g.T) * (xr @ u.T), 3e-3, f"{fmt} gate/up decode")
+    check_silu_mul_decode(x, wg, g, wu, u, fused, int8, GEMV_CFG, fmt)
 
 
 @pytest.mark.parametrize("fmt", ["Q6", "Q6M"])
@@ -1162,14 +1162,7 @@ def test_linear_silu_mul_decode_kquants_native(rng, monkeypatch, fmt, fused, int
     wg, g = make_kquant(fmt, rng, 21, 512, monkeypatch)
     wu, u = make_kquant(fmt, rng, 21, 512, monkeypatch)
     x = rand(rng, 2, 512)
-    out = poisoned((2, 21))
-    cfg = dict(BLOCK_N=4, BLOCK_K=256, num_warps=4)
-    if fused:
-        K.linear_silu_mul(x, K.concat_packed([wg, wu]), out=out, act_int8=int8, config=cfg)
-    else:
-        K.linear_silu_mul(x, wg, wu, out=out, act_int8=int8, config=cfg)
-    xr = _q8_act_ref(np64(x)) if int8 else np64(x)
-    check(out, _silu(xr @ g.T) * (xr @ u.T), 3e-3, f"{fmt} gate/up decode")
+    check_silu_mul_decode(x, wg, g, wu, u, fused, int8, dict(BLOCK_N=4, BLOCK_K=256, num_warps=4), fmt)
 
 
 @pytest.mark.parametrize("fmt", ["Q4K", "Q6K"])
