@@ -115,6 +115,22 @@ def _q4k_scales(c_ptr, p_ptr, rows64, kb, mask, stride_c, MASKED: tl.constexpr):
 
 
 @jit
+def _q4_scales(d_ptr, m_ptr, rows64, kb, mask2, stride_d, FMT: tl.constexpr, MASKED: tl.constexpr):
+    """A decode GEMV's per-block scale and minimum (float32 [blocks, rows]) of a 4-bit layout:
+    Q4_0's fp16 scale (minimum: unused, returned as the scale), Q4_1's fp16 pair of arrays, Q4K's
+    codes and super-block pairs (_q4k_scales)."""
+    if FMT == 6:
+        d, mn = _q4k_scales(d_ptr, m_ptr, rows64[None, :], kb[:, None], mask2, stride_d, MASKED)
+    else:
+        d = _ld(d_ptr + rows64[None, :] * stride_d + kb[:, None], mask2, MASKED, True).to(tl.float32)
+        if FMT == 2:
+            mn = _ld(m_ptr + rows64[None, :] * stride_d + kb[:, None], mask2, MASKED, True).to(tl.float32)
+        else:
+            mn = d
+    return d, mn
+
+
+@jit
 def _q6_scales(d_ptr, m_ptr, rows64, kb, mask, stride_d, FMT: tl.constexpr, MASKED: tl.constexpr):
     """The two per-16 scales (float32) of blocks kb of rows rows64 in a six-bit layout: Q6/Q6M's
     fp16 pair (one 4-byte load); Q6K's two int8 scale codes (one 2-byte load) times the super-block's
@@ -153,16 +169,11 @@ def _q4_part(q_ptr, d_ptr, m_ptr, rows64, rmask, kb, kmask, xrow, xsum, stride_q
         xi = _ld(xrow + kb[:, None] * 32 + (16 * (i % 2) + i // 2) + 4 * w[None, :], kmask[:, None], MASKED)
         acc += f * xi.to(tl.float32)[:, None, :]
     s = tl.sum(acc, axis=2)  # per block and row: sum of (1 + n/16) * x
-    if FMT == 6:
-        d, mn = _q4k_scales(d_ptr, m_ptr, rows64[None, :], kb[:, None], mask2, stride_d, MASKED)
-        r = (16.0 * d) * (s - xsum[:, None]) + mn * xsum[:, None]
-    elif FMT == 2:
-        d = _ld(d_ptr + rows64[None, :] * stride_d + kb[:, None], mask2, MASKED, True).to(tl.float32)
-        mn = _ld(m_ptr + rows64[None, :] * stride_d + kb[:, None], mask2, MASKED, True).to(tl.float32)
-        r = (16.0 * d) * (s - xsum[:, None]) + mn * xsum[:, None]
-    else:
-        d = _ld(d_ptr + rows64[None, :] * stride_d + kb[:, None], mask2, MASKED, True).to(tl.float32)
+    d, mn = _q4_scales(d_ptr, m_ptr, rows64, kb, mask2, stride_d, FMT, MASKED)
+    if FMT == 1:
         r = (16.0 * d) * (s - 1.5 * xsum[:, None])  # n - 8 = 16 * ((1 + n/16) - 1.5)
+    else:
+        r = (16.0 * d) * (s - xsum[:, None]) + mn * xsum[:, None]
     return r
 
 
@@ -456,16 +467,11 @@ def _q4_part_i8(q_ptr, d_ptr, m_ptr, rows64, rmask, kb, kmask, xlo, xhi, xdb, xs
     lo = q & 0x0F0F0F0F  # elements 4w..4w+3 of the block, one per byte
     hi = (q >> 4) & 0x0F0F0F0F  # elements 16+4w..16+4w+3
     s = tl.sum(dp4a(lo, xlo[:, None, :], USE_ASM) + dp4a(hi, xhi[:, None, :], USE_ASM), axis=2)
-    if FMT == 6:
-        d, mn = _q4k_scales(d_ptr, m_ptr, rows64[None, :], kb[:, None], mask2, stride_d, MASKED)
-        r = d * s.to(tl.float32) * xdb[:, None] + mn * xsb[:, None]
-    elif FMT == 2:
-        d = _ld(d_ptr + rows64[None, :] * stride_d + kb[:, None], mask2, MASKED, True).to(tl.float32)
-        mn = _ld(m_ptr + rows64[None, :] * stride_d + kb[:, None], mask2, MASKED, True).to(tl.float32)
-        r = d * s.to(tl.float32) * xdb[:, None] + mn * xsb[:, None]
-    else:
-        d = _ld(d_ptr + rows64[None, :] * stride_d + kb[:, None], mask2, MASKED, True).to(tl.float32)
+    d, mn = _q4_scales(d_ptr, m_ptr, rows64, kb, mask2, stride_d, FMT, MASKED)
+    if FMT == 1:
         r = d * (s.to(tl.float32) * xdb[:, None] - 8.0 * xsb[:, None])
+    else:
+        r = d * s.to(tl.float32) * xdb[:, None] + mn * xsb[:, None]
     return r
 
 

@@ -348,10 +348,11 @@ def _repack_six_bit(raw: torch.Tensor, fmt: str, n_out: int, n_in: int) -> Packe
 
 
 def _repack_q6_k_native(raw: torch.Tensor, n_out: int, n_in: int) -> PackedWeight:
-    """Q6_K rows -> the Q6K layout: the codes packed as Q6, the int8 scales and fp16 D as stored."""
+    """Q6_K rows -> the Q6K layout: the codes packed as Q6, the int8 scales as stored, each
+    super-block's fp16 D as fp32; a slab of rows at a time, as _repack_six_bit."""
     nsb = n_in // 256
     rows = max(1, _REPACK_SLAB_ELEMENTS // n_in)
-    qs, scs = [], []
+    qs, scs, dds = [], [], []
     for r0 in range(0, n_out, rows):
         slab = raw[r0:r0 + rows].contiguous()
         r = slab.shape[0]
@@ -359,10 +360,10 @@ def _repack_q6_k_native(raw: torch.Tensor, n_out: int, n_in: int) -> PackedWeigh
         q, _, _ = _six_bit_codes(blocks, "Q6_K")
         qs.append(_pack_q6_codes(q.reshape(r, n_in)))
         scs.append(blocks[:, 192:208].contiguous().view(torch.int8).reshape(r, n_in // 16))
-    blocks = raw.contiguous().reshape(n_out * nsb, 210)
-    dd = blocks[:, 208:210].contiguous().view(torch.float16).reshape(n_out, nsb).float()
+        dds.append(blocks[:, 208:210].contiguous().view(torch.float16).reshape(r, nsb).float())
     cat = (lambda t: t[0] if len(t) == 1 else torch.cat(t, 0))
-    return PackedWeight("Q6K", (n_out, n_in), qs=cat(qs), d=cat(scs).contiguous(), m=dd.contiguous(), source_fmt="Q6_K")
+    return PackedWeight("Q6K", (n_out, n_in), qs=cat(qs), d=cat(scs).contiguous(), m=cat(dds).contiguous(),
+                        source_fmt="Q6_K")
 
 
 def q6k_scales(w: PackedWeight) -> torch.Tensor:
