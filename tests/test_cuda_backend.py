@@ -27,13 +27,14 @@ MODELS = {
     "llama-f16-rope-freqs-q5": SyntheticSpec(n_layers=1, d_model=64, n_heads=2, n_kv_heads=2, ffn_dim=64,
                                              weight_type="F16", rope_freqs=True, type_overrides={
                                                  "blk.0.ffn_down.weight": "Q5_0"}, std=0.1, seed=23),
-    # a Q4_K_M-like mix: Q4_K (-> the Q4_1 layout) with a Q6_K v projection (q|k|v stacked as Q6M,
-    # exactly) and a Q5_0 down projection (-> Q8_0, exact)
+    # a Q4_K_M-like mix with the K-quants converted (EDGELLM_KQUANTS=converted): Q4_K (-> the Q4_1
+    # layout) with a Q6_K v projection (q|k|v stacked as Q6M, exactly) and a Q5_0 down projection
+    # (-> Q8_0, exact)
     "llama-q4_k-mixed": SyntheticSpec(n_layers=1, d_model=256, n_heads=4, n_kv_heads=2, ffn_dim=256,
                                       weight_type="Q4_K", embed_type="Q8_0", type_overrides={
                                           "blk.0.attn_v.weight": "Q6_K", "blk.0.ffn_down.weight": "Q5_0"},
                                       std=0.05, seed=24),
-    # K-quants kept in their own terms (EDGELLM_KQUANTS=native): Q4_K (the Q4K layout: gate|up, o, the
+    # K-quants kept in their own terms (the default): Q4_K (the Q4K layout: gate|up, o, the
     # embedding and the tied output projection), a Q6_K down projection (Q6K), and a q|k|v stack of
     # Q4_K with a Q6_K v (converted to one layout)
     "llama-q4_k-native": SyntheticSpec(n_layers=1, d_model=256, n_heads=4, n_kv_heads=2, ffn_dim=256,
@@ -58,8 +59,9 @@ def _cuda_device(monkeypatch):
 @pytest.mark.parametrize("name", list(MODELS))
 def test_cuda_logits_match_cpu(name, tmp_path, monkeypatch):
     spec = MODELS[name]
-    if name.endswith("native"):
-        monkeypatch.setenv("EDGELLM_KQUANTS", "native")
+    monkeypatch.delenv("EDGELLM_KQUANTS", raising=False)
+    if name == "llama-q4_k-mixed":
+        monkeypatch.setenv("EDGELLM_KQUANTS", "converted")
     path = write_synthetic_gguf(tmp_path / "m.gguf", spec)
     ids = np.random.default_rng(spec.seed).integers(0, spec.vocab_size, 11).tolist()
     ref = edgellm.load(path, ctx=32).logits(ids)
@@ -67,8 +69,10 @@ def test_cuda_logits_match_cpu(name, tmp_path, monkeypatch):
     # in one chunk of 11 (the GEMM), its GEMVs taking over ten minutes there (they have kernel tests)
     slow = "q4_k" in name and not ON_GPU
     m = edgellm.load(path, backend="cuda", ctx=32, prefill_chunk=16 if slow else 8)
+    fmts = {names: w.fmt for names, w in m.backend.weights._packed.items()}
+    if name == "llama-q4_k-mixed":
+        assert "Q4_1" in fmts.values() and not {"Q4K", "Q6K"} & set(fmts.values()), fmts
     if name.endswith("native"):
-        fmts = {names: w.fmt for names, w in m.backend.weights._packed.items()}
         assert {"Q4K", "Q6K"} <= set(fmts.values()), fmts
         assert fmts[("blk.0.ffn_down.weight",)] == "Q6K" and fmts[("token_embd.weight",)] == "Q4K", fmts
     got = m.logits(ids)

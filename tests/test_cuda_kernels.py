@@ -100,11 +100,12 @@ def test_repack_layout_matches_gguf(rng, fmt):
 
 
 @pytest.mark.parametrize("fmt", ["Q5_0", "Q4_K"])
-def test_repack_converted_formats_match_gguf(rng, fmt):
+def test_repack_converted_formats_match_gguf(rng, fmt, monkeypatch):
     """Q5_0 becomes the Q8_0 layout exactly; Q4_K the Q4_1 layout with its per-32 scale and minimum
     products rounded to fp16. Checked against gguf-py's dequantizer, then through the GEMV."""
     from edgellm.quant import quantize as eq_quantize
 
+    monkeypatch.setenv("EDGELLM_KQUANTS", "converted")  # Q4_K's default is its own layout (Q4K)
     w = rng.standard_normal((6, 512)).astype(np.float32) * rng.uniform(0.01, 3, (6, 1)).astype(np.float32)
     raw = eq_quantize(w, fmt)  # edgellm's quantizer (gguf-py has none for Q4_K); gguf-py reads it back
     ref = gg_dequantize(raw, GGMLQuantizationType[fmt]).astype(np.float64)
@@ -870,6 +871,7 @@ def test_repack_six_bit_random_blocks(rng, fmt, monkeypatch):
     are copied, so it is exact. Repacking in slabs of rows gives the same bytes."""
     from edgellm.backends.cuda.kernels import packing
     from edgellm.quant import dequantize as eq_dequantize
+    monkeypatch.setenv("EDGELLM_KQUANTS", "converted")  # Q6_K's default is its own layout (Q6K)
     n_out, n_in = 6, 512
     raw = _random_six_bit_blocks(rng, fmt, n_out, n_in)
     ref = eq_dequantize(raw, fmt, (n_out, n_in)).astype(np.float64)
@@ -894,7 +896,10 @@ def test_repack_six_bit_random_blocks(rng, fmt, monkeypatch):
         assert torch.equal(pw.tensors[k], pw2.tensors[k]), k
 
 
-def test_repack_six_bit_rejects_scales_beyond_fp16(rng):
+def test_repack_six_bit_rejects_scales_beyond_fp16(rng, monkeypatch):
+    """Converted to Q6, a sub-block scale d * scale must fit fp16 (the Q6K layout keeps D and the
+    int8 scales apart: there it is exact, test_repack_kquants_native_hold_the_file_exactly)."""
+    monkeypatch.setenv("EDGELLM_KQUANTS", "converted")
     raw = _random_six_bit_blocks(rng, "Q6_K", 2, 256)
     raw[1, 208:210] = np.array([60000], np.float16).view(np.uint8)
     raw[1, 192:208] = 127  # d * scale = 7.6e6
@@ -902,14 +907,17 @@ def test_repack_six_bit_rejects_scales_beyond_fp16(rng):
         K.repack(raw, "Q6_K", (2, 256), device=DEV)
 
 
-def test_repack_q6_k_from_quantizer_through_gemv(rng):
-    """A Q6_K matrix from edgellm's quantizer (as in a file): the GEMV on its Q6 layout against
-    gguf-py's decode of the file bytes."""
+@pytest.mark.parametrize("layout", ["native", "converted"])
+def test_repack_q6_k_from_quantizer_through_gemv(rng, monkeypatch, layout):
+    """A Q6_K matrix from edgellm's quantizer (as in a file): the GEMV on its Q6K (or, converted, Q6)
+    layout against gguf-py's decode of the file bytes."""
     from edgellm.quant import quantize as eq_quantize
+    monkeypatch.setenv("EDGELLM_KQUANTS", layout)
     w = rng.standard_normal((24, 256)).astype(np.float32) * rng.uniform(0.01, 3, (24, 1)).astype(np.float32)
     raw = eq_quantize(w, "Q6_K")
     ref = gg_dequantize(raw, GGMLQuantizationType.Q6_K).astype(np.float64)
     pw = K.repack(raw, "Q6_K", (24, 256), device=DEV)
+    assert pw.fmt == {"native": "Q6K", "converted": "Q6"}[layout]
     x = rand(rng, 1, 256)
     out = poisoned((1, 24))
     K.linear(x, pw, out=out, config=dict(BLOCK_N=8, BLOCK_K=128, num_warps=1))
@@ -964,12 +972,14 @@ def test_embedding_six_bit(rng, fmt):
     np.testing.assert_allclose(np64(out), w[[3, 0, 10, 3, 7]], rtol=1e-6, atol=0)
 
 
-def test_unify_formats_mixed_stacks(rng):
+def test_unify_formats_mixed_stacks(rng, monkeypatch):
     """Stacked parts in different formats take the smallest common layout that holds every part
     exactly: Q4_K_M's q, k (Q4_K -> Q4_1) with a Q6_K v -> Q6M; Q4_0 with Q5_0 (as Q8_0) -> Q6;
     Q4_0 with Q4_1 -> Q4_1; a full-range Q8_0 with Q6 -> F16. The stacked GEMV then matches the
     parts' own matrices."""
     from edgellm.quant import quantize as eq_quantize
+
+    monkeypatch.setenv("EDGELLM_KQUANTS", "converted")  # the native layouts: test_kquants_native_in_mixed_stacks
 
     def kq(fmt, n):
         w = rng.standard_normal((n, 256)).astype(np.float32) * 0.2
@@ -1098,7 +1108,7 @@ _KQ_SOURCE = {"Q4K": "Q4_K", "Q6K": "Q6_K"}
 
 def make_kquant(fmt, rng, n_out, n_in, monkeypatch, extreme=False):
     """A Q4_K or Q6_K weight from edgellm's quantizer, repacked into the Q4K / Q6K layout
-    (EDGELLM_KQUANTS=native), with gguf-py's dequantization as the float64 reference. extreme: rows
+    (the default), with gguf-py's dequantization as the float64 reference. extreme: rows
     scaled by 1e-4 .. 1e3, so that super-block scales (and minimums) span fp16's range; Q4_K rows
     are moved off centre so that their minimums matter."""
     from edgellm.quant import quantize as eq_quantize
@@ -1110,7 +1120,7 @@ def make_kquant(fmt, rng, n_out, n_in, monkeypatch, extreme=False):
         w += rng.uniform(-1, 1, (n_out, 1)).astype(np.float32) * np.abs(w).max(axis=1, keepdims=True)
     raw = eq_quantize(w, src)
     ref = gg_dequantize(raw, GGMLQuantizationType[src]).astype(np.float64)
-    monkeypatch.setenv("EDGELLM_KQUANTS", "native")
+    monkeypatch.setenv("EDGELLM_KQUANTS", "native")  # the default, whatever the caller's environment
     pw = K.repack(raw, src, (n_out, n_in), device=DEV)
     monkeypatch.delenv("EDGELLM_KQUANTS")
     return pw, ref
@@ -1121,7 +1131,7 @@ def make_kquant(fmt, rng, n_out, n_in, monkeypatch, extreme=False):
 def test_repack_kquants_native_hold_the_file_exactly(rng, monkeypatch, fmt, extreme):
     """The Q4K and Q6K layouts keep the K-quant's codes and super-block fields as stored: their
     values are gguf-py's (the same fp32 products, no fp16 rounding of the sub-block scales), at 4.625
-    and 6.625 bits per weight; by default the file's blocks are still converted (Q4_1, Q6)."""
+    and 6.625 bits per weight; EDGELLM_KQUANTS=converted makes them Q4_1 and Q6 instead."""
     from edgellm.quant import quantize as eq_quantize
 
     pw, ref = make_kquant(fmt, rng, 6, 768, monkeypatch, extreme)
@@ -1130,6 +1140,7 @@ def test_repack_kquants_native_hold_the_file_exactly(rng, monkeypatch, fmt, extr
     got = np64(K.dequantize(pw))
     assert (np.abs(got - ref) <= 1e-6 * np.abs(ref).max(axis=1, keepdims=True)).all()
     raw = eq_quantize(ref.astype(np.float32), _KQ_SOURCE[fmt])
+    monkeypatch.setenv("EDGELLM_KQUANTS", "converted")
     assert K.repack(raw, _KQ_SOURCE[fmt], (6, 768), device=DEV).fmt == {"Q4K": "Q4_1", "Q6K": "Q6"}[fmt]
     monkeypatch.setenv("EDGELLM_KQUANTS", "q4k-please")
     with pytest.raises(ValueError, match="EDGELLM_KQUANTS"):
