@@ -60,7 +60,7 @@ PRESETS = {
 
 
 # Mixes of types named by llama-quantize's file types: the main type and which tensors it gives more bits
-MIXES = ("Q4_K_M",)
+MIXES = ("Q4_K_M", "Q5_K_M")
 
 
 def _more_bits(i: int, n: int) -> bool:
@@ -70,14 +70,15 @@ def _more_bits(i: int, n: int) -> bool:
 
 def quant_mix(spec: SyntheticSpec, ftype: str) -> SyntheticSpec:
     """The tensor types llama-quantize chooses for `ftype` on a llama-style model (src/llama-quant.cpp
-    of llama.cpp): Q4_K_M is Q4_K with Q6_K for attn_v and ffn_down in the layers _more_bits names,
-    and for the output matrix (the token embedding where the output is tied to it)."""
-    if ftype.upper() != "Q4_K_M":
+    of llama.cpp): Q4_K_M (Q5_K_M) is Q4_K (Q5_K) with Q6_K for attn_v and ffn_down in the layers
+    _more_bits names, and for the output matrix (the token embedding where the output is tied to it)."""
+    if ftype.upper() not in MIXES:
         raise EdgeLLMError(f"unknown quantization mix '{ftype}' (known: {', '.join(MIXES)})")
+    base = ftype.upper()[:4]  # Q4_K, Q5_K
     six = {f"blk.{i}.{t}.weight": "Q6_K" for i in range(spec.n_layers) if _more_bits(i, spec.n_layers)
            for t in ("attn_v", "ffn_down")}
-    head = {"embed_type": "Q6_K"} if spec.tied else {"embed_type": "Q4_K", "output_type": "Q6_K"}
-    return replace(spec, weight_type="Q4_K", **head, type_overrides={**six, **spec.type_overrides})
+    head = {"embed_type": "Q6_K"} if spec.tied else {"embed_type": base, "output_type": "Q6_K"}
+    return replace(spec, weight_type=base, **head, type_overrides={**six, **spec.type_overrides})
 
 
 def preset(name: str, **overrides) -> SyntheticSpec:
@@ -164,14 +165,15 @@ def random_blocks(ttype: str, shape: tuple[int, ...], rng: np.random.Generator, 
         if ttype == "Q4_1":
             parts.append((-8 * d.astype(np.float32)).astype(np.float16).view(np.uint8))
         return np.concatenate(parts + [q], axis=2).reshape(*shape[:-1], nb * (18 if ttype == "Q4_0" else 20))
-    if ttype in ("Q4_K", "Q6_K") and cols % 256 == 0:
-        # super-blocks of 256: random codes and 6-bit (Q4_K) or int8 (Q6_K) sub-block scales, every
-        # bit pattern valid; the fp16 super-block scales sized so that values have about `std`
+    if ttype in ("Q4_K", "Q5_K", "Q6_K") and cols % 256 == 0:
+        # super-blocks of 256: random codes and 6-bit (Q4_K, Q5_K) or int8 (Q6_K) sub-block scales,
+        # every bit pattern valid; the fp16 super-block scales sized so that values have about `std`
         ns = cols // 256
-        if ttype == "Q4_K":  # d, dmin, 12 bytes of scales and mins, 128 bytes of nibbles
-            d = (std / 4.6 / 32 * (1 + 0.1 * rng.standard_normal((rows, ns, 2)))).astype(np.float16)
-            rest = rng.integers(0, 256, (rows, ns, 140), dtype=np.uint8)
-            return np.concatenate([d.view(np.uint8), rest], axis=2).reshape(*shape[:-1], ns * 144)
+        if ttype in ("Q4_K", "Q5_K"):  # d, dmin, 12 bytes of scales and mins, (Q5_K: 32 bytes of fifth bits,) nibbles
+            spread, size = (4.6, 144) if ttype == "Q4_K" else (9.2, 176)
+            d = (std / spread / 32 * (1 + 0.1 * rng.standard_normal((rows, ns, 2)))).astype(np.float16)
+            rest = rng.integers(0, 256, (rows, ns, size - 4), dtype=np.uint8)
+            return np.concatenate([d.view(np.uint8), rest], axis=2).reshape(*shape[:-1], ns * size)
         rest = rng.integers(0, 256, (rows, ns, 208), dtype=np.uint8)  # ql, qh, int8 scales, then d
         d = (std / 18.5 / 64 * (1 + 0.1 * rng.standard_normal((rows, ns, 1)))).astype(np.float16)
         return np.concatenate([rest, d.view(np.uint8)], axis=2).reshape(*shape[:-1], ns * 210)
@@ -251,7 +253,8 @@ def write_synthetic_gguf(path: str | Path, spec: SyntheticSpec,
     fixes the vocabulary size); without it the file has tokenizer.ggml.model = 'none', as
     llama.cpp's benchmark models do. header_only: write the header and leave the tensor data as a
     sparse hole of the right size (instant, for `edgellm plan` on large shapes; not for running).
-    fast: draw Q8_0/Q4_0/Q4_1 weights as random blocks (random_blocks) instead of quantizing."""
+    fast: draw Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K weights as random blocks (random_blocks) instead of
+    quantizing."""
     import gguf
 
     path = Path(path)

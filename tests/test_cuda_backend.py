@@ -34,12 +34,13 @@ MODELS = {
                                       weight_type="Q4_K", embed_type="Q8_0", type_overrides={
                                           "blk.0.attn_v.weight": "Q6_K", "blk.0.ffn_down.weight": "Q5_0"},
                                       std=0.05, seed=24),
-    # K-quants kept in their own terms (the default): Q4_K (the Q4K layout: gate|up, o, the
-    # embedding and the tied output projection), a Q6_K down projection (Q6K), and a q|k|v stack of
-    # Q4_K with a Q6_K v (converted to one layout)
+    # K-quants kept in their own terms (the default): Q4_K (the Q4K layout: gate|up, the embedding
+    # and the tied output projection), a Q5_K o projection (Q5K), a Q6_K down projection (Q6K), and
+    # a q|k|v stack of Q4_K with a Q6_K v (converted to one layout)
     "llama-q4_k-native": SyntheticSpec(n_layers=1, d_model=256, n_heads=4, n_kv_heads=2, ffn_dim=256,
                                        weight_type="Q4_K", embed_type="Q4_K", type_overrides={
-                                           "blk.0.attn_v.weight": "Q6_K", "blk.0.ffn_down.weight": "Q6_K"},
+                                           "blk.0.attn_v.weight": "Q6_K", "blk.0.ffn_down.weight": "Q6_K",
+                                           "blk.0.attn_output.weight": "Q5_K"},
                                        std=0.05, seed=25),
 }
 
@@ -71,9 +72,9 @@ def test_cuda_logits_match_cpu(name, tmp_path, monkeypatch):
     m = edgellm.load(path, backend="cuda", ctx=32, prefill_chunk=16 if slow else 8)
     fmts = {names: w.fmt for names, w in m.backend.weights._packed.items()}
     if name == "llama-q4_k-mixed":
-        assert "Q4_1" in fmts.values() and not {"Q4K", "Q6K"} & set(fmts.values()), fmts
+        assert "Q4_1" in fmts.values() and not {"Q4K", "Q5K", "Q6K"} & set(fmts.values()), fmts
     if name.endswith("native"):
-        assert {"Q4K", "Q6K"} <= set(fmts.values()), fmts
+        assert {"Q4K", "Q5K", "Q6K"} <= set(fmts.values()), fmts
         assert fmts[("blk.0.ffn_down.weight",)] == "Q6K" and fmts[("token_embd.weight",)] == "Q4K", fmts
     got = m.logits(ids)
     assert got.shape == ref.shape and np.isfinite(got).all()

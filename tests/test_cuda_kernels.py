@@ -1103,20 +1103,20 @@ def test_prefill_gemm_copies_every_weight_load_ahead(tmp_path):
 
 # ------------------------------------------------ Q4_K and Q6_K in their own terms (the Q4K, Q6K layouts)
 
-_KQ_SOURCE = {"Q4K": "Q4_K", "Q6K": "Q6_K"}
+_KQ_SOURCE = {"Q4K": "Q4_K", "Q5K": "Q5_K", "Q6K": "Q6_K"}
 
 
 def make_kquant(fmt, rng, n_out, n_in, monkeypatch, extreme=False):
-    """A Q4_K or Q6_K weight from edgellm's quantizer, repacked into the Q4K / Q6K layout
+    """A Q4_K, Q5_K or Q6_K weight from edgellm's quantizer, repacked into the Q4K / Q5K / Q6K layout
     (the default), with gguf-py's dequantization as the float64 reference. extreme: rows
-    scaled by 1e-4 .. 1e3, so that super-block scales (and minimums) span fp16's range; Q4_K rows
-    are moved off centre so that their minimums matter."""
+    scaled by 1e-4 .. 1e3, so that super-block scales (and minimums) span fp16's range; Q4_K and
+    Q5_K rows are moved off centre so that their minimums matter."""
     from edgellm.quant import quantize as eq_quantize
 
     src = _KQ_SOURCE[fmt]
     w = rng.standard_normal((n_out, n_in)).astype(np.float32)
     w *= (10.0 ** rng.uniform(-4, 3, (n_out, 1)) if extreme else rng.uniform(0.01, 3, (n_out, 1))).astype(np.float32)
-    if src == "Q4_K":
+    if src in ("Q4_K", "Q5_K"):
         w += rng.uniform(-1, 1, (n_out, 1)).astype(np.float32) * np.abs(w).max(axis=1, keepdims=True)
     raw = eq_quantize(w, src)
     ref = gg_dequantize(raw, GGMLQuantizationType[src]).astype(np.float64)
@@ -1126,32 +1126,32 @@ def make_kquant(fmt, rng, n_out, n_in, monkeypatch, extreme=False):
     return pw, ref
 
 
-@pytest.mark.parametrize("fmt", ["Q4K", "Q6K"])
+@pytest.mark.parametrize("fmt", ["Q4K", "Q5K", "Q6K"])
 @pytest.mark.parametrize("extreme", [False, True])
 def test_repack_kquants_native_hold_the_file_exactly(rng, monkeypatch, fmt, extreme):
-    """The Q4K and Q6K layouts keep the K-quant's codes and super-block fields as stored: their
-    values are gguf-py's (the same fp32 products, no fp16 rounding of the sub-block scales), at 4.625
-    and 6.625 bits per weight; EDGELLM_KQUANTS=converted makes them Q4_1 and Q6 instead."""
+    """The Q4K, Q5K and Q6K layouts keep the K-quant's codes and super-block fields as stored: their
+    values are gguf-py's (the same fp32 products, no fp16 rounding of the sub-block scales), at
+    4.625, 5.625 and 6.625 bits per weight; EDGELLM_KQUANTS=converted makes them Q4_1, Q6M and Q6."""
     from edgellm.quant import quantize as eq_quantize
 
     pw, ref = make_kquant(fmt, rng, 6, 768, monkeypatch, extreme)
     assert pw.fmt == fmt and pw.source_fmt == _KQ_SOURCE[fmt]
-    assert pw.nbytes * 8 == 6 * 768 * {"Q4K": 4.625, "Q6K": 6.625}[fmt]
+    assert pw.nbytes * 8 == 6 * 768 * {"Q4K": 4.625, "Q5K": 5.625, "Q6K": 6.625}[fmt]
     got = np64(K.dequantize(pw))
     assert (np.abs(got - ref) <= 1e-6 * np.abs(ref).max(axis=1, keepdims=True)).all()
     raw = eq_quantize(ref.astype(np.float32), _KQ_SOURCE[fmt])
     monkeypatch.setenv("EDGELLM_KQUANTS", "converted")
-    assert K.repack(raw, _KQ_SOURCE[fmt], (6, 768), device=DEV).fmt == {"Q4K": "Q4_1", "Q6K": "Q6"}[fmt]
+    assert K.repack(raw, _KQ_SOURCE[fmt], (6, 768), device=DEV).fmt == {"Q4K": "Q4_1", "Q5K": "Q6M", "Q6K": "Q6"}[fmt]
     monkeypatch.setenv("EDGELLM_KQUANTS", "q4k-please")
     with pytest.raises(ValueError, match="EDGELLM_KQUANTS"):
         K.repack(raw, _KQ_SOURCE[fmt], (6, 768), device=DEV)
 
 
 
-@pytest.mark.parametrize("fmt", ["Q4K", "Q6K"])
+@pytest.mark.parametrize("fmt", ["Q4K", "Q5K", "Q6K"])
 @pytest.mark.parametrize("masked", [False, True])
 def test_linear_decode_kquants_native(rng, monkeypatch, fmt, masked):
-    """Every decode path on Q4K and Q6K against the float64 product: float and int8 activations, 1
+    """Every decode path on Q4K, Q5K and Q6K against the float64 product: float and int8 activations, 1
     and 8 tokens, tiles that overhang the matrix (37 rows, a partial K tile) or cover it, rows of
     extreme scales (float32 output: their products pass fp16's range)."""
     n_out, n_in = (37, 768) if masked else (40, 512)
@@ -1167,8 +1167,8 @@ def test_linear_decode_kquants_native(rng, monkeypatch, fmt, masked):
             check(out, xr @ w.T + np64(bias), 2e-3, f"{fmt} decode T={T} int8={int8}")
 
 
-@pytest.mark.parametrize("fmt,fused,int8", [("Q4K", True, False), ("Q4K", False, True), ("Q6K", True, False),
-                                            ("Q6K", False, True)])
+@pytest.mark.parametrize("fmt,fused,int8", [("Q4K", True, False), ("Q4K", False, True), ("Q5K", True, False),
+                                            ("Q5K", False, True), ("Q6K", True, False), ("Q6K", False, True)])
 def test_linear_silu_mul_decode_kquants_native(rng, monkeypatch, fmt, fused, int8):
     wg, g = make_kquant(fmt, rng, 21, 512, monkeypatch)
     wu, u = make_kquant(fmt, rng, 21, 512, monkeypatch)
@@ -1176,9 +1176,9 @@ def test_linear_silu_mul_decode_kquants_native(rng, monkeypatch, fmt, fused, int
     check_silu_mul_decode(x, wg, g, wu, u, fused, int8, dict(BLOCK_N=4, BLOCK_K=256, num_warps=4), fmt)
 
 
-@pytest.mark.parametrize("fmt", ["Q4K", "Q6K"])
+@pytest.mark.parametrize("fmt", ["Q4K", "Q5K", "Q6K"])
 def test_linear_prefill_and_skinny_kquants_native(rng, monkeypatch, fmt):
-    """The tensor-core paths on Q4K and Q6K (each sub-block's scale (and minimum) rounded to fp16 in
+    """The tensor-core paths on Q4K, Q5K and Q6K (each sub-block's scale (and minimum) rounded to fp16 in
     the tile, as the converted layouts store them): prefill tiles and the default configurations,
     and the skinny product of a 16-row batched decode step."""
     pw, w = make_kquant(fmt, rng, 37, 512, monkeypatch)
@@ -1192,7 +1192,7 @@ def test_linear_prefill_and_skinny_kquants_native(rng, monkeypatch, fmt):
     check(out, np64(x[:16]) @ w.T, 2e-3, f"{fmt} skinny default config")
 
 
-@pytest.mark.parametrize("fmt", ["Q4K", "Q6K"])
+@pytest.mark.parametrize("fmt", ["Q4K", "Q5K", "Q6K"])
 def test_embedding_kquants_native(rng, monkeypatch, fmt):
     pw, w = make_kquant(fmt, rng, 11, 512, monkeypatch, extreme=True)
     ids = torch.tensor([3, 0, 10, 3, 7], dtype=torch.int32, device=DEV)
@@ -1202,16 +1202,17 @@ def test_embedding_kquants_native(rng, monkeypatch, fmt):
 
 
 def test_kquants_native_in_mixed_stacks(rng, monkeypatch):
-    """Q4K or Q6K parts stacked with a part in another format (a Q4_K_M file's q, k with a Q6_K v)
-    take their converted layout first (fp16 scales, as the default repack), then the common one;
-    parts of one native layout alone stay in it."""
+    """Q4K, Q5K or Q6K parts stacked with a part in another format (a Q4_K_M file's q, k with a Q6_K
+    v) take their converted layout first (fp16 scales, as EDGELLM_KQUANTS=converted repacks them),
+    then the common one; parts of one native layout alone stay in it."""
     q, wq = make_kquant("Q4K", rng, 16, 512, monkeypatch)
     k, wk = make_kquant("Q4K", rng, 8, 512, monkeypatch)
     alone = K.unify_formats([q, k])
     assert [p.fmt for p in alone] == ["Q4K", "Q4K"]
     stack = K.concat_packed(alone)
     assert (np.abs(np64(K.dequantize(stack)) - np.concatenate([wq, wk])) <= 1e-6 * np.abs(wq).max()).all()
-    for v, wv in (make_q6(rng, 8, 512, False), make_kquant("Q6K", rng, 8, 512, monkeypatch)):
+    for v, wv in (make_q6(rng, 8, 512, False), make_kquant("Q6K", rng, 8, 512, monkeypatch),
+                  make_kquant("Q5K", rng, 8, 512, monkeypatch)):
         mixed = K.unify_formats([q, k, v])
         assert {p.fmt for p in mixed} == {"Q6M"}
         got = np64(K.dequantize(K.concat_packed(mixed)))

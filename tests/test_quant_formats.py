@@ -330,3 +330,18 @@ def test_values_a_format_cannot_hold():
     with pytest.raises(QuantizationError, match="65504"):
         quantize(np.full((1, 32), 1e6, np.float32), "Q4_1")
     assert quantize(np.full((1, 32), 1e6, np.float32), "Q8_PC").shape == (1, 36)  # float32 scale
+
+
+@pytest.mark.parametrize("ttype", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_synthetic_random_blocks_decode_near_the_asked_spread(ttype):
+    """edgellm.synthetic's fast random blocks (the benchmarks' large files): valid blocks of the
+    right size that gguf-py decodes to finite values whose spread is near the std asked for."""
+    from edgellm.synthetic import random_blocks
+
+    raw = random_blocks(ttype, (64, 512), np.random.default_rng(5), 0.02)
+    qt = GGMLQuantizationType[ttype]
+    block, size = GGML_QUANT_SIZES[qt]
+    assert raw.shape == (64, 512 // block * size) and raw.dtype == np.uint8
+    w = gguf.quants.dequantize(raw, qt).reshape(64, 512)
+    assert np.isfinite(w).all()
+    assert 0.5 * 0.02 < w.std() < 2 * 0.02, w.std()

@@ -1,11 +1,11 @@
 """The cuda backend: executes a compiled Graph with the Triton kernel templates in ./kernels.
 
 - Weights are repacked once at load into the layout each kernel reads (kernels/packing.py):
-  F16/BF16/F32 as F16, Q4_0, Q4_1, Q8_0 as themselves, Q5_0 as Q8_0 (exact), Q4_K and Q6_K as
-  Q4K and Q6K (their scale codes and super-block scales as stored; EDGELLM_KQUANTS=converted makes
-  them Q4_1 and Q6 with fp16 sub-block scales instead), Q5_K and Q5_1 as Q6M (6-bit codes, fp16
-  scales per 16); the types without a layout of their own (Q2_K, Q3_K, IQ*) are dequantized and
-  stored as Q8_0.
+  F16/BF16/F32 as F16, Q4_0, Q4_1, Q8_0 as themselves, Q5_0 as Q8_0 (exact), Q4_K, Q5_K and Q6_K
+  as Q4K, Q5K and Q6K (their codes, scale codes and super-block scales as stored;
+  EDGELLM_KQUANTS=converted makes them Q4_1, Q6M and Q6 with fp16 sub-block scales instead), Q5_1
+  as Q6M (6-bit codes, fp16 scales per 16); the types without a layout of their own (Q2_K, Q3_K,
+  IQ*) are dequantized and stored as Q8_0.
   Projections that a fused op reads together (q|k|v, gate|up) are concatenated at load, parts in
   different formats first converted to a common layout (packing.unify_formats: exact, Q6M for a
   Q4_K_M file's Q4_K q, k with its Q6_K v).

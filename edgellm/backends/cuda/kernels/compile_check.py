@@ -103,8 +103,8 @@ def _cases():
         if fmt == "Q6K":
             return PackedWeight("Q6K", (n, k), qs=torch.empty(n, k // 32 * 24, dtype=torch.uint8),
                                 d=torch.empty(n, k // 16, dtype=torch.int8), m=torch.empty(n, k // 256, dtype=torch.float32))
-        if fmt == "Q4K":
-            return PackedWeight("Q4K", (n, k), qs=torch.empty(n, k // 2, dtype=torch.uint8),
+        if fmt in ("Q4K", "Q5K"):
+            return PackedWeight(fmt, (n, k), qs=torch.empty(n, k // 32 * (16 if fmt == "Q4K" else 20), dtype=torch.uint8),
                                 d=torch.empty(n, k // 32, dtype=torch.int16), m=torch.empty(n, k // 128, dtype=torch.float16))
         d = torch.empty(n, k // 32, dtype=torch.float16)
         if fmt == "Q8_0":
@@ -114,7 +114,7 @@ def _cases():
 
     h16 = torch.float16
     x1, x512 = torch.empty(1, 4096, dtype=h16), torch.empty(512, 4096, dtype=h16)
-    for fmt in ("Q4_0", "Q4_1", "Q8_0", "F16", "Q6", "Q6M", "Q4K", "Q6K"):
+    for fmt in ("Q4_0", "Q4_1", "Q8_0", "F16", "Q6", "Q6M", "Q4K", "Q5K", "Q6K"):
         w = pw(fmt, 4096, 4096)
         yield f"gemv {fmt}", lambda w=w: linear(x1, w)
         if fmt != "F16":

@@ -33,6 +33,7 @@ GEMV_DEFAULT = {
     # 3.6 instructions per weight (Q4: 3); if BLOCK_N=8 spills or stalls, the tuner's smaller tiles win.
     "Q6": dict(BLOCK_N=8, BLOCK_K=1024, num_warps=1),
     "Q6K": dict(BLOCK_N=8, BLOCK_K=1024, num_warps=1),  # as Q6
+    "Q5K": dict(BLOCK_N=8, BLOCK_K=1024, num_warps=1),  # as Q6 (its codes take the six-bit loop)
     "Q6M": dict(BLOCK_N=8, BLOCK_K=1024, num_warps=1),
 }
 # Float-activation Q4 GEMV runs on small matrices (below the backend's int8 threshold) and on the
@@ -48,6 +49,7 @@ GEMV_SMALL_DEFAULT = {
     "Q4K": dict(BLOCK_N=2, BLOCK_K=512, num_warps=1),  # as Q4_1
     "Q6": dict(BLOCK_N=2, BLOCK_K=512, num_warps=1),  # not measured: Q4_0's
     "Q6K": dict(BLOCK_N=2, BLOCK_K=512, num_warps=1),  # as Q6
+    "Q5K": dict(BLOCK_N=2, BLOCK_K=512, num_warps=1),  # as Q6
     "Q6M": dict(BLOCK_N=2, BLOCK_K=512, num_warps=1),
 }
 GEMV_LARGE_DEFAULT = {
@@ -59,6 +61,7 @@ GEMV_LARGE_DEFAULT = {
     # stores); 8 rows take 127 (Q6M 167) and none
     "Q6": dict(BLOCK_N=8, BLOCK_K=4096, num_warps=4),
     "Q6K": dict(BLOCK_N=8, BLOCK_K=4096, num_warps=4),  # as Q6
+    "Q5K": dict(BLOCK_N=8, BLOCK_K=4096, num_warps=4),  # as Q6
     "Q6M": dict(BLOCK_N=8, BLOCK_K=4096, num_warps=4),
 }
 
@@ -70,6 +73,7 @@ GEMV_GLU_DEFAULT: dict[str, dict] = {
     # not measured: the plain tile's BLOCK_N=8 spills with two 6-bit weights (compile_check), 4 does not
     "Q6": dict(BLOCK_N=4, BLOCK_K=1024, num_warps=1),
     "Q6K": dict(BLOCK_N=4, BLOCK_K=1024, num_warps=1),  # as Q6
+    "Q5K": dict(BLOCK_N=4, BLOCK_K=1024, num_warps=1),  # as Q6
     "Q6M": dict(BLOCK_N=4, BLOCK_K=1024, num_warps=1),
 }
 
@@ -82,6 +86,7 @@ GEMV_I8_DEFAULT = {
     "Q4K": dict(BLOCK_N=2, BLOCK_K=2048, num_warps=1),  # as Q4_1
     "Q6": dict(BLOCK_N=2, BLOCK_K=2048, num_warps=1),  # not tuned: Q4_0's
     "Q6K": dict(BLOCK_N=2, BLOCK_K=2048, num_warps=1),  # as Q6
+    "Q5K": dict(BLOCK_N=2, BLOCK_K=2048, num_warps=1),  # as Q6
     "Q6M": dict(BLOCK_N=2, BLOCK_K=2048, num_warps=1),
 }
 
@@ -139,7 +144,7 @@ def gemv_tune_candidates(fmt: str, act_int8: bool = False, glu: bool = False) ->
         tiles = ((2, 1024, 4), (4, 1024, 4), (8, 1024, 2), (4, 512, 1), (2, 512, 1), (16, 1024, 4))
     elif act_int8:
         tiles = ((2, 1024, 1), (2, 2048, 1), (4, 2048, 1), (4, 1024, 1), (2, 4096, 4), (8, 4096, 4))
-    elif fmt in ("Q6", "Q6M", "Q6K"):  # 16 rows of 6-bit codes spill registers on the float path (compile_check)
+    elif fmt in ("Q6", "Q6M", "Q6K", "Q5K"):  # 16 rows of 6-bit codes spill registers on the float path (compile_check)
         tiles = ((2, 512, 1), (8, 1024, 1), (8, 4096, 4), (2, 2048, 2), (4, 1024, 1), (4, 512, 1))
     else:
         tiles = ((2, 512, 1), (8, 1024, 1), (16, 512, 1), (2, 2048, 2), (4, 1024, 1), (16, 4096, 4))

@@ -27,6 +27,15 @@ def _embedding_kernel(ids_ptr, q_ptr, d_ptr, m_ptr, out_ptr, stride_o, V, D, str
     elif FMT == 3:
         q = tl.load(q_ptr + tok * stride_q + c, mask=mask, other=0).to(tl.float32)
         v = q * tl.load(d_ptr + tok * stride_d + c // 32, mask=mask, other=0.0).to(tl.float32)
+    elif FMT == 8:  # Q5K (packing.py): nibbles as Q4, a word of fifth bits per block after them
+        e = c % 32
+        row = q_ptr + tok * stride_q
+        byte = tl.load(row + (c // 32) * 16 + e % 16, mask=mask, other=0)
+        nib = tl.where(e < 16, byte & 15, byte >> 4)
+        top = tl.load(row + (D // 32) * 16 + (c // 32) * 4 + e % 4, mask=mask, other=0)
+        top = (top >> (4 * (e // 16) + (e % 16) // 4).to(tl.uint8)) & 1
+        dk, mk = _q4k_scales(d_ptr, m_ptr, tok, c // 32, mask, stride_d, True)
+        v = (nib | (top << 4)).to(tl.float32) * dk + mk
     elif FMT == 4 or FMT == 5 or FMT == 7:  # Q6/Q6M/Q6K (packing.py): nibbles as Q4, the top two bits after
         e = c % 32
         row = q_ptr + tok * stride_q

@@ -32,11 +32,12 @@ minimum), and fold the offset 32 into per-half sums of x. Prefill dequantizes to
 (1024 + q, exact, minus 1056). compile_check: about 5 instructions per weight on the float path
 (Q4: 3.6) and 2.1 on the int8 path (Q4: 1.2), i.e. per byte read about what Q4 costs.
 
-The K-quants in their own terms (Q4K, Q6K; packing.py) take the Q4_1 and Q6 paths with the
+The K-quants in their own terms (Q4K, Q5K, Q6K; packing.py) take the Q4_1 and Q6 paths with the
 scales formed from codes: a block's scale (and minimum) is its 6-bit (Q6K: int8) code times the
 super-block's D (and DMIN), multiplied in fp32 per block and row (`_q4k_scales`, `_q6_scales`),
 where the converted layouts load an fp16 per block; the prefill tile rounds them to fp16 as the
-converted layouts store them.
+converted layouts store them. Q5K's codes enter the six-bit paths as whole bytes (`_q5_words`: the
+nibble words merged with one word of fifth bits per block), with Q4K's scales.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ from .norm import NormTail, norm_tail_epilogue
 from .packing import PackedWeight
 from .rope import RopeStore, rope_cos_sin
 
-_FMT_CODE = {"F16": 0, "Q4_0": 1, "Q4_1": 2, "Q8_0": 3, "Q6": 4, "Q6M": 5, "Q4K": 6, "Q6K": 7}
+_FMT_CODE = {"F16": 0, "Q4_0": 1, "Q4_1": 2, "Q8_0": 3, "Q6": 4, "Q6M": 5, "Q4K": 6, "Q6K": 7, "Q5K": 8}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -214,12 +215,31 @@ def _q6_words(q_ptr, rows64, kb, mask2, stride_q, n_blocks, MASKED: tl.constexpr
 
 
 @jit
+def _q5_words(q_ptr, rows64, kb, mask2, stride_q, n_blocks, MASKED: tl.constexpr):
+    """A Q5K block's codes as _q6_words gives a six-bit block's (bits 5..7 zero): the nibble words
+    as Q4_0's, and the block's word of fifth bits after the row's nibbles, whose bits w and w + 4
+    of byte i are bit 4 of elements 4w + i and 16 + 4w + i."""
+    w = tl.arange(0, 4)
+    row = q_ptr + rows64[None, :] * stride_q
+    q = _ld(row[:, :, None] + kb[:, None, None] * 4 + w[None, None, :], mask2[:, :, None], MASKED, True)
+    # loaded as [blocks, rows] and then widened: a [blocks, rows, 1] load took its own register
+    # layout, converted through shared memory (compile_check: 254 registers, 72 barriers)
+    t = _ld(row + n_blocks * 4 + kb[:, None], mask2, MASKED, True)[:, :, None]
+    a = (q & 0x0F0F0F0F) | (((t >> w[None, None, :]) & 0x01010101) << 4)
+    b = ((q >> 4) & 0x0F0F0F0F) | (((t >> (w[None, None, :] + 4)) & 0x01010101) << 4)
+    return a, b
+
+
+@jit
 def _q6_part(q_ptr, d_ptr, m_ptr, rows64, rmask, kb, kmask, xrow, xs_lo, xs_hi, stride_q, stride_d, n_blocks,
              FMT: tl.constexpr, MASKED: tl.constexpr, USE_ASM: tl.constexpr):
     # the Q4 float trick with 6-bit codes: code q of byte i moved under the exponent of 1.0 gives the
     # float 1 + q/64 (one shift, one lop3); per half, sum((q - 32) x) = 64 (sum((1 + q/64) x) - 1.5 sum(x))
     mask2 = kmask[:, None] & rmask[None, :]
-    a, b = _q6_words(q_ptr, rows64, kb, mask2, stride_q, n_blocks, MASKED, False)
+    if FMT == 8:
+        a, b = _q5_words(q_ptr, rows64, kb, mask2, stride_q, n_blocks, MASKED)
+    else:
+        a, b = _q6_words(q_ptr, rows64, kb, mask2, stride_q, n_blocks, MASKED, False)
     w = tl.arange(0, 4)
     acc_lo = tl.zeros_like(a).to(tl.float32)
     acc_hi = tl.zeros_like(a).to(tl.float32)
@@ -237,6 +257,10 @@ def _q6_part(q_ptr, d_ptr, m_ptr, rows64, rmask, kb, kmask, xrow, xs_lo, xs_hi, 
         acc_hi += fb * _ld(xp + 16, kmask[:, None], MASKED).to(tl.float32)[:, None, :]
     s_lo = tl.sum(acc_lo, axis=2)
     s_hi = tl.sum(acc_hi, axis=2)
+    if FMT == 8:  # Q5K: one scale and minimum per block; sum(q x) = 64 (sum((1 + q/64) x) - sum(x))
+        d, mn = _q4k_scales(d_ptr, m_ptr, rows64[None, :], kb[:, None], mask2, stride_d, MASKED)
+        xs = (xs_lo + xs_hi)[:, None]
+        return (64.0 * d) * (s_lo + s_hi - xs) + mn * xs
     d_lo, d_hi = _q6_scales(d_ptr, m_ptr, rows64[None, :], kb[:, None], mask2, stride_d, FMT, MASKED)
     r = (64.0 * d_lo) * (s_lo - 1.5 * xs_lo[:, None]) + (64.0 * d_hi) * (s_hi - 1.5 * xs_hi[:, None])
     if FMT == 5:
@@ -308,7 +332,7 @@ def _gemv_kernel(x_ptr, stride_xm,
             acc_a += _q8_part(a_q, a_d, rows64, rmask, kb, kmask, x, stride_q, stride_d, MASKED)
             if GLU:
                 acc_b += _q8_part(b_q, b_d, rows64, rmask, kb, kmask, x, stride_q, stride_d, MASKED)
-        elif FMT == 4 or FMT == 5 or FMT == 7:
+        elif FMT == 4 or FMT == 5 or FMT == 7 or FMT == 8:
             kb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
             kmask = kb < n_blocks
             xo = kb[:, None] * 32 + tl.arange(0, 16)[None, :]
@@ -480,6 +504,11 @@ def _q6_part_i8(q_ptr, d_ptr, m_ptr, rows64, rmask, kb, kmask, xlo, xhi, xdb, is
                 n_blocks, FMT: tl.constexpr, USE_ASM: tl.constexpr, MASKED: tl.constexpr):
     # per half (16 elements, one scale): s * xd * (sum(q * xq) - 32 sum(xq)), integer inside the half
     mask2 = kmask[:, None] & rmask[None, :]
+    if FMT == 8:  # Q5K: codes 0..31, one scale and minimum per block: xd * (d * sum(q * xq) + mn * sum(xq))
+        a, b = _q5_words(q_ptr, rows64, kb, mask2, stride_q, n_blocks, MASKED)
+        dot = tl.sum(dp4a(a, xlo[:, None, :], USE_ASM) + dp4a(b, xhi[:, None, :], USE_ASM), axis=2)
+        d, mn = _q4k_scales(d_ptr, m_ptr, rows64[None, :], kb[:, None], mask2, stride_d, MASKED)
+        return (d * dot.to(tl.float32) + mn * (isum_lo + isum_hi)[:, None].to(tl.float32)) * xdb[:, None]
     a, b = _q6_words(q_ptr, rows64, kb, mask2, stride_q, n_blocks, MASKED, True)
     dot_lo = tl.sum(dp4a(a, xlo[:, None, :], USE_ASM), axis=2) - 32 * isum_lo[:, None]
     dot_hi = tl.sum(dp4a(b, xhi[:, None, :], USE_ASM), axis=2) - 32 * isum_hi[:, None]
@@ -527,7 +556,7 @@ def _gemv_i8_kernel(xq_ptr, xd_ptr, xs_ptr,
             acc_a += _q8_part_i8(a_q, a_d, rows64, rmask, kb, kmask, xw, xdb, stride_q, stride_d, USE_ASM, MASKED)
             if GLU:
                 acc_b += _q8_part_i8(b_q, b_d, rows64, rmask, kb, kmask, xw, xdb, stride_q, stride_d, USE_ASM, MASKED)
-        elif FMT == 4 or FMT == 5 or FMT == 7:
+        elif FMT == 4 or FMT == 5 or FMT == 7 or FMT == 8:
             xp = xrow + kb[:, None] * 8 + tl.arange(0, 4)[None, :]
             xlo = _ld(xp, kmask[:, None], MASKED)
             xhi = _ld(xp + 4, kmask[:, None], MASKED)
@@ -653,6 +682,26 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
                 km = k < K
                 xt = tl.load(xcol + k[:, None], mask=km[:, None] & mmask[None, :], other=0.0)
                 acc = _mma(w, xt.to(tl.float16), acc, WEIGHT_B)
+            elif FMT == 8:
+                # Q5K: the nibbles as Q4, each element's fifth bit from its block's word of them, bit
+                # 8 (j % 4) + j // 4 (first half) and that + 4 (second half); one 4-byte load per
+                # block (copied ahead: the row, n_blocks * 16 and kb * 4 are multiples of 4 bytes)
+                j = tl.arange(0, 16)
+                rowp = w_q + rn64[:, None, None] * stride_q
+                q = tl.load(rowp + kb[None, :, None] * 16 + j[None, None, :], mask=wm[:, :, None], other=0)
+                t = tl.load((w_q + rn64[:, None] * stride_q + n_blocks * 16 + kb[None, :] * 4).to(
+                    tl.pointer_type(tl.int32)), mask=wm, other=0)[:, :, None]
+                sh = (8 * (j % 4) + j // 4)[None, None, :]
+                t_lo = (t >> sh) & 1
+                t_hi = (t >> (sh + 4)) & 1
+                lo = ((q & 15).to(tl.int32) | (t_lo << 4) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+                hi = ((q >> 4).to(tl.int32) | (t_hi << 4) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+                dk, mk = _q4k_scales(w_d, w_m, rn64[:, None], kb[None, :], wm, stride_d, True)
+                dk = dk.to(tl.float16)[:, :, None]
+                mk = mk.to(tl.float16)[:, :, None]
+                lo = (lo - 1024.0) * dk + mk
+                hi = (hi - 1024.0) * dk + mk
+                acc = _dot_halves(lo, hi, xcol, k0, K, mmask, acc, BLOCK_N, BLOCK_K, WEIGHT_B)
             elif FMT == 4 or FMT == 5 or FMT == 7:
                 # Q6/Q6M/Q6K: the nibbles as Q4, each element's top two bits from its half's byte
                 # 4h + (j % 4), bits 2 (j // 4) (see packing.py); per-16 scales d[2b], d[2b + 1]
@@ -840,7 +889,7 @@ def _launch_gemv(x, wa, wb, b_offset, bias, out, glu, act_int8, xq, config, rope
                               BLOCK_N=bn, BLOCK_K=bk, USE_ASM=USE_DP4A, MASKED=masked, num_warps=cfg["num_warps"], **rope_ce, **norm_ce,
                               **pf_ce, **pdl())
         return
-    words = fmt in ("Q4_0", "Q4_1", "Q6", "Q6M", "Q4K", "Q6K")
+    words = fmt in ("Q4_0", "Q4_1", "Q6", "Q6M", "Q4K", "Q5K", "Q6K")
     a = _weight_args(wa, out, 0, int_words=words)
     b = _weight_args(wb, out, b_offset, int_words=words) if glu else a
     stride_q = a[0].stride(0)

@@ -15,12 +15,18 @@ Layouts (all row-major, one row per output feature, `nb = in / 32` blocks per ro
         sc (bits 0..5) and 6-bit minimum mn (bits 8..13), m each 256-element super-block's fp16 D and
         DMIN, one (D, DMIN) pair per 8 blocks (4.625 bits per weight; the kernels multiply in fp32,
         as llama.cpp does).
+  Q5K   qs uint8 [out, nb * 20]   d int16 [out, nb]  m fp16 [out, nb / 4]  value = q * (D * sc) - (DMIN * mn)
+        Q5_K in its own terms: codes 0..31, their low four bits as Q4_0's nibbles (nb * 16 bytes),
+        then one 32-bit word of fifth bits per block (nb * 4 bytes): bit 4h + w of byte i holds bit 4
+        of element 16h + 4w + i, so that word w of a block's nibbles meets its elements' fifth bits
+        at bits w and w + 4 of every byte of that word (one shift and mask per half). Scales and
+        minimums as Q4K (Q5_K's are Q4_K's): 5.625 bits per weight.
   Q6K   qs uint8 [out, nb * 24] as Q6  d int8 [out, in/16]  m fp32 [out, in/256]  value = (q - 32) * D * sc
         Q6_K in its own terms: the codes as Q6 stores them, each 16 elements' int8 scale sc as stored,
         each 256-element super-block's fp16 D held as fp32 (exactly; a 4-byte load the prefill
         tile's pipeliner copies ahead, a 2-byte one it would not): 6.625 bits per weight.
-  Q4K and Q6K are made from Q4_K and Q6_K by default (EDGELLM_KQUANTS=converted: the conversions
-  below instead; see kquant_layout). H100, 2026-11-28: 8B Q4_K_M decode 416.8 tok/s native against
+  Q4K, Q5K and Q6K are made from Q4_K, Q5_K and Q6_K by default (EDGELLM_KQUANTS=converted: the
+  conversions below instead; see kquant_layout). H100, 2026-11-28: 8B Q4_K_M decode 416.8 tok/s native against
   410.0 converted, prefill 12,358 against 12,622 tok/s, 1B the same within 1%; 6% fewer weight bytes.
 Two GGML types are converted into these layouts rather than given their own:
   Q5_0 -> Q8_0 exactly (q - 16 fits in int8, same fp16 scale per 32);
@@ -70,7 +76,7 @@ from ....errors import TensorShapeError
 _BLOCK = {"F16": (1, 2), "BF16": (1, 2), "F32": (1, 4), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34),
           "Q5_0": (32, 22), "Q4_K": (256, 144), "Q5_1": (32, 24), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 SUPPORTED_FORMATS = frozenset(_BLOCK)
-PACKED_FORMATS = ("F16", "Q4_0", "Q4_1", "Q8_0", "Q6", "Q6M", "Q4K", "Q6K")  # what PackedWeight.fmt can be after repacking
+PACKED_FORMATS = ("F16", "Q4_0", "Q4_1", "Q8_0", "Q6", "Q6M", "Q4K", "Q5K", "Q6K")  # what PackedWeight.fmt can be after repacking
 _SIX_BIT = ("Q6_K", "Q5_K", "Q5_1")  # GGML types repacked into Q6 / Q6M
 # six-bit repacking decodes a slab of this many weights at a time (a few bytes of temporaries each)
 _REPACK_SLAB_ELEMENTS = 16 << 20
@@ -195,6 +201,8 @@ def repack(raw, fmt: str, shape, device=None) -> PackedWeight:
         return _repack_q4_k(raw, n_out, n_in, native=kquant_layout() == "native")
     if fmt == "Q6_K" and kquant_layout() == "native":
         return _repack_q6_k_native(raw, n_out, n_in)
+    if fmt == "Q5_K" and kquant_layout() == "native":
+        return _repack_q5_k_native(raw, n_out, n_in)
     if fmt in _SIX_BIT:
         return _repack_six_bit(raw, fmt, n_out, n_in)
     nb = n_in // 32
@@ -222,10 +230,10 @@ def repack(raw, fmt: str, shape, device=None) -> PackedWeight:
 
 
 def kquant_layout() -> str:
-    """How Q4_K and Q6_K weights are laid out for the kernels, from EDGELLM_KQUANTS: "native"
-    (default: the Q4K and Q6K layouts, the scales' codes and the super-block's fp16 fields as
-    stored) or "converted" (Q4_K as Q4_1, Q6_K as Q6, each sub-block's scale (and minimum)
-    multiplied out and rounded to fp16)."""
+    """How Q4_K, Q5_K and Q6_K weights are laid out for the kernels, from EDGELLM_KQUANTS: "native"
+    (default: the Q4K, Q5K and Q6K layouts, the scales' codes and the super-block's fp16 fields as
+    stored) or "converted" (Q4_K as Q4_1, Q5_K as Q6M, Q6_K as Q6, each sub-block's scale (and
+    minimum) multiplied out and rounded to fp16)."""
     mode = os.environ.get("EDGELLM_KQUANTS", "native").strip().lower()
     if mode not in ("converted", "native"):
         raise ValueError(f"EDGELLM_KQUANTS={mode!r}: expected 'converted' or 'native'")
@@ -290,10 +298,7 @@ def _six_bit_codes(blocks: torch.Tensor, fmt: str):
         d = blocks[:, 0:2].contiguous().view(torch.float16).float()
         dmin = blocks[:, 2:4].contiguous().view(torch.float16).float()
         sc, mn = _unpack_scales(blocks[:, 4:16])  # [n, 8] each
-        qs = blocks[:, 48:176].reshape(n, 4, 1, 32)
-        low = torch.cat([qs & 15, qs >> 4], dim=2).reshape(n, 8, 32)  # sub-block 2i low, 2i + 1 high nibbles
-        bit = (blocks[:, None, 16:48] >> torch.arange(8, dtype=torch.uint8, device=dev).reshape(1, 8, 1)) & 1
-        q = (low | (bit << 4)).reshape(n, 256) + 32
+        q = _q5_k_codes(blocks) + 32
         step, mins = d * sc.float(), -(dmin * mn.float())
         return q, step.repeat_interleave(2, dim=1), mins.repeat_interleave(2, dim=1)
     # Q5_1: d | m | qh (bit j: bit 4 of element j) | 16 bytes of nibbles
@@ -304,6 +309,40 @@ def _six_bit_codes(blocks: torch.Tensor, fmt: str):
     lo = blocks[:, 8:24].to(torch.int32)
     q = (torch.cat([lo & 15, lo >> 4], dim=1) | (bit << 4)) + 32
     return q.to(torch.uint8), d.expand(n, 2), m.expand(n, 2)
+
+
+def _q5_k_codes(blocks: torch.Tensor) -> torch.Tensor:
+    """Raw Q5_K blocks [n, 176] -> their codes [n, 256] (uint8 in 0..31, element order)."""
+    n = blocks.shape[0]
+    qs = blocks[:, 48:176].reshape(n, 4, 1, 32)
+    low = torch.cat([qs & 15, qs >> 4], dim=2).reshape(n, 8, 32)  # sub-block 2i low, 2i + 1 high nibbles
+    shifts = torch.arange(8, dtype=torch.uint8, device=blocks.device).reshape(1, 8, 1)
+    bit = (blocks[:, None, 16:48] >> shifts) & 1  # qh[l] bit j: bit 4 of element l of sub-block j
+    return (low | (bit << 4)).reshape(n, 256)
+
+
+def _pack_q5_codes(q: torch.Tensor) -> torch.Tensor:
+    """5-bit codes [rows, in] (uint8, element order) -> the Q5K rows of qs [rows, nb * 20]."""
+    rows, n_in = q.shape
+    nb = n_in // 32
+    b = q.reshape(rows, nb, 2, 16)
+    ql = (b[:, :, 0] & 15) | ((b[:, :, 1] & 15) << 4)  # [rows, nb, 16]
+    top = ((b >> 4) & 1).reshape(rows, nb, 2, 4, 4).permute(0, 1, 4, 2, 3).reshape(rows, nb, 4, 8)  # [.., i, 4h + w]
+    weights = (1 << torch.arange(8, dtype=torch.int32, device=q.device)).to(torch.uint8)
+    qh = (top * weights).sum(dim=3, dtype=torch.int32).to(torch.uint8)  # byte i of each block's word
+    return torch.cat([ql.reshape(rows, nb * 16), qh.reshape(rows, nb * 4)], dim=1)
+
+
+def _unpack_q5_codes(qs: torch.Tensor, n_in: int) -> torch.Tensor:
+    """The inverse of _pack_q5_codes: qs [rows, nb * 20] -> codes [rows, in] (uint8)."""
+    rows = qs.shape[0]
+    nb = n_in // 32
+    ql = qs[:, :nb * 16].reshape(rows, nb, 16)
+    low = torch.cat([ql & 15, ql >> 4], dim=2)  # [rows, nb, 32]
+    qh = qs[:, nb * 16:].reshape(rows, nb, 4, 1)  # [.., i, bit]
+    bits = (qh >> torch.arange(8, dtype=torch.uint8, device=qs.device)) & 1  # [.., i, 4h + w]
+    top = bits.reshape(rows, nb, 4, 2, 4).permute(0, 1, 3, 4, 2).reshape(rows, nb, 32)  # element 16h + 4w + i
+    return (low | (top << 4)).reshape(rows, n_in)
 
 
 def _pack_q6_codes(q: torch.Tensor) -> torch.Tensor:
@@ -367,6 +406,27 @@ def _repack_q6_k_native(raw: torch.Tensor, n_out: int, n_in: int) -> PackedWeigh
                         source_fmt="Q6_K")
 
 
+def _repack_q5_k_native(raw: torch.Tensor, n_out: int, n_in: int) -> PackedWeight:
+    """Q5_K rows -> the Q5K layout: the codes packed as Q5K, the 6-bit scale and minimum codes as
+    Q4K keeps them, each super-block's fp16 (D, DMIN) pair as stored; a slab of rows at a time."""
+    from ....quant.ggml_kquants import _unpack_scales
+
+    nsb = n_in // 256
+    rows = max(1, _REPACK_SLAB_ELEMENTS // n_in)
+    qs, codes, pairs = [], [], []
+    for r0 in range(0, n_out, rows):
+        slab = raw[r0:r0 + rows].contiguous()
+        r = slab.shape[0]
+        blocks = slab.reshape(r * nsb, 176)
+        qs.append(_pack_q5_codes(_q5_k_codes(blocks).reshape(r, n_in)))
+        sc, mn = _unpack_scales(blocks[:, 4:16])  # [r * nsb, 8] each
+        codes.append((sc.to(torch.int16) | (mn.to(torch.int16) << 8)).reshape(r, n_in // 32))
+        pairs.append(blocks[:, 0:4].contiguous().view(torch.float16).reshape(r, 2 * nsb))
+    cat = (lambda t: t[0] if len(t) == 1 else torch.cat(t, 0))
+    return PackedWeight("Q5K", (n_out, n_in), qs=cat(qs), d=cat(codes).contiguous(), m=cat(pairs).contiguous(),
+                        source_fmt="Q5_K")
+
+
 def q6k_scales(w: PackedWeight) -> torch.Tensor:
     """A Q6K weight's per-16 scale (float32 [out, in / 16]): D * sc."""
     return w.m.float().repeat_interleave(16, dim=1) * w.d.float()
@@ -385,12 +445,14 @@ def _codes_of(w: PackedWeight) -> torch.Tensor:
         return w.qs.to(torch.int16)
     if w.fmt in ("Q6", "Q6M", "Q6K"):
         return _unpack_q6_codes(w.qs, n_in).to(torch.int16)
+    if w.fmt == "Q5K":
+        return _unpack_q5_codes(w.qs, n_in).to(torch.int16)
     q = w.qs.reshape(n_out, n_in // 32, 16)
     return torch.cat([q & 15, q >> 4], dim=2).reshape(n_out, n_in).to(torch.int16)
 
 
 def q4k_scales(w: PackedWeight) -> tuple[torch.Tensor, torch.Tensor]:
-    """A Q4K weight's per-32 scale and minimum (float32 [out, nb]): D * sc and -(DMIN * mn)."""
+    """A Q4K (or Q5K) weight's per-32 scale and minimum (float32 [out, nb]): D * sc and -(DMIN * mn)."""
     n_out, nb = w.d.shape
     codes = w.d.to(torch.int32)
     pair = w.m.float().reshape(n_out, nb // 8, 2)
@@ -406,6 +468,21 @@ def q4k_as_q4_1(w: PackedWeight) -> PackedWeight:
     what = f"Q4_K weight {w.shape}: a sub-block scale or minimum"
     return PackedWeight("Q4_1", w.shape, qs=w.qs, d=_checked_f16(d, what), m=_checked_f16(m, what),
                         source_fmt=w.source_fmt)
+
+
+def q5k_as_q6m(w: PackedWeight) -> PackedWeight:
+    """A Q5K weight in the Q6M layout, each scale and minimum rounded to fp16 (as the converted
+    Q5_K -> Q6M repack); for stacks with parts in other formats."""
+    d, m = q4k_scales(w)
+    what = f"Q5_K weight {w.shape}: a sub-block scale or minimum"
+    return PackedWeight("Q6M", w.shape, qs=_pack_q6_codes((_codes_of(w) + 32).to(torch.uint8)),
+                        d=_checked_f16(d, what).repeat_interleave(2, dim=1).contiguous(),
+                        m=_checked_f16(m, what).repeat_interleave(2, dim=1).contiguous(), source_fmt=w.source_fmt)
+
+
+def _converted(w: PackedWeight) -> PackedWeight:
+    """A native K-quant layout's converted counterpart (Q4K -> Q4_1, Q5K -> Q6M, Q6K -> Q6); others as they are."""
+    return {"Q4K": q4k_as_q4_1, "Q5K": q5k_as_q6m, "Q6K": q6k_as_q6}.get(w.fmt, lambda p: p)(w)
 
 
 def convert_packed(w: PackedWeight, fmt: str) -> PackedWeight | None:
@@ -448,7 +525,7 @@ def unify_formats(parts: list[PackedWeight]) -> list[PackedWeight]:
     else F16 (values rounded to fp16)."""
     if len({p.fmt for p in parts}) <= 1:
         return list(parts)
-    parts = [q4k_as_q4_1(p) if p.fmt == "Q4K" else q6k_as_q6(p) if p.fmt == "Q6K" else p for p in parts]
+    parts = [_converted(p) for p in parts]
     if len({p.fmt for p in parts}) <= 1:
         return parts
     for fmt in _STACK_LAYOUTS:
@@ -507,10 +584,9 @@ def dequantize(w: PackedWeight, dtype=torch.float32) -> torch.Tensor:
         if w.fmt == "Q6M":
             v = v + w.m.float().reshape(n_out, n_in // 16, 1)
         return v.reshape(n_out, n_in).to(dtype)
-    if w.fmt == "Q4K":
+    if w.fmt in ("Q4K", "Q5K"):
         d, m = q4k_scales(w)
-        q = w.qs.reshape(n_out, n_in // 32, 16)
-        q = torch.cat([q & 15, q >> 4], dim=2).float()
+        q = _codes_of(w).float().reshape(n_out, n_in // 32, 32)
         return (q * d[:, :, None] + m[:, :, None]).reshape(n_out, n_in).to(dtype)
     d = w.d.float().reshape(n_out, n_in // 32, 1)
     if w.fmt == "Q8_0":
