@@ -26,8 +26,9 @@ Layouts (all row-major, one row per output feature, `nb = in / 32` blocks per ro
         each 256-element super-block's fp16 D held as fp32 (exactly; a 4-byte load the prefill
         tile's pipeliner copies ahead, a 2-byte one it would not): 6.625 bits per weight.
   Q4K, Q5K and Q6K are made from Q4_K, Q5_K and Q6_K by default (EDGELLM_KQUANTS=converted: the
-  conversions below instead; see kquant_layout). H100, 2026-11-28: 8B Q4_K_M decode 416.8 tok/s native against
-  410.0 converted, prefill 12,358 against 12,622 tok/s, 1B the same within 1%; 6% fewer weight bytes.
+  conversions below instead; see kquant_layout). H100, 2026-11-28, decode tg128 native against
+  converted: 8B Q4_K_M 416.8 against 410.0 tok/s (prefill 12,358 against 12,622), 1B Q4_K_M the
+  same within 1%; 8B Q5_K_M 371.8 against 329.0 (prefill +9%), 1B Q5_K_M 1,541.5 against 1,407.8.
 Two GGML types are converted into these layouts rather than given their own:
   Q5_0 -> Q8_0 exactly (q - 16 fits in int8, same fp16 scale per 32);
   Q4_K -> Q4_1: each 32-element sub-block gets d = super-block d * 6-bit scale and m = -dmin * 6-bit
