@@ -819,8 +819,9 @@ def _configure_quantize_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("input", metavar="IN", help="a GGUF file, or a Hugging Face folder (config.json + *.safetensors)")
     p.add_argument("output", metavar="OUT", help="the GGUF file to write")
     p.add_argument("--type", "-t", default=None, metavar="T",
-                   help=f"target format: {', '.join(TYPES)} (also q4_g<group>[_sym], fp4_e0m4_g<group>); "
-                        "required except with --policy mixed-8-4-4 (default q4_g32 there)")
+                   help=f"target format: {', '.join(TYPES)} (also q4_g<group>[_sym], fp4_e0m4_g<group>; "
+                        "q4_k_m and q5_k_m are llama-quantize's mixes: Q6_K for the head and some attn_v "
+                        "and ffn_down); required except with --policy mixed-8-4-4 (default q4_g32 there)")
     p.add_argument("--policy", default="uniform", metavar="P",
                    help=f"{', '.join(POLICIES)} (default uniform: every weight gets --type; mixed-8-4-4: attention "
                         "8-bit, embedding and FFN 4-bit; llama.cpp: output Q6_K, tied embedding Q8_0)")

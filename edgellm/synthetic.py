@@ -15,6 +15,7 @@ from typing import Callable
 import numpy as np
 
 from .errors import EdgeLLMError
+from .quant.policy import MIXES, more_bits
 
 
 @dataclass(frozen=True)
@@ -59,23 +60,15 @@ PRESETS = {
 }
 
 
-# Mixes of types named by llama-quantize's file types: the main type and which tensors it gives more bits
-MIXES = ("Q4_K_M", "Q5_K_M")
-
-
-def _more_bits(i: int, n: int) -> bool:
-    """llama-quantize's use_more_bits: the first and last eighth of the layers and every third between."""
-    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
-
-
 def quant_mix(spec: SyntheticSpec, ftype: str) -> SyntheticSpec:
     """The tensor types llama-quantize chooses for `ftype` on a llama-style model (src/llama-quant.cpp
-    of llama.cpp): Q4_K_M (Q5_K_M) is Q4_K (Q5_K) with Q6_K for attn_v and ffn_down in the layers
-    _more_bits names, and for the output matrix (the token embedding where the output is tied to it)."""
+    of llama.cpp; edgellm.quant.policy.KMix, as `edgellm quantize --type q4_k_m` applies it): Q4_K_M
+    (Q5_K_M) is Q4_K (Q5_K) with Q6_K for attn_v and ffn_down in the layers more_bits names, and for
+    the output matrix (the token embedding where the output is tied to it)."""
     if ftype.upper() not in MIXES:
         raise EdgeLLMError(f"unknown quantization mix '{ftype}' (known: {', '.join(MIXES)})")
-    base = ftype.upper()[:4]  # Q4_K, Q5_K
-    six = {f"blk.{i}.{t}.weight": "Q6_K" for i in range(spec.n_layers) if _more_bits(i, spec.n_layers)
+    base = MIXES[ftype.upper()]
+    six = {f"blk.{i}.{t}.weight": "Q6_K" for i in range(spec.n_layers) if more_bits(i, spec.n_layers)
            for t in ("attn_v", "ffn_down")}
     head = {"embed_type": "Q6_K"} if spec.tied else {"embed_type": base, "output_type": "Q6_K"}
     return replace(spec, weight_type=base, **head, type_overrides={**six, **spec.type_overrides})

@@ -124,3 +124,19 @@ def test_synthetic_q4_k_m_mix_gives_more_bits_where_llama_quantize_did(gemma_pat
     wrong = [name for name in names if (real[name] in more) != (got[name] == "Q6_K")]
     assert not wrong, f"six-bit here but not in the llama-quantize file, or the reverse: {wrong}"
     assert tensor_type(spec, "blk.3.attn_q.weight", (64, 64)) == "Q4_K"
+
+
+def test_quantize_q4_k_m_chooses_llama_quantizes_type_for_every_tensor(gemma_path):
+    """`edgellm quantize --type q4_k_m`'s choice of types (the mix, then the fallbacks for rows of 640
+    that are no multiple of 256: Q4_K -> Q5_0, Q6_K -> Q8_0) against this file, which llama-quantize
+    made as Q4_K_M: the same type for every one of its tensors."""
+    from gguf import GGUFReader
+
+    from edgellm.quant.policy import choose_types, make_policy
+
+    tensors = GGUFReader(gemma_path).tensors
+    shapes = {t.name: tuple(int(x) for x in reversed(t.shape.tolist())) for t in tensors}
+    got = {name: c.format.name for name, c in choose_types(shapes, make_policy("uniform", "q4_k_m")).items()}
+    real = {t.name: t.tensor_type.name for t in tensors}
+    assert {"Q4_K", "Q5_0", "Q6_K", "Q8_0"} <= set(real.values())
+    assert got == real

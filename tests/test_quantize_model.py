@@ -266,6 +266,29 @@ def test_llama_cpp_policy_keeps_the_head_wider(work, float_model):
     edgellm.load(work / "lcpp-tied.gguf", ctx=16).logits([1, 2, 3])
 
 
+@pytest.mark.parametrize("mix,main_type", [("q4_k_m", "Q4_K"), ("q5_k_m", "Q5_K")])
+def test_k_m_mixes_give_more_bits_where_llama_quantize_does(work, float_model, float_logits, mix, main_type):
+    """--type q4_k_m / q5_k_m: llama-quantize's mixes (the real file's check: test_gemma3_file). On two
+    layers, more_bits picks the last: its attn_v and ffn_down, and the untied output, get Q6_K; the
+    quantized model tracks the float one as its main type does."""
+    report, seen = _quiet(float_model, work / f"{mix}.gguf", mix, force=True)
+    assert not seen, seen
+    assert report.policy == f"llama.cpp {mix}"
+    six = {"output.weight", "blk.1.attn_v.weight", "blk.1.ffn_down.weight"}
+    f = open_gguf(work / f"{mix}.gguf")
+    for name, t in f.tensors.items():
+        want = "F32" if len(t.shape) == 1 else "Q6_K" if name in six else main_type
+        assert t.type_name == want == report.types[name], name
+    ids, ref = float_logits
+    rel = _rel(edgellm.load(work / f"{mix}.gguf", ctx=128).logits(ids), ref)
+    assert rel <= LOGIT_GAIN * EXPECTED_WEIGHT_ERR[main_type], f"{mix}: relative logit error {rel:.4g}"
+    with pytest.raises(QuantizePolicyError, match="mix"):
+        quantize_model(float_model, work / "x.gguf", mix, policy="mixed-8-4-4", force=True)
+    with pytest.raises(QuantizePolicyError, match="mix of types"):
+        quantize_model(float_model, work / "x.gguf", "q8_0", rules=[f"attn_v={mix}"], force=True)
+    assert not (work / "x.gguf").exists()
+
+
 def test_rules_override_the_policy_and_1d_tensors_stay_f32(work, float_model):
     rules = [r"blk\.\d+\.attn_.*=q8_0", r"attn_q=q4_1", r".*=q5_0"]
     report, _ = _quiet(float_model, work / "rules.gguf", "q4_g32", rules=rules, force=True)

@@ -16,6 +16,11 @@ The order of decisions for one tensor (first that applies wins):
                    rows are not a whole number of 256-value blocks), and a tied token_embd (which
                    is the LM head too) is kept at 8-bit, Q8_0. A requested type of 8 bits or more
                    is never narrowed.
+     A requested mix, Q4_K_M or Q5_K_M (llama-quantize's file types of those names; with the
+     uniform or llama.cpp policy), gives every weight Q4_K or Q5_K except where llama-quantize
+     (src/llama-quant.cpp) gives more bits on a llama-style model: Q6_K for the LM head (output.weight,
+     or a tied token_embd) and for attn_v and ffn_down in the first and last eighth of the layers
+     and every third layer between (more_bits).
   4. the fallback: a format whose block does not divide the tensor's row length is replaced by the
      next wider format that fits, with a warning naming the tensor (an error with strict=True):
        Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0 (llama.cpp's own choices),
@@ -43,7 +48,9 @@ class QuantizePolicyError(EdgeLLMError, ValueError):
 # The types `edgellm quantize --type` offers (lower case, as typed on the command line). Other
 # group sizes (Q4_G64, FP4_E0M4_G32, ...) are accepted too.
 TYPES = ("f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k",
-         "q8_pc", "q4_g32", "q4_g32_sym", "q4_g128", "q4_g128_sym", "fp4_e0m4")
+         "q4_k_m", "q5_k_m", "q8_pc", "q4_g32", "q4_g32_sym", "q4_g128", "q4_g128_sym", "fp4_e0m4")
+# mixes of types named by llama-quantize's file types: the main type of each (the rest: KMix)
+MIXES = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}
 POLICIES = ("uniform", "mixed-8-4-4", "llama.cpp")
 MIXED_DEFAULT_4BIT = "Q4_G32"
 
@@ -64,6 +71,9 @@ def known_types_text() -> str:
 
 def resolve_type(name: str, what: str = "type") -> QuantFormat:
     """The format a --type / rule names; QuantizePolicyError listing the known ones otherwise."""
+    if name.strip().upper() in MIXES:
+        raise QuantizePolicyError(f"{what} '{name}' names a mix of types for a whole file (llama-quantize's), "
+                                  f"not one tensor's type; give a single type here (e.g. {MIXES[name.strip().upper()].lower()})")
     try:
         fmt = get_format(name)
     except UnknownTensorTypeError:
@@ -140,6 +150,10 @@ class Policy:
     def __init__(self, requested: QuantFormat | None):
         self.requested = requested
 
+    def prepare(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        """Called with every tensor's shape before the first choose (a policy that depends on
+        the model's depth reads it here)."""
+
     def choose(self, name: str, shape: tuple[int, ...], tied: bool) -> QuantFormat:
         raise NotImplementedError
 
@@ -195,6 +209,38 @@ class LlamaCpp(Policy):
         return self.requested
 
 
+def more_bits(i: int, n: int) -> bool:
+    """llama-quantize's use_more_bits: layer i of n is in the first or last eighth, or every third between."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+_LAYER = re.compile(r"^blk\.(\d+)\.")
+
+
+class KMix(LlamaCpp):
+    """llama-quantize's Q4_K_M and Q5_K_M on a llama-style model: the main type, Q6_K for the LM
+    head and for attn_v and ffn_down where more_bits says so (counted over the layers that have
+    them, as llama-quantize counts them)."""
+
+    def __init__(self, mix: str):
+        super().__init__(get_format(MIXES[mix]))
+        self.mix = mix
+        self.name = f"llama.cpp {mix.lower()}"
+        self.six = get_format("Q6_K")
+        self.more: set[str] = set()
+
+    def prepare(self, shapes):
+        for kind in ("attn_v", "ffn_down"):
+            layers = sorted(int(m[1]) for n in shapes if (m := _LAYER.match(n)) and tensor_kind(n) == kind
+                            and n.endswith(".weight"))
+            self.more |= {f"blk.{i}.{kind}.weight" for k, i in enumerate(layers) if more_bits(k, len(layers))}
+
+    def choose(self, name, shape, tied):
+        if name == "output.weight" or (name == "token_embd.weight" and tied) or name in self.more:
+            return self.six
+        return self.requested
+
+
 _POLICY_CLASSES = {"uniform": Uniform, "mixed-8-4-4": Mixed844, "llama.cpp": LlamaCpp}
 
 
@@ -202,6 +248,11 @@ def make_policy(name: str, requested: str | QuantFormat | None) -> Policy:
     cls = _POLICY_CLASSES.get(str(name).strip().lower())
     if cls is None:
         raise QuantizePolicyError(f"unknown policy '{name}'; known: {', '.join(POLICIES)}")
+    if isinstance(requested, str) and requested.strip().upper() in MIXES:
+        if cls is Mixed844:
+            raise QuantizePolicyError(f"--type {requested.strip().lower()} is a mix of its own (llama-quantize's); "
+                                      "use it with --policy uniform or llama.cpp, not mixed-8-4-4")
+        return KMix(requested.strip().upper())
     fmt = resolve_type(requested) if isinstance(requested, str) else requested
     return cls(fmt)
 
@@ -213,6 +264,7 @@ def choose_types(shapes: dict[str, tuple[int, ...]], policy: Policy, rules: Iter
     naming every tensor concerned; raises QuantizePolicyError at the first one with strict=True."""
     rules = list(rules)
     tied = "output.weight" not in shapes
+    policy.prepare({name: tuple(shape) for name, shape in shapes.items()})
     f32 = get_format("F32")
     out: dict[str, Choice] = {}
     fallbacks: dict[tuple[str, int, str], list[str]] = {}
