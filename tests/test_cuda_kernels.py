@@ -827,7 +827,7 @@ def test_parallel_compile_gives_the_kernels_the_launches_use(tmp_path):
 def make_q6(rng, n_out, n_in, with_min):
     """A Q6 / Q6M PackedWeight from codes and scales drawn here, and its float64 matrix computed
     here from them: (q - 32) * d [+ m], one d (and m) per 16 elements."""
-    from edgellm.backends.cuda.kernels.packing import _pack_q6_codes
+    from edgellm.quant.code_planes import pack_q6_codes
     q = rng.integers(0, 64, (n_out, n_in)).astype(np.uint8)
     d = (rng.uniform(0.5, 1.5, (n_out, n_in // 16)) * rng.choice([-1, 1], (n_out, n_in // 16)) * 0.03).astype(np.float16)
     ref = (q.astype(np.float64) - 32).reshape(n_out, -1, 16) * d.astype(np.float64)[:, :, None]
@@ -836,7 +836,7 @@ def make_q6(rng, n_out, n_in, with_min):
         m = (rng.standard_normal((n_out, n_in // 16)) * 0.5).astype(np.float16)
         ref = ref + m.astype(np.float64)[:, :, None]
     pw = K.PackedWeight("Q6M" if with_min else "Q6", (n_out, n_in),
-                        qs=_pack_q6_codes(torch.from_numpy(q)).to(DEV), d=torch.from_numpy(d).to(DEV),
+                        qs=pack_q6_codes(torch.from_numpy(q)).to(DEV), d=torch.from_numpy(d).to(DEV),
                         m=None if m is None else torch.from_numpy(m).to(DEV))
     return pw, ref.reshape(n_out, n_in)
 

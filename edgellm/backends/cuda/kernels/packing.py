@@ -65,13 +65,14 @@ is the same data as 32-bit words (the decode kernels read Q4 that way).
 from __future__ import annotations
 
 import os
-import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from ....errors import TensorShapeError
+from ....quant.code_planes import (pack_q5_codes, pack_q6_codes, q5_k_codes, six_bit_codes, tensor_of,
+                                   unpack_q5_codes, unpack_q6_codes)
 
 # GGML type name -> (block elements, bytes per block)
 _BLOCK = {"F16": (1, 2), "BF16": (1, 2), "F32": (1, 4), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34),
@@ -137,12 +138,7 @@ def can_repack(fmt: str) -> bool:
 
 def _as_torch(raw) -> torch.Tensor:
     if isinstance(raw, np.ndarray):
-        raw = np.ascontiguousarray(raw)
-        if not raw.flags.writeable:  # a read-only map of the model file: only ever read from here
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-                return torch.from_numpy(raw)
-        raw = torch.from_numpy(raw)
+        raw = tensor_of(raw)  # a read-only map of the model file: only ever read from here
     if not isinstance(raw, torch.Tensor):
         raise TypeError(f"raw weight data must be a torch tensor or numpy array, got {type(raw).__name__}")
     return raw
@@ -279,96 +275,6 @@ def _checked_f16(v: torch.Tensor, what: str) -> torch.Tensor:
     return v.half()
 
 
-def _six_bit_codes(blocks: torch.Tensor, fmt: str):
-    """Raw blocks [n, type size] of Q6_K, Q5_K or Q5_1 -> (q [n, block] uint8 in 0..63, element
-    order; d [n, block / 16] float32; m [n, block / 16] float32 or None) with value = (q - 32) * d + m."""
-    n = blocks.shape[0]
-    dev = blocks.device
-    if fmt == "Q6_K":  # see edgellm/quant/ggml_kquants.py for the block layout
-        ql = blocks[:, :128].reshape(n, 2, 1, 64)
-        low = torch.cat([ql & 15, ql >> 4], dim=2)
-        qh = blocks[:, 128:192].reshape(n, 2, 1, 32)
-        high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=dev).reshape(1, 1, 4, 1)) & 3
-        q = low.reshape(n, 256) | (high.reshape(n, 256) << 4)
-        sc = blocks[:, 192:208].contiguous().view(torch.int8).float()
-        d = blocks[:, 208:210].contiguous().view(torch.float16).float()
-        return q, d * sc, None
-    if fmt == "Q5_K":
-        from ....quant.ggml_kquants import _unpack_scales
-
-        d = blocks[:, 0:2].contiguous().view(torch.float16).float()
-        dmin = blocks[:, 2:4].contiguous().view(torch.float16).float()
-        sc, mn = _unpack_scales(blocks[:, 4:16])  # [n, 8] each
-        q = _q5_k_codes(blocks) + 32
-        step, mins = d * sc.float(), -(dmin * mn.float())
-        return q, step.repeat_interleave(2, dim=1), mins.repeat_interleave(2, dim=1)
-    # Q5_1: d | m | qh (bit j: bit 4 of element j) | 16 bytes of nibbles
-    d = blocks[:, 0:2].contiguous().view(torch.float16).float()
-    m = blocks[:, 2:4].contiguous().view(torch.float16).float()
-    qh = blocks[:, 4:8].contiguous().view(torch.int32)  # [n, 1]
-    bit = (qh >> torch.arange(32, dtype=torch.int32, device=dev)) & 1
-    lo = blocks[:, 8:24].to(torch.int32)
-    q = (torch.cat([lo & 15, lo >> 4], dim=1) | (bit << 4)) + 32
-    return q.to(torch.uint8), d.expand(n, 2), m.expand(n, 2)
-
-
-def _q5_k_codes(blocks: torch.Tensor) -> torch.Tensor:
-    """Raw Q5_K blocks [n, 176] -> their codes [n, 256] (uint8 in 0..31, element order)."""
-    n = blocks.shape[0]
-    qs = blocks[:, 48:176].reshape(n, 4, 1, 32)
-    low = torch.cat([qs & 15, qs >> 4], dim=2).reshape(n, 8, 32)  # sub-block 2i low, 2i + 1 high nibbles
-    shifts = torch.arange(8, dtype=torch.uint8, device=blocks.device).reshape(1, 8, 1)
-    bit = (blocks[:, None, 16:48] >> shifts) & 1  # qh[l] bit j: bit 4 of element l of sub-block j
-    return (low | (bit << 4)).reshape(n, 256)
-
-
-def _pack_q5_codes(q: torch.Tensor) -> torch.Tensor:
-    """5-bit codes [rows, in] (uint8, element order) -> the Q5K rows of qs [rows, nb * 20]."""
-    rows, n_in = q.shape
-    nb = n_in // 32
-    b = q.reshape(rows, nb, 2, 16)
-    ql = (b[:, :, 0] & 15) | ((b[:, :, 1] & 15) << 4)  # [rows, nb, 16]
-    top = ((b >> 4) & 1).reshape(rows, nb, 2, 4, 4).permute(0, 1, 4, 2, 3).reshape(rows, nb, 4, 8)  # [.., i, 4h + w]
-    weights = (1 << torch.arange(8, dtype=torch.int32, device=q.device)).to(torch.uint8)
-    qh = (top * weights).sum(dim=3, dtype=torch.int32).to(torch.uint8)  # byte i of each block's word
-    return torch.cat([ql.reshape(rows, nb * 16), qh.reshape(rows, nb * 4)], dim=1)
-
-
-def _unpack_q5_codes(qs: torch.Tensor, n_in: int) -> torch.Tensor:
-    """The inverse of _pack_q5_codes: qs [rows, nb * 20] -> codes [rows, in] (uint8)."""
-    rows = qs.shape[0]
-    nb = n_in // 32
-    ql = qs[:, :nb * 16].reshape(rows, nb, 16)
-    low = torch.cat([ql & 15, ql >> 4], dim=2)  # [rows, nb, 32]
-    qh = qs[:, nb * 16:].reshape(rows, nb, 4, 1)  # [.., i, bit]
-    bits = (qh >> torch.arange(8, dtype=torch.uint8, device=qs.device)) & 1  # [.., i, 4h + w]
-    top = bits.reshape(rows, nb, 4, 2, 4).permute(0, 1, 3, 4, 2).reshape(rows, nb, 32)  # element 16h + 4w + i
-    return (low | (top << 4)).reshape(rows, n_in)
-
-
-def _pack_q6_codes(q: torch.Tensor) -> torch.Tensor:
-    """6-bit codes [rows, in] (uint8, element order) -> the Q6 rows of qs [rows, nb * 24]."""
-    rows, n_in = q.shape
-    nb = n_in // 32
-    b = q.reshape(rows, nb, 2, 16)
-    ql = (b[:, :, 0] & 15) | ((b[:, :, 1] & 15) << 4)  # [rows, nb, 16]
-    hb = (b >> 4).reshape(rows, nb, 2, 4, 4)  # [.., h, w, i]: top bits of element 16h + 4w + i
-    qh = hb[:, :, :, 0] | (hb[:, :, :, 1] << 2) | (hb[:, :, :, 2] << 4) | (hb[:, :, :, 3] << 6)  # byte 4h + i
-    return torch.cat([ql.reshape(rows, nb * 16), qh.reshape(rows, nb * 8)], dim=1)
-
-
-def _unpack_q6_codes(qs: torch.Tensor, n_in: int) -> torch.Tensor:
-    """The inverse of _pack_q6_codes: qs [rows, nb * 24] -> codes [rows, in] (uint8)."""
-    rows = qs.shape[0]
-    nb = n_in // 32
-    ql = qs[:, :nb * 16].reshape(rows, nb, 16)
-    low = torch.cat([ql & 15, ql >> 4], dim=2)  # [rows, nb, 32]
-    qh = qs[:, nb * 16:].reshape(rows, nb, 2, 1, 4)
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=qs.device).reshape(1, 1, 1, 4, 1)
-    high = ((qh >> shifts) & 3).reshape(rows, nb, 32)
-    return (low | (high << 4)).reshape(rows, n_in)
-
-
 def _repack_six_bit(raw: torch.Tensor, fmt: str, n_out: int, n_in: int) -> PackedWeight:
     """Q6_K, Q5_K, Q5_1 rows -> Q6 / Q6M (see the module docstring), with torch ops on raw's device,
     a slab of rows at a time (an 8B model's Q6_K output matrix has 525M weights)."""
@@ -378,8 +284,8 @@ def _repack_six_bit(raw: torch.Tensor, fmt: str, n_out: int, n_in: int) -> Packe
     for r0 in range(0, n_out, rows):
         slab = raw[r0:r0 + rows].contiguous()
         r = slab.shape[0]
-        q, d, m = _six_bit_codes(slab.reshape(r * (n_in // block), tsize), fmt)
-        qs.append(_pack_q6_codes(q.reshape(r, n_in)))
+        q, d, m = six_bit_codes(slab.reshape(r * (n_in // block), tsize), fmt)
+        qs.append(pack_q6_codes(q.reshape(r, n_in)))
         ds.append(_checked_f16(d.reshape(r, n_in // 16), f"{fmt} weight {(n_out, n_in)}: a scale"))
         if m is not None:
             ms.append(_checked_f16(m.reshape(r, n_in // 16), f"{fmt} weight {(n_out, n_in)}: a minimum"))
@@ -398,8 +304,8 @@ def _repack_q6_k_native(raw: torch.Tensor, n_out: int, n_in: int) -> PackedWeigh
         slab = raw[r0:r0 + rows].contiguous()
         r = slab.shape[0]
         blocks = slab.reshape(r * nsb, 210)
-        q, _, _ = _six_bit_codes(blocks, "Q6_K")
-        qs.append(_pack_q6_codes(q.reshape(r, n_in)))
+        q, _, _ = six_bit_codes(blocks, "Q6_K")
+        qs.append(pack_q6_codes(q.reshape(r, n_in)))
         scs.append(blocks[:, 192:208].contiguous().view(torch.int8).reshape(r, n_in // 16))
         dds.append(blocks[:, 208:210].contiguous().view(torch.float16).reshape(r, nsb).float())
     cat = (lambda t: t[0] if len(t) == 1 else torch.cat(t, 0))
@@ -419,7 +325,7 @@ def _repack_q5_k_native(raw: torch.Tensor, n_out: int, n_in: int) -> PackedWeigh
         slab = raw[r0:r0 + rows].contiguous()
         r = slab.shape[0]
         blocks = slab.reshape(r * nsb, 176)
-        qs.append(_pack_q5_codes(_q5_k_codes(blocks).reshape(r, n_in)))
+        qs.append(pack_q5_codes(q5_k_codes(blocks).reshape(r, n_in)))
         sc, mn = _unpack_scales(blocks[:, 4:16])  # [r * nsb, 8] each
         codes.append((sc.to(torch.int16) | (mn.to(torch.int16) << 8)).reshape(r, n_in // 32))
         pairs.append(blocks[:, 0:4].contiguous().view(torch.float16).reshape(r, 2 * nsb))
@@ -445,9 +351,9 @@ def _codes_of(w: PackedWeight) -> torch.Tensor:
     if w.fmt == "Q8_0":
         return w.qs.to(torch.int16)
     if w.fmt in ("Q6", "Q6M", "Q6K"):
-        return _unpack_q6_codes(w.qs, n_in).to(torch.int16)
+        return unpack_q6_codes(w.qs, n_in).to(torch.int16)
     if w.fmt == "Q5K":
-        return _unpack_q5_codes(w.qs, n_in).to(torch.int16)
+        return unpack_q5_codes(w.qs, n_in).to(torch.int16)
     q = w.qs.reshape(n_out, n_in // 32, 16)
     return torch.cat([q & 15, q >> 4], dim=2).reshape(n_out, n_in).to(torch.int16)
 
@@ -476,7 +382,7 @@ def q5k_as_q6m(w: PackedWeight) -> PackedWeight:
     Q5_K -> Q6M repack); for stacks with parts in other formats."""
     d, m = q4k_scales(w)
     what = f"Q5_K weight {w.shape}: a sub-block scale or minimum"
-    return PackedWeight("Q6M", w.shape, qs=_pack_q6_codes((_codes_of(w) + 32).to(torch.uint8)),
+    return PackedWeight("Q6M", w.shape, qs=pack_q6_codes((_codes_of(w) + 32).to(torch.uint8)),
                         d=_checked_f16(d, what).repeat_interleave(2, dim=1).contiguous(),
                         m=_checked_f16(m, what).repeat_interleave(2, dim=1).contiguous(), source_fmt=w.source_fmt)
 
@@ -506,10 +412,10 @@ def convert_packed(w: PackedWeight, fmt: str) -> PackedWeight | None:
             return None
         d = w.d if w.fmt == "Q6" else w.d.repeat_interleave(2, dim=1)
         m = torch.zeros_like(d) if fmt == "Q6M" else None
-        return PackedWeight(fmt, w.shape, qs=_pack_q6_codes((q + off).to(torch.uint8)), d=d.contiguous(), m=m,
+        return PackedWeight(fmt, w.shape, qs=pack_q6_codes((q + off).to(torch.uint8)), d=d.contiguous(), m=m,
                             source_fmt=w.source_fmt)
     if w.fmt == "Q4_1" and fmt == "Q6M":
-        return PackedWeight("Q6M", w.shape, qs=_pack_q6_codes((_codes_of(w) + 32).to(torch.uint8)),
+        return PackedWeight("Q6M", w.shape, qs=pack_q6_codes((_codes_of(w) + 32).to(torch.uint8)),
                             d=w.d.repeat_interleave(2, dim=1).contiguous(),
                             m=w.m.repeat_interleave(2, dim=1).contiguous(), source_fmt=w.source_fmt)
     return None
@@ -579,7 +485,7 @@ def dequantize(w: PackedWeight, dtype=torch.float32) -> torch.Tensor:
     if w.fmt == "F16":
         return w.qs.to(dtype)
     if w.fmt in ("Q6", "Q6M", "Q6K"):
-        q = _unpack_q6_codes(w.qs, n_in).float().reshape(n_out, n_in // 16, 16)
+        q = unpack_q6_codes(w.qs, n_in).float().reshape(n_out, n_in // 16, 16)
         d = q6k_scales(w) if w.fmt == "Q6K" else w.d.float()
         v = (q - 32) * d.reshape(n_out, n_in // 16, 1)
         if w.fmt == "Q6M":

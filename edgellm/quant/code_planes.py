@@ -1,0 +1,122 @@
+"""GGML K-quant and 5/6-bit blocks as integer codes, and the code planes the GPU backends read.
+
+Backend-neutral torch functions (on whatever device the tensors are): the cuda backend's layouts
+(edgellm/backends/cuda/kernels/packing.py) and the webgpu backend's (edgellm/backends/webgpu/
+codegen.py) are built from them, so both read the same bytes.
+
+Code planes, per 32-element block (row-major, `nb = in / 32` blocks per row):
+  six-bit (Q6, Q6M, Q6K)  the blocks' low four bits (nb * 16 bytes: byte j holds element j in its low
+                          nibble and j + 16 in its high nibble, as GGML's 4-bit blocks), then their top
+                          two bits (nb * 8 bytes: byte 4h + i holds, at bits 2w and 2w + 1, bits 4..5 of
+                          element 16h + 4w + i).
+  five-bit (Q5K)          the low four bits as above, then one 32-bit word of fifth bits per block
+                          (nb * 4 bytes: bit 4h + w of byte i holds bit 4 of element 16h + 4w + i).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+
+
+def tensor_of(a: np.ndarray) -> torch.Tensor:
+    """A numpy array as a torch tensor sharing its memory; a read-only one (a map of the model
+    file) without torch's warning that it is not writable: these functions only read it."""
+    a = np.ascontiguousarray(a)
+    if a.flags.writeable:
+        return torch.from_numpy(a)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(a)
+
+
+def six_bit_codes(blocks: torch.Tensor, fmt: str):
+    """Raw blocks [n, type size] of Q6_K, Q5_K or Q5_1 -> (q [n, block] uint8 in 0..63, element
+    order; d [n, block / 16] float32; m [n, block / 16] float32 or None) with value = (q - 32) * d + m."""
+    n = blocks.shape[0]
+    dev = blocks.device
+    if fmt == "Q6_K":  # see edgellm/quant/ggml_kquants.py for the block layout
+        ql = blocks[:, :128].reshape(n, 2, 1, 64)
+        low = torch.cat([ql & 15, ql >> 4], dim=2)
+        qh = blocks[:, 128:192].reshape(n, 2, 1, 32)
+        high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=dev).reshape(1, 1, 4, 1)) & 3
+        q = low.reshape(n, 256) | (high.reshape(n, 256) << 4)
+        sc = blocks[:, 192:208].contiguous().view(torch.int8).float()
+        d = blocks[:, 208:210].contiguous().view(torch.float16).float()
+        return q, d * sc, None
+    if fmt == "Q5_K":
+        from .ggml_kquants import _unpack_scales
+
+        d = blocks[:, 0:2].contiguous().view(torch.float16).float()
+        dmin = blocks[:, 2:4].contiguous().view(torch.float16).float()
+        sc, mn = _unpack_scales(blocks[:, 4:16])  # [n, 8] each
+        q = q5_k_codes(blocks) + 32
+        step, mins = d * sc.float(), -(dmin * mn.float())
+        return q, step.repeat_interleave(2, dim=1), mins.repeat_interleave(2, dim=1)
+    # Q5_1: d | m | qh (bit j: bit 4 of element j) | 16 bytes of nibbles
+    d = blocks[:, 0:2].contiguous().view(torch.float16).float()
+    m = blocks[:, 2:4].contiguous().view(torch.float16).float()
+    qh = blocks[:, 4:8].contiguous().view(torch.int32)  # [n, 1]
+    bit = (qh >> torch.arange(32, dtype=torch.int32, device=dev)) & 1
+    lo = blocks[:, 8:24].to(torch.int32)
+    q = (torch.cat([lo & 15, lo >> 4], dim=1) | (bit << 4)) + 32
+    return q.to(torch.uint8), d.expand(n, 2), m.expand(n, 2)
+
+
+def q5_k_codes(blocks: torch.Tensor) -> torch.Tensor:
+    """Raw Q5_K blocks [n, 176] -> their codes [n, 256] (uint8 in 0..31, element order)."""
+    n = blocks.shape[0]
+    qs = blocks[:, 48:176].reshape(n, 4, 1, 32)
+    low = torch.cat([qs & 15, qs >> 4], dim=2).reshape(n, 8, 32)  # sub-block 2i low, 2i + 1 high nibbles
+    shifts = torch.arange(8, dtype=torch.uint8, device=blocks.device).reshape(1, 8, 1)
+    bit = (blocks[:, None, 16:48] >> shifts) & 1  # qh[l] bit j: bit 4 of element l of sub-block j
+    return (low | (bit << 4)).reshape(n, 256)
+
+
+def pack_q5_codes(q: torch.Tensor) -> torch.Tensor:
+    """5-bit codes [rows, in] (uint8, element order) -> the Q5K rows of qs [rows, nb * 20]."""
+    rows, n_in = q.shape
+    nb = n_in // 32
+    b = q.reshape(rows, nb, 2, 16)
+    ql = (b[:, :, 0] & 15) | ((b[:, :, 1] & 15) << 4)  # [rows, nb, 16]
+    top = ((b >> 4) & 1).reshape(rows, nb, 2, 4, 4).permute(0, 1, 4, 2, 3).reshape(rows, nb, 4, 8)  # [.., i, 4h + w]
+    weights = (1 << torch.arange(8, dtype=torch.int32, device=q.device)).to(torch.uint8)
+    qh = (top * weights).sum(dim=3, dtype=torch.int32).to(torch.uint8)  # byte i of each block's word
+    return torch.cat([ql.reshape(rows, nb * 16), qh.reshape(rows, nb * 4)], dim=1)
+
+
+def unpack_q5_codes(qs: torch.Tensor, n_in: int) -> torch.Tensor:
+    """The inverse of pack_q5_codes: qs [rows, nb * 20] -> codes [rows, in] (uint8)."""
+    rows = qs.shape[0]
+    nb = n_in // 32
+    ql = qs[:, :nb * 16].reshape(rows, nb, 16)
+    low = torch.cat([ql & 15, ql >> 4], dim=2)  # [rows, nb, 32]
+    qh = qs[:, nb * 16:].reshape(rows, nb, 4, 1)  # [.., i, bit]
+    bits = (qh >> torch.arange(8, dtype=torch.uint8, device=qs.device)) & 1  # [.., i, 4h + w]
+    top = bits.reshape(rows, nb, 4, 2, 4).permute(0, 1, 3, 4, 2).reshape(rows, nb, 32)  # element 16h + 4w + i
+    return (low | (top << 4)).reshape(rows, n_in)
+
+
+def pack_q6_codes(q: torch.Tensor) -> torch.Tensor:
+    """6-bit codes [rows, in] (uint8, element order) -> the Q6 rows of qs [rows, nb * 24]."""
+    rows, n_in = q.shape
+    nb = n_in // 32
+    b = q.reshape(rows, nb, 2, 16)
+    ql = (b[:, :, 0] & 15) | ((b[:, :, 1] & 15) << 4)  # [rows, nb, 16]
+    hb = (b >> 4).reshape(rows, nb, 2, 4, 4)  # [.., h, w, i]: top bits of element 16h + 4w + i
+    qh = hb[:, :, :, 0] | (hb[:, :, :, 1] << 2) | (hb[:, :, :, 2] << 4) | (hb[:, :, :, 3] << 6)  # byte 4h + i
+    return torch.cat([ql.reshape(rows, nb * 16), qh.reshape(rows, nb * 8)], dim=1)
+
+
+def unpack_q6_codes(qs: torch.Tensor, n_in: int) -> torch.Tensor:
+    """The inverse of pack_q6_codes: qs [rows, nb * 24] -> codes [rows, in] (uint8)."""
+    rows = qs.shape[0]
+    nb = n_in // 32
+    ql = qs[:, :nb * 16].reshape(rows, nb, 16)
+    low = torch.cat([ql & 15, ql >> 4], dim=2)  # [rows, nb, 32]
+    qh = qs[:, nb * 16:].reshape(rows, nb, 2, 1, 4)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=qs.device).reshape(1, 1, 1, 4, 1)
+    high = ((qh >> shifts) & 3).reshape(rows, nb, 32)
+    return (low | (high << 4)).reshape(rows, n_in)
