@@ -27,7 +27,13 @@ from edgellm.backends.webgpu import codegen, kernels  # noqa: E402
 from edgellm.backends.webgpu.backend import DeviceWeight  # noqa: E402
 from edgellm.backends.webgpu.launch import Launch, read_f32, upload_f32  # noqa: E402
 
-FORMATS = ["F16", "Q8_0", "Q4_0", "Q4_1"]
+FORMATS = ["F16", "Q8_0", "Q4_0", "Q4_1", "Q6_K", "Q5_1"]  # Q6_K -> the Q6 layout, Q5_1 -> Q6M
+KQUANTS = ("Q4_K", "Q5_K", "Q6_K")  # rows of whole 256-element super-blocks
+
+
+def cols_for(fmt: str, k: int) -> int:
+    """k, rounded up to whole super-blocks for the K-quants."""
+    return -(-k // 256) * 256 if fmt in KQUANTS else k
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +48,12 @@ def quantized(rng, rows: int, cols: int, fmt: str):
         raw = w.astype(np.float16)
         return raw, raw.astype(np.float32)
     t = GGMLQuantizationType[fmt]
-    raw = gg_quantize(w, t)
+    if fmt in KQUANTS:  # gguf-py reads K-quants but does not write them: edgellm's quantizer
+        from edgellm.quant import quantize
+
+        raw = quantize(w, fmt)
+    else:
+        raw = gg_quantize(w, t)
     return raw, gg_dequantize(raw, t).reshape(rows, cols).astype(np.float32)
 
 
@@ -66,8 +77,11 @@ def check(got: np.ndarray, want, tol: float = 2e-4):
 
 # -- matrix products ---------------------------------------------------------------------------
 def _linear_case(dev, rng, fmt, rows, n_out, k, *, glu=False, bias=False, residual=False, parts=None):
+    k = cols_for(fmt, k)
     raw, dense = quantized(rng, 2 * n_out if glu else n_out, k, fmt)
     p = codegen.repack(raw, fmt, dense.shape)
+    if p.fmt != fmt:  # converted (Q6_K's sub-block scales rounded to fp16: test_repack_other_formats)
+        dense = codegen.dequantize_packed(p)
     w = DeviceWeight(p, dev, max_binding=parts)
     x = rng.standard_normal((rows, k)).astype(np.float32)
     bufs = {kk: b for kk, (b, _, _) in w.resources().items()}
@@ -179,7 +193,8 @@ def test_gemv_warp_swiglu_split_weight(dev, rng, fmt):
 def test_gemv_swiglu_split_weight(dev, rng, fmt):
     """gate|up stacked, the weight split by rows across bindings (a small binding limit)."""
     rows, n_out, k = 2, 45, 64
-    w, bufs, want = _linear_case(dev, rng, fmt, rows, n_out, k, glu=True, parts=1024)
+    parts = 4096 if fmt in KQUANTS else 1024  # rows of 256 elements: a few parts, not dozens
+    w, bufs, want = _linear_case(dev, rng, fmt, rows, n_out, k, glu=True, parts=parts)
     assert len(w.part_rows) > 2
     kern = kernels.gemv(w.desc(), n_out, "step.seq", glu=True, rows_per_wg=16, wg=64, rows_per_thread=2)
     L = Launch(dev, kern, bufs)
@@ -204,11 +219,13 @@ def test_gemm(dev, rng, fmt, tiles, glu):
 
 
 # -- row-wise kernels -----------------------------------------------------------------------------
-@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_1", "F16"])
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_1", "F16", "Q6_K", "Q5_1"])
 def test_embedding(dev, rng, fmt):
-    vocab, d, rows = 53, 96, 5
+    vocab, d, rows = 53, cols_for(fmt, 96), 5
     raw, dense = quantized(rng, vocab, d, fmt)
-    w = DeviceWeight(codegen.repack(raw, fmt, dense.shape), dev)
+    p = codegen.repack(raw, fmt, dense.shape)
+    dense = codegen.dequantize_packed(p)  # the layout's values (Q6_K's scales rounded to fp16)
+    w = DeviceWeight(p, dev)
     ids = rng.integers(0, vocab, rows)
     bufs = {kk: b for kk, (b, _, _) in w.resources().items()}
     bufs.update(Y=nan_buffer(dev, rows * d), TOK=dev.upload(ids.astype(np.uint32)))
@@ -505,17 +522,17 @@ def test_attention(dev, rng, rows, start, splits, kv):
 
 
 # -- storage descriptors ---------------------------------------------------------------------------
-@pytest.mark.parametrize("fmt", ["F32", "BF16", "Q5_0", "Q5_1", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("fmt", ["F32", "BF16", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
 def test_repack_other_formats(rng, fmt):
-    """Formats without a layout of their own become F16 (F32, BF16), Q4_1 (Q4_K, within fp16
-    rounding of its sub-block scales) or Q8_0: Q5_0 exactly, the rest within Q8_0's rounding of
-    gguf-py's values."""
+    """Formats without a layout of their own become F16 (F32, BF16), Q8_0 (Q5_0, exactly), Q4_1
+    (Q4_K), Q6 (Q6_K) or Q6M (Q5_K, Q5_1), within fp16 rounding of their sub-block scales (Q5_1
+    exactly); checked against gguf-py's values."""
     rows, cols = 4, 256
     w = (rng.standard_normal((rows, cols)) * 0.1).astype(np.float32)
     t = GGMLQuantizationType[fmt]
     if fmt == "F32":
         raw = w
-    elif fmt in ("Q4_K", "Q6_K"):  # gguf-py reads K-quants but does not write them: edgellm's quantizer
+    elif fmt in ("Q4_K", "Q5_K", "Q6_K"):  # gguf-py reads K-quants but does not write them: edgellm's quantizer
         from edgellm.quant import quantize
 
         raw = quantize(w, fmt)
@@ -524,8 +541,10 @@ def test_repack_other_formats(rng, fmt):
     want = gg_dequantize(raw, t).reshape(rows, cols) if fmt != "F32" else w
     p = codegen.repack(raw, fmt, (rows, cols))
     got = codegen.dequantize_packed(p)
-    assert p.fmt == {"F32": "F16", "BF16": "F16", "Q4_K": "Q4_1"}.get(fmt, "Q8_0")
-    tol = 0 if fmt == "Q5_0" else {"F16": 1e-3, "Q4_1": 2e-3}.get(p.fmt, 1e-2) * float(np.abs(want).max())
+    assert p.fmt == {"F32": "F16", "BF16": "F16", "Q4_K": "Q4_1", "Q6_K": "Q6", "Q5_K": "Q6M",
+                     "Q5_1": "Q6M"}.get(fmt, "Q8_0")
+    tol = 0 if fmt in ("Q5_0", "Q5_1") else {"F16": 1e-3}.get(p.fmt, 1e-2 if p.fmt == "Q8_0" else 2e-3) * float(
+        np.abs(want).max())
     assert float(np.abs(got - want).max()) <= tol
 
 

@@ -1,8 +1,9 @@
 """The webgpu backend: executes a compiled Graph with the WGSL kernel templates of kernels.py.
 
 - Weights are uploaded once, repacked into a storage descriptor's layout (codegen.py): F16,
-  Q8_0, Q4_0 and Q4_1 as themselves, F32/BF16 as F16, Q5_0 as Q8_0 (exact), other formats
-  dequantized and stored as Q8_0. Projections a fused op reads together (q|k|v, gate|up) are
+  Q8_0, Q4_0 and Q4_1 as themselves, F32/BF16 as F16, Q5_0 as Q8_0 (exact), Q4_K as Q4_1, Q6_K
+  as Q6 and Q5_K, Q5_1 as Q6M (the cuda backend's six-bit layouts; fp16 sub-block scales).
+  Projections a fused op reads together (q|k|v, gate|up) are
   stacked at load. A weight larger than one storage binding is split by rows across bindings.
 - Activations are float32 in ONE arena buffer laid out by the compile step's memory plan; each
   kernel binds the ranges of its tensors. The KV cache is one float32 buffer per layer and K/V,

@@ -15,9 +15,16 @@ scales are fp16 pairs in u32 words:
   Q8_0  qs  32 int8 per 2 vec4, d fp16 [rows, nb]    value = q * d
   Q4_0  qs  32 nibbles per vec4, d                  value = (q - 8) * d
   Q4_1  qs  32 nibbles per vec4, d, m               value = q * d + m
+  Q6    qs  per row: the blocks' nibbles (a vec4 each), then their top two bits (8 bytes each),
+            the row padded to whole vec4; d fp16 [rows, 2 * nb]   value = (q - 32) * d
+  Q6M   as Q6, and m fp16 [rows, 2 * nb]                          value = (q - 32) * d + m
 In a 4-bit block, byte j holds element j (low nibble) and element j + 16 (high nibble), as GGML.
+The six-bit layouts are the cuda backend's (edgellm/quant/code_planes.py builds both): one scale
+(and minimum) per 16 elements, byte 4h + i of a block's top bits holding bits 4..5 of element
+16h + 4w + i at bits 2w, 2w + 1, so word w of the nibbles meets its elements' top bits by one shift.
 Other GGML types are converted at load (repack): Q5_0 exactly into Q8_0, F32/BF16 into F16, Q4_K
-into Q4_1 (fp16 sub-block scales and minimums), and the rest (Q5_1, Q5_K, Q6_K, ...) dequantized
+into Q4_1 and Q6_K into Q6 (fp16 sub-block scales), Q5_K and Q5_1 into Q6M (Q5_1 exactly); a
+weight no layout holds (F16 rows not a multiple of 8, a sub-block scale beyond fp16) is dequantized
 and requantized to Q8_0.
 
 A weight whose arrays exceed the adapter's maximum storage binding is split by rows into parts,
@@ -32,11 +39,13 @@ import numpy as np
 
 from ...errors import TensorShapeError
 
-FORMATS = ("F16", "Q8_0", "Q4_0", "Q4_1")
-_ARRAYS = {"F16": ("qs",), "Q8_0": ("qs", "d"), "Q4_0": ("qs", "d"), "Q4_1": ("qs", "d", "m")}
-BLOCK = {"F16": 8, "Q8_0": 32, "Q4_0": 32, "Q4_1": 32}  # elements per W_dot block
-_WORDS_PER_BLOCK = {"F16": 4, "Q8_0": 8, "Q4_0": 4, "Q4_1": 4}  # u32 words of quants per block
-BYTES_PER_ELEMENT = {"F16": 2.0, "Q8_0": 34 / 32, "Q4_0": 18 / 32, "Q4_1": 20 / 32}
+FORMATS = ("F16", "Q8_0", "Q4_0", "Q4_1", "Q6", "Q6M")
+SIX_BIT = ("Q6", "Q6M")
+_ARRAYS = {"F16": ("qs",), "Q8_0": ("qs", "d"), "Q4_0": ("qs", "d"), "Q4_1": ("qs", "d", "m"), "Q6": ("qs", "d"),
+           "Q6M": ("qs", "d", "m")}
+BLOCK = {"F16": 8, "Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q6": 32, "Q6M": 32}  # elements per W_dot block
+_WORDS_PER_BLOCK = {"F16": 4, "Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q6": 6, "Q6M": 6}  # u32 words of quants per block
+BYTES_PER_ELEMENT = {"F16": 2.0, "Q8_0": 34 / 32, "Q4_0": 18 / 32, "Q4_1": 20 / 32, "Q6": 28 / 32, "Q6M": 32 / 32}
 
 # helpers every weight accessor may call (emitted once per kernel)
 # Integers become floats without conversion instructions (a quarter of the FMA rate on NVIDIA
@@ -57,6 +66,16 @@ fn hi4(w: u32, off: f32) -> vec4<f32> {
     return bitcast<vec4<f32>>(u) - vec4<f32>(off);
 }
 fn h2(w: u32) -> vec2<f32> { return unpack2x16float(w); }
+fn b6(w: u32) -> vec4<f32> {  // four 6-bit codes, one per byte, minus 32
+    let u = (vec4<u32>(w, w >> 8u, w >> 16u, w >> 24u) & vec4<u32>(63u)) | vec4<u32>(0x4B000000u);
+    return bitcast<vec4<f32>>(u) - vec4<f32>(8388640.0);
+}
+fn q6lo(q: u32, h: u32, w: u32) -> u32 {  // word w of a block's nibbles, first half, with its top bits
+    return (q & 0x0F0F0F0Fu) | (((h >> (2u * w)) & 0x03030303u) << 4u);
+}
+fn q6hi(q: u32, h: u32, w: u32) -> u32 {
+    return ((q >> 4u) & 0x0F0F0F0Fu) | (((h >> (2u * w)) & 0x03030303u) << 4u);
+}
 """
 
 
@@ -132,8 +151,18 @@ class WeightDesc:
 
     @property
     def row_vec4(self) -> int:
-        """vec4<u32> of quants per row."""
-        return self.nblocks * _WORDS_PER_BLOCK[self.fmt] // 4
+        """vec4<u32> of quants per row (the six-bit layouts' rows padded to whole vec4)."""
+        return -(-self.nblocks * _WORDS_PER_BLOCK[self.fmt] // 4)
+
+    @property
+    def units(self) -> int:
+        """16-byte units of quants per row that a GEMV lane reads at a time (the six-bit layouts:
+        a block's nibbles, its top bits read beside them)."""
+        return self.nblocks if self.fmt in SIX_BIT else self.row_vec4
+
+    @property
+    def scales_per_block(self) -> int:
+        return 2 if self.fmt in SIX_BIT else 1
 
     def bindings(self) -> list[Binding]:
         out = []
@@ -165,10 +194,16 @@ class WeightDesc:
         The embedding template passes its output's name as x: it never calls the dot functions."""
         n, f = self.name, self.fmt
         src = self._select(f"{n}_qs%P[@r * {self.row_vec4}u + v]", "vec4<u32>", "row: u32, v: u32", f"{n}_qs")
+        ns = self.nblocks * self.scales_per_block  # scales per row (the six-bit layouts: one per 16)
         for a in self.arrays[1:]:
-            src += self._select(f"h2({n}_{a}%P[(@r * {self.nblocks}u + b) >> 1u])[(@r * {self.nblocks}u + b) & 1u]",
+            src += self._select(f"h2({n}_{a}%P[(@r * {ns}u + b) >> 1u])[(@r * {ns}u + b) & 1u]",
                                 "f32", "row: u32, b: u32", f"{n}_{a}")
+            if f in SIX_BIT:  # block b's two scales (or minimums): one word
+                src += self._select(f"h2({n}_{a}%P[@r * {self.nblocks}u + b])", "vec2<f32>", "row: u32, b: u32",
+                                    f"{n}_{a}pair")
         src += f"fn {n}_word(row: u32, w: u32) -> u32 {{ return {n}_qs(row, w >> 2u)[w & 3u]; }}\n"
+        if f in SIX_BIT:  # block b's top bits of its first (h = 0) or second half
+            src += f"fn {n}_top(row: u32, b: u32, h: u32) -> u32 {{ return {n}_word(row, {4 * self.nblocks}u + 2u * b + h); }}\n"
         if f == "F16":
             get = f"let w = {n}_word(row, k >> 1u); return h2(w)[k & 1u];"
             dot = (f"let q = {n}_qs(row, b);\n"
@@ -182,6 +217,23 @@ class WeightDesc:
                    f"    s += dot(i8x4(q1.x), xv[4]) + dot(i8x4(q1.y), xv[5]);\n"
                    f"    s += dot(i8x4(q1.z), xv[6]) + dot(i8x4(q1.w), xv[7]);\n"
                    f"    return s * {n}_d(row, b);")
+        elif f in SIX_BIT:
+            mm = f" + {n}_m(row, 2u * b + h)" if f == "Q6M" else ""
+            get = (f"let b = k >> 5u; let e = k & 31u; let j = e & 15u; let h = e >> 4u;\n"
+                   f"    let lo = ({n}_word(row, b * 4u + (j >> 2u)) >> ((j & 3u) * 8u + h * 4u)) & 15u;\n"
+                   f"    let hi = ({n}_top(row, b, h) >> ((j & 3u) * 8u + 2u * (j >> 2u))) & 3u;\n"
+                   f"    return (f32(lo | (hi << 4u)) - 32.0) * {n}_d(row, 2u * b + h){mm};")
+            ms = (f"\n    let m = {n}_mpair(row, b);\n"
+                  f"    s += m.x * (sl.x + sl.y + sl.z + sl.w) + m.y * (sh.x + sh.y + sh.z + sh.w);") if f == "Q6M" else ""
+            dot = (f"let q = {n}_qs(row, b); let t0 = {n}_top(row, b, 0u); let t1 = {n}_top(row, b, 1u);\n"
+                   f"    var lo = 0.0; var hi = 0.0; var sl = vec4<f32>(0.0); var sh = vec4<f32>(0.0);\n"
+                   f"    for (var k = 0u; k < 4u; k++) {{\n"
+                   f"        lo += dot(b6(q6lo(q[k], t0, k)), xv[k]); hi += dot(b6(q6hi(q[k], t1, k)), xv[4u + k]);\n"
+                   f"        sl += xv[k]; sh += xv[4u + k];\n"
+                   f"    }}\n"
+                   f"    let d = {n}_dpair(row, b);\n"
+                   f"    var s = lo * d.x + hi * d.y;{ms}\n"
+                   f"    return s;")
         else:  # Q4_0 / Q4_1
             e = "let b = k >> 5u; let e = k & 31u; let j = e & 15u;\n"
             e += f"    let q = f32(({n}_word(row, b * 4u + (j >> 2u)) >> ((j & 3u) * 8u + (e >> 4u) * 4u)) & 15u);\n"
@@ -204,6 +256,11 @@ class WeightDesc:
             get4 = f"let w = {n}_word(row, k >> 1u); let v = {n}_word(row, (k >> 1u) + 1u); return vec4<f32>(h2(w), h2(v));"
         elif f == "Q8_0":
             get4 = f"return i8x4({n}_word(row, k >> 2u)) * {n}_d(row, k >> 5u);"
+        elif f in SIX_BIT:
+            mm = f" + vec4<f32>({n}_m(row, 2u * b + h))" if f == "Q6M" else ""
+            get4 = (f"let b = k >> 5u; let e = k & 31u; let h = e >> 4u; let w = (e & 15u) >> 2u;\n"
+                    f"    let q = {n}_word(row, b * 4u + w); let t = {n}_top(row, b, h);\n"
+                    f"    return b6(select(q6lo(q, t, w), q6hi(q, t, w), h == 1u)) * {n}_d(row, 2u * b + h){mm};")
         else:
             get4 = (f"let b = k >> 5u; let e = k & 31u; let w = {n}_word(row, b * 4u + ((e & 15u) >> 2u));\n"
                     f"    let q = select(lo4(w, 8388608.0), hi4(w, 8388608.0), e >= 16u);\n")
@@ -303,11 +360,44 @@ def repack(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> PackedArrays:
                                                   "d": b[:, :, 0:2].copy().view(np.float16).reshape(rows, -1)}, fmt)
     if fmt == "Q4_K":
         return _q4_k_as_q4_1(raw, rows, cols)
+    if fmt in _SIX_BIT_SOURCES:
+        p = _six_bit(raw, fmt, rows, cols)
+        if p is not None:
+            return p
     # no layout of its own: dequantize, store as Q8_0 (half of F16's bytes, error well under a
     # 5- or 6-bit format's own)
     p = pack_float(np.asarray(dequantize(raw, fmt, shape), dtype=np.float32).reshape(rows, cols), "Q8_0")
     p.source_fmt = fmt
     return p
+
+
+# GGML types stored in the six-bit layouts: block size and bytes, and the layout
+_SIX_BIT_SOURCES = {"Q6_K": (256, 210), "Q5_K": (256, 176), "Q5_1": (32, 24)}
+
+
+def _six_bit(raw: np.ndarray, fmt: str, rows: int, cols: int) -> PackedArrays | None:
+    """Q6_K as Q6, Q5_K and Q5_1 as Q6M (the 6-bit codes as stored, plus 32 for the 5-bit ones; a
+    scale and minimum per 16 elements: d * scale and -dmin * min of Q5_K's and Q6_K's sub-blocks
+    rounded to fp16, Q5_1's copied), or None where a scale or minimum does not fit fp16."""
+    from ...quant.code_planes import pack_q6_codes, six_bit_codes, tensor_of
+
+    block, tsize = _SIX_BIT_SOURCES[fmt]
+    if cols % block or raw.size != rows * cols // block * tsize:
+        raise TensorShapeError(f"{fmt} weight ({rows}, {cols}): {raw.size} bytes are not rows of {tsize}-byte blocks")
+    blocks = tensor_of(np.asarray(raw).view(np.uint8).reshape(rows * cols // block, tsize))
+    q, d, m = six_bit_codes(blocks, fmt)
+    arrays = {"qs": pack_q6_codes(q.reshape(rows, cols)).numpy()}
+    for name, v in (("d", d), ("m", m)):
+        if v is None:
+            continue
+        v = v.reshape(rows, cols // 16).numpy()
+        if not np.isfinite(v).all() or float(np.abs(v).max(initial=0.0)) > 65504.0:
+            return None
+        arrays[name] = v.astype(np.float16)
+    pad = -arrays["qs"].shape[1] % 16  # rows of whole vec4<u32>
+    if pad:
+        arrays["qs"] = np.concatenate([arrays["qs"], np.zeros((rows, pad), np.uint8)], axis=1)
+    return PackedArrays("Q6" if m is None else "Q6M", rows, cols, arrays, fmt)
 
 
 def _q4_k_as_q4_1(raw: np.ndarray, rows: int, cols: int) -> PackedArrays:
@@ -341,8 +431,16 @@ def dequantize_packed(p: PackedArrays) -> np.ndarray:
     """The float32 (rows, cols) matrix packed arrays stand for (to stack mixed formats as F16)."""
     if p.fmt == "F16":
         return p.arrays["qs"].view(np.float16).astype(np.float32).reshape(p.rows, p.cols)
-    d = p.arrays["d"].astype(np.float32)[:, :, None]
     nb = p.cols // 32
+    if p.fmt in SIX_BIT:
+        from ...quant.code_planes import tensor_of, unpack_q6_codes
+
+        q = unpack_q6_codes(tensor_of(p.arrays["qs"][:, :nb * 24]), p.cols).numpy().astype(np.float32)
+        v = (q.reshape(p.rows, 2 * nb, 16) - 32) * p.arrays["d"].astype(np.float32)[:, :, None]
+        if p.fmt == "Q6M":
+            v = v + p.arrays["m"].astype(np.float32)[:, :, None]
+        return v.reshape(p.rows, p.cols)
+    d = p.arrays["d"].astype(np.float32)[:, :, None]
     if p.fmt == "Q8_0":
         return (p.arrays["qs"].view(np.int8).reshape(p.rows, nb, 32).astype(np.float32) * d).reshape(p.rows, p.cols)
     q = p.arrays["qs"].reshape(p.rows, nb, 16)

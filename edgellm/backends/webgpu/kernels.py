@@ -147,12 +147,20 @@ class WarpKernel(Kernel):
     rows_per_group: int = 1  # output features per workgroup (warps x rows per warp)
 
 
-_UNIT_ELEMS = {"F16": 8, "Q8_0": 16, "Q4_0": 32, "Q4_1": 32}  # weights in one 16-byte unit of quants
+# weights in one unit of quants (16 bytes; the six-bit layouts: a block's nibbles and its top bits)
+_UNIT_ELEMS = {"F16": 8, "Q8_0": 16, "Q4_0": 32, "Q4_1": 32, "Q6": 32, "Q6M": 32}
 
 
 def _unit_dot(fmt: str, q: str, x: str, d: str, m: str) -> str:
     """WGSL expression: one 16-byte unit `q` (vec4<u32>) of quants dotted with the x vec4s named
-    x + "0".. (its scale `d`, Q4_1's minimum `m` times the x sum `x + "s"`)."""
+    x + "0".. (its scale `d`, Q4_1's minimum `m` times the x sum `x + "s"`). Six-bit units: the
+    block's top-bit words q + "a", q + "b", its two scales `d` (a vec2) and Q6M's two minimums `m`
+    times the half sums of x, x + "sl" and x + "sh"."""
+    if fmt in ("Q6", "Q6M"):
+        lo = " + ".join(f"dot(b6(q6lo({q}.{c}, {q}a, {i}u)), {x}{i})" for i, c in enumerate("xyzw"))
+        hi = " + ".join(f"dot(b6(q6hi({q}.{c}, {q}b, {i}u)), {x}{i + 4})" for i, c in enumerate("xyzw"))
+        e = f"({lo}) * {d}.x + ({hi}) * {d}.y"
+        return e + (f" + {x}sl * {m}.x + {x}sh * {m}.y" if fmt == "Q6M" else "")
     if fmt == "F16":
         return f"dot(vec4<f32>(h2({q}.x), h2({q}.y)), {x}0) + dot(vec4<f32>(h2({q}.z), h2({q}.w)), {x}1)"
     if fmt == "Q8_0":
@@ -312,6 +320,11 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
             body_l.append(f"            let q{j}_{u} = W_qs(rw{j}, v{u});")
             if fmt == "Q8_0":
                 body_l.append(f"            let d{j}_{u} = W_d(rw{j}, v{u} >> 1u);")
+            elif fmt in ("Q6", "Q6M"):
+                body_l.append(f"            let q{j}_{u}a = W_top(rw{j}, v{u}, 0u); let q{j}_{u}b = W_top(rw{j}, v{u}, 1u);")
+                body_l.append(f"            let d{j}_{u} = W_dpair(rw{j}, v{u});")
+                if fmt == "Q6M":
+                    body_l.append(f"            let m{j}_{u} = W_mpair(rw{j}, v{u});")
             elif fmt in ("Q4_0", "Q4_1"):
                 body_l.append(f"            let d{j}_{u} = W_d(rw{j}, v{u});")
             if fmt == "Q4_1":
@@ -322,6 +335,10 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
         if fmt == "Q4_1":
             body_l.append(f"                let x{u}_v = " + " + ".join(f"x{u}_{i}" for i in range(per)) + ";")
             body_l.append(f"                let x{u}_s = x{u}_v.x + x{u}_v.y + x{u}_v.z + x{u}_v.w;")
+        if fmt == "Q6M":  # the sums of x over each half of the block
+            for half, rng_ in (("sl", range(0, 4)), ("sh", range(4, 8))):
+                body_l.append(f"                let x{u}_{half}v = " + " + ".join(f"x{u}_{i}" for i in rng_) + ";")
+                body_l.append(f"                let x{u}_{half} = x{u}_{half}v.x + x{u}_{half}v.y + x{u}_{half}v.z + x{u}_{half}v.w;")
         for j, (acc, _) in enumerate(rws):
             body_l.append(f"                {acc} += {_unit_dot(fmt, f'q{j}_{u}', f'x{u}_', f'd{j}_{u}', f'm{j}_{u}')};")
         body_l.append("            }")
@@ -381,7 +398,7 @@ ${STORES}
     tok = ""
     if embed is not None:  # TOK after the parts' bindings (and the Step uniform)
         tok = f"@group(0) @binding({1 + sum(len(p.bindings()) for p, _ in parts)}) var<storage, read_write> TOK: array<u32>;"
-    k = _render("gemv_warp", parts, body, wg, N=n_out, K=w.cols, UNITS=w.row_vec4, SG=sg, R=R, ROWS_EXPR=rows,
+    k = _render("gemv_warp", parts, body, wg, N=n_out, K=w.cols, UNITS=w.units, SG=sg, R=R, ROWS_EXPR=rows,
                 ACCS=" ".join(f"var {a} = 0.0;" for a in accs), BODY="\n".join(body_l), STEP=sg * U, RED=red,
                 DECL=decl, STORES="\n".join(stores), EPS=_f(eps),
                 NDECL=(f"var<workgroup> nred: array<f32, {wg}>;" if norm else "")
