@@ -74,7 +74,11 @@ def _compare(path: str, *, fuse: bool = True, chunk: int = 8, steps: int = 3, to
 
 @pytest.mark.parametrize("name", ["F32", "F16", "Q8_0", "Q4_0", "Q4_1", "mixed", "qwen2"])
 def test_synthetic_models_match_cpu(models, name):
-    _compare(models[name])
+    gpu = _compare(models[name])
+    if name == "mixed":  # q|k|v of Q4_K, Q6_K (and Q5_0) parts: one six-bit layout, not F16
+        fmts = {names: w.fmt for names, w in gpu.backend.weights._mats.items()}
+        stacks = [f for names, f in fmts.items() if len(names) == 3]
+        assert stacks == ["Q6M", "Q6M"], fmts
 
 
 @pytest.mark.parametrize("name,gemv", [("Q8_0", "warp:2:64:2"), ("Q4_1", "warp:2:64:2:stage"), ("qwen2", "warp:1:64:1:stage")])

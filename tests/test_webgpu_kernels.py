@@ -574,3 +574,23 @@ def test_attention_tiled(dev, rng, rows, start, d, kv):
     want = ref("attention", [torch.from_numpy(q), torch.from_numpy(kc), torch.from_numpy(vc), start],
                n_heads=h, n_kv_heads=g, head_dim=d, scale=scale)
     check(read_f32(dev, bufs["O"], rows * h * d), want, 1e-5)
+
+
+def test_mixed_stacks_take_one_six_bit_layout(rng):
+    """Parts of one stacked weight in different layouts (a Q4_K_M file's q, k as Q4_1 with a Q6_K v
+    as Q6; Q4_0 with Q5_0 as Q8_0) take the smallest six-bit layout that holds each exactly (Q6M,
+    Q6), with the same values; F16 parts or Q8_0 codes past six bits do not."""
+    def part(fmt, rows):
+        raw, dense = quantized(rng, rows, 256, fmt)
+        return codegen.repack(raw, fmt, dense.shape)
+
+    for fmts, want in ((("Q4_K", "Q4_K", "Q6_K"), "Q6M"), (("Q4_0", "Q5_0"), "Q6"), (("Q4_1", "Q6_K"), "Q6M")):
+        parts = [part(f, 6 + 2 * i) for i, f in enumerate(fmts)]
+        got = codegen.unify_six_bit(parts)
+        assert [p.fmt for p in got] == [want] * len(parts), fmts
+        for a, b in zip(parts, got):
+            np.testing.assert_array_equal(codegen.dequantize_packed(b), codegen.dequantize_packed(a))
+        st = codegen.stack(got)
+        assert st.fmt == want and st.rows == sum(p.rows for p in parts)
+    assert codegen.unify_six_bit([part("Q4_0", 4), part("F16", 4)]) is None
+    assert codegen.unify_six_bit([part("Q4_0", 4), part("Q8_0", 4)]) is None  # Q8_0 codes span -127..127

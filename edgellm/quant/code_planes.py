@@ -120,3 +120,25 @@ def unpack_q6_codes(qs: torch.Tensor, n_in: int) -> torch.Tensor:
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=qs.device).reshape(1, 1, 1, 4, 1)
     high = ((qh >> shifts) & 3).reshape(rows, nb, 32)
     return (low | (high << 4)).reshape(rows, n_in)
+
+
+# code offset that turns each layout's codes into six-bit codes of the same value ((q - 32) * d + m)
+_SIX_BIT_OFFSET = {"Q4_0": 24, "Q4_1": 32, "Q8_0": 32, "Q6": 0, "Q6M": 0}
+
+
+def as_six_bit(fmt: str, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, want: str):
+    """A layout's codes (int16 [rows, in], element order) and fp16 scales (per 32 elements, or per
+    16 for Q6/Q6M) and minimums as the six-bit layout `want` (Q6 or Q6M) holding exactly the same
+    values: (packed qs, d per 16, m per 16 or None), or None where `want` cannot hold them. Q4_0
+    codes + 24, Q4_1's + 32 (Q6M only), Q8_0's + 32 when all are in -32..31 (Q5_0's are), Q6 to
+    Q6M with m = 0; every fp16 field copied."""
+    if fmt not in _SIX_BIT_OFFSET or want not in ("Q6", "Q6M") or (want == "Q6" and m is not None):
+        return None  # (Q6 has no minimums to hold Q4_1's or Q6M's)
+    if fmt == "Q8_0" and codes.numel() and (int(codes.min()) < -32 or int(codes.max()) > 31):
+        return None
+    per16 = d if fmt in ("Q6", "Q6M") else d.repeat_interleave(2, dim=1)
+    mins = None
+    if want == "Q6M":
+        mins = torch.zeros_like(per16) if m is None else (m if fmt == "Q6M" else m.repeat_interleave(2, dim=1))
+    qs = pack_q6_codes((codes + _SIX_BIT_OFFSET[fmt]).to(torch.uint8))
+    return qs, per16.contiguous(), None if mins is None else mins.contiguous()

@@ -157,9 +157,12 @@ class WebgpuWeights:
                 if len(t.shape) != 2:
                     raise GraphError(f"webgpu: weight '{n}' has shape {t.shape}, expected 2-D")
                 parts.append(codegen.repack(np.asarray(t.data), t.type_name, tuple(t.shape)))
+            if len({p.fmt for p in parts}) > 1:
+                # mixed formats (Q4_K_M files: q, k Q4_K as Q4_1, v Q6_K as Q6): one six-bit layout
+                # that holds each part's values exactly
+                parts = codegen.unify_six_bit(parts) or parts
             if len({p.fmt for p in parts}) > 1 and all(p.cols % 8 == 0 for p in parts):
-                # mixed formats (Q4_K_M files: q, k Q4_K, v Q6_K): stacked as F16 from the file's own
-                # values (not from a Q8_0 requantization of them)
+                # else as F16 from the file's own values (not from a Q8_0 requantization of them)
                 from ...quant import dequantize
 
                 parts = [codegen.pack_float(np.asarray(dequantize(self.file.tensors[n].data, self.file.tensors[n].type_name,

@@ -375,6 +375,12 @@ def repack(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> PackedArrays:
 _SIX_BIT_SOURCES = {"Q6_K": (256, 210), "Q5_K": (256, 176), "Q5_1": (32, 24)}
 
 
+def _whole_vec4_rows(qs: np.ndarray) -> np.ndarray:
+    """Six-bit quants [rows, nb * 24] padded to rows of whole vec4<u32> (16 bytes)."""
+    pad = -qs.shape[1] % 16
+    return np.concatenate([qs, np.zeros((qs.shape[0], pad), np.uint8)], axis=1) if pad else qs
+
+
 def _six_bit(raw: np.ndarray, fmt: str, rows: int, cols: int) -> PackedArrays | None:
     """Q6_K as Q6, Q5_K and Q5_1 as Q6M (the 6-bit codes as stored, plus 32 for the 5-bit ones; a
     scale and minimum per 16 elements: d * scale and -dmin * min of Q5_K's and Q6_K's sub-blocks
@@ -394,9 +400,7 @@ def _six_bit(raw: np.ndarray, fmt: str, rows: int, cols: int) -> PackedArrays | 
         if not np.isfinite(v).all() or float(np.abs(v).max(initial=0.0)) > 65504.0:
             return None
         arrays[name] = v.astype(np.float16)
-    pad = -arrays["qs"].shape[1] % 16  # rows of whole vec4<u32>
-    if pad:
-        arrays["qs"] = np.concatenate([arrays["qs"], np.zeros((rows, pad), np.uint8)], axis=1)
+    arrays["qs"] = _whole_vec4_rows(arrays["qs"])
     return PackedArrays("Q6" if m is None else "Q6M", rows, cols, arrays, fmt)
 
 
@@ -447,6 +451,44 @@ def dequantize_packed(p: PackedArrays) -> np.ndarray:
     q = np.concatenate([q & 15, q >> 4], axis=2).astype(np.float32)
     v = (q - 8) * d if p.fmt == "Q4_0" else q * d + p.arrays["m"].astype(np.float32)[:, :, None]
     return v.reshape(p.rows, p.cols)
+
+
+def _codes(p: PackedArrays):
+    """A quantized layout's integer codes (torch int16 [rows, cols], element order)."""
+    import torch
+
+    from ...quant.code_planes import tensor_of, unpack_q6_codes
+
+    nb = p.cols // 32
+    if p.fmt == "Q8_0":
+        return tensor_of(p.arrays["qs"].view(np.int8)).to(torch.int16)
+    if p.fmt in SIX_BIT:
+        return unpack_q6_codes(tensor_of(p.arrays["qs"][:, :nb * 24]), p.cols).to(torch.int16)
+    q = tensor_of(p.arrays["qs"]).reshape(p.rows, nb, 16)
+    return torch.cat([q & 15, q >> 4], dim=2).reshape(p.rows, p.cols).to(torch.int16)
+
+
+def unify_six_bit(parts: list[PackedArrays]) -> list[PackedArrays] | None:
+    """Parts of one stacked weight in different quantized layouts (a Q4_K_M file's q, k as Q4_1
+    with its v as Q6) in the smallest six-bit layout that holds every part's values exactly (Q6,
+    else Q6M: 7 or 8 bits per weight, not F16's 16), or None where none does."""
+    from ...quant.code_planes import as_six_bit, tensor_of
+
+    if any(p.fmt == "F16" for p in parts):
+        return None
+    for want in SIX_BIT:
+        out = []
+        for p in parts:
+            m = p.arrays.get("m")
+            got = as_six_bit(p.fmt, _codes(p), tensor_of(p.arrays["d"]), None if m is None else tensor_of(m), want)
+            if got is None:
+                break
+            qs, d, m = got
+            arrays = {"qs": _whole_vec4_rows(qs.numpy()), "d": d.numpy()} | ({"m": m.numpy()} if m is not None else {})
+            out.append(PackedArrays(want, p.rows, p.cols, arrays, p.source_fmt))
+        else:
+            return out
+    return None
 
 
 def stack(parts: list[PackedArrays]) -> PackedArrays:

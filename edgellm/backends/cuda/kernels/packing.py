@@ -71,7 +71,7 @@ import numpy as np
 import torch
 
 from ....errors import TensorShapeError
-from ....quant.code_planes import (pack_q5_codes, pack_q6_codes, q5_k_codes, six_bit_codes, tensor_of,
+from ....quant.code_planes import (as_six_bit, pack_q5_codes, pack_q6_codes, q5_k_codes, six_bit_codes, tensor_of,
                                    unpack_q5_codes, unpack_q6_codes)
 
 # GGML type name -> (block elements, bytes per block)
@@ -405,19 +405,11 @@ def convert_packed(w: PackedWeight, fmt: str) -> PackedWeight | None:
         if m.abs().max().item() > _FP16_MAX:
             return None
         return PackedWeight("Q4_1", w.shape, qs=w.qs, d=w.d, m=m.half(), source_fmt=w.source_fmt)
-    if w.fmt in ("Q4_0", "Q8_0", "Q6") and six:
-        q = _codes_of(w)
-        off = {"Q4_0": 24, "Q8_0": 32, "Q6": 0}[w.fmt]
-        if w.fmt == "Q8_0" and (q.min().item() < -32 or q.max().item() > 31):
-            return None
-        d = w.d if w.fmt == "Q6" else w.d.repeat_interleave(2, dim=1)
-        m = torch.zeros_like(d) if fmt == "Q6M" else None
-        return PackedWeight(fmt, w.shape, qs=pack_q6_codes((q + off).to(torch.uint8)), d=d.contiguous(), m=m,
-                            source_fmt=w.source_fmt)
-    if w.fmt == "Q4_1" and fmt == "Q6M":
-        return PackedWeight("Q6M", w.shape, qs=pack_q6_codes((_codes_of(w) + 32).to(torch.uint8)),
-                            d=w.d.repeat_interleave(2, dim=1).contiguous(),
-                            m=w.m.repeat_interleave(2, dim=1).contiguous(), source_fmt=w.source_fmt)
+    if six and w.fmt != "F16":
+        got = as_six_bit(w.fmt, _codes_of(w), w.d, w.m, fmt)
+        if got is not None:
+            qs, d, m = got
+            return PackedWeight(fmt, w.shape, qs=qs, d=d, m=m, source_fmt=w.source_fmt)
     return None
 
 
