@@ -2,12 +2,16 @@
 
     python benchmarks/bench_vs_llamacpp.py --llama-bench PATH/llama-bench [MODEL.gguf ...]
         [--synthetic smollm2-135m,llama-3.2-1b,llama-3.1-8b --formats F16,Q8_0,Q4_0 --model-dir DIR]
+        [--llama-quantize PATH/llama-quantize]
         [-p 512,1024] [-n 128,256] [-r 5] [--fa 1] [--json OUT.json]
         [--variant NAME:VAR=VAL[,VAR=VAL...] ...]
 
 --synthetic writes random-weight GGUF files (edgellm.synthetic presets: normal, std 0.02, the
 llama.cpp quantizer's policy for the output projection) into --model-dir, once per shape and
-format (an existing file is reused), and adds them to the models. For each file: llama-bench
+format (an existing file is reused), and adds them to the models. With --llama-quantize, a mix
+format (Q4_K_M, Q5_K_M) is made by llama.cpp's own quantizer from the shape's F16 file (written
+first if missing) as `NAME-FMT-lq.gguf`, as issue 17's table asks, instead of edgellm's random
+blocks of the same mix. For each file: llama-bench
 -ngl 99 -p P -n N -fa FA -r R (its own warm-up; mean and stddev), then edgellm's measurement of
 the same tests (gpu_check.py's `measure`: warm-up, median of R; prefill from an empty cache,
 decode from an empty context). The file's runs are adjacent, so drift hits both engines alike.
@@ -69,19 +73,37 @@ def llama_bench(exe: str, path: str, p: list[int], n: list[int], r: int, fa: int
         return {"error": str(e)}
 
 
-def synthetic_models(names: str, formats: str, folder: str) -> list[str]:
-    from edgellm.synthetic import preset, write_synthetic_gguf
+def synthetic_models(names: str, formats: str, folder: str, llama_quantize: str | None = None) -> list[str]:
+    from edgellm.synthetic import MIXES, preset, write_synthetic_gguf
+
+    def written(name: str, fmt: str) -> str:
+        path = os.path.join(folder, f"{name}-{fmt}.gguf")
+        if not os.path.exists(path):
+            t = time.perf_counter()
+            write_synthetic_gguf(path, preset(name, weight_type=fmt), fast=True)
+            print(f"wrote {path} ({os.path.getsize(path) / 1e9:.2f} GB, {time.perf_counter() - t:.0f} s)", flush=True)
+        return path
 
     paths = []
     os.makedirs(folder, exist_ok=True)
     for name in [x for x in names.split(",") if x]:
         for fmt in [x for x in formats.split(",") if x]:
-            path = os.path.join(folder, f"{name}-{fmt}.gguf")
-            if not os.path.exists(path):
-                t = time.perf_counter()
-                write_synthetic_gguf(path, preset(name, weight_type=fmt), fast=True)
-                print(f"wrote {path} ({os.path.getsize(path) / 1e9:.2f} GB, {time.perf_counter() - t:.0f} s)", flush=True)
-            paths.append(path)
+            if llama_quantize and fmt.upper() in MIXES:
+                path = os.path.join(folder, f"{name}-{fmt}-lq.gguf")
+                if not os.path.exists(path):
+                    src = written(name, "F16")
+                    t = time.perf_counter()
+                    out = subprocess.run([llama_quantize, src, path + ".tmp", fmt.upper()], capture_output=True, text=True)
+                    if out.returncode or not os.path.isfile(path + ".tmp"):
+                        if os.path.exists(path + ".tmp"):
+                            os.remove(path + ".tmp")
+                        tail = (out.stderr or out.stdout).strip().splitlines()[-3:]
+                        raise SystemExit(f"{llama_quantize} {src} -> {fmt}: exit {out.returncode}: {' / '.join(tail)}")
+                    os.replace(path + ".tmp", path)
+                    print(f"quantized {path} with llama-quantize ({time.perf_counter() - t:.0f} s)", flush=True)
+                paths.append(path)
+            else:
+                paths.append(written(name, fmt))
     return paths
 
 
@@ -142,6 +164,8 @@ def main() -> None:
     ap.add_argument("--synthetic", default="", help="preset names to write (edgellm.synthetic.PRESETS)")
     ap.add_argument("--formats", default="F16,Q8_0,Q4_0")
     ap.add_argument("--model-dir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "edgellm-synthetic"))
+    ap.add_argument("--llama-quantize", default=None, help="llama-quantize's path: mixes (Q4_K_M, Q5_K_M) made by it "
+                                                           "from the F16 files")
     ap.add_argument("-p", type=_ints, default=[512])
     ap.add_argument("-n", type=_ints, default=[128])
     ap.add_argument("-r", type=int, default=5)
@@ -154,7 +178,9 @@ def main() -> None:
 
     if a.llama_bench != "none" and not os.access(a.llama_bench, os.X_OK):
         ap.error(f"--llama-bench {a.llama_bench}: not an executable file")
-    models = list(a.models) + synthetic_models(a.synthetic, a.formats, a.model_dir)
+    if a.llama_quantize and not os.access(a.llama_quantize, os.X_OK):
+        ap.error(f"--llama-quantize {a.llama_quantize}: not an executable file")
+    models = list(a.models) + synthetic_models(a.synthetic, a.formats, a.model_dir, a.llama_quantize)
     if not models:
         ap.error("no models: give GGUF paths or --synthetic")
     for path in models:

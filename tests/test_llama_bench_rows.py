@@ -196,3 +196,35 @@ def test_table_row_of_llama_bench(webgpu, tmp_path, capsys):
     line = [x for x in capsys.readouterr().out.splitlines() if "llama.cpp-vulkan" in x]
     assert line == ["| tiny | Q4_0 | llama.cpp-vulkan | 71 | 38.4 | - | - | - | - |"]
     assert json.loads(json.dumps(row))["tg16_sd"] == 7.474376  # the --json file keeps the spread
+
+
+def test_mixes_made_by_llama_quantize_from_the_f16_file(vs, tmp_path, monkeypatch):
+    """--llama-quantize: a mix format is made by the given quantizer from the shape's F16 file
+    (written first), named NAME-FMT-lq.gguf, and reused by the next run; other formats are
+    edgellm's own files; a failing quantizer stops the run with its message, leaving no file."""
+    from edgellm.synthetic import PRESETS, SyntheticSpec
+
+    monkeypatch.setitem(PRESETS, "tiny", SyntheticSpec(n_layers=1, d_model=256, n_heads=2, n_kv_heads=2, ffn_dim=256))
+    log = tmp_path / "calls.txt"
+    fake = tmp_path / "llama-quantize"
+    fake.write_text(f"""#!{sys.executable}
+import shutil, sys
+from gguf import GGUFReader
+assert {{t.tensor_type.name for t in GGUFReader(sys.argv[1]).tensors if len(t.shape) == 2}} == {{"F16"}}
+open({str(log)!r}, "a").write(" ".join(sys.argv[1:]) + "\\n")
+if sys.argv[3] == "Q5_K_M":
+    print("main: failed to quantize: unsupported here", file=sys.stderr); sys.exit(1)
+shutil.copy(sys.argv[1], sys.argv[2])
+""")
+    fake.chmod(0o755)
+    d = tmp_path / "models"
+    paths = vs.synthetic_models("tiny", "Q8_0,Q4_K_M", str(d), str(fake))
+    assert [Path(p).name for p in paths] == ["tiny-Q8_0.gguf", "tiny-Q4_K_M-lq.gguf"]
+    assert all(Path(p).is_file() for p in paths) and (d / "tiny-F16.gguf").is_file()
+    assert log.read_text().split() == [str(d / "tiny-F16.gguf"), str(d / "tiny-Q4_K_M-lq.gguf.tmp"), "Q4_K_M"]
+    vs.synthetic_models("tiny", "Q4_K_M", str(d), str(fake))
+    assert len(log.read_text().splitlines()) == 1  # the file is reused
+    with pytest.raises(SystemExit, match="failed to quantize: unsupported here"):
+        vs.synthetic_models("tiny", "Q5_K_M", str(d), str(fake))
+    assert not list(d.glob("tiny-Q5_K_M*"))
+    assert [Path(p).name for p in vs.synthetic_models("tiny", "Q4_K_M", str(d))] == ["tiny-Q4_K_M.gguf"]
