@@ -1140,6 +1140,12 @@ def test_repack_kquants_native_hold_the_file_exactly(rng, monkeypatch, fmt, extr
     got = np64(K.dequantize(pw))
     assert (np.abs(got - ref) <= 1e-6 * np.abs(ref).max(axis=1, keepdims=True)).all()
     raw = eq_quantize(ref.astype(np.float32), _KQ_SOURCE[fmt])
+    from edgellm.backends.cuda.kernels import packing
+    with monkeypatch.context() as mp:
+        mp.setattr(packing, "_REPACK_SLAB_ELEMENTS", 2 * 768)  # slabs of two rows: the same bytes
+        again = K.repack(raw, _KQ_SOURCE[fmt], (6, 768), device=DEV)
+    whole = K.repack(raw, _KQ_SOURCE[fmt], (6, 768), device=DEV)
+    assert again.fmt == whole.fmt == fmt and all(torch.equal(again.tensors[k], whole.tensors[k]) for k in whole.tensors)
     monkeypatch.setenv("EDGELLM_KQUANTS", "converted")
     assert K.repack(raw, _KQ_SOURCE[fmt], (6, 768), device=DEV).fmt == {"Q4K": "Q4_1", "Q5K": "Q6M", "Q6K": "Q6"}[fmt]
     monkeypatch.setenv("EDGELLM_KQUANTS", "q4k-please")

@@ -75,24 +75,35 @@ def q5_k_codes(blocks: torch.Tensor) -> torch.Tensor:
     return (low | (bit << 4)).reshape(n, 256)
 
 
+def _nibble_plane(b: torch.Tensor) -> torch.Tensor:
+    """Codes as blocks [rows, nb, 2, 16] (the two halves) -> their low four bits, as GGML's 4-bit
+    blocks hold them: [rows, nb * 16], byte j of a block element j (low nibble) and j + 16 (high)."""
+    rows, nb = b.shape[:2]
+    return ((b[:, :, 0] & 15) | ((b[:, :, 1] & 15) << 4)).reshape(rows, nb * 16)
+
+
+def _nibble_codes(qs: torch.Tensor, nb: int) -> torch.Tensor:
+    """The low four bits of every code from the nibble plane at the start of rows qs: [rows, nb, 32]."""
+    ql = qs[:, :nb * 16].reshape(qs.shape[0], nb, 16)
+    return torch.cat([ql & 15, ql >> 4], dim=2)
+
+
 def pack_q5_codes(q: torch.Tensor) -> torch.Tensor:
     """5-bit codes [rows, in] (uint8, element order) -> the Q5K rows of qs [rows, nb * 20]."""
     rows, n_in = q.shape
     nb = n_in // 32
     b = q.reshape(rows, nb, 2, 16)
-    ql = (b[:, :, 0] & 15) | ((b[:, :, 1] & 15) << 4)  # [rows, nb, 16]
     top = ((b >> 4) & 1).reshape(rows, nb, 2, 4, 4).permute(0, 1, 4, 2, 3).reshape(rows, nb, 4, 8)  # [.., i, 4h + w]
     weights = (1 << torch.arange(8, dtype=torch.int32, device=q.device)).to(torch.uint8)
     qh = (top * weights).sum(dim=3, dtype=torch.int32).to(torch.uint8)  # byte i of each block's word
-    return torch.cat([ql.reshape(rows, nb * 16), qh.reshape(rows, nb * 4)], dim=1)
+    return torch.cat([_nibble_plane(b), qh.reshape(rows, nb * 4)], dim=1)
 
 
 def unpack_q5_codes(qs: torch.Tensor, n_in: int) -> torch.Tensor:
     """The inverse of pack_q5_codes: qs [rows, nb * 20] -> codes [rows, in] (uint8)."""
     rows = qs.shape[0]
     nb = n_in // 32
-    ql = qs[:, :nb * 16].reshape(rows, nb, 16)
-    low = torch.cat([ql & 15, ql >> 4], dim=2)  # [rows, nb, 32]
+    low = _nibble_codes(qs, nb)
     qh = qs[:, nb * 16:].reshape(rows, nb, 4, 1)  # [.., i, bit]
     bits = (qh >> torch.arange(8, dtype=torch.uint8, device=qs.device)) & 1  # [.., i, 4h + w]
     top = bits.reshape(rows, nb, 4, 2, 4).permute(0, 1, 3, 4, 2).reshape(rows, nb, 32)  # element 16h + 4w + i
@@ -104,18 +115,16 @@ def pack_q6_codes(q: torch.Tensor) -> torch.Tensor:
     rows, n_in = q.shape
     nb = n_in // 32
     b = q.reshape(rows, nb, 2, 16)
-    ql = (b[:, :, 0] & 15) | ((b[:, :, 1] & 15) << 4)  # [rows, nb, 16]
     hb = (b >> 4).reshape(rows, nb, 2, 4, 4)  # [.., h, w, i]: top bits of element 16h + 4w + i
     qh = hb[:, :, :, 0] | (hb[:, :, :, 1] << 2) | (hb[:, :, :, 2] << 4) | (hb[:, :, :, 3] << 6)  # byte 4h + i
-    return torch.cat([ql.reshape(rows, nb * 16), qh.reshape(rows, nb * 8)], dim=1)
+    return torch.cat([_nibble_plane(b), qh.reshape(rows, nb * 8)], dim=1)
 
 
 def unpack_q6_codes(qs: torch.Tensor, n_in: int) -> torch.Tensor:
     """The inverse of pack_q6_codes: qs [rows, nb * 24] -> codes [rows, in] (uint8)."""
     rows = qs.shape[0]
     nb = n_in // 32
-    ql = qs[:, :nb * 16].reshape(rows, nb, 16)
-    low = torch.cat([ql & 15, ql >> 4], dim=2)  # [rows, nb, 32]
+    low = _nibble_codes(qs, nb)
     qh = qs[:, nb * 16:].reshape(rows, nb, 2, 1, 4)
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=qs.device).reshape(1, 1, 1, 4, 1)
     high = ((qh >> shifts) & 3).reshape(rows, nb, 32)

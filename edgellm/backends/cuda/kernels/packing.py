@@ -275,63 +275,58 @@ def _checked_f16(v: torch.Tensor, what: str) -> torch.Tensor:
     return v.half()
 
 
-def _repack_six_bit(raw: torch.Tensor, fmt: str, n_out: int, n_in: int) -> PackedWeight:
-    """Q6_K, Q5_K, Q5_1 rows -> Q6 / Q6M (see the module docstring), with torch ops on raw's device,
-    a slab of rows at a time (an 8B model's Q6_K output matrix has 525M weights)."""
+def _in_slabs(raw: torch.Tensor, n_out: int, n_in: int, fmt: str, pack) -> list:
+    """pack(blocks [r * blocks per row, type size], r) -> a tuple of [r, ...] tensors (or None), for
+    each slab of rows of raw in turn (an 8B model's Q6_K output matrix has 525M weights: its
+    temporaries are a few bytes per weight); each tuple entry's slabs concatenated by rows."""
     block, tsize = _BLOCK[fmt]
     rows = max(1, _REPACK_SLAB_ELEMENTS // n_in)
-    qs, ds, ms = [], [], []
+    outs = []
     for r0 in range(0, n_out, rows):
         slab = raw[r0:r0 + rows].contiguous()
         r = slab.shape[0]
-        q, d, m = six_bit_codes(slab.reshape(r * (n_in // block), tsize), fmt)
-        qs.append(pack_q6_codes(q.reshape(r, n_in)))
-        ds.append(_checked_f16(d.reshape(r, n_in // 16), f"{fmt} weight {(n_out, n_in)}: a scale"))
-        if m is not None:
-            ms.append(_checked_f16(m.reshape(r, n_in // 16), f"{fmt} weight {(n_out, n_in)}: a minimum"))
-    cat = (lambda t: t[0] if len(t) == 1 else torch.cat(t, 0))
-    return PackedWeight("Q6M" if ms else "Q6", (n_out, n_in), qs=cat(qs), d=cat(ds), m=cat(ms) if ms else None,
-                        source_fmt=fmt)
+        outs.append(pack(slab.reshape(r * (n_in // block), tsize), r))
+    return [None if parts[0] is None else parts[0] if len(parts) == 1 else torch.cat(parts, 0) for parts in zip(*outs)]
+
+
+def _repack_six_bit(raw: torch.Tensor, fmt: str, n_out: int, n_in: int) -> PackedWeight:
+    """Q6_K, Q5_K, Q5_1 rows -> Q6 / Q6M (see the module docstring), with torch ops on raw's device."""
+    what = f"{fmt} weight {(n_out, n_in)}"
+
+    def pack(blocks, r):
+        q, d, m = six_bit_codes(blocks, fmt)
+        return (pack_q6_codes(q.reshape(r, n_in)), _checked_f16(d.reshape(r, n_in // 16), f"{what}: a scale"),
+                None if m is None else _checked_f16(m.reshape(r, n_in // 16), f"{what}: a minimum"))
+
+    qs, d, m = _in_slabs(raw, n_out, n_in, fmt, pack)
+    return PackedWeight("Q6M" if m is not None else "Q6", (n_out, n_in), qs=qs, d=d, m=m, source_fmt=fmt)
 
 
 def _repack_q6_k_native(raw: torch.Tensor, n_out: int, n_in: int) -> PackedWeight:
     """Q6_K rows -> the Q6K layout: the codes packed as Q6, the int8 scales as stored, each
-    super-block's fp16 D as fp32; a slab of rows at a time, as _repack_six_bit."""
-    nsb = n_in // 256
-    rows = max(1, _REPACK_SLAB_ELEMENTS // n_in)
-    qs, scs, dds = [], [], []
-    for r0 in range(0, n_out, rows):
-        slab = raw[r0:r0 + rows].contiguous()
-        r = slab.shape[0]
-        blocks = slab.reshape(r * nsb, 210)
+    super-block's fp16 D as fp32."""
+    def pack(blocks, r):
         q, _, _ = six_bit_codes(blocks, "Q6_K")
-        qs.append(pack_q6_codes(q.reshape(r, n_in)))
-        scs.append(blocks[:, 192:208].contiguous().view(torch.int8).reshape(r, n_in // 16))
-        dds.append(blocks[:, 208:210].contiguous().view(torch.float16).reshape(r, nsb).float())
-    cat = (lambda t: t[0] if len(t) == 1 else torch.cat(t, 0))
-    return PackedWeight("Q6K", (n_out, n_in), qs=cat(qs), d=cat(scs).contiguous(), m=cat(dds).contiguous(),
-                        source_fmt="Q6_K")
+        return (pack_q6_codes(q.reshape(r, n_in)), blocks[:, 192:208].contiguous().view(torch.int8).reshape(r, n_in // 16),
+                blocks[:, 208:210].contiguous().view(torch.float16).reshape(r, n_in // 256).float())
+
+    qs, d, m = _in_slabs(raw, n_out, n_in, "Q6_K", pack)
+    return PackedWeight("Q6K", (n_out, n_in), qs=qs, d=d, m=m, source_fmt="Q6_K")
 
 
 def _repack_q5_k_native(raw: torch.Tensor, n_out: int, n_in: int) -> PackedWeight:
     """Q5_K rows -> the Q5K layout: the codes packed as Q5K, the 6-bit scale and minimum codes as
-    Q4K keeps them, each super-block's fp16 (D, DMIN) pair as stored; a slab of rows at a time."""
+    Q4K keeps them, each super-block's fp16 (D, DMIN) pair as stored."""
     from ....quant.ggml_kquants import _unpack_scales
 
-    nsb = n_in // 256
-    rows = max(1, _REPACK_SLAB_ELEMENTS // n_in)
-    qs, codes, pairs = [], [], []
-    for r0 in range(0, n_out, rows):
-        slab = raw[r0:r0 + rows].contiguous()
-        r = slab.shape[0]
-        blocks = slab.reshape(r * nsb, 176)
-        qs.append(pack_q5_codes(q5_k_codes(blocks).reshape(r, n_in)))
-        sc, mn = _unpack_scales(blocks[:, 4:16])  # [r * nsb, 8] each
-        codes.append((sc.to(torch.int16) | (mn.to(torch.int16) << 8)).reshape(r, n_in // 32))
-        pairs.append(blocks[:, 0:4].contiguous().view(torch.float16).reshape(r, 2 * nsb))
-    cat = (lambda t: t[0] if len(t) == 1 else torch.cat(t, 0))
-    return PackedWeight("Q5K", (n_out, n_in), qs=cat(qs), d=cat(codes).contiguous(), m=cat(pairs).contiguous(),
-                        source_fmt="Q5_K")
+    def pack(blocks, r):
+        sc, mn = _unpack_scales(blocks[:, 4:16])  # [r * blocks, 8] each
+        return (pack_q5_codes(q5_k_codes(blocks).reshape(r, n_in)),
+                (sc.to(torch.int16) | (mn.to(torch.int16) << 8)).reshape(r, n_in // 32),
+                blocks[:, 0:4].contiguous().view(torch.float16).reshape(r, n_in // 128))
+
+    qs, d, m = _in_slabs(raw, n_out, n_in, "Q5_K", pack)
+    return PackedWeight("Q5K", (n_out, n_in), qs=qs, d=d, m=m, source_fmt="Q5_K")
 
 
 def q6k_scales(w: PackedWeight) -> torch.Tensor:
