@@ -42,32 +42,112 @@ class SamplingParams:
         return self.temperature <= 0
 
 
+def _rank(x: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """ids ordered by their logits x[ids], largest first, ties by lower id (a stable sort's order).
+    Float32 logits (fp16 ones too, exactly) sort as one 64-bit key per id, the value's order-
+    preserving bits above the id: a plain sort, 8x faster than a stable one (ties are common in
+    logits computed in fp16)."""
+    v = x[ids]
+    if v.dtype != np.float32:
+        v32 = v.astype(np.float32)
+        if not np.array_equal(v32, v):  # not exactly float32 (a repetition penalty's quotients)
+            ids = np.sort(ids)
+            return ids[np.argsort(-x[ids], kind="stable")]
+        v = v32
+    u = (v + np.float32(0.0)).view(np.uint32)  # + 0: -0.0 ranks with 0.0
+    up = np.where(u >> np.uint32(31), ~u, u | np.uint32(0x80000000))  # unsigned order = float order
+    key = ((~up).astype(np.uint64) << np.uint64(32)) | ids.astype(np.uint64)
+    key.sort()
+    return (key & np.uint64(0xFFFFFFFF)).astype(np.int64)
+
+
+def _ranked_prefix(x: np.ndarray, k: int) -> np.ndarray:
+    """The ids of the k largest logits, largest first, ties by lower id: np.argsort(-x,
+    kind="stable")[:k], by a partition (O(V)) and a sort of the k alone (a full stable sort of a
+    128k vocabulary took 11 ms a token on the 2-core CPU, the partition 0.1 ms)."""
+    n = len(x)
+    if k >= n:
+        return _rank(x, np.arange(n))
+    kth = np.partition(x, n - k)[n - k]  # the k-th largest value
+    above = np.flatnonzero(x > kth)
+    return _rank(x, np.concatenate([above, np.flatnonzero(x == kth)[: k - len(above)]]))
+
+
 class Sampler:
+    """Draws a token as llama.cpp's sampler chain does (see the module docstring). The candidates
+    are found without sorting the vocabulary: the top-k by a partition; without top-k, the shortest
+    ranked prefix that holds the top-p nucleus (grown from 256 ids) within the min-p set."""
+
     def __init__(self, params: SamplingParams):
         self.params = params
         self.rng = np.random.default_rng(params.seed)
 
     def __call__(self, logits: np.ndarray, history: list[int] | None = None) -> int:
         p = self.params
-        x = np.asarray(logits, dtype=np.float64).copy()
+        x = np.asarray(logits).reshape(-1)
         if p.repetition_penalty != 1.0 and history and p.repeat_last_n:
+            x = x.astype(np.float64)  # a copy: the caller's logits stay as they are
             ids = np.unique(np.asarray(history[-p.repeat_last_n :], dtype=np.int64))
             v = x[ids]
             x[ids] = np.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
         if p.greedy:
             return int(np.argmax(x))
-        ids = np.argsort(-x, kind="stable")
-        if p.top_k and p.top_k < len(ids):
-            ids = ids[: p.top_k]
-        vals = x[ids]
-        probs = np.exp(vals - vals[0])
-        probs /= probs.sum()
+        n = len(x)
+        if np.isnan(x).any():  # NaN ranks last, as in a full sort
+            ids = np.argsort(-x.astype(np.float64), kind="stable")
+            ids = ids[: p.top_k] if p.top_k and p.top_k < n else ids
+            return self._draw(ids, x[ids].astype(np.float64), None)
+        if p.top_k and p.top_k < n:
+            ids = _ranked_prefix(x, p.top_k)
+            return self._draw(ids, x[ids].astype(np.float64), None)
+        # no top-k: the probabilities are over the whole vocabulary; only a ranked prefix is needed
+        best = x.max()
+        limit = n if p.min_p <= 0 else int(np.count_nonzero(x >= float(best) + np.log(p.min_p)))  # the min-p set
+        if p.top_p >= 1.0 and limit == n:  # the whole vocabulary's softmax: no ranking at all
+            return self._choice(np.exp((x - best) / x.dtype.type(p.temperature)))
+        mass = float(np.exp(x - best).sum(dtype=np.float64))  # exp in the logits' precision, summed in float64
+        best = float(best)
+        k = min(limit, 256)
+        while True:
+            ids = _ranked_prefix(x, k)
+            reached = np.exp(x[ids].astype(np.float64) - best).sum() / mass >= p.top_p
+            if reached or k >= limit:
+                break
+            k = min(limit, 8 * k)
+        return self._draw(ids, x[ids].astype(np.float64), mass)
+
+    def _draw(self, ids: np.ndarray, vals: np.ndarray, mass: float | None) -> int:
+        """Top-p, min-p and temperature over candidates ids (ranked, best first, unless all of the
+        vocabulary) whose logits are vals; mass: the probability mass (relative to the best
+        token's) of the set top-p is measured against, None for the candidates' own."""
+        p = self.params
+        best = float(vals.max())
+        probs = np.exp(vals - best)
+        probs /= probs.sum() if mass is None else mass
         if p.top_p < 1.0:
-            keep = int(np.searchsorted(np.cumsum(probs), p.top_p) + 1)
+            keep = min(int(np.searchsorted(np.cumsum(probs), p.top_p) + 1), len(ids))
             ids, vals, probs = ids[:keep], vals[:keep], probs[:keep]
         if p.min_p > 0:
-            keep = probs >= p.min_p * probs[0]
+            keep = probs >= p.min_p * probs.max()
             ids, vals = ids[keep], vals[keep]
-        scaled = (vals - vals[0]) / p.temperature
-        w = np.exp(scaled)
-        return int(ids[self.rng.choice(len(ids), p=w / w.sum())])
+        return int(ids[self._choice(np.exp((vals - vals.max()) / p.temperature))])
+
+    def _choice(self, w: np.ndarray) -> int:
+        """An index drawn with probabilities w / w.sum() by one uniform number: for a few candidates
+        Generator.choice(len(w), p=...)'s draw exactly (the same cumulative sums), without its
+        checks of p; for a whole vocabulary, the block of 256 the number falls in (from the
+        blocks' sums), then the index within it (two short cumulative sums, not one of 128k)."""
+        u = self.rng.random()
+        if len(w) <= 4096:
+            w = w.astype(np.float64, copy=False)
+            cdf = np.cumsum(w / w.sum())
+            cdf /= cdf[-1]
+            return min(int(cdf.searchsorted(u, side="right")), len(w) - 1)
+        n = len(w)
+        blocks = np.add.reduceat(w, np.arange(0, n, 256), dtype=np.float64)
+        cb = np.cumsum(blocks)
+        target = u * cb[-1]
+        b = min(int(cb.searchsorted(target, side="right")), len(cb) - 1)
+        inner = np.cumsum(w[256 * b:256 * (b + 1)], dtype=np.float64)
+        rest = target - (cb[b - 1] if b else 0.0)
+        return min(256 * b + int(inner.searchsorted(rest, side="right")), n - 1)

@@ -80,6 +80,63 @@ def test_seed_reproducible():
     assert len(set(draws)) > 1
 
 
+def _full_sort_sampler(params, seed):
+    """The sampler chain written plainly (a stable sort of the whole vocabulary): the reference."""
+    rng = np.random.default_rng(seed)
+
+    def draw(logits):
+        x = np.asarray(logits, dtype=np.float64)
+        ids = np.argsort(-x, kind="stable")
+        if params.top_k and params.top_k < len(ids):
+            ids = ids[: params.top_k]
+        vals = x[ids]
+        probs = np.exp(vals - vals[0])
+        probs /= probs.sum()
+        if params.top_p < 1.0:
+            keep = int(np.searchsorted(np.cumsum(probs), params.top_p) + 1)
+            ids, vals, probs = ids[:keep], vals[:keep], probs[:keep]
+        if params.min_p > 0:
+            keep = probs >= params.min_p * probs[0]
+            ids, vals = ids[keep], vals[keep]
+        w = np.exp((vals - vals[0]) / params.temperature)
+        return int(ids[rng.choice(len(ids), p=w / w.sum())])
+    return draw
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(top_k=0), dict(top_k=0, min_p=0), dict(top_k=0, min_p=0, top_p=0.999),
+                                dict(top_k=5000, top_p=0.5, min_p=0), dict(top_k=0, top_p=1.0, min_p=0.2)])
+def test_sampler_draws_as_a_full_sort_does(kw):
+    """On a 128k vocabulary (logits of a peaked and of a flat distribution, with tied values) the
+    sampler's candidates, their order and so its seeded draws are the full-sort reference's."""
+    rng = np.random.default_rng(7)
+    params = SamplingParams(temperature=0.8, seed=11, **kw)
+    ours, ref = Sampler(params), _full_sort_sampler(params, 11)
+    for scale in (6.0, 0.3):
+        x = (rng.standard_normal(128256) * scale).astype(np.float32)
+        x[rng.integers(0, len(x), 2000)] = x[int(np.argmax(x))]  # ties with the best
+        x[rng.integers(0, len(x), 500)] = np.sort(x)[-300]  # ties inside the candidates
+        assert [ours(x) for _ in range(30)] == [ref(x) for _ in range(30)]
+
+
+def test_whole_vocabulary_draw_matches_the_softmax():
+    """No cut on a vocabulary of 6,000 (the draw by blocks of 256): likely tokens placed at the
+    blocks' edges and at the end are drawn as often as the softmax says, the others never alone."""
+    x = np.full(6000, -4.0, dtype=np.float32)
+    hot = [0, 255, 256, 511, 3000, 5999]
+    x[hot] = [1.0, 0.5, 0.8, 0.2, 0.0, 1.2]
+    p = _freqs(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=9), x, n=20000)
+    ref = _softmax(x.astype(np.float64))
+    assert np.abs(p[hot] - ref[hot]).max() < 0.015
+    assert abs(p.sum() - p[hot].sum() - (1 - ref[hot].sum())) < 0.015
+
+
+def test_sampler_without_a_cut_matches_the_softmax():
+    """No top-k, top-p or min-p: drawn from the whole vocabulary's softmax (candidates unsorted)."""
+    x = np.array([2.0, -1.0, 0.5, 1.5, 0.0, -3.0, 1.0, 0.7], dtype=np.float32)
+    p = _freqs(SamplingParams(temperature=0.9, top_k=0, top_p=1.0, min_p=0.0, seed=5), x)
+    assert np.abs(p - _softmax(x.astype(np.float64) / 0.9)).max() < 0.015
+
+
 @pytest.mark.parametrize("kw", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(min_p=1.0),
                                 dict(top_k=-2), dict(repetition_penalty=0)])
 def test_bad_sampling_params(kw):
