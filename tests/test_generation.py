@@ -81,26 +81,16 @@ def test_seed_reproducible():
 
 
 def _full_sort_sampler(params, seed):
-    """The sampler chain written plainly (a stable sort of the whole vocabulary): the reference."""
-    rng = np.random.default_rng(seed)
+    """The sampler chain written plainly (a stable sort of the whole vocabulary): the reference,
+    kept in benchmarks/bench_sampling.py, which times the two."""
+    import importlib.util
+    from pathlib import Path
 
-    def draw(logits):
-        x = np.asarray(logits, dtype=np.float64)
-        ids = np.argsort(-x, kind="stable")
-        if params.top_k and params.top_k < len(ids):
-            ids = ids[: params.top_k]
-        vals = x[ids]
-        probs = np.exp(vals - vals[0])
-        probs /= probs.sum()
-        if params.top_p < 1.0:
-            keep = int(np.searchsorted(np.cumsum(probs), params.top_p) + 1)
-            ids, vals, probs = ids[:keep], vals[:keep], probs[:keep]
-        if params.min_p > 0:
-            keep = probs >= params.min_p * probs[0]
-            ids, vals = ids[keep], vals[keep]
-        w = np.exp((vals - vals[0]) / params.temperature)
-        return int(ids[rng.choice(len(ids), p=w / w.sum())])
-    return draw
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_sampling.py"
+    spec = importlib.util.spec_from_file_location("bench_sampling", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.full_sort(params, seed)
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(top_k=0), dict(top_k=0, min_p=0), dict(top_k=0, min_p=0, top_p=0.999),
