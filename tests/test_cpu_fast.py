@@ -97,3 +97,33 @@ def test_auto_without_gpu_is_cpu_fast():
 
     assert get_backend("auto") is CpuFastBackend
     assert get_backend_info("auto").name == "cpu-fast"
+
+
+def test_k_quant_file_decodes_natively_and_its_converted_rows_come_back_from_the_cache(tmp_path, monkeypatch):
+    """A Q4_K_M file: its K-quant matrices are packed from their plain block forms (Q4_K as Q4_1 int4
+    packs, Q6_K as Q8_0), never as bf16, and the decode step is one native call; a second load
+    maps the packs and the converted rows back from the program cache and gives the same logits."""
+    from edgellm.synthetic import quant_mix
+
+    monkeypatch.setenv("EDGELLM_CACHE_DIR", str(tmp_path / "cache"))
+    spec = quant_mix(SyntheticSpec(n_layers=2, d_model=256, n_heads=4, n_kv_heads=2, ffn_dim=512, tied=False,
+                                   seed=13), "Q4_K_M")
+    path = write_synthetic_gguf(tmp_path / "m.gguf", spec)
+    ids = [3, 17, 5, 9, 30, 2, 11]
+    logits = []
+    for load in range(2):
+        m = edgellm.load(path, backend="cpu-fast", ctx=32)
+        packs = m.backend.weights._packs.values()
+        assert {p.kind for p in packs} <= {"int4", "int4x2"}, {p.kind for p in packs}
+        assert all(p.blocks is not None and p.native is not None for p in packs)
+        assert ("weights" in m.cache_hits) == (load == 1)
+        m.forward(ids[:4], 0, all_logits=False)
+        steps = [m.forward([t], 4 + i, all_logits=False) for i, t in enumerate(ids[4:])]
+        prog = next(p for p in m.programs.values() if getattr(p, "max_seq", None) == 1)
+        assert prog._step is not None, prog.step_unavailable
+        logits.append(np.stack(steps))
+    np.testing.assert_array_equal(logits[0], logits[1])
+    ref = edgellm.load(path, backend="cpu", ctx=32)
+    ref.forward(ids[:4], 0, all_logits=False)
+    want = np.stack([ref.forward([t], 4 + i, all_logits=False) for i, t in enumerate(ids[4:])])
+    assert np.abs(logits[0] - want).max() <= 0.06 * np.abs(want).max()

@@ -10,7 +10,7 @@ import torch
 import edgellm
 from edgellm.backends import cpu_native
 from edgellm.errors import GraphError
-from edgellm.synthetic import SyntheticSpec, write_synthetic_gguf
+from edgellm.synthetic import SyntheticSpec, quant_mix, write_synthetic_gguf
 
 pytestmark = pytest.mark.skipif(cpu_native.library() is None, reason=f"no native library: {cpu_native.unavailable()}")
 
@@ -28,6 +28,17 @@ CASES = {
                                           **SMALL),
     "mistral-mqa": SyntheticSpec(arch="mistral", weight_type="Q4_0", embed_type="Q8_0", seed=8,
                                  **{**SMALL, "n_kv_heads": 1}),
+    # K-quant files (llama-quantize's mixes), read through their plain block forms (Q4_K as Q4_1,
+    # Q6_K and Q5_K as Q8_0; q|k|v of Q4_K with a Q6_K v as one Q8_0 stack): an untied Q4_K
+    # embedding, a tied Q6_K one shared with the LM head, and Q5_0 / Q5_1 parts (llama-quantize's
+    # fallbacks where a row is no whole super-block)
+    "llama-q4_k_m-untied": quant_mix(SyntheticSpec(arch="llama", seed=9, tied=False,
+                                                   **{**SMALL, "d_model": 256, "ffn_dim": 512}), "Q4_K_M"),
+    "llama-q5_k_m-tied": quant_mix(SyntheticSpec(arch="llama", seed=10, **{**SMALL, "d_model": 256, "ffn_dim": 512}),
+                                   "Q5_K_M"),
+    "qwen2-q4_k_m-fallbacks": quant_mix(SyntheticSpec(arch="qwen2", seed=11, type_overrides={
+        "blk.0.attn_k.weight": "Q5_0", "blk.1.ffn_up.weight": "Q5_1"}, **{**SMALL, "d_model": 256, "ffn_dim": 512}),
+        "Q4_K_M"),
 }
 
 

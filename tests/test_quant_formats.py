@@ -345,3 +345,33 @@ def test_synthetic_random_blocks_decode_near_the_asked_spread(ttype):
     w = gguf.quants.dequantize(raw, qt).reshape(64, 512)
     assert np.isfinite(w).all()
     assert 0.5 * 0.02 < w.std() < 2 * 0.02, w.std()
+
+
+def test_block_forms_hold_the_source_values():
+    """edgellm.quant.block_forms against gguf-py's decode of the source: Q5_0 as Q8_0 exactly, Q4_K
+    as Q4_1 within the fp16 rounding of each sub-block's scale and minimum, Q6_K requantized to Q8_0
+    within half a Q8_0 step of each block (and its fp16 scale's rounding); a malformed row is a clear
+    error."""
+    from edgellm.errors import TensorShapeError
+    from edgellm.quant.block_forms import as_q8_0, q4_k_as_q4_1, q5_0_as_q8_0
+
+    rng = np.random.default_rng(21)
+    w = (rng.standard_normal((5, 512)) * rng.uniform(0.01, 2, (5, 1)) + rng.uniform(-1, 1, (5, 1))).astype(np.float32)
+
+    def read(raw, name, shape=(5, 512)):
+        return gguf.quants.dequantize(raw, GGMLQuantizationType[name]).reshape(shape).astype(np.float64)
+
+    raw = quantize(w, "Q5_0")
+    np.testing.assert_array_equal(read(q5_0_as_q8_0(raw, 5, 512), "Q8_0"), read(raw, "Q5_0"))
+    raw = quantize(w, "Q4_K")
+    got, want = read(q4_k_as_q4_1(raw, 5, 512), "Q4_1"), read(raw, "Q4_K")
+    assert np.abs(got - want).max() <= 2.0**-10 * np.abs(want).max() and np.abs(got - want).max() > 0
+    raw = quantize(w, "Q6_K")
+    got, want = read(as_q8_0(raw, "Q6_K", 5, 512), "Q8_0"), read(raw, "Q6_K")
+    step = np.abs(want).reshape(5, 16, 32).max(axis=2, keepdims=True) / 127
+    # half a step, plus the fp16 rounding of d (2^-11 relative) over codes up to 127
+    assert (np.abs(got - want).reshape(5, 16, 32) <= (0.5 + 127 * 2.0**-11) * step * (1 + 2.0**-9) + 1e-9).all()
+    with pytest.raises(TensorShapeError, match=r"Q4_K weight \(5, 500\)"):
+        q4_k_as_q4_1(raw, 5, 500)
+    with pytest.raises(TensorShapeError, match="Q5_0 weight"):
+        q5_0_as_q8_0(raw[:, :10], 5, 512)

@@ -8,7 +8,12 @@ Weights are repacked once, at load, into what the fastest torch CPU kernel for t
   Q8_0                              -> its codes' high and low nibbles as two int4 packs, block
                                        scales in bf16 (1.25 B/weight; codes exact)
   Q8_PC                             -> int8 rows for `_weight_int8pack_mm`, row scales in bf16
+  Q4_K                              -> as Q4_1 (fp16 sub-block scales and minimums; quant/block_forms.py)
+  Q5_0                              -> as Q8_0 (exactly)
+  Q6_K, Q5_K, Q5_1                  -> as Q8_0, requantized from their values (|error| about amax/254 a block)
   every other 2-D format            -> bf16 rows for torch's bf16 linear (2 B/weight)
+A fused product's parts in different formats (a Q4_K_M file's q|k|v) are requantized to Q8_0 when
+each has such a form, so that the stack stays one quantized matrix the native kernels read.
   vectors (norms, biases)           -> float32
 Only the bf16-activation variants of those kernels are fast on this CPU (the float32 ones are
 10-100x slower), so a matrix product rounds its input to bf16 once and returns float32; everything
@@ -131,6 +136,7 @@ class PackedLinear:
         self.n_out, self.zero_resid = n + (-n % 16), None
 
     native = None  # the native kernel's reading of the same rows (cpu_native.NativeRows), for few inputs
+    blocks = None  # the rows' GGML blocks where converted from the file's (the native kernels read them)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x float32 [m, k] -> float32 [m, n]."""
@@ -164,7 +170,8 @@ class PackedLinear:
     @property
     def nbytes(self) -> int:
         ts = [getattr(self, a) for a in self._TENSORS[self.kind]]
-        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+        held = self.blocks.nbytes if self.blocks is not None else 0
+        return held + sum(t.numel() * t.element_size() for t in ts if t is not None)
 
     # -- the program cache's form: a few numbers and the tensors as numpy arrays ------------------
     def to_arrays(self) -> tuple[dict, dict[str, np.ndarray]]:
@@ -176,6 +183,9 @@ class PackedLinear:
             if t is not None:
                 meta["dtypes"][a] = str(t.dtype).removeprefix("torch.")
                 arrays[a] = _as_numpy(t)
+        if self.blocks is not None:
+            meta["dtypes"]["blocks"] = "uint8"
+            arrays["blocks"] = self.blocks
         return meta, arrays
 
     @classmethod
@@ -187,7 +197,10 @@ class PackedLinear:
         if p.kind.startswith("int4"):
             p.group, p.n_out, p.zero_resid = meta["group"], meta["n_out"], None
         for a, dt in meta["dtypes"].items():
-            setattr(p, a, _as_tensor(arrays[a], dt))
+            if a == "blocks":
+                p.blocks = np.asarray(arrays[a])
+            else:
+                setattr(p, a, _as_tensor(arrays[a], dt))
         return p
 
 
@@ -228,6 +241,38 @@ class WeightRef:
         self.name = name
 
 
+_NATIVE_FORMS = ("Q4_0", "Q4_1", "Q8_0")  # what the native kernels read (cpu_native.FORMATS)
+
+
+def _block_form_of(src) -> str | None:
+    """The plain block type a GGUF tensor of another type is converted to here, or None."""
+    k = src.shape[1] if len(src.shape) == 2 else 0
+    if k % 32:
+        return None
+    if src.type_name == "Q4_K" and k % 256 == 0:
+        return "Q4_1"
+    if src.type_name in ("Q5_0", "Q5_1") or (src.type_name in ("Q6_K", "Q5_K") and k % 256 == 0):
+        return "Q8_0"
+    return None
+
+
+def _block_form(src) -> tuple[str, np.ndarray]:
+    """(type, rows of blocks) of a GGUF tensor as the packs and native kernels take it: its own, or
+    its plain block form (_block_form_of; a Q4_K sub-block scale beyond fp16 keeps its own)."""
+    from ..quant.block_forms import as_q8_0, q4_k_as_q4_1
+
+    form = _block_form_of(src)
+    n, k = src.shape[0], (src.shape[1] if len(src.shape) == 2 else 0)
+    if form == "Q4_1":
+        try:
+            return "Q4_1", q4_k_as_q4_1(src.data, n, k)
+        except ValueError:
+            return src.type_name, src.data
+    if form == "Q8_0":
+        return "Q8_0", as_q8_0(src.data, src.type_name, n, k)
+    return src.type_name, src.data
+
+
 class CpuFastWeights:
     """Vectors as float32 tensors; matrices as references whose packs are built once per set of
     rows (one weight, or the concatenation a fused op reads) and kept."""
@@ -238,6 +283,7 @@ class CpuFastWeights:
         self._refs: dict[str, WeightRef] = {}
         self._packs: dict[tuple, PackedLinear] = {}
         self._biases: dict[tuple, torch.Tensor] = {}
+        self._tables: dict[str, tuple[str, np.ndarray]] = {}
         self.built = 0  # packs built (not restored from the cache) since the last restore or save
 
     def get(self, name: str):
@@ -259,20 +305,30 @@ class CpuFastWeights:
         p = self._packs.get(key)
         if p is None:
             srcs = [self.file.tensor(n) for n in names]
-            types = {s.type_name for s in srcs}
             ks = {s.shape[1] for s in srcs}
             if len(ks) != 1:
                 raise GraphError(f"cpu-fast: weights {list(names)} have different row lengths {sorted(ks)}")
+            forms = [_block_form(s) for s in srcs]
+            types = {t for t, _ in forms}
+            converted = any(t != s.type_name for (t, _), s in zip(forms, srcs))
+            if len(types) > 1 and all(t in _NATIVE_FORMS for t, _ in forms):
+                # mixed quantized formats in one fused product (a Q4_K_M file's q|k|v): one Q8_0 stack
+                from ..quant.block_forms import as_q8_0
+
+                forms = [("Q8_0", as_q8_0(r, t, s.shape[0], s.shape[1])) for (t, r), s in zip(forms, srcs)]
+                types, converted = {"Q8_0"}, True
             if len(types) == 1:
-                raw = srcs[0].data if len(srcs) == 1 else np.concatenate([np.asarray(s.data) for s in srcs])
-                type_name = srcs[0].type_name
+                raw = forms[0][1] if len(forms) == 1 else np.concatenate([np.asarray(r) for _, r in forms])
+                type_name = forms[0][0]
             else:  # mixed formats in one fused product: one float matrix, stored as bf16
                 raw = np.concatenate([dequantize(s.data, s.type_name, s.shape) for s in srcs]).astype(np.float32)
-                type_name = "F32"
+                type_name, converted = "F32", False
             n = sum(s.shape[0] for s in srcs)
             if rows is not None:
                 raw, n = raw[rows[0]:rows[1]], rows[1] - rows[0]
             p = self._packs[key] = PackedLinear(raw, type_name, (n, next(iter(ks))))
+            if converted:
+                p.blocks = np.ascontiguousarray(raw)
             self._attach_native(p, names, rows)
             self.built += 1
             self.file.release_pages()  # the pages just read are not needed again: keep the peak low
@@ -313,6 +369,9 @@ class CpuFastWeights:
 
         if cpu_native.library() is None:
             return
+        if p.blocks is not None:  # converted from the file's format: the converted rows
+            p.native = cpu_native.NativeRows([p.blocks], p.k, p.type_name)
+            return
         parts, base = [], 0
         a, b = rows if rows is not None else (0, p.n)
         for name in names:
@@ -322,6 +381,21 @@ class CpuFastWeights:
                 parts.append(data[lo:hi])
             base += data.shape[0]
         p.native = cpu_native.NativeRows(parts, p.k, p.type_name)
+
+    def table(self, name: str) -> tuple[str, np.ndarray]:
+        """An embedding table as the native step reads it: (type, rows of blocks): the file's own
+        rows where the native kernels read its type, else its plain block form (_block_form),
+        the LM head's converted rows where the table is tied to it, converted once."""
+        src = self.file.tensor(name)
+        got = self._tables.get(name)
+        if got is None:
+            tied = self._packs.get(((name,), None))
+            if tied is not None and tied.blocks is not None:
+                got = (tied.type_name, tied.blocks)
+            else:
+                got = _block_form(src) if src.type_name not in _NATIVE_FORMS else (src.type_name, src.data)
+            self._tables[name] = got
+        return got
 
     def bias(self, names: tuple[str, ...]) -> torch.Tensor:
         b = self._biases.get(names)

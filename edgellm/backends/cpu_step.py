@@ -210,13 +210,14 @@ class NativeStep:
     def _embedding(self, r: EdgellmOp, op, w) -> None:
         name = self.graph.tensors[op.inputs[0]].source or op.inputs[0]
         src = w.file.tensor(name)
-        if src.type_name not in FMT or len(src.shape) != 2 or src.shape[1] % 32:
+        fmt, rows = w.table(name) if len(src.shape) == 2 else (src.type_name, src.data)
+        if fmt not in FMT or len(src.shape) != 2 or src.shape[1] % 32:
             raise Unsupported(f"op '{op.name}': embedding table of {src.type_name}")
-        table = np.ascontiguousarray(src.data).view(np.uint8).reshape(src.shape[0], -1)
+        table = np.ascontiguousarray(rows).view(np.uint8).reshape(src.shape[0], -1)
         ptrs = (ctypes.c_void_p * 1)(table.ctypes.data)
         self.keep += [table, ptrs]
         self.vocab = src.shape[0]
-        r.fmt, r.k, r.w = FMT[src.type_name], src.shape[1], ctypes.addressof(ptrs)
+        r.fmt, r.k, r.w = FMT[fmt], src.shape[1], ctypes.addressof(ptrs)
         r.y = _ptr(self._out(op.outputs[0], r.k, op))
 
     def _rope(self, r: EdgellmOp, op, program) -> None:

@@ -327,6 +327,7 @@ def pack_float(w: np.ndarray, fmt: str = "F16") -> PackedArrays:
 def repack(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> PackedArrays:
     """One GGUF weight (raw blocks as stored, shape (rows, cols)) in a descriptor format."""
     from ...quant import dequantize
+    from ...quant.block_forms import q4_k_as_q4_1, q5_0_as_q8_0
 
     rows, cols = (int(s) for s in shape)
     fmt = fmt.upper()
@@ -337,29 +338,27 @@ def repack(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> PackedArrays:
                        "F16" if cols % 8 == 0 else "Q8_0")
         p.source_fmt = fmt
         return p
+    source = fmt
+    if fmt == "Q5_0":  # exactly Q8_0: q - 16 in [-16, 15], the same fp16 scale per 32
+        raw, fmt = q5_0_as_q8_0(raw, rows, cols), "Q8_0"
+    elif fmt == "Q4_K":  # Q4_1 with fp16 sub-block scales and minimums (the cuda backend's conversion too)
+        try:
+            raw, fmt = q4_k_as_q4_1(raw, rows, cols), "Q4_1"
+        except ValueError:  # a scale beyond fp16: requantized to Q8_0 below
+            pass
     if fmt == "Q8_0":
         b = _blocks(raw, rows, cols, 34)
         return PackedArrays("Q8_0", rows, cols, {"qs": b[:, :, 2:].reshape(rows, cols).copy(),
-                                                  "d": b[:, :, 0:2].copy().view(np.float16).reshape(rows, -1)}, fmt)
+                                                  "d": b[:, :, 0:2].copy().view(np.float16).reshape(rows, -1)}, source)
     if fmt == "Q4_0":
         b = _blocks(raw, rows, cols, 18)
         return PackedArrays("Q4_0", rows, cols, {"qs": b[:, :, 2:].reshape(rows, -1).copy(),
-                                                  "d": b[:, :, 0:2].copy().view(np.float16).reshape(rows, -1)}, fmt)
+                                                  "d": b[:, :, 0:2].copy().view(np.float16).reshape(rows, -1)}, source)
     if fmt == "Q4_1":
         b = _blocks(raw, rows, cols, 20)
         return PackedArrays("Q4_1", rows, cols, {"qs": b[:, :, 4:].reshape(rows, -1).copy(),
                                                   "d": b[:, :, 0:2].copy().view(np.float16).reshape(rows, -1),
-                                                  "m": b[:, :, 2:4].copy().view(np.float16).reshape(rows, -1)}, fmt)
-    if fmt == "Q5_0":  # exactly Q8_0: q - 16 in [-16, 15], the same fp16 scale per 32
-        b = _blocks(raw, rows, cols, 22)
-        qh = b[:, :, 2:6].copy().view(np.uint32)  # [rows, nb, 1]
-        bits = (qh >> np.arange(32, dtype=np.uint32)) & 1
-        lo = b[:, :, 6:22].astype(np.int32)
-        q = np.concatenate([lo & 15, lo >> 4], axis=2) | (bits.astype(np.int32) << 4)
-        return PackedArrays("Q8_0", rows, cols, {"qs": (q - 16).astype(np.int8).view(np.uint8).reshape(rows, cols),
-                                                  "d": b[:, :, 0:2].copy().view(np.float16).reshape(rows, -1)}, fmt)
-    if fmt == "Q4_K":
-        return _q4_k_as_q4_1(raw, rows, cols)
+                                                  "m": b[:, :, 2:4].copy().view(np.float16).reshape(rows, -1)}, source)
     if fmt in _SIX_BIT_SOURCES:
         p = _six_bit(raw, fmt, rows, cols)
         if p is not None:
@@ -402,33 +401,6 @@ def _six_bit(raw: np.ndarray, fmt: str, rows: int, cols: int) -> PackedArrays | 
         arrays[name] = v.astype(np.float16)
     arrays["qs"] = _whole_vec4_rows(arrays["qs"])
     return PackedArrays("Q6" if m is None else "Q6M", rows, cols, arrays, fmt)
-
-
-def _q4_k_as_q4_1(raw: np.ndarray, rows: int, cols: int) -> PackedArrays:
-    """Q4_K super-blocks (d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles) as Q4_1,
-    one (d * scale, -dmin * min) pair per 32-element sub-block rounded to fp16 (relative error
-    <= 2^-11 per value; 5 bits per weight instead of 4.5; the cuda backend's conversion too)."""
-    from ...quant.ggml_kquants import _unpack_scales
-
-    if cols % 256 or raw.size != rows * cols // 256 * 144:
-        raise TensorShapeError(f"Q4_K weight ({rows}, {cols}): {raw.size} bytes are not rows of 144-byte super-blocks")
-    nsb = cols // 256
-    b = np.ascontiguousarray(raw).view(np.uint8).reshape(rows * nsb, 144)
-    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)  # [N, 1]
-    dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
-    sc, mn = _unpack_scales(b[:, 4:16])  # [N, 8] each
-    sub_d, sub_m = d * sc.astype(np.float32), -(dmin * mn.astype(np.float32))
-    for what, v in (("scale", sub_d), ("minimum", sub_m)):
-        big = float(np.abs(v).max()) if v.size else 0.0
-        if not np.isfinite(big) or big > 65504.0:
-            raise TensorShapeError(f"Q4_K weight ({rows}, {cols}): a sub-block {what} of {big} does not fit in fp16")
-    # 64-element chunks: 32 bytes whose low nibbles are sub-block 2j and high nibbles sub-block 2j + 1
-    qs = b[:, 16:].reshape(rows * nsb, 4, 32)
-    vals = np.stack([qs & 15, qs >> 4], axis=2).reshape(rows * nsb * 8, 32)  # element order
-    packed = (vals[:, :16] | (vals[:, 16:] << 4)).astype(np.uint8)  # byte i: element i (low), i + 16 (high)
-    nb = cols // 32
-    return PackedArrays("Q4_1", rows, cols, {"qs": packed.reshape(rows, nb * 16), "d": sub_d.reshape(rows, nb).astype(np.float16),
-                                              "m": sub_m.reshape(rows, nb).astype(np.float16)}, "Q4_K")
 
 
 def dequantize_packed(p: PackedArrays) -> np.ndarray:
