@@ -131,13 +131,17 @@ def main() -> None:
 
     memory: dict[tuple, tuple[int, str]] = {}
     for c in configs:
-        if c[0] == "edgellm":
-            rss, out, _ = _peak_rss(["-m", "edgellm", "run", "-m", model, "--backend", c[1], "--temperature", "0",
-                                     "-n", str(a.n), "-c", str(a.ctx), "-q", QUESTION])
-            memory[c] = (rss, out.strip())
-        else:
-            rss, out, _ = _peak_rss([*base, "--child", "answer:llama.cpp:cpu"])
-            memory[c] = (rss, json.loads(out.strip().splitlines()[-1])["text"].strip())
+        try:
+            if c[0] == "edgellm":
+                rss, out, _ = _peak_rss(["-m", "edgellm", "run", "-m", model, "--backend", c[1], "--temperature", "0",
+                                         "-n", str(a.n), "-c", str(a.ctx), "-q", QUESTION])
+                memory[c] = (rss, out.strip())
+            else:
+                rss, out, _ = _peak_rss([*base, "--child", "answer:llama.cpp:cpu"])
+                memory[c] = (rss, json.loads(out.strip().splitlines()[-1])["text"].strip())
+        except SystemExit as e:  # e.g. a file without a vocabulary: no text answer, the speeds stand
+            print(f"{c[0]} {c[1]}: no answer run: {e}", file=sys.stderr)
+            memory[c] = (0, "-")
 
     from edgellm.bench.device import cpu_name
 
@@ -157,7 +161,8 @@ def main() -> None:
         spread = f" ({min(r['tg'] for r in speed[c]):.1f}-{best:.1f})"
         ratio = f"{tg / ref_tg:.2f}x / {best / ref_best:.2f}x" if has_ref else "-"
         rss, text = memory[c]
-        print(f"| {c[0]} | {c[1]} | {pp:.1f} | {tg:.1f}{spread} | {ratio} | {rss / 2**20:.0f} MiB | {text!r} |")
+        mem = f"{rss / 2**20:.0f} MiB" if rss else "-"
+        print(f"| {c[0]} | {c[1]} | {pp:.1f} | {tg:.1f}{spread} | {ratio} | {mem} | {text!r} |")
 
 
 if __name__ == "__main__":
