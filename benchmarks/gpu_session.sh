@@ -40,6 +40,10 @@
 #   models NAME:FMT,...   write synthetic models (edgellm.synthetic presets) into the session folder
 #   tests                 the cuda backend's kernel and whole-model tests on the GPU
 #   vs NAME:FMT,... [bench_vs_llamacpp options]   edgellm cuda vs llama-bench on those models
+#   table17 [bench_vs_llamacpp options]  issue 17's table in one run (after build_llama): the nine
+#                         synthetic files (135M, 1B, 8B x F16, Q8_0, Q4_0), then 1B and 8B Q4_K_M
+#                         made by the build's llama-quantize from the F16 files; JSON in
+#                         $OUT/table17*.json. 15-20 min on an H100: run it under setsid and poll
 #   start [bench_start options]  time to load and to first token, cold and warm: edgellm cuda
 #                         (and llama.cpp CUDA when build_llama_py has finished) on the default model
 #                         and synthetic files (benchmarks/bench_start.py; issue 14's table)
@@ -201,6 +205,15 @@ vs)
   for item in ${1//,/ }; do models+=("$(model_path "$item")"); done
   shift
   python3 "$ROOT/benchmarks/bench_vs_llamacpp.py" --llama-bench "$W/lb/bin/llama-bench" "${models[@]}" "$@"
+  ;;
+table17)
+  for part in "smollm2-135m,llama-3.2-1b,llama-3.1-8b F16,Q8_0,Q4_0 plain" "llama-3.2-1b,llama-3.1-8b Q4_K_M kquants"; do
+    set -- $part "$@"
+    python3 "$ROOT/benchmarks/bench_vs_llamacpp.py" --llama-bench "$W/lb/bin/llama-bench" \
+      --llama-quantize "$W/lb/bin/llama-quantize" --synthetic "$1" --formats "$2" --model-dir "$W/models" \
+      --json "$OUT/table17_$3.json" "${@:4}" | tee "$OUT/table17_$3.txt"
+    shift 3
+  done
   ;;
 start)
   engines=edgellm
