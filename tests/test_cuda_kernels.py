@@ -949,19 +949,26 @@ def test_linear_silu_mul_decode_six_bit(rng, fmt, fused, int8):
     check_silu_mul_decode(x, wg, g, wu, u, fused, int8, GEMV_CFG, fmt)
 
 
+def check_tensor_core_paths(rng, pw, w, rows: int, what: str):
+    """The GEMM on a 37-row weight: 19 tokens with the test tiles and a bias, then `rows` tokens
+    with the default tiles (decode_max_tokens=0), against the float64 product."""
+    n_out, n_in = w.shape
+    x = rand(rng, 19, n_in)
+    bias = rand(rng, n_out)
+    out = poisoned((19, n_out))
+    K.linear(x, pw, bias=bias, out=out, config=GEMM_CFG)
+    check(out, np64(x) @ w.T + np64(bias), 2e-3, f"{what} prefill")
+    out = poisoned((rows, n_out))
+    K.linear(x[:rows], pw, out=out, decode_max_tokens=0)  # default tiles
+    check(out, np64(x[:rows]) @ w.T, 2e-3, f"{what} default config, {rows} tokens")
+
+
 @pytest.mark.parametrize("fmt", ["Q6", "Q6M"])
 def test_linear_prefill_six_bit(rng, fmt):
     """The tensor-core path: the weight tile dequantized to fp16 in registers (rounding each
     (q - 32) * d and + m to fp16: 2^-11 relative)."""
     pw, w = make_q6(rng, 37, 160, fmt == "Q6M")
-    x = rand(rng, 19, 160)
-    bias = rand(rng, 37)
-    out = poisoned((19, 37))
-    K.linear(x, pw, bias=bias, out=out, config=GEMM_CFG)
-    check(out, np64(x) @ w.T + np64(bias), 2e-3, f"{fmt} prefill")
-    out = poisoned((9, 37))
-    K.linear(x[:9], pw, out=out, decode_max_tokens=0)  # default tiles
-    check(out, np64(x[:9]) @ w.T, 2e-3, f"{fmt} prefill default config")
+    check_tensor_core_paths(rng, pw, w, 9, fmt)
 
 
 @pytest.mark.parametrize("fmt", ["Q6", "Q6M"])
@@ -1188,14 +1195,7 @@ def test_linear_prefill_and_skinny_kquants_native(rng, monkeypatch, fmt):
     the tile, as the converted layouts store them): prefill tiles and the default configurations,
     and the skinny product of a 16-row batched decode step."""
     pw, w = make_kquant(fmt, rng, 37, 512, monkeypatch)
-    x = rand(rng, 19, 512)
-    bias = rand(rng, 37)
-    out = poisoned((19, 37))
-    K.linear(x, pw, bias=bias, out=out, config=GEMM_CFG)
-    check(out, np64(x) @ w.T + np64(bias), 2e-3, f"{fmt} prefill")
-    out = poisoned((16, 37))
-    K.linear(x[:16], pw, out=out, decode_max_tokens=0)  # default tiles: the skinny product
-    check(out, np64(x[:16]) @ w.T, 2e-3, f"{fmt} skinny default config")
+    check_tensor_core_paths(rng, pw, w, 16, fmt)  # 16 tokens: the skinny product
 
 
 @pytest.mark.parametrize("fmt", ["Q4K", "Q5K", "Q6K"])

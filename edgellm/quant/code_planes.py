@@ -88,6 +88,12 @@ def _nibble_codes(qs: torch.Tensor, nb: int) -> torch.Tensor:
     return torch.cat([ql & 15, ql >> 4], dim=2)
 
 
+def unpack_q4_codes(qs: torch.Tensor, n_in: int) -> torch.Tensor:
+    """A 4-bit layout's codes (GGML's nibbles, as Q4_0, Q4_1, Q4K store them): qs [rows, nb * 16]
+    -> codes [rows, in] (uint8, element order)."""
+    return _nibble_codes(qs, n_in // 32).reshape(qs.shape[0], n_in)
+
+
 def pack_q5_codes(q: torch.Tensor) -> torch.Tensor:
     """5-bit codes [rows, in] (uint8, element order) -> the Q5K rows of qs [rows, nb * 20]."""
     rows, n_in = q.shape

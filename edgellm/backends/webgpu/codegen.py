@@ -429,15 +429,13 @@ def _codes(p: PackedArrays):
     """A quantized layout's integer codes (torch int16 [rows, cols], element order)."""
     import torch
 
-    from ...quant.code_planes import tensor_of, unpack_q6_codes
+    from ...quant.code_planes import tensor_of, unpack_q4_codes, unpack_q6_codes
 
-    nb = p.cols // 32
     if p.fmt == "Q8_0":
         return tensor_of(p.arrays["qs"].view(np.int8)).to(torch.int16)
-    if p.fmt in SIX_BIT:
-        return unpack_q6_codes(tensor_of(p.arrays["qs"][:, :nb * 24]), p.cols).to(torch.int16)
-    q = tensor_of(p.arrays["qs"]).reshape(p.rows, nb, 16)
-    return torch.cat([q & 15, q >> 4], dim=2).reshape(p.rows, p.cols).to(torch.int16)
+    if p.fmt in SIX_BIT:  # (its rows' padding cut)
+        return unpack_q6_codes(tensor_of(p.arrays["qs"][:, :p.cols // 32 * 24]), p.cols).to(torch.int16)
+    return unpack_q4_codes(tensor_of(p.arrays["qs"]), p.cols).to(torch.int16)
 
 
 def unify_six_bit(parts: list[PackedArrays]) -> list[PackedArrays] | None:

@@ -72,7 +72,7 @@ import torch
 
 from ....errors import TensorShapeError
 from ....quant.code_planes import (as_six_bit, pack_q5_codes, pack_q6_codes, q5_k_codes, six_bit_codes, tensor_of,
-                                   unpack_q5_codes, unpack_q6_codes)
+                                   unpack_q4_codes, unpack_q5_codes, unpack_q6_codes)
 
 # GGML type name -> (block elements, bytes per block)
 _BLOCK = {"F16": (1, 2), "BF16": (1, 2), "F32": (1, 4), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34),
@@ -349,8 +349,7 @@ def _codes_of(w: PackedWeight) -> torch.Tensor:
         return unpack_q6_codes(w.qs, n_in).to(torch.int16)
     if w.fmt == "Q5K":
         return unpack_q5_codes(w.qs, n_in).to(torch.int16)
-    q = w.qs.reshape(n_out, n_in // 32, 16)
-    return torch.cat([q & 15, q >> 4], dim=2).reshape(n_out, n_in).to(torch.int16)
+    return unpack_q4_codes(w.qs, n_in).to(torch.int16)
 
 
 def q4k_scales(w: PackedWeight) -> tuple[torch.Tensor, torch.Tensor]:
@@ -485,7 +484,6 @@ def dequantize(w: PackedWeight, dtype=torch.float32) -> torch.Tensor:
     d = w.d.float().reshape(n_out, n_in // 32, 1)
     if w.fmt == "Q8_0":
         return (w.qs.float().reshape(n_out, n_in // 32, 32) * d).reshape(n_out, n_in).to(dtype)
-    q = w.qs.reshape(n_out, n_in // 32, 16)
-    q = torch.cat([q & 15, q >> 4], dim=2).float()
+    q = _codes_of(w).float().reshape(n_out, n_in // 32, 32)
     v = (q - 8) * d if w.fmt == "Q4_0" else q * d + w.m.float().reshape(n_out, n_in // 32, 1)
     return v.reshape(n_out, n_in).to(dtype)
