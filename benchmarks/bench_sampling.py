@@ -4,15 +4,17 @@ logits of the default model's and Llama 3's vocabulary sizes, for the CLI's defa
 server's (OpenAI defaults: no top-k, top-p 1), and a nucleus without top-k.
 
     python benchmarks/bench_sampling.py [--vocab 49152,128256] [--spread 3.0] [-n 200]
-    python benchmarks/bench_sampling.py --decode [-m MODEL.gguf] [--backend cpu-fast] [-r 3]
+    python benchmarks/bench_sampling.py --decode [-m MODEL.gguf] [--backend cpu-fast|cuda] [-r 3] [--tokens 64]
+    python benchmarks/bench_sampling.py --kernels [--vocab 128256] [--rows 1,16]   # cuda: device time
 
 --spread is the logits' standard deviation (3 is about a trained model's; small values make the
 distribution flat, the nucleus large and the partition path slowest). Prints a Markdown table of
 milliseconds per token (median of -n draws) and the speed-up.
 
---decode measures what a user meets instead: a model's sampled decode (64 tokens at temperature
-1.5, so that no early end of turn cuts a run short), wall time per token after the first, with
-edgellm's sampler and with the full-sort one swapped in, interleaved -r times.
+--decode measures what a user meets instead: a model's decode (64 tokens; temperature 1.5 where
+sampled, so that no early end of turn cuts a run short), wall time per token after the first:
+greedy; each parameter set above drawn on the device (backends that sample there: cuda) and on
+the host (EDGELLM_DEVICE_SAMPLING=0); the full-sort sampler swapped in; interleaved -r times.
 """
 
 from __future__ import annotations
@@ -64,12 +66,15 @@ def per_token_ms(sample, logits: np.ndarray, n: int) -> float:
     return 1e3 * statistics.median(times)
 
 
-def decode(model: str | None, backend: str, repeats: int) -> None:
+def decode(model: str | None, backend: str, repeats: int, tokens: int = 64) -> None:
+    import os
+
     import edgellm
     import edgellm.model as edgellm_model
 
     m = edgellm.load(model, backend=backend)
     ids = m.tokenizer.encode("Write a long story about a dragon who learns to cook.")
+    on_device = getattr(m.programs["decode"], "samples_on_device", False)
 
     class FullSort:
         def __init__(self, params):
@@ -78,25 +83,86 @@ def decode(model: str | None, backend: str, repeats: int) -> None:
         def __call__(self, logits, history=None):
             return self.draw(logits)
 
-    def rate(seed: int) -> float | None:  # tokens/s after the first, or None for a run under 32 tokens
-        it = m.generate_tokens(ids, 64, SamplingParams(seed=seed, temperature=1.5))
+        def device_draw(self):
+            return None
+
+    def rate(params: SamplingParams, seed: int) -> float | None:
+        """tokens/s after the first, or None for a run under half the tokens (an early end of turn)"""
+        it = m.generate_tokens(ids, tokens, SamplingParams(**{**params.__dict__, "seed": seed}))
         if next(it, None) is None:
             return None
         t = time.perf_counter()
         n = sum(1 for _ in it)
-        return n / (time.perf_counter() - t) if n >= 31 else None
+        return n / (time.perf_counter() - t) if n >= tokens // 2 - 1 else None
 
-    rates = {"edgellm": [], "full sort": []}
+    # (name, parameters, sampler, draws on the device)
+    modes = [("greedy", SamplingParams(temperature=0), Sampler, True)]
+    for name, kw in CASES.items():
+        params = SamplingParams(**{**kw, "temperature": max(kw.get("temperature", 0.8), 1.5)})
+        if on_device:
+            modes.append((f"{name}, device draw", params, Sampler, True))
+        modes.append((f"{name}, host draw", params, Sampler, False))
+    modes.append(("CLI defaults, host full sort (before 2026-11-28)", SamplingParams(temperature=1.5), FullSort, False))
+    rates = {name: [] for name, *_ in modes}
+    for name, params, cls, device in modes:  # first runs: kernel compiles and CUDA graph captures
+        edgellm_model.Sampler = cls
+        os.environ["EDGELLM_DEVICE_SAMPLING"] = "1" if device else "0"
+        for _ in m.generate_tokens(ids, tokens, params):
+            pass
     for rep in range(repeats):
-        for name, cls in (("edgellm", Sampler), ("full sort", FullSort)):
+        for name, params, cls, device in modes:
             edgellm_model.Sampler = cls
-            r = next((v for seed in range(100 * rep, 100 * rep + 20) if (v := rate(seed)) is not None), None)
+            os.environ["EDGELLM_DEVICE_SAMPLING"] = "1" if device else "0"
+            r = next((v for seed in range(100 * rep, 100 * rep + 20) if (v := rate(params, seed)) is not None), None)
             if r is not None:
                 rates[name].append(r)
     edgellm_model.Sampler = Sampler
-    print(f"{m.path} on {backend}, vocabulary {m.config.vocab_size:,}: sampled decode tok/s (wall, per run)")
+    os.environ.pop("EDGELLM_DEVICE_SAMPLING", None)
+    print(f"{m.path} on {backend}, vocabulary {m.config.vocab_size:,}: decode tok/s after the first token "
+          f"({tokens} tokens, temperature 1.5 where sampled; wall time, median of {repeats})")
+    print("| sampling | tok/s | runs |")
+    print("|---|---:|---|")
     for name, r in rates.items():
-        print(f"  {name}: median {statistics.median(r):.1f} ({', '.join(f'{v:.1f}' for v in r)})" if r else f"  {name}: no run")
+        print(f"| {name} | {statistics.median(r):.1f} | {', '.join(f'{v:.1f}' for v in r)} |" if r else
+              f"| {name} | - | no run |")
+
+
+def kernels(vocab: int, rows_list: list[int], spread: float) -> None:
+    """Device time of one token choice per row on cuda (kernels/sampling.py), inside CUDA graphs as
+    the decode loop runs it: argmax; a Gumbel-max draw with no cut (the server's defaults); the
+    CLI's defaults (top-k 40: torch.topk, then the cut kernel, then the draw); a nucleus without
+    top-k (a sort of the row, the cut, the draw)."""
+    import torch
+
+    from edgellm.backends.cuda import kernels as K
+    from edgellm.backends.cuda.backend import DeviceChooser
+    from edgellm.sampling import DeviceDraw
+
+    dev = torch.device("cuda")
+    print(f"| rows | vocabulary | choice | us per step (CUDA graph, median of 5 x 50) |")
+    print("|---:|---:|---|---:|")
+    for rows in rows_list:
+        logits = (torch.randn(rows, vocab, device=dev) * spread).half()
+        pos = torch.arange(rows, dtype=torch.int64, device=dev)
+        cases = {"argmax": None, **{name: SamplingParams(**kw) for name, kw in CASES.items()}}
+        for name, params in cases.items():
+            draws = [None if params is None else DeviceDraw(params, 1 + i) for i in range(rows)]
+            chooser = DeviceChooser(K, draws, dev, vocab)
+            chooser(logits, pos)  # compile
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for _ in range(50):
+                    chooser(logits, pos)
+            times = []
+            for _ in range(5):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                g.replay()
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b) * 1e3 / 50)
+            print(f"| {rows} | {vocab:,} | {name} | {statistics.median(times):.1f} |", flush=True)
 
 
 def main() -> None:
@@ -108,9 +174,15 @@ def main() -> None:
     ap.add_argument("-m", "--model", default=None)
     ap.add_argument("--backend", default="cpu-fast")
     ap.add_argument("-r", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=64, help="tokens per --decode run (default 64)")
+    ap.add_argument("--kernels", action="store_true", help="device time of the cuda token choice kernels")
+    ap.add_argument("--rows", default="1,16", help="rows for --kernels (default 1,16)")
     a = ap.parse_args()
+    if a.kernels:
+        kernels(int(a.vocab.split(",")[-1]), [int(r) for r in a.rows.split(",")], a.spread)
+        return
     if a.decode:
-        decode(a.model, a.backend, a.r)
+        decode(a.model, a.backend, a.r, a.tokens)
         return
     rng = np.random.default_rng(0)
     print("| vocabulary | parameters | full sort ms/token | edgellm ms/token | speed-up |")

@@ -95,9 +95,14 @@ def prompt_text(i: int, words: int) -> str:
     return text
 
 
+SAMPLING = {"temperature": 0}  # every request's sampling fields (--temperature, --top-k, --top-p)
+
+
 async def one_request(client, url: str, i: int, tokens: int, raw: bool = False, words: int = 0) -> dict:
-    body = {"max_tokens": tokens, "temperature": 0, "stream": True, "ignore_eos": True,
+    body = {"max_tokens": tokens, **SAMPLING, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True}}
+    if SAMPLING["temperature"] > 0:
+        body["seed"] = i
     if raw:  # a file without a chat template (synthetic): a plain completion
         body["prompt"] = prompt_text(i, words)
         endpoint = "/v1/completions"
@@ -202,10 +207,10 @@ from edgellm.sampling import SamplingParams
 from edgellm.model import GenerationStats
 m = edgellm.load(sys.argv[1], backend=sys.argv[2], ctx=int(sys.argv[3]))
 ids = m.tokenizer.encode(sys.argv[5])
-greedy = SamplingParams(temperature=0)
-list(m.generate_tokens(ids, 8, greedy))  # first-run compiles and captures
+params = SamplingParams(**json.loads(sys.argv[6]))
+list(m.generate_tokens(ids, 8, params))  # first-run compiles and captures
 st = GenerationStats(prompt_tokens=len(ids))
-n = len(list(m.generate_tokens(ids, int(sys.argv[4]), greedy, st)))
+n = len(list(m.generate_tokens(ids, int(sys.argv[4]), params, st)))
 print(json.dumps({"tokens": n, "decode_tps": st.decode_tps}))
 """
 
@@ -214,8 +219,12 @@ def single_stream(args, model: str, words: int) -> dict | None:
     """edgellm's own single-sequence decode of the same file (what `edgellm run` runs), in a
     process of its own after the server has gone."""
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # the server's sampling (OpenAI's defaults for what a request leaves out: no top-k, no min-p)
+    params = {"temperature": SAMPLING["temperature"], "top_k": SAMPLING.get("top_k", 0),
+              "top_p": SAMPLING.get("top_p", 1.0), "min_p": 0.0, "seed": 0}
     r = subprocess.run([sys.executable, "-c", SINGLE, model, args.backend, str(args.ctx), str(args.tokens),
-                        prompt_text(0, words)], env=env, capture_output=True, text=True, timeout=args.timeout)
+                        prompt_text(0, words), json.dumps(params)], env=env, capture_output=True, text=True,
+                       timeout=args.timeout)
     if r.returncode:
         print(f"bench_serve: single-stream run failed: {r.stderr.strip()[-500:]}", file=sys.stderr)
         return None
@@ -271,7 +280,17 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=600, help="seconds per level at most (default 600)")
     p.add_argument("--startup-timeout", type=float, default=600, help="seconds for the server to load (default 600)")
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="requests' temperature (default 0: greedy; above 0 each request seeded by its number)")
+    p.add_argument("--top-k", type=int, default=None, help="requests' top_k (llama.cpp's field; default none)")
+    p.add_argument("--top-p", type=float, default=None, help="requests' top_p (default none: 1)")
     args = p.parse_args(argv)
+    SAMPLING.clear()
+    SAMPLING["temperature"] = args.temperature
+    if args.top_k is not None:
+        SAMPLING["top_k"] = args.top_k
+    if args.top_p is not None:
+        SAMPLING["top_p"] = args.top_p
     if args.url:
         host = urlparse(args.url).hostname
         if host not in ("127.0.0.1", "localhost", "::1"):
@@ -310,7 +329,7 @@ def main(argv=None) -> int:
     if llama:
         head += f" {'llama.cpp S_TG':>15} {'llama.cpp S':>12} {'decode vs llama':>16} {'steady vs llama':>16}"
     print(f"edgellm serve load test: {args.tokens} tokens per request, {args.requests} request(s) per client, "
-          f"prompt {prompt_tokens} tokens, {args.model or url}")
+          f"prompt {prompt_tokens} tokens, sampling {SAMPLING}, {args.model or url}")
     print(head)
     for r in rows:
         steady = f"{r['steady_tps']:>13.1f}" if r["steady_tps"] else f"{'-':>13}"
@@ -338,7 +357,8 @@ def main(argv=None) -> int:
                 print(f"  N={r['clients']}: decode tok/s {r['decode_tps'] / single['decode_tps']:.2f}x single stream"
                       + steady)
     if args.json:
-        Path(args.json).write_text(json.dumps({"tokens": args.tokens, "requests": args.requests, "rows": rows,
+        Path(args.json).write_text(json.dumps({"tokens": args.tokens, "requests": args.requests, "sampling": SAMPLING,
+                                               "rows": rows,
                                                "single": single, "llama_batched_bench": llama}, indent=2))
     return 0 if all(r["ok"] == r["requests"] for r in rows) else 1
 

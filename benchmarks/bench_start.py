@@ -77,7 +77,7 @@ if engine == "llama.cpp":
 else:
     m = e.model
     pos, tok = len(ids), first
-    greedy = getattr(m.programs["decode"], "greedy_tokens", None)
+    greedy = getattr(m.programs["decode"], "loop_tokens", None)
     if greedy is not None:
         for tok in greedy(tok, pos, 7):
             pass

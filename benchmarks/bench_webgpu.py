@@ -250,7 +250,7 @@ def one_model(path: str, backend: str, p: int, n: int, reps: int, bw: float) -> 
         return p / (time.perf_counter() - t0)
 
     def decode() -> float:
-        gen = dec.greedy_tokens(1, 0, n)
+        gen = dec.loop_tokens(1, 0, n)
         next(gen)  # pipelines / graphs made on the first step
         if backend == "cuda":
             import torch

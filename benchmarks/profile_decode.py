@@ -103,7 +103,7 @@ def _warm(path: str, n: int, ctx: int):
     m = edgellm.load(path, backend="cuda", ctx=ctx + n + 8, prefill_chunk=64)
     dec = m.programs["decode"]
     # warm-up: compile and capture the graph of every context bucket the timed run reaches
-    for _ in dec.greedy_tokens(1, 0, ctx + n):
+    for _ in dec.loop_tokens(1, 0, ctx + n):
         pass
     torch.cuda.synchronize()
     return m, dec
@@ -114,7 +114,7 @@ def time_decode(path: str, n: int, ctx: int, reps: int = 5) -> float:
     m, dec = _warm(path, n, ctx)
     ts = []
     for _ in range(reps):
-        gen = dec.greedy_tokens(1, ctx, n + 1)
+        gen = dec.loop_tokens(1, ctx, n + 1)
         next(gen)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -128,7 +128,7 @@ def time_decode(path: str, n: int, ctx: int, reps: int = 5) -> float:
 def profile_model(path: str, n: int, ctx: int, pdl: bool, tmp: str) -> dict:
     os.environ["EDGELLM_PDL"] = "1" if pdl else "0"
     m, dec = _warm(path, n, ctx)
-    gen = dec.greedy_tokens(1, ctx, n + 1)
+    gen = dec.loop_tokens(1, ctx, n + 1)
     next(gen)
     torch.cuda.synchronize()
     from torch.profiler import ProfilerActivity, profile

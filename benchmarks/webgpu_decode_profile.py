@@ -36,7 +36,7 @@ def main() -> None:
     m = edgellm.load(args.model, backend="webgpu", ctx=args.n * 2 + 64)
     dec = m.programs["decode"]
     dev = dec.dev
-    gen = dec.greedy_tokens(1, 0, args.n)
+    gen = dec.loop_tokens(1, 0, args.n)
     for _ in gen:  # pipelines and bind groups made; the KV cache holds n rows
         pass
     kinds = collections.Counter()
@@ -80,7 +80,7 @@ def main() -> None:
 
     walls = []
     for _ in range(3):
-        gen = dec.greedy_tokens(1, 0, args.n)
+        gen = dec.loop_tokens(1, 0, args.n)
         next(gen)
         t0 = time.perf_counter()
         got = sum(1 for _ in gen)

@@ -239,9 +239,9 @@ class Model:
         if precompile is not None and (full or "compiled" not in self.cache_hits):
             precompile(run_steps)
         run_steps()
-        greedy = getattr(self.programs["decode"], "greedy_tokens", None)
-        if greedy is not None and self.ctx > 2:
-            for _ in greedy(0, 1, 1):
+        loop = getattr(self.programs["decode"], "loop_tokens", None)
+        if loop is not None and self.ctx > 2:
+            for _ in loop(0, 1, 1):
                 pass
         dt = time.perf_counter() - t0
         self.load_phases["warmup"] = self.load_phases.get("warmup", 0.0) + dt
@@ -361,14 +361,16 @@ class Model:
             step_in = [token]
             yield token
             # the device loop writes rows from pos on without the slot's record: it stays a true prefix
-            device_greedy = getattr(slot.programs["decode"], "greedy_tokens", None)
-            if step == 0 and device_greedy is not None and sampler.params.greedy and \
-                    sampler.params.repetition_penalty == 1.0:
-                # greedy on a backend that can loop on the device: no logits leave it
+            program = slot.programs["decode"]
+            loop = getattr(program, "loop_tokens", None)
+            draw = sampler.device_draw()
+            if step == 0 and loop is not None and draw is not None and \
+                    (draw.params.greedy or getattr(program, "samples_on_device", False)):
+                # a backend that loops on the device (argmax or draw there): no logits leave it
                 n = min(max_tokens - 1, self.ctx - pos)
                 slot.wrote(pos, pos + n)  # rows it may write (ring caches lose what they overwrite)
                 t0, once0 = time.perf_counter(), self._one_time_s()
-                for token in device_greedy(step_in[0], pos, n):
+                for token in loop(step_in[0], pos, n, None if draw.params.greedy else draw):
                     stats.generated_tokens += 1
                     if token in stop_ids:
                         stats.stop_reason = "eos"

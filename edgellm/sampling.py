@@ -41,6 +41,23 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature <= 0
 
+    @property
+    def chain_only(self) -> bool:
+        """The draw depends on the logits alone (no repetition penalty over the history): a backend
+        that samples on the device can take it there (DeviceDraw)."""
+        return self.repetition_penalty == 1.0 or self.repeat_last_n == 0
+
+
+@dataclass(frozen=True)
+class DeviceDraw:
+    """A sequence's sampling as a backend that draws on the device takes it: the chain's parameters
+    and a 63-bit seed for its random numbers (each token's draw keyed by the seed and the token's
+    position). The seed comes from the sequence's Sampler (Sampler.device_draw), so a seeded
+    request draws the same tokens on every run of the same backend; the device's numbers are not
+    the host sampler's, so the tokens differ from those of a backend sampling on the host."""
+    params: SamplingParams
+    seed: int
+
 
 def _rank(x: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """ids ordered by their logits x[ids], largest first, ties by lower id (a stable sort's order).
@@ -81,6 +98,16 @@ class Sampler:
     def __init__(self, params: SamplingParams):
         self.params = params
         self.rng = np.random.default_rng(params.seed)
+        self._device_draw = None
+
+    def device_draw(self) -> DeviceDraw | None:
+        """This sequence's draws for a backend sampling on the device (the same for every call on
+        this Sampler); None where the draw needs the host (a repetition penalty)."""
+        if not self.params.chain_only:
+            return None
+        if self._device_draw is None:
+            self._device_draw = DeviceDraw(self.params, int(self.rng.integers(1, 2**62)))
+        return self._device_draw
 
     def __call__(self, logits: np.ndarray, history: list[int] | None = None) -> int:
         p = self.params

@@ -200,30 +200,38 @@ class SlotPool:
         runs that slot's single-token program: the same logits, with that program's fusions.)"""
         return self.model.backend.to_numpy(self._run(steps))
 
-    def decode_tokens(self, steps: list[tuple[KVSlot, int, int]], need_logits: list[bool]):
-        """decode, reading back less: (argmax token of every row, computed where the logits are
-        (on the GPU for cuda), {i: float32 logits of row i} for the rows with need_logits[i]).
-        A greedy sequence needs only its token: a step then copies len(steps) ids, not
-        len(steps) x vocab floats."""
-        return self.decode_start(steps, need_logits)()
+    @property
+    def draws_on_device(self) -> bool:
+        """Whether the backend draws sampled tokens where the logits are (DecodeStep's draws)."""
+        return bool(getattr(self.model.backend, "samples_on_device", False))
 
-    def decode_start(self, steps: list[tuple[KVSlot, int, int]], need_logits: list[bool]) -> "DecodeStep":
+    def decode_tokens(self, steps: list[tuple[KVSlot, int, int]], need_logits: list[bool], draws: list | None = None):
+        """decode, reading back less: (the token of every row, chosen where the logits are (on the
+        GPU for cuda): the argmax, or drawn as draws[i] (an edgellm.sampling.DeviceDraw) says where
+        the backend draws on the device; {i: float32 logits of row i} for the rows with
+        need_logits[i]). A sequence whose token the device chooses needs only that token: a step
+        then copies len(steps) ids, not len(steps) x vocab floats."""
+        return self.decode_start(steps, need_logits, draws)()
+
+    def decode_start(self, steps: list[tuple[KVSlot, int, int]], need_logits: list[bool],
+                     draws: list | None = None) -> "DecodeStep":
         """decode_tokens in two halves: this call does the step's host work and queues its device
         work; the DecodeStep it returns, called, waits for the step and returns what decode_tokens
         does. On a GPU (`overlaps`) the step runs while the caller does other host work in between
         (the scheduler: the previous step's text and events)."""
-        return DecodeStep(self.model.backend, steps, self._run(steps), need_logits)
+        return DecodeStep(self.model.backend, steps, self._run(steps), need_logits, draws)
 
     def decode_next(self, prev: "DecodeStep") -> "DecodeStep":
         """The step after prev for the same slots in the same order, each at the next position, fed
-        prev's argmax tokens where they are (a copy on the device): queued before prev's tokens are
-        read back, so that a GPU runs the two steps back to back while the host reads and delivers
-        prev's tokens (the scheduler's chain of greedy steps). No logits are read back. The slots'
-        token records get the fed tokens when prev is read (called); read it before the slots run
-        anything else."""
+        prev's tokens where they are (a copy on the device) and choosing its tokens as prev did:
+        queued before prev's tokens are read back, so that a GPU runs the two steps back to back
+        while the host reads and delivers prev's tokens (the scheduler's chain of steps). No logits
+        are read back. The slots' token records get the fed tokens when prev is read (called);
+        read it before the slots run anything else."""
         steps = [(slot, None, pos + 1) for slot, pos in prev.rows]
         prev.copy_now()
-        step = DecodeStep(self.model.backend, steps, self._run(steps, feed=prev.argmax), [False] * len(steps))
+        step = DecodeStep(self.model.backend, steps, self._run(steps, feed=prev.chosen), [False] * len(steps),
+                          prev.draws)
         prev.feeds(steps)
         return step
 
@@ -265,15 +273,23 @@ class SlotPool:
 
 class DecodeStep:
     """A queued decode step of a SlotPool (decode_start, decode_next). Calling it waits for the
-    step and returns (argmax token of every row, {i: float32 logits of row i} for the rows asked);
-    the result is kept, so a second call returns it again. `argmax` stays on the device, where
-    decode_next feeds it to the following step. The logits rows asked for are gathered when the
-    step is queued: a following step rewrites the program's logits buffer."""
+    step and returns (the chosen token of every row, {i: float32 logits of row i} for the rows
+    asked); the result is kept, so a second call returns it again. `chosen` (the argmax, or a
+    device draw where draws[i] asks for one) stays on the device, where decode_next feeds it to the
+    following step. The logits rows asked for are gathered when the step is queued: a following
+    step rewrites the program's logits buffer."""
 
-    def __init__(self, backend, steps: list[tuple[KVSlot, int | None, int]], logits, need_logits: list[bool]):
+    def __init__(self, backend, steps: list[tuple[KVSlot, int | None, int]], logits, need_logits: list[bool],
+                 draws: list | None = None):
         self.rows = [(slot, pos) for slot, _, pos in steps]
-        # first maximum, as np.argmax: the backend's own reduction where it has one (cuda)
-        self.argmax = backend.argmax(logits) if hasattr(backend, "argmax") else logits.argmax(dim=-1)
+        self.draws = draws if draws is not None and any(d is not None for d in draws) else None
+        if self.draws is not None:  # sampled rows drawn where the logits are (cuda)
+            if len(self.draws) != len(steps) or not hasattr(backend, "choose"):
+                raise EdgeLLMError(f"draws on the device need the backend's choose and one draw per row "
+                                   f"({len(self.draws)} for {len(steps)} rows)")
+            self.chosen = backend.choose(logits, self.draws, [pos for _, pos in self.rows])
+        else:  # first maximum, as np.argmax: the backend's own reduction where it has one (cuda)
+            self.chosen = backend.argmax(logits) if hasattr(backend, "argmax") else logits.argmax(dim=-1)
         self._backend = backend
         self._want = [i for i, need in enumerate(need_logits) if need]
         self._logits = logits[self._want] if self._want else None
@@ -286,12 +302,12 @@ class DecodeStep:
         on a GPU, reading this step then waits for it alone, not for the following one too (which
         would leave the GPU idle while the host delivers this step's tokens). The copies land in
         pinned memory; an event marks when they are there."""
-        if self._copy is None and self._result is None and self.argmax.is_cuda:
+        if self._copy is None and self._result is None and self.chosen.is_cuda:
             import torch
 
             logits = self._logits.to("cpu", non_blocking=True) if self._want else None
-            self._copy = (self.argmax.to("cpu", non_blocking=True), logits,
-                          torch.cuda.current_stream(self.argmax.device).record_event())
+            self._copy = (self.chosen.to("cpu", non_blocking=True), logits,
+                          torch.cuda.current_stream(self.chosen.device).record_event())
 
     def __call__(self):
         import numpy as np
@@ -301,7 +317,7 @@ class DecodeStep:
                 tokens, logits, copied = self._copy
                 copied.synchronize()
             else:
-                tokens, logits = self.argmax.cpu(), self._logits
+                tokens, logits = self.chosen.cpu(), self._logits
             rows = self._backend.to_numpy(logits) if self._want else None
             self._result = tokens.numpy().astype(np.int64), {i: rows[k] for k, i in enumerate(self._want)}
             self._record()

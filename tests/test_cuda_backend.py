@@ -128,6 +128,31 @@ def test_cuda_greedy_generation_matches_cpu(tmp_path):
     assert a == b
 
 
+def test_cuda_sampled_generation_draws_on_the_device(tmp_path):
+    """A sampled generation loops on the device (the draw in the step, only token ids read back):
+    each token is among the top-k of the logits the model gives for the sequence so far, a seed
+    gives the same tokens again, another seed other tokens, and top-k 1 is the greedy answer."""
+    spec = MODELS["llama-q4_0-gqa2"]
+    path = write_synthetic_gguf(tmp_path / "m.gguf", spec)
+    ids = [3, 17, 99, 5, 42]
+    m = edgellm.load(path, backend="cuda", ctx=32)
+    loops = []
+    prog = m.programs["decode"]
+    orig = prog.loop_tokens
+    prog.loop_tokens = lambda *a: (loops.append(a[3]), orig(*a))[1]
+    p = SamplingParams(temperature=1.5, top_k=3, top_p=1.0, min_p=0.0, seed=7)
+    got = list(m.generate_tokens(ids, 4, p))
+    assert len(got) == 4 and loops and loops[-1] is not None and loops[-1].params == p
+    # each token within the top 3 of its step's logits (all positions' logits from one prefill)
+    logits = m.forward(ids + got[:-1], 0, all_logits=True)[len(ids) - 1:]
+    for tok, row in zip(got, logits):
+        assert tok in np.argsort(-row)[:3], (tok, np.sort(row)[-4:])
+    assert list(m.generate_tokens(ids, 4, p)) == got
+    assert list(m.generate_tokens(ids, 4, SamplingParams(temperature=1.5, top_k=3, seed=8))) != got
+    greedy = list(m.generate_tokens(ids, 4, SamplingParams(temperature=0)))
+    assert list(m.generate_tokens(ids, 4, SamplingParams(temperature=0.8, top_k=1, seed=3))) == greedy
+
+
 def test_cuda_unavailable_is_a_clear_error(tmp_path, monkeypatch):
     if ON_GPU:
         pytest.skip("a GPU is present")

@@ -288,7 +288,8 @@ def test_scheduler_on_cuda_batches_greedy_requests_like_each_alone(tmp_path):
     s = Scheduler(m, 3, chunk=32)
     rows_seen = []
     decode_start = s.pool.decode_start  # on a GPU the steps overlap the delivery of the previous step's tokens
-    s.pool.decode_start = lambda steps, need: rows_seen.append((len(steps), sum(need))) or decode_start(steps, need)
+    s.pool.decode_start = lambda steps, need, draws=None: rows_seen.append((len(steps), sum(need))) or \
+        decode_start(steps, need, draws)
     prompts = [m.tokenizer.encode(t) for t in ("the sea", "a robot", "one")]
     events = [[] for _ in prompts]
     done = [threading.Event() for _ in prompts]
@@ -315,6 +316,67 @@ def test_scheduler_on_cuda_batches_greedy_requests_like_each_alone(tmp_path):
         for k in range(3):
             want.append(int(np.argmax(m.forward(want[-1:], len(ids) + k, all_logits=False)[-1])))
         assert got == want
+
+
+def test_scheduler_on_cuda_draws_sampled_rows_on_the_device(tmp_path):
+    """Sampled requests in batched steps on cuda: their tokens are drawn on the device (no logits
+    read back, so the steps chain), each within its request's top-k of the logits the model gives
+    for that sequence, and a seeded request gets the same tokens alone and in a batch."""
+    import threading
+
+    from edgellm.serve.scheduler import Done, Piece, Request, Scheduler
+    from edgellm.synthetic import byte_bpe_vocab
+
+    spec = SyntheticSpec(n_layers=1, d_model=32, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=416,
+                         weight_type="F16", std=0.1, seed=34)
+    path = write_synthetic_gguf(tmp_path / "m.gguf", spec, byte_bpe_vocab(416))
+    m = edgellm.load(path, backend="cuda", ctx=MODEL_CTX, prefill_chunk=8)
+    prompts = [m.tokenizer.encode(t) for t in ("the sea", "a robot", "one")]
+    params = [SamplingParams(temperature=1.2, top_k=4, top_p=1.0, min_p=0.0, seed=11),
+              SamplingParams(temperature=0.9, top_k=0, top_p=0.9, min_p=0.0, seed=12),
+              SamplingParams(temperature=0)]
+
+    def serve(which):
+        s = Scheduler(m, 3, chunk=32)
+        seen = []
+        decode_start = s.pool.decode_start
+        s.pool.decode_start = lambda steps, need, draws=None: seen.append((len(steps), sum(need), draws)) or \
+            decode_start(steps, need, draws)
+        events = {i: [] for i in which}
+        done = {i: threading.Event() for i in which}
+
+        def listener(i):
+            def on(ev):
+                events[i].append(ev)
+                if not isinstance(ev, Piece):
+                    done[i].set()
+            return on
+        for i in which:
+            s.submit(Request(prompts[i], 5, params[i], ignore_eos=True, on_event=listener(i)))
+        s.start()
+        try:
+            assert all(d.wait(300) for d in done.values())
+        finally:
+            s.stop()
+        for i in which:
+            assert isinstance(events[i][-1], Done) and events[i][-1].completion_tokens == 5
+        return {i: [t for e in events[i] if isinstance(e, Piece) for t in e.tokens] for i in which}, seen
+
+    together, seen = serve([0, 1, 2])
+    batched = [(n, k, d) for n, k, d in seen if n == 3]
+    assert batched and all(k == 0 for _, k, _ in batched), "sampled rows should not read their logits back"
+    assert [d is None for d in batched[0][2]] == [False, False, True]
+    for i in (0, 1):  # all positions' logits from one prefill of the prompt and the answer
+        logits = m.forward(prompts[i] + together[i][:-1], 0, all_logits=True)[len(prompts[i]) - 1:]
+        for tok, row in zip(together[i], logits):
+            order = np.argsort(-row)
+            if params[i].top_k:
+                assert tok in order[:params[i].top_k]
+            else:  # within the top-p 0.9 nucleus
+                probs = np.exp(row[order] - row.max())
+                assert tok in order[:int(np.searchsorted(np.cumsum(probs / probs.sum()), 0.9)) + 2]
+    alone, _ = serve([0])
+    assert alone[0] == together[0]
 
 
 @pytest.mark.skipif(not CUDA, reason="the tuner times kernels on a GPU (the cpu device has none)")

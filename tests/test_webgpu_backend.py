@@ -239,8 +239,8 @@ def test_greedy_on_device_matches_cpu(models):
     gpu = edgellm.load(models["Q8_0"], backend="webgpu", ctx=64)
     calls = []
     prog = gpu.programs["decode"]
-    orig = prog.greedy_tokens
-    prog.greedy_tokens = lambda *a: (calls.append(a), orig(*a))[1]
+    orig = prog.loop_tokens
+    prog.loop_tokens = lambda *a: (calls.append(a), orig(*a))[1]
     p = SamplingParams(temperature=0)
     assert list(gpu.generate_tokens(PROMPT, 12, p)) == list(cpu.generate_tokens(PROMPT, 12, p))
     assert calls, "greedy decoding did not run on the device"

@@ -192,9 +192,9 @@ class EdgeLLMEngine(Engine):
         """n greedy steps from an empty context. Where the backend loops on the device (cuda:
         argmax inside the decode step's CUDA graph, the path generate_tokens takes at temperature
         0) only the token ids come back; otherwise logits come to the host, as for llama.cpp."""
-        greedy = getattr(self.model.programs["decode"], "greedy_tokens", None)
-        if greedy is not None and n <= self.model.ctx:
-            for _ in greedy(self._start, 0, n):
+        loop = getattr(self.model.programs["decode"], "loop_tokens", None)
+        if loop is not None and n <= self.model.ctx:
+            for _ in loop(self._start, 0, n):
                 pass
             return
         tok = self._start

@@ -10,7 +10,8 @@ sequences by at most one chunk of prefill per step.
 
 A decode step is one batched program over every running sequence (SlotPool.decode_tokens: the
 linear layers one matrix product over the rows, attention over each row's own slot and length;
-greedy rows read back only their token, the argmax taken on the device) where the backend has
+rows whose token the device chooses read back only that token: the argmax of greedy rows, and on
+a backend that draws on the device (cuda) sampled rows' draws) where the backend has
 the row-wise ops (cpu, cuda); elsewhere each sequence's single-token program runs in turn, with
 the same step structure.
 
@@ -24,9 +25,9 @@ step-by-step order.
 Chaining (on where the steps overlap; Scheduler(chain=...), EDGELLM_SERVE_CHAIN=0 turns it off to
 measure the difference): the overlap alone still leaves the GPU idle between steps, since step
 k+1 is queued only once step k's tokens are back on the host and accepted. When every sequence of
-a step is greedy (no repetition penalty, no logprobs: the argmax on the device is the token), step
-k+1 is queued right after step k, before its tokens are read back, fed step k's argmax by a copy
-on the device (SlotPool.decode_next); the host then reads, accepts and delivers step k's tokens
+a step has its token chosen on the device (no repetition penalty, no logprobs; greedy, or sampled
+where the backend draws on the device), step k+1 is queued right after step k, before its tokens
+are read back, fed step k's tokens by a copy on the device (SlotPool.decode_next); the host then reads, accepts and delivers step k's tokens
 while the GPU runs step k+1, whose tokens the next iteration reads if it decodes the same
 sequences. Anything else (a request to admit into a free slot, a cancellation, a prefill, a
 sequence that ended) first settles the step in flight: its tokens are read and accepted for the
@@ -129,7 +130,7 @@ class Scheduler:
                  pool: SlotPool | None = None, chain: bool | None = None):
         """pool: the slots and decode step over model (default SlotPool(model, parallel); a stand-in
         with the same slots / batch / decode_start / overlaps measures the serving stack without a
-        model: benchmarks/bench_serve_stack.py). chain: queue greedy steps back to back (see the
+        model: benchmarks/bench_serve_stack.py). chain: queue steps whose tokens the device chooses back to back (see the
         module docstring); None: where the steps overlap and the pool has decode_next, unless
         EDGELLM_SERVE_CHAIN=0."""
         if parallel < 1:
@@ -315,13 +316,15 @@ class Scheduler:
                     self._sample(run, logits)
                     self._deliver()
             return
-        # greedy rows without a repetition penalty or logprobs take the argmax computed on the
-        # device; only the others' logits are read back
-        need = [not (r.req.params.greedy and r.req.params.repetition_penalty == 1.0 and r.req.logprobs is None)
+        # rows without a repetition penalty or logprobs take the token chosen on the device (the
+        # argmax; a draw where the backend samples there); only the others' logits are read back
+        on_device = self.pool.draws_on_device
+        need = [not (r.req.params.chain_only and r.req.logprobs is None and (r.req.params.greedy or on_device))
                 for r in runs]
+        draws = [None if n or r.req.params.greedy else r.sampler.device_draw() for r, n in zip(runs, need)]
         try:
             if step is None:
-                step = self.pool.decode_start([(r.slot, r.last, r.pos) for r in runs], need)
+                step = self.pool.decode_start([(r.slot, r.last, r.pos) for r in runs], need, draws)
             # chain the next step unless a row needs its logits or ends for sure by this step's token,
             # or prompts wait for their prefill (the next iteration would settle the chained step
             # before it, and each prefill chunk would then wait for two decode steps instead of one)

@@ -263,6 +263,59 @@ def residual_stream(graph: Graph) -> set[str]:
 _EAGER_BEFORE_CAPTURE = os.environ.get("EDGELLM_EAGER_BEFORE_CAPTURE", "0") == "1"
 
 
+def _samples_on_device() -> bool:
+    """Sampled tokens drawn on the GPU (kernels/sampling.py) unless EDGELLM_DEVICE_SAMPLING=0,
+    which reads their logits back to the host sampler instead (for comparisons)."""
+    return os.environ.get("EDGELLM_DEVICE_SAMPLING", "1") != "0"
+
+
+def _pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """t in page-locked memory when it goes to a GPU (a non-blocking copy from it is queued on the
+    stream, not waited for)."""
+    return t.pin_memory() if device.type == "cuda" else t
+
+
+class DeviceChooser:
+    """Token choice on the device for rows whose sampling is fixed (draws: an
+    edgellm.sampling.DeviceDraw or None for the argmax, per row): the parameters are copied to the
+    device once, here, into `into`'s tensors where given (a CUDA graph replayed with other
+    parameters reads them there); each call picks one token per row of logits. `plan` names the
+    work a call does, which depends on host numbers only (so a CUDA graph holding it is keyed by it)."""
+
+    FIELDS = (("temperature", torch.float32), ("top_k", torch.int64), ("top_p", torch.float32),
+              ("min_p", torch.float32), ("seed", torch.int64), ("cut", torch.float32))
+
+    @classmethod
+    def buffers(cls, rows: int, device: torch.device) -> dict[str, torch.Tensor]:
+        return {name: torch.zeros(rows, dtype=dtype, device=device) for name, dtype in cls.FIELDS}
+
+    def __init__(self, K, draws: list, device: torch.device, vocab: int, into: dict | None = None):
+        self.K = K
+        if not any(d is not None and not d.params.greedy for d in draws):
+            self.plan = None
+            return
+        rows = [(0.0, 0, 1.0, 0.0, 0) if d is None or d.params.greedy else
+                (d.params.temperature, d.params.top_k, d.params.top_p, d.params.min_p, d.seed) for d in draws]
+        self.need = K.ranked_need([r[1] for r in rows], [r[2] for r in rows], vocab)
+        self.cut_rows = self.need > 0 or any(r[3] > 0 for r in rows)
+        self.plan = (self.need, self.cut_rows)
+        values = dict(zip(("temperature", "top_k", "top_p", "min_p", "seed"), zip(*rows)))
+        values["cut"] = [float("-inf")] * len(rows)
+        t = into if into is not None else self.buffers(len(rows), device)
+        for name, dtype in self.FIELDS:  # queued on the stream: a blocking copy would wait for the GPU
+            t[name].copy_(_pinned(torch.tensor(values[name], dtype=dtype), device), non_blocking=True)
+        self.t = t
+
+    def __call__(self, logits: torch.Tensor, pos: torch.Tensor, out: torch.Tensor | None = None,
+                 step: tuple | None = None) -> torch.Tensor:
+        if self.plan is None:
+            return self.K.argmax(logits, out=out, step=step)
+        t = self.t
+        if self.cut_rows:
+            self.K.cuts(logits, t["top_k"], t["top_p"], t["min_p"], self.need, out=t["cut"])
+        return self.K.sample(logits, t["temperature"], t["cut"], t["seed"], pos, out=out, step=step)
+
+
 class CudaProgram:
     """A compiled graph bound to device weights, caches and an arena; one launch per op."""
 
@@ -1097,12 +1150,17 @@ class CudaProgram:
         for launch in self._launches:
             launch(env, seq, ctx)
 
-    def greedy_tokens(self, first_token: int, start: int, n: int) -> "Iterator[int]":
-        """Decode greedily on the device: each step's argmax feeds the next step inside one CUDA
-        graph replay (argmax, token, position and length updated on the device), so a token
-        costs one replay and one 4-byte read. Yields n tokens after first_token at position start."""
+    @property
+    def samples_on_device(self) -> bool:  # loop_tokens draws sampled tokens too
+        return _samples_on_device()
+
+    def loop_tokens(self, first_token: int, start: int, n: int, draw=None) -> "Iterator[int]":
+        """Decode on the device: each step's token (the argmax, or drawn as `draw`, an
+        edgellm.sampling.DeviceDraw, says) feeds the next step inside one CUDA graph replay (token,
+        position and length updated on the device), so a token costs one replay and one 8-byte
+        read. Yields n tokens after first_token at position start."""
         if self.max_seq != 1:
-            raise GraphError("greedy_tokens runs on the single-token decode program")
+            raise GraphError("loop_tokens runs on the single-token decode program")
         ctx = max(t.shape[0] for t in self.states.values())  # the context (ring caches are shorter)
         if start + n > ctx:
             raise GraphError(f"{start + n} tokens exceed the context of {ctx}")
@@ -1111,39 +1169,41 @@ class CudaProgram:
         self.tokens[:1].fill_(first_token)
         self.start.fill_(start)
         self.seq_len.fill_(start + 1)
+        if not hasattr(self, "_loop_graphs"):
+            self._loop_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+            self._loop_env = self._env(1, ctx)
+            self._next = torch.zeros(1, dtype=torch.int64, device=self.dev)
+            self._loop_draw = DeviceChooser.buffers(1, self.dev)  # the parameters the captured graphs read
+        chooser = DeviceChooser(self.K, [draw], self.dev, self._loop_env["logits"].shape[-1], into=self._loop_draw)
+
+        def choose(env):  # the token into _next and the loop's inputs for the next step
+            chooser(env["logits"], self.start, out=self._next, step=(self.tokens[:1], self.start, self.seq_len))
         if self.dev.type != "cuda" or self._host_positions:
             for i in range(n):
                 self._set_context(start + 1 + i)
                 env = self._env(1, ctx)
                 self._launch_all(env, 1, ctx)
-                tok = int(self.K.argmax(env["logits"])[0])
-                yield tok
+                choose(env)
+                yield int(self._next[0])
                 self._host_start += 1
-                self.tokens[:1].fill_(tok)
-                self.start.add_(1)
-                self.seq_len.add_(1)
             return
-        if not hasattr(self, "_greedy_graphs"):
-            self._greedy_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-            self._greedy_env = self._env(1, ctx)
-            self._next = torch.zeros(1, dtype=torch.int64, device=self.dev)
         for i in range(n):
             bucket = self._set_context(start + 1 + i)
-            g = self._greedy_graphs.get(bucket)
+            key = (bucket, chooser.plan)
+            g = self._loop_graphs.get(key)
             if g is None:
                 # this bucket's step captured (see _EAGER_BEFORE_CAPTURE), then replayed below:
                 # the replay is the step (same token, same cache row as any eager run before it)
                 t0 = time.perf_counter()
                 if self._eager_first:
-                    self._launch_all(self._greedy_env, 1, ctx)
+                    self._launch_all(self._loop_env, 1, ctx)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g):
-                    self._launch_all(self._greedy_env, 1, ctx)
-                    self.K.argmax(self._greedy_env["logits"], out=self._next,
-                                  step=(self.tokens[:1], self.start, self.seq_len))
+                    self._launch_all(self._loop_env, 1, ctx)
+                    choose(self._loop_env)
                 torch.cuda.synchronize(self.dev)
                 self.one_time_s += time.perf_counter() - t0
-                self._greedy_graphs[bucket] = g
+                self._loop_graphs[key] = g
             g.replay()
             yield int(self._next.item())
 
@@ -1283,6 +1343,7 @@ class CudaBackend(CudaInfo):
         _wait_prefetch()
         self.device = _device()
         self.K = _kernels()
+        self._choosers: OrderedDict[tuple, DeviceChooser] = OrderedDict()  # choose's, per set of draws
         # programmatic dependent launch (Hopper): each kernel starts while its predecessor drains
         self.K.set_pdl(self.device.type == "cuda" and os.environ.get("EDGELLM_PDL", "1") != "0"
                        and torch.cuda.get_device_capability(self.device)[0] >= 9)
@@ -1411,6 +1472,26 @@ class CudaBackend(CudaInfo):
         docs/results/h100-2026-11-26b/rows_1b_Q4_0_before.txt), so a served greedy step picks exactly
         `edgellm run`'s token."""
         return self.K.argmax(logits)
+
+    @property
+    def samples_on_device(self) -> bool:  # choose draws sampled rows
+        return _samples_on_device()
+
+    def choose(self, logits: torch.Tensor, draws: list, positions: list[int]) -> torch.Tensor:
+        """Each row's next token on the device (int64 [rows]): the argmax where draws[i] is None,
+        else drawn as the edgellm.sampling.DeviceDraw says, keyed by positions[i] (the position of
+        the token the row fed). Only token ids then leave the device."""
+        if all(d is None or d.params.greedy for d in draws):
+            return self.K.argmax(logits)
+        # the rows' parameters stay on the device while the same sequences run (a chooser per set of
+        # draws, the last few kept): a step then uploads its positions only, without waiting for the GPU
+        key = tuple(draws)
+        chooser = self._choosers.pop(key, None) or DeviceChooser(self.K, draws, self.device, logits.shape[-1])
+        self._choosers[key] = chooser
+        while len(self._choosers) > 16:
+            self._choosers.pop(next(iter(self._choosers)))
+        pos = _pinned(torch.tensor(positions, dtype=torch.int64), self.device).to(self.device, non_blocking=True)
+        return chooser(logits, pos)
 
     def describe(self) -> str:
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "Triton interpreter (CPU)"

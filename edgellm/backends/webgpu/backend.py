@@ -798,7 +798,9 @@ class WebgpuProgram:
             self._record(seq, self._write_step(seq, start))
         return {name: self.tensor(name, seq) for name in self.graph.outputs}
 
-    def greedy_tokens(self, first_token: int, start: int, n: int) -> Iterator[int]:
+    samples_on_device = False  # loop_tokens takes the argmax only; sampled tokens are drawn on the host
+
+    def loop_tokens(self, first_token: int, start: int, n: int, draw=None) -> Iterator[int]:
         """Decode greedily on the device: each step's argmax kernel writes the next token into the
         token buffer the next step's embedding reads, so no step waits for the host. Steps are
         submitted in growing batches (1, 2, 4, ... 32 tokens: the first token comes at once; the
@@ -807,7 +809,9 @@ class WebgpuProgram:
         the caller stops at; their cache rows lie beyond the tokens kept. Yields n tokens after
         first_token at position start."""
         if self._argmax is None:
-            raise GraphError("greedy_tokens runs on the single-token decode program")
+            raise GraphError("loop_tokens runs on the single-token decode program")
+        if draw is not None and not draw.params.greedy:
+            raise GraphError("the webgpu backend's device loop takes greedy tokens only")
         if start + n > self.ctx:
             raise GraphError(f"{start + n} tokens exceed the context of {self.ctx}")
         self.dev.write(self.tok_buf, np.array([first_token], np.uint32))

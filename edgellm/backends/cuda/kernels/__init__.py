@@ -28,12 +28,12 @@ from .packing import (PACKED_FORMATS, SUPPORTED_FORMATS, PackedWeight, Unsupport
                       convert_packed, unify_formats,
                       concat_packed, dequantize, pack_float, repack)
 from .rope import RopeStore, kv_store_rows, rope_qkv_cache, rope_rows
-from .sampling import argmax, sample
+from .sampling import argmax, cuts, ranked_need, sample
 
 __all__ = [
     "INTERPRET", "USE_DP4A", "add_into", "take_rows", "PACKED_FORMATS", "SUPPORTED_FORMATS", "PackedWeight", "UnsupportedFormatError",
     "NormTail", "QuantizedActivations", "RopeStore", "argmax", "attention_decode", "attention_prefill", "can_repack",
     "concat_packed", "convert_packed", "unify_formats", "decode_workspace", "default_decode_splits", "dequantize", "embedding", "linear",
-    "linear_silu_mul", "pack_float", "quantize_activations", "repack", "rms_norm", "rope_qkv_cache", "sample", "set_l2_prefetch", "set_pdl", "silu_mul",
+    "linear_silu_mul", "pack_float", "quantize_activations", "repack", "rms_norm", "rope_qkv_cache", "cuts", "ranked_need", "sample", "set_l2_prefetch", "set_pdl", "silu_mul",
     "unary", "upload_fp16", "head_rms_norm", "attention_rows", "kv_store_rows", "rope_rows", "rows_splits",
 ]

@@ -168,6 +168,11 @@ def _cases():
     yield "embedding", lambda: embedding(torch.empty(1, dtype=torch.int32), pw("Q8_0", 128256, 4096))
     yield "embedding Q6", lambda: embedding(torch.empty(1, dtype=torch.int32), pw("Q6", 128256, 2048))
     yield "argmax", lambda: argmax(torch.empty(1, 128256, dtype=h16))
+    from . import sample
+
+    f16 = [torch.empty(16, dtype=torch.float32) for _ in range(2)]
+    yield "sample", lambda: sample(torch.empty(16, 128256, dtype=torch.float32), *f16,
+                                   torch.empty(16, dtype=torch.int64), torch.empty(16, dtype=torch.int32))
     # the batched decode step of 32 sequences (rows program): per-row positions and KV slots
     from . import attention_rows, decode_workspace, kv_store_rows, rope_rows
 

@@ -1,5 +1,18 @@
-"""Token choice on the device: argmax (a two-stage Triton reduction) and a sampler from torch ops
-(temperature, top-k, top-p); nothing leaves the device, so a decode loop never synchronises."""
+"""Token choice on the device: argmax (a two-stage Triton reduction) and sampling, so that a decode
+loop reads back token ids, never logits.
+
+Sampling follows the host sampler's chain (edgellm.sampling: top-k -> top-p -> min-p ->
+temperature -> draw), each row with its own parameters, in two parts:
+- `cuts`: each row's candidate set is the logits at or above a value, the cut. Top-k, top-p and
+  min-p all keep a best-first prefix of the ranked logits, so one value describes the three
+  together (ties at the cut are all kept). Found with torch ops: the row maximum for min-p alone,
+  a top-k for rows whose top-k bounds the prefix, a sort of the row for top-p without top-k.
+- `sample`: a Gumbel-max draw, argmax over the kept logits of x / T + G with G = -log(-log(U)),
+  which picks token i with probability softmax(x / T)_i over the kept set; U from Philox keyed by
+  the row's seed, its counter the row's position times the vocabulary plus the token id, so a
+  seeded sequence draws the same tokens on every run. One pass over the logits, as argmax; rows
+  with temperature 0 take the argmax in the same launch.
+"""
 
 from __future__ import annotations
 
@@ -75,34 +88,162 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None, config: dict |
     return out
 
 
-def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-           generator: torch.Generator | None = None) -> torch.Tensor:
-    """Sample one token per row of logits [T, V] -> int64 [T], on the logits' device.
-
-    temperature <= 0 is greedy (argmax). top_k > 0 keeps the k largest logits; top_p < 1 keeps the
-    smallest set of most likely tokens whose probability reaches top_p (always at least one).
-    The draw is argmax(p / E) with E ~ Exp(1), which picks token i with probability p_i.
-    """
-    check_2d(logits, "logits")
-    if temperature <= 0:
-        return argmax(logits)
-    x = logits.float() / float(temperature)
-    V = x.shape[1]
-    if 0 < top_k < V:
-        vals, idx = torch.topk(x, int(top_k), dim=1)
-    elif top_p < 1.0:
-        vals, idx = torch.sort(x, dim=1, descending=True)
+@jit
+def _sample_partial_kernel(x_ptr, stride_x, pv_ptr, pi_ptr, V, N_PART, temp_ptr, cut_ptr, seed_ptr, pos_ptr,
+                           BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
+    row = tl.program_id(0)
+    part = tl.program_id(1)
+    c = part * BLOCK + tl.arange(0, BLOCK)
+    inside = c < V
+    v = tl.load(x_ptr + row.to(tl.int64) * stride_x + c, mask=inside, other=float("-inf")).to(tl.float32)
+    t = tl.load(temp_ptr + row)
+    keep = inside & (v >= tl.load(cut_ptr + row))  # NaN fails the comparison: never drawn
+    if t > 0:
+        seed = tl.load(seed_ptr + row)
+        counter = tl.load(pos_ptr + row).to(tl.int64) * V + c  # 64-bit Philox counter: distinct per step and token
+        u = tl.rand(seed, counter)
+        score = v / t - tl.log(-tl.log(u))  # u == 0 gives -inf: that token is not drawn
     else:
-        vals, idx = x, None
-    probs = torch.softmax(vals, dim=1)
-    if top_p < 1.0:
-        if idx is None:  # pragma: no cover - handled above
-            raise AssertionError
-        cum = torch.cumsum(probs, dim=1)
-        drop = (cum - probs) >= float(top_p)  # tokens after the nucleus is already complete
-        probs = probs.masked_fill(drop, 0.0)
-    noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
-    choice = torch.argmax(probs / noise, dim=1)
-    if idx is None:
-        return choice
-    return idx.gather(1, choice[:, None]).squeeze(1)
+        score = v
+    score = tl.where(keep, score, float("-inf"))
+    mx = tl.max(score, axis=0)
+    idx = tl.min(tl.where(score == mx, c, V), axis=0)
+    tl.store(pv_ptr + row * N_PART + part, mx)
+    tl.store(pi_ptr + row * N_PART + part, idx)
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, cut: torch.Tensor, seed: torch.Tensor,
+           pos: torch.Tensor, out: torch.Tensor | None = None, config: dict | None = None,
+           step: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """One token per row of logits [T, V] -> int64 [T] (or out's int dtype), drawn on the device.
+
+    Per row, device tensors of T elements: temperature (float32; <= 0: the argmax, as `argmax`),
+    cut (float32: only logits >= cut are drawn, see `cuts`; -inf keeps all), seed (int64: the
+    Philox key) and pos (int32/int64: the row's position, the counter that makes each step's draw
+    new). step: as for `argmax` (one row; the device loop's next inputs, pos may be its start)."""
+    check_2d(logits, "logits")
+    T, V = logits.shape
+    for name, t, kinds in (("temperature", temperature, (torch.float32,)), ("cut", cut, (torch.float32,)),
+                           ("seed", seed, (torch.int64,)), ("pos", pos, (torch.int32, torch.int64))):
+        if t.dtype not in kinds or t.shape != (T,) or t.device != logits.device:
+            raise ValueError(f"sample: {name} must be a {'/'.join(map(str, kinds))} tensor of shape ({T},) "
+                             f"on {logits.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+    if step is not None and T != 1:
+        raise ValueError("sample step takes one row of logits")
+    if out is None:
+        out = torch.empty((T,), dtype=torch.int64, device=logits.device)
+    elif out.shape != (T,) or out.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"sample out must be int32/int64 of shape ({T},), got {out.dtype} {tuple(out.shape)}")
+    if T == 0:
+        return out
+    cfg = {**configs.ARGMAX_DEFAULT, **(config or {})}
+    block = min(cfg["BLOCK"], next_pow2(V))
+    n_part = triton.cdiv(V, block)
+    pv = torch.empty((T, n_part), dtype=torch.float32, device=logits.device)
+    pi = torch.empty((T, n_part), dtype=torch.int32, device=logits.device)
+    _sample_partial_kernel[(T, n_part)](logits, logits.stride(0), pv, pi, V, n_part, temperature, cut, seed, pos,
+                                        BLOCK=block, num_warps=cfg["num_warps"], **pdl())
+    tok, start, seq = step if step is not None else (out, out, out)
+    _argmax_final_kernel[(T,)](pv, pi, out, V, n_part, tok, start, seq, PART_PAD=next_pow2(n_part),
+                               STEP=step is not None, num_warps=1, **pdl())
+    return out
+
+
+FULL_SORT_FROM = 4096  # a ranked prefix longer than this is taken from a sort of the row, not a top-k
+
+
+def ranked_need(top_k, top_p, vocab: int) -> int:
+    """How many ranked logits `cuts` needs for rows with these top_k and top_p values (host
+    numbers): the largest top-k among rows that cut by rank, the whole vocabulary where a row cuts
+    by top-p without a top-k, 0 where min-p alone (or nothing) cuts."""
+    need = 0
+    for k, p in zip(top_k, top_p):
+        if 0 < k < vocab:
+            need = max(need, int(k))
+        elif p < 1.0:
+            return vocab
+    return need
+
+
+@jit
+def _cut_kernel(x_ptr, stride_x, vals_ptr, stride_v, cut_ptr, top_k_ptr, top_p_ptr, min_p_ptr, V, NEED,
+                BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """One row's cut: vals holds the row's NEED largest logits, best first (none when NEED is 0)."""
+    pdl_prologue(PDL)
+    row = tl.program_id(0)
+    xrow = x_ptr + row.to(tl.int64) * stride_x
+    vrow = vals_ptr + row.to(tl.int64) * stride_v
+    r0 = tl.arange(0, BLOCK)
+    k = tl.load(top_k_ptr + row)
+    p = tl.load(top_p_ptr + row)
+    mp = tl.load(min_p_ptr + row)
+    by_rank = (k > 0) & (k < V)
+    if NEED > 0:
+        best = tl.load(vrow).to(tl.float32)
+    else:  # min-p alone: the row's maximum
+        top = tl.full([BLOCK], float("-inf"), tl.float32)
+        for start in range(0, V, BLOCK):
+            c = start + r0
+            top = tl.maximum(top, tl.load(xrow + c, mask=c < V, other=float("-inf")).to(tl.float32))
+        best = tl.max(top, axis=0)
+    cut = tl.where(mp > 0, best + tl.log(tl.maximum(mp, 1e-30)), float("-inf"))
+    if (NEED > 0) & (by_rank | (p < 1.0)):
+        limit = tl.where(by_rank, k, V)  # ranked_need made NEED cover it
+        # the mass top-p is measured against: the top-k's, or the whole row's without top-k
+        acc = tl.zeros([BLOCK], tl.float32)
+        if by_rank:
+            for start in range(0, NEED, BLOCK):
+                r = start + r0
+                v = tl.load(vrow + r, mask=(r < limit) & (r < NEED), other=float("-inf")).to(tl.float32)
+                acc += tl.exp(v - best)
+        else:
+            for start in range(0, V, BLOCK):
+                c = start + r0
+                acc += tl.exp(tl.load(xrow + c, mask=c < V, other=float("-inf")).to(tl.float32) - best)
+        mass = tl.sum(acc, axis=0)
+        # the ranked tokens whose mass ranked ahead of them is below top-p (the best one always)
+        ahead = mass * 0.0
+        n = 0
+        for start in range(0, NEED, BLOCK):
+            r = start + r0
+            inside = (r < limit) & (r < NEED)
+            e = tl.where(inside, tl.exp(tl.load(vrow + r, mask=inside, other=0.0).to(tl.float32) - best) / mass, 0.0)
+            before = tl.cumsum(e, axis=0) - e + ahead
+            n += tl.sum((inside & (before < p)).to(tl.int32), axis=0)
+            ahead += tl.sum(e, axis=0)
+        n = tl.maximum(n, 1)
+        cut = tl.maximum(cut, tl.load(vrow + n - 1).to(tl.float32))
+    tl.store(cut_ptr + row, cut)
+
+
+def cuts(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, need: int,
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's cut for `sample` (float32 [T]): the smallest logit that top-k, then top-p (over the
+    top-k's probabilities, or the whole row's without top-k), then min-p (against the best token's
+    probability) keep; -inf where nothing is cut. top_k (int32/int64, 0: none), top_p and min_p
+    (float32): device tensors of T elements; need: ranked_need of the same values (a host number,
+    so that the work done, and a CUDA graph holding it, does not depend on device values). The
+    ranked prefix comes from torch (topk, or a sort of the row past FULL_SORT_FROM); the rest is
+    one kernel, a program per row."""
+    check_2d(logits, "logits")
+    T, V = logits.shape
+    for name, t, kinds in (("top_k", top_k, (torch.int32, torch.int64)), ("top_p", top_p, (torch.float32,)),
+                           ("min_p", min_p, (torch.float32,))):
+        if t.dtype not in kinds or t.shape != (T,) or t.device != logits.device:
+            raise ValueError(f"cuts: {name} must be a {'/'.join(map(str, kinds))} tensor of shape ({T},) "
+                             f"on {logits.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+    if out is None:
+        out = torch.empty((T,), dtype=torch.float32, device=logits.device)
+    if T == 0:
+        return out
+    need = min(max(int(need), 0), V)
+    if need == 0:
+        vals = logits
+    elif need >= min(V, FULL_SORT_FROM):
+        vals = torch.sort(logits, dim=1, descending=True).values
+    else:
+        vals = torch.topk(logits, need, dim=1).values
+    _cut_kernel[(T,)](logits, logits.stride(0), vals, vals.stride(0), out, top_k, top_p, min_p, V, need,
+                      BLOCK=1024, num_warps=4, **pdl())
+    return out
