@@ -89,3 +89,23 @@ class ReferenceLlama:
         x = self._norm(x, self.w["output_norm.weight"])
         head = self.w.get("output.weight", self.w["token_embd.weight"])
         return x @ head.T
+
+
+def chain_kept(x: np.ndarray, top_k: int, top_p: float, min_p: float) -> set:
+    """The ids the sampling chain keeps (llama.cpp's order, as edgellm.sampling: top-k, top-p over
+    the top-k's probabilities or the whole row's, min-p against the best), in float64 from a full
+    stable ranking: the reference for the backends' device samplers."""
+    order = np.argsort(-x, kind="stable")
+    if 0 < top_k < len(x):
+        order = order[:top_k]
+        probs = np.exp(x[order] - x[order[0]])
+        probs /= probs.sum()
+    else:
+        probs = np.exp(x[order] - x[order[0]])
+        probs /= np.exp(x - x.max()).sum()
+    if top_p < 1.0:
+        before = np.cumsum(probs) - probs
+        order, probs = order[before < top_p], probs[before < top_p]
+    if min_p > 0:
+        order = order[probs >= min_p * probs.max()]
+    return set(order.tolist())

@@ -29,6 +29,7 @@ from gguf.quants import dequantize as gg_dequantize  # noqa: E402
 from gguf.quants import quantize as gg_quantize  # noqa: E402
 
 from edgellm.backends.cuda import kernels as K  # noqa: E402
+from reference import chain_kept as host_chain_kept  # noqa: E402
 
 DEV = torch.device("cuda" if CUDA else "cpu")
 QFORMATS = ["Q4_0", "Q4_1", "Q8_0"]
@@ -751,25 +752,6 @@ def test_argmax_step_updates_decode_inputs(rng):
     assert start.tolist() == [42] and seq.tolist() == [43]
     with pytest.raises(ValueError, match="one row"):
         K.argmax(rand(rng, 2, 10, dtype=torch.float32), step=(tokens[:1], start, seq))
-
-
-def host_chain_kept(x: np.ndarray, top_k: int, top_p: float, min_p: float) -> set:
-    """The ids the sampling chain keeps (edgellm.sampling's order: top-k, top-p, min-p), in float64
-    from a full stable ranking: the reference for the device cuts."""
-    order = np.argsort(-x, kind="stable")
-    if 0 < top_k < len(x):
-        order = order[:top_k]
-        probs = np.exp(x[order] - x[order[0]])
-        probs /= probs.sum()
-    else:
-        probs = np.exp(x[order] - x[order[0]])
-        probs /= np.exp(x - x.max()).sum()
-    if top_p < 1.0:
-        before = np.cumsum(probs) - probs
-        order, probs = order[before < top_p], probs[before < top_p]
-    if min_p > 0:
-        order = order[probs >= min_p * probs.max()]
-    return set(order.tolist())
 
 
 SAMPLING_ROWS = [(40, 0.95, 0.05), (0, 0.9, 0.0), (0, 1.0, 0.1), (0, 1.0, 0.0), (5, 1.0, 0.0), (100, 0.5, 0.02),

@@ -246,6 +246,26 @@ def test_greedy_on_device_matches_cpu(models):
     assert calls, "greedy decoding did not run on the device"
 
 
+def test_sampled_generation_draws_on_the_device(models):
+    """A sampled generation loops on the device too (kernels.sample in the step, only token ids read
+    back): each token within the top-k of the logits the model gives for the sequence so far, a
+    seed repeats its tokens, and top-k 1 is the greedy answer."""
+    gpu = edgellm.load(models["Q8_0"], backend="webgpu", ctx=64)
+    draws = []
+    prog = gpu.programs["decode"]
+    orig = prog.loop_tokens
+    prog.loop_tokens = lambda *a: (draws.append(a[3]), orig(*a))[1]
+    p = SamplingParams(temperature=1.5, top_k=3, top_p=1.0, min_p=0.0, seed=5)
+    got = list(gpu.generate_tokens(PROMPT, 8, p))
+    assert len(got) == 8 and draws and draws[-1] is not None and draws[-1].params == p
+    logits = gpu.forward(list(PROMPT) + got[:-1], 0, all_logits=True)[len(PROMPT) - 1:]
+    for tok, row in zip(got, logits):
+        assert tok in np.argsort(-row)[:3], (tok, np.sort(row)[-4:])
+    assert list(gpu.generate_tokens(PROMPT, 8, p)) == got
+    greedy = list(gpu.generate_tokens(PROMPT, 8, SamplingParams(temperature=0)))
+    assert list(gpu.generate_tokens(PROMPT, 8, SamplingParams(temperature=0.7, top_k=1, seed=2))) == greedy
+
+
 def test_default_model_answers_capital():
     """The embedded SmolLM2-135M-Instruct, greedy: the same text as the cpu backend."""
     gpu = edgellm.load(backend="webgpu", ctx=256)

@@ -269,14 +269,17 @@ class WebgpuProgram:
         for op in graph.ops:
             if op.name not in absorbed:
                 self._steps.extend(self._lower(op))
-        self._argmax = None
+        self._argmax = self._sampler = None
         if self.max_seq == 1 and "logits" in graph.outputs:
             n = self.shape("logits", 1)[-1]
             self.hist_buf = self.dev.buffer(4 * self.ctx)
-            self._argmax = _Dispatch(self, kernels.argmax(n), {"X": self._res("logits"),
-                                                               "TOK": lambda: (self.tok_buf, 0, self.tok_buf.size),
-                                                               "HIST": lambda: (self.hist_buf, 0, self.hist_buf.size)},
-                                     lambda s, k: (1, 1, 1))
+            self.samp_buf = self.dev.buffer(4 * kernels.SAMPLE_WORDS)
+            res = {"X": self._res("logits"), "TOK": lambda: (self.tok_buf, 0, self.tok_buf.size),
+                   "HIST": lambda: (self.hist_buf, 0, self.hist_buf.size),
+                   "SAMP": lambda: (self.samp_buf, 0, self.samp_buf.size)}
+            self._argmax = _Dispatch(self, kernels.argmax(n), res, lambda s, k: (1, 1, 1))
+            # the sampled loop's token choice (its pipeline made at its first use)
+            self._sampler = _Dispatch(self, kernels.sample(n), res, lambda s, k: (1, 1, 1))
 
     # -- tensors ------------------------------------------------------------------------------
     def shape(self, name: str, seq: int) -> tuple[int, ...]:
@@ -762,7 +765,9 @@ class WebgpuProgram:
         self.dev.write(self.step_buf, np.array([seq, start, kv_len, split_len, splits, hist, 0, 0], np.uint32))
         return splits
 
-    def _record(self, seq: int, splits: int, with_argmax: bool = False) -> None:
+    def _record(self, seq: int, splits: int, with_argmax: bool = False, chooser: "_Dispatch | None" = None) -> None:
+        """Encode and submit one step; with_argmax: then the token choice (chooser, default the
+        argmax) into the token buffer and the history."""
         dev = self.dev
         for st in self._steps:
             st.prepare()
@@ -778,8 +783,9 @@ class WebgpuProgram:
             else:
                 st.encode(cpass, seq, splits)
         if with_argmax:
-            self._argmax.prepare()
-            self._argmax.encode(cpass, seq, splits)
+            chooser = chooser or self._argmax
+            chooser.prepare()
+            chooser.encode(cpass, seq, splits)
         cpass.end()
         dev.queue.submit([enc.finish()])
 
@@ -798,11 +804,12 @@ class WebgpuProgram:
             self._record(seq, self._write_step(seq, start))
         return {name: self.tensor(name, seq) for name in self.graph.outputs}
 
-    samples_on_device = False  # loop_tokens takes the argmax only; sampled tokens are drawn on the host
+    samples_on_device = True  # loop_tokens draws sampled tokens too (kernels.sample)
 
     def loop_tokens(self, first_token: int, start: int, n: int, draw=None) -> Iterator[int]:
-        """Decode greedily on the device: each step's argmax kernel writes the next token into the
-        token buffer the next step's embedding reads, so no step waits for the host. Steps are
+        """Decode on the device: each step's token choice (the argmax, or a draw as `draw`, an
+        edgellm.sampling.DeviceDraw, says: kernels.sample) writes the next token into the token
+        buffer the next step's embedding reads, so no step waits for the host. Steps are
         submitted in growing batches (1, 2, 4, ... 32 tokens: the first token comes at once; the
         host encodes the next step while the GPU runs this one) and each batch's tokens are read
         back together, 4 bytes each. A batch may run a few steps past an end-of-generation token
@@ -810,8 +817,11 @@ class WebgpuProgram:
         first_token at position start."""
         if self._argmax is None:
             raise GraphError("loop_tokens runs on the single-token decode program")
+        chooser = None
         if draw is not None and not draw.params.greedy:
-            raise GraphError("the webgpu backend's device loop takes greedy tokens only")
+            p = draw.params
+            self.dev.write(self.samp_buf, kernels.sample_words(p.temperature, p.top_k, p.top_p, p.min_p, draw.seed))
+            chooser = self._sampler
         if start + n > self.ctx:
             raise GraphError(f"{start + n} tokens exceed the context of {self.ctx}")
         self.dev.write(self.tok_buf, np.array([first_token], np.uint32))
@@ -822,7 +832,7 @@ class WebgpuProgram:
                 for j in range(i, i + k):
                     self._host_start = start + j
                     # the step's values are written in queue order: after the previous step's commands
-                    self._record(1, self._write_step(1, start + j, hist=j), with_argmax=True)
+                    self._record(1, self._write_step(1, start + j, hist=j), with_argmax=True, chooser=chooser)
                 ids = np.frombuffer(self.dev.read(self.hist_buf, 4 * i, 4 * k), np.uint32)
             for t in ids:
                 yield int(t)
