@@ -31,6 +31,7 @@ CASES = {
     "CLI defaults (top-k 40, top-p 0.95, min-p 0.05, T 0.8)": dict(),
     "server defaults (no top-k, top-p 1, T 1)": dict(top_k=0, top_p=1.0, min_p=0.0, temperature=1.0),
     "nucleus (no top-k, top-p 0.9, min-p 0)": dict(top_k=0, top_p=0.9, min_p=0.0),
+    "min-p alone (no top-k, top-p 1, min-p 0.05, T 1)": dict(top_k=0, top_p=1.0, min_p=0.05, temperature=1.0),
 }
 
 
@@ -74,7 +75,7 @@ def decode(model: str | None, backend: str, repeats: int, tokens: int = 64) -> N
 
     m = edgellm.load(model, backend=backend)
     ids = m.tokenizer.encode("Write a long story about a dragon who learns to cook.")
-    on_device = getattr(m.programs["decode"], "samples_on_device", False)
+    draws_on = getattr(m.programs["decode"], "draws_on_device", None)  # which parameters the device loop takes
 
     class FullSort:
         def __init__(self, params):
@@ -99,7 +100,7 @@ def decode(model: str | None, backend: str, repeats: int, tokens: int = 64) -> N
     modes = [("greedy", SamplingParams(temperature=0), Sampler, True)]
     for name, kw in CASES.items():
         params = SamplingParams(**{**kw, "temperature": max(kw.get("temperature", 0.8), 1.5)})
-        if on_device:
+        if draws_on is not None and draws_on(params):
             modes.append((f"{name}, device draw", params, Sampler, True))
         modes.append((f"{name}, host draw", params, Sampler, False))
     modes.append(("CLI defaults, host full sort (before 2026-11-28)", SamplingParams(temperature=1.5), FullSort, False))

@@ -364,8 +364,9 @@ class Model:
             program = slot.programs["decode"]
             loop = getattr(program, "loop_tokens", None)
             draw = sampler.device_draw()
+            on_device = getattr(program, "draws_on_device", None)
             if step == 0 and loop is not None and draw is not None and \
-                    (draw.params.greedy or getattr(program, "samples_on_device", False)):
+                    (draw.params.greedy or (on_device is not None and on_device(draw.params))):
                 # a backend that loops on the device (argmax or draw there): no logits leave it
                 n = min(max_tokens - 1, self.ctx - pos)
                 slot.wrote(pos, pos + n)  # rows it may write (ring caches lose what they overwrite)

@@ -48,6 +48,14 @@ class SamplingParams:
         return self.repetition_penalty == 1.0 or self.repeat_last_n == 0
 
 
+def device_sampling_enabled() -> bool:
+    """Whether backends that can draw sampled tokens on their device do (EDGELLM_DEVICE_SAMPLING=0
+    sends the logits to the host sampler instead, for comparisons)."""
+    import os
+
+    return os.environ.get("EDGELLM_DEVICE_SAMPLING", "1") != "0"
+
+
 @dataclass(frozen=True)
 class DeviceDraw:
     """A sequence's sampling as a backend that draws on the device takes it: the chain's parameters

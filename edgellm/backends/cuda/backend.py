@@ -35,6 +35,7 @@ import torch
 
 from ...errors import BackendUnavailableError, EdgeLLMError, GraphError, ModelFileError
 from ...gguf_file import GGUFFile
+from ...sampling import device_sampling_enabled
 from ...graph.ir import Graph, Op
 from ...graph.shapes import shape_function
 from ..cpu import _rope, plan_offsets
@@ -262,11 +263,6 @@ def residual_stream(graph: Graph) -> set[str]:
 # first use (which may set it up) is not inside a capture.
 _EAGER_BEFORE_CAPTURE = os.environ.get("EDGELLM_EAGER_BEFORE_CAPTURE", "0") == "1"
 
-
-def _samples_on_device() -> bool:
-    """Sampled tokens drawn on the GPU (kernels/sampling.py) unless EDGELLM_DEVICE_SAMPLING=0,
-    which reads their logits back to the host sampler instead (for comparisons)."""
-    return os.environ.get("EDGELLM_DEVICE_SAMPLING", "1") != "0"
 
 
 def _pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -1150,9 +1146,8 @@ class CudaProgram:
         for launch in self._launches:
             launch(env, seq, ctx)
 
-    @property
-    def samples_on_device(self) -> bool:  # loop_tokens draws sampled tokens too
-        return _samples_on_device()
+    def draws_on_device(self, params) -> bool:  # loop_tokens draws any sampled generation
+        return device_sampling_enabled()
 
     def loop_tokens(self, first_token: int, start: int, n: int, draw=None) -> "Iterator[int]":
         """Decode on the device: each step's token (the argmax, or drawn as `draw`, an
@@ -1475,7 +1470,7 @@ class CudaBackend(CudaInfo):
 
     @property
     def samples_on_device(self) -> bool:  # choose draws sampled rows
-        return _samples_on_device()
+        return device_sampling_enabled()
 
     def choose(self, logits: torch.Tensor, draws: list, positions: list[int]) -> torch.Tensor:
         """Each row's next token on the device (int64 [rows]): the argmax where draws[i] is None,

@@ -34,6 +34,7 @@ import numpy as np
 from ...errors import BackendUnavailableError, EdgeLLMError, GraphError
 from ...gguf_file import GGUFFile
 from ...graph.ir import CTX, SEQ, Graph, Op
+from ...sampling import device_sampling_enabled
 from ..cpu import plan_offsets
 from ..info import WebgpuInfo
 from . import codegen, kernels
@@ -804,11 +805,15 @@ class WebgpuProgram:
             self._record(seq, self._write_step(seq, start))
         return {name: self.tensor(name, seq) for name in self.graph.outputs}
 
-    samples_on_device = True  # loop_tokens draws sampled tokens too (kernels.sample)
+    def draws_on_device(self, params) -> bool:
+        """Whether loop_tokens takes a sampled generation with these SamplingParams: temperature and
+        min-p (kernels.sample), not top-k or top-p (left to the host sampler)."""
+        return device_sampling_enabled() and self._sampler is not None and \
+            kernels.draws_here(params.top_k, params.top_p, self.shape("logits", 1)[-1])
 
     def loop_tokens(self, first_token: int, start: int, n: int, draw=None) -> Iterator[int]:
         """Decode on the device: each step's token choice (the argmax, or a draw as `draw`, an
-        edgellm.sampling.DeviceDraw, says: kernels.sample) writes the next token into the token
+        edgellm.sampling.DeviceDraw with no top-k or top-p cut, says: kernels.sample) writes the next token into the token
         buffer the next step's embedding reads, so no step waits for the host. Steps are
         submitted in growing batches (1, 2, 4, ... 32 tokens: the first token comes at once; the
         host encodes the next step while the GPU runs this one) and each batch's tokens are read
@@ -820,7 +825,10 @@ class WebgpuProgram:
         chooser = None
         if draw is not None and not draw.params.greedy:
             p = draw.params
-            self.dev.write(self.samp_buf, kernels.sample_words(p.temperature, p.top_k, p.top_p, p.min_p, draw.seed))
+            if not kernels.draws_here(p.top_k, p.top_p, self.shape("logits", 1)[-1]):
+                raise GraphError("the webgpu backend draws on the device without top-k or top-p only "
+                                 "(draws_on_device); sample this generation on the host")
+            self.dev.write(self.samp_buf, kernels.sample_words(p.temperature, p.min_p, draw.seed))
             chooser = self._sampler
         if start + n > self.ctx:
             raise GraphError(f"{start + n} tokens exceed the context of {self.ctx}")

@@ -650,99 +650,40 @@ fn main(@builtin(local_invocation_index) lid: u32) {
     return Kernel(k.name, k.source, k.bindings + (Binding("TOK", "array<u32>"), Binding("HIST", "array<u32>")), wg)
 
 
-SAMPLE_WORDS = 8  # the SAMP buffer: temperature, top_k, top_p, min_p (f32 bits but top_k), seed low, seed high
+SAMPLE_WORDS = 4  # the SAMP buffer: temperature and min-p (f32 bits), the seed's low and high words
 
 
 def sample(n: int, wg: int = 256, *, dtypes: dict | None = None) -> Kernel:
-    """TOK[0] (and HIST[step.p0], as `argmax`) = a token drawn from x[0..n) as edgellm.sampling's
-    chain draws it: top-k, then top-p (over the top-k's probabilities, or the whole row's), then
-    min-p, then temperature; the argmax at temperature 0. One workgroup. The parameters come from
-    SAMP (see SAMPLE_WORDS). The kept tokens are those at or above one cut value: the k-th largest
-    logit and the top-p boundary are found by bisection on the logits' order-preserving 32-bit
-    keys, a pass over the row a step (32 passes each, exact); the draw is a Gumbel-max pass,
-    argmax of x / T - log(-log u), u from a hash (PCG) of the seed, the position (step.start) and
-    the token id, so a seed gives the same tokens on every run."""
+    """TOK[0] (and HIST[step.p0], as `argmax`) = a token drawn from x[0..n) at a temperature, among
+    the logits min-p keeps (x >= max + log(min_p)); the argmax at temperature 0. One workgroup,
+    two passes over the row. The draw is a Gumbel-max pass, argmax of x / T - log(-log u), u from a
+    hash (PCG) of the seed, the position (step.start) and the token id, so a seed gives the same
+    tokens on every run. Top-k and top-p are not drawn here: ranking a 128k row in one workgroup
+    cost more than the host sampler (H200, docs/benchmarks.md), so the backend leaves them to it."""
     body = """
 @group(0) @binding(${TOKB}) var<storage, read_write> TOK: array<u32>;
 @group(0) @binding(${HISTB}) var<storage, read_write> HIST: array<u32>;
 @group(0) @binding(${SAMPB}) var<storage, read> SAMP: array<u32>;
 var<workgroup> redf: array<f32, ${WG}>;
 var<workgroup> redu: array<u32, ${WG}>;
-fn key_of(x: f32) -> u32 {  // float order as unsigned order
-    let u = bitcast<u32>(x + 0.0);
-    return select(u | 0x80000000u, ~u, (u >> 31u) == 1u);
-}
-fn value_of(k: u32) -> f32 {
-    return bitcast<f32>(select(~k, k & 0x7fffffffu, (k >> 31u) == 1u));
-}
 fn pcg(v: u32) -> u32 {
     let s = v * 747796405u + 2891336453u;
     let w = ((s >> ((s >> 28u) + 4u)) ^ s) * 277803737u;
     return (w >> 22u) ^ w;
 }
-fn sum_f(v: f32, lid: u32) -> f32 {
-    redf[lid] = v; workgroupBarrier();
-    for (var s = ${WG}u / 2u; s > 0u; s = s >> 1u) { if (lid < s) { redf[lid] = redf[lid] + redf[lid + s]; } workgroupBarrier(); }
-    let r = redf[0]; workgroupBarrier();
-    return r;
-}
-fn max_f(v: f32, lid: u32) -> f32 {
-    redf[lid] = v; workgroupBarrier();
-    for (var s = ${WG}u / 2u; s > 0u; s = s >> 1u) { if (lid < s) { redf[lid] = max(redf[lid], redf[lid + s]); } workgroupBarrier(); }
-    let r = redf[0]; workgroupBarrier();
-    return r;
-}
-fn min_f(v: f32, lid: u32) -> f32 { return -max_f(-v, lid); }
-fn sum_u(v: u32, lid: u32) -> u32 {
-    redu[lid] = v; workgroupBarrier();
-    for (var s = ${WG}u / 2u; s > 0u; s = s >> 1u) { if (lid < s) { redu[lid] = redu[lid] + redu[lid + s]; } workgroupBarrier(); }
-    let r = redu[0]; workgroupBarrier();
-    return r;
-}
 @compute @workgroup_size(${WG})
 fn main(@builtin(local_invocation_index) lid: u32) {
-    let temp = bitcast<f32>(SAMP[0]); let top_k = SAMP[1];
-    let top_p = bitcast<f32>(SAMP[2]); let min_p = bitcast<f32>(SAMP[3]);
-    var hi_v = ${NEG}; var lo_v = 3.0e38;
-    for (var i = lid; i < ${N}u; i += ${WG}u) { let v = X_ld(i); hi_v = max(hi_v, v); lo_v = min(lo_v, v); }
-    let best = max_f(hi_v, lid);
-    let least = min_f(lo_v, lid);
+    let temp = bitcast<f32>(SAMP[0]); let min_p = bitcast<f32>(SAMP[1]);
     var cut = ${NEG};
-    var ck = least;  // the k-th largest logit (the row's least without top-k)
-    if (temp > 0.0 && top_k > 0u && top_k < ${N}u) {
-        var lo = key_of(least); var hi = key_of(best) + 1u;  // count(key >= lo) >= k > count(key >= hi)
-        for (var it = 0u; it < 32u; it++) {
-            let mid = lo + (hi - lo) / 2u;
-            var c = 0u;
-            for (var i = lid; i < ${N}u; i += ${WG}u) { c += select(0u, 1u, key_of(X_ld(i)) >= mid); }
-            let above = sum_u(c, lid) >= top_k;
-            lo = select(lo, mid, above && hi - lo > 1u);
-            hi = select(hi, mid, !above && hi - lo > 1u);
-        }
-        ck = value_of(lo);
-        cut = ck;
+    if (temp > 0.0 && min_p > 0.0) {  // min-p: the logits within log(min_p) of the best
+        var hi_v = ${NEG};
+        for (var i = lid; i < ${N}u; i += ${WG}u) { hi_v = max(hi_v, X_ld(i)); }
+        redf[lid] = hi_v; workgroupBarrier();
+        for (var s = ${WG}u / 2u; s > 0u; s = s >> 1u) { if (lid < s) { redf[lid] = max(redf[lid], redf[lid + s]); } workgroupBarrier(); }
+        cut = redf[0] + log(min_p);
+        workgroupBarrier();
     }
-    if (temp > 0.0 && top_p < 1.0) {
-        var m = 0.0;  // the mass top-p is measured against (relative to the best token's)
-        for (var i = lid; i < ${N}u; i += ${WG}u) { let v = X_ld(i); m += select(0.0, exp(v - best), v >= ck); }
-        let goal = top_p * sum_f(m, lid);
-        // the smallest t whose mass at or above it is below goal: tokens ranked at t - 1 and above are kept
-        var lo = key_of(ck); var hi = key_of(best) + 1u;
-        for (var it = 0u; it < 32u; it++) {
-            let mid = lo + (hi - lo) / 2u;
-            var a = 0.0;
-            for (var i = lid; i < ${N}u; i += ${WG}u) {
-                let v = X_ld(i);
-                a += select(0.0, exp(v - best), v >= ck && key_of(v) >= mid);
-            }
-            let below = sum_f(a, lid) < goal;
-            hi = select(hi, mid, below && hi - lo > 1u);
-            lo = select(lo, mid, !below && hi - lo > 1u);
-        }
-        cut = max(cut, value_of(lo));
-    }
-    if (temp > 0.0 && min_p > 0.0) { cut = max(cut, best + log(min_p)); }
-    let rkey = pcg(step.start ^ pcg(SAMP[4] ^ pcg(SAMP[5])));
+    let rkey = pcg(step.start ^ pcg(SAMP[2] ^ pcg(SAMP[3])));
     var m = ${NEG}; var mi = 0xffffffffu;
     for (var i = lid; i < ${N}u; i += ${WG}u) {
         let v = X_ld(i);
@@ -770,12 +711,17 @@ fn main(@builtin(local_invocation_index) lid: u32) {
                                                   Binding("SAMP", "array<u32>", "read")), wg)
 
 
-def sample_words(temperature: float, top_k: int, top_p: float, min_p: float, seed: int) -> "np.ndarray":
+def sample_words(temperature: float, min_p: float, seed: int) -> "np.ndarray":
     """The SAMP buffer's words for `sample`."""
     import numpy as np
 
-    f = np.array([temperature, 0.0, top_p, min_p], np.float32).view(np.uint32)
-    return np.array([f[0], top_k, f[2], f[3], seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, 0, 0], np.uint32)
+    f = np.array([temperature, min_p], np.float32).view(np.uint32)
+    return np.array([f[0], f[1], seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF], np.uint32)
+
+
+def draws_here(top_k: int, top_p: float, vocab: int) -> bool:
+    """Whether `sample` takes a sequence's draws: no top-k or top-p cut (min-p and temperature only)."""
+    return (top_k <= 0 or top_k >= vocab) and top_p >= 1.0
 
 
 # -- RoPE and the KV cache ----------------------------------------------------------------------
