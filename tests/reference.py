@@ -109,3 +109,22 @@ def chain_kept(x: np.ndarray, top_k: int, top_p: float, min_p: float) -> set:
     if min_p > 0:
         order = order[probs >= min_p * probs.max()]
     return set(order.tolist())
+
+
+def draws_fit(draws, probs: np.ndarray, alpha: float = 1e-5) -> tuple[bool, float]:
+    """Pearson's chi-square test of token draws against their exact probabilities (cells expected
+    fewer than 5 times pooled): (passes at significance alpha, the statistic). A correct sampler
+    fails it once in 1/alpha runs."""
+    from scipy.stats import chi2
+
+    probs = np.asarray(probs, dtype=np.float64)
+    keep = probs > 0
+    counts = np.bincount(np.asarray(draws), minlength=len(probs))[keep]
+    expect = probs[keep] * len(draws)
+    small = expect < 5
+    counts = np.append(counts[~small], counts[small].sum())
+    expect = np.append(expect[~small], expect[small].sum())
+    if expect[-1] == 0:
+        counts, expect = counts[:-1], expect[:-1]
+    stat = float(((counts - expect) ** 2 / expect).sum())
+    return stat < chi2.ppf(1 - alpha, len(expect) - 1), stat

@@ -622,18 +622,14 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     return _render("last_row", [(ActDesc("X"), None), (ActDesc("Y"), None)], body, 256, C=cols, dtypes=dtypes)
 
 
-def argmax(n: int, wg: int = 256, *, dtypes: dict | None = None) -> Kernel:
-    """TOK[0] = the first index of the largest of x[0..n) (numpy's argmax), one workgroup; the
-    same index also goes to HIST[step.p0] (the tokens of a greedy run, read back in batches)."""
-    body = """
+# the token choice's output: TOK[0] and HIST[step.p0] get the first index of the workgroup's best
+# score, each thread bringing its own best (m at index mi)
+_TOKEN_PICK = """
 @group(0) @binding(${TOKB}) var<storage, read_write> TOK: array<u32>;
 @group(0) @binding(${HISTB}) var<storage, read_write> HIST: array<u32>;
 var<workgroup> best: array<f32, ${WG}>;
 var<workgroup> bidx: array<u32, ${WG}>;
-@compute @workgroup_size(${WG})
-fn main(@builtin(local_invocation_index) lid: u32) {
-    var m = ${NEG}; var mi = 0xffffffffu;
-    for (var i = lid; i < ${N}u; i += ${WG}u) { let v = X_ld(i); if (v > m) { m = v; mi = i; } }
+fn pick(m: f32, mi: u32, lid: u32) {
     best[lid] = m; bidx[lid] = mi;
     workgroupBarrier();
     for (var s = ${WG}u / 2u; s > 0u; s = s >> 1u) {
@@ -644,6 +640,19 @@ fn main(@builtin(local_invocation_index) lid: u32) {
         workgroupBarrier();
     }
     if (lid == 0u) { TOK[0] = bidx[0]; HIST[step.p0] = bidx[0]; }
+}
+"""
+
+
+def argmax(n: int, wg: int = 256, *, dtypes: dict | None = None) -> Kernel:
+    """TOK[0] = the first index of the largest of x[0..n) (numpy's argmax), one workgroup; the
+    same index also goes to HIST[step.p0] (the tokens of a greedy run, read back in batches)."""
+    body = _TOKEN_PICK + """
+@compute @workgroup_size(${WG})
+fn main(@builtin(local_invocation_index) lid: u32) {
+    var m = ${NEG}; var mi = 0xffffffffu;
+    for (var i = lid; i < ${N}u; i += ${WG}u) { let v = X_ld(i); if (v > m) { m = v; mi = i; } }
+    pick(m, mi, lid);
 }
 """
     k = _render("argmax", [(ActDesc("X"), None)], body, wg, N=n, NEG=NEG, TOKB=2, HISTB=3, dtypes=dtypes)
@@ -660,12 +669,8 @@ def sample(n: int, wg: int = 256, *, dtypes: dict | None = None) -> Kernel:
     hash (PCG) of the seed, the position (step.start) and the token id, so a seed gives the same
     tokens on every run. Top-k and top-p are not drawn here: ranking a 128k row in one workgroup
     cost more than the host sampler (H200, docs/benchmarks.md), so the backend leaves them to it."""
-    body = """
-@group(0) @binding(${TOKB}) var<storage, read_write> TOK: array<u32>;
-@group(0) @binding(${HISTB}) var<storage, read_write> HIST: array<u32>;
+    body = _TOKEN_PICK + """
 @group(0) @binding(${SAMPB}) var<storage, read> SAMP: array<u32>;
-var<workgroup> redf: array<f32, ${WG}>;
-var<workgroup> redu: array<u32, ${WG}>;
 fn pcg(v: u32) -> u32 {
     let s = v * 747796405u + 2891336453u;
     let w = ((s >> ((s >> 28u) + 4u)) ^ s) * 277803737u;
@@ -678,9 +683,9 @@ fn main(@builtin(local_invocation_index) lid: u32) {
     if (temp > 0.0 && min_p > 0.0) {  // min-p: the logits within log(min_p) of the best
         var hi_v = ${NEG};
         for (var i = lid; i < ${N}u; i += ${WG}u) { hi_v = max(hi_v, X_ld(i)); }
-        redf[lid] = hi_v; workgroupBarrier();
-        for (var s = ${WG}u / 2u; s > 0u; s = s >> 1u) { if (lid < s) { redf[lid] = max(redf[lid], redf[lid + s]); } workgroupBarrier(); }
-        cut = redf[0] + log(min_p);
+        best[lid] = hi_v; workgroupBarrier();
+        for (var s = ${WG}u / 2u; s > 0u; s = s >> 1u) { if (lid < s) { best[lid] = max(best[lid], best[lid + s]); } workgroupBarrier(); }
+        cut = best[0] + log(min_p);
         workgroupBarrier();
     }
     let rkey = pcg(step.start ^ pcg(SAMP[2] ^ pcg(SAMP[3])));
@@ -694,16 +699,7 @@ fn main(@builtin(local_invocation_index) lid: u32) {
         }
         if (score > m) { m = score; mi = i; }
     }
-    redf[lid] = m; redu[lid] = mi;
-    workgroupBarrier();
-    for (var s = ${WG}u / 2u; s > 0u; s = s >> 1u) {
-        if (lid < s) {
-            let v = redf[lid + s]; let j = redu[lid + s];
-            if (v > redf[lid] || (v == redf[lid] && j < redu[lid])) { redf[lid] = v; redu[lid] = j; }
-        }
-        workgroupBarrier();
-    }
-    if (lid == 0u) { TOK[0] = redu[0]; HIST[step.p0] = redu[0]; }
+    pick(m, mi, lid);
 }
 """
     k = _render("sample", [(ActDesc("X"), None)], body, wg, N=n, NEG=NEG, TOKB=2, HISTB=3, SAMPB=4, dtypes=dtypes)

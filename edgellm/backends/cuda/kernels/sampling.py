@@ -64,15 +64,24 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None, config: dict |
     the kernel also stores the token into tokens[0] and adds one to start and seq_len (one row only),
     which saves a greedy step three launches."""
     check_2d(logits, "logits")
+    return _choose_rows(logits, out, config, step, "argmax",
+                        lambda grid, pv, pi, V, n_part, block, warps: _argmax_partial_kernel[grid](
+                            logits, logits.stride(0), pv, pi, V, n_part, BLOCK=block, num_warps=warps, **pdl()))
+
+
+def _choose_rows(logits: torch.Tensor, out, config, step, what: str, partial) -> torch.Tensor:
+    """The two-stage launch argmax and sample share: `partial` writes each (row, block of the
+    vocabulary)'s best score and its index, the final kernel keeps each row's first best (and,
+    with step, the device loop's next inputs)."""
     T, V = logits.shape
     if step is not None:
         if T != 1 or any(t.dtype not in (torch.int32, torch.int64) or t.numel() < 1 for t in step):
-            raise ValueError("argmax step takes one row of logits and three int32/int64 tensors "
+            raise ValueError(f"{what} step takes one row of logits and three int32/int64 tensors "
                              "(tokens, start, seq_len)")
     if out is None:
         out = torch.empty((T,), dtype=torch.int64, device=logits.device)
     elif out.shape != (T,) or out.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"argmax out must be int32/int64 of shape ({T},), got {out.dtype} {tuple(out.shape)}")
+        raise ValueError(f"{what} out must be int32/int64 of shape ({T},), got {out.dtype} {tuple(out.shape)}")
     if T == 0:
         return out
     cfg = {**configs.ARGMAX_DEFAULT, **(config or {})}
@@ -80,8 +89,7 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None, config: dict |
     n_part = triton.cdiv(V, block)
     pv = torch.empty((T, n_part), dtype=torch.float32, device=logits.device)
     pi = torch.empty((T, n_part), dtype=torch.int32, device=logits.device)
-    _argmax_partial_kernel[(T, n_part)](logits, logits.stride(0), pv, pi, V, n_part, BLOCK=block,
-                                        num_warps=cfg["num_warps"], **pdl())
+    partial((T, n_part), pv, pi, V, n_part, block, cfg["num_warps"])
     tok, start, seq = step if step is not None else (out, out, out)
     _argmax_final_kernel[(T,)](pv, pi, out, V, n_part, tok, start, seq, PART_PAD=next_pow2(n_part),
                                STEP=step is not None, num_warps=1, **pdl())
@@ -129,25 +137,10 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, cut: torch.Tensor, s
         if t.dtype not in kinds or t.shape != (T,) or t.device != logits.device:
             raise ValueError(f"sample: {name} must be a {'/'.join(map(str, kinds))} tensor of shape ({T},) "
                              f"on {logits.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
-    if step is not None and T != 1:
-        raise ValueError("sample step takes one row of logits")
-    if out is None:
-        out = torch.empty((T,), dtype=torch.int64, device=logits.device)
-    elif out.shape != (T,) or out.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"sample out must be int32/int64 of shape ({T},), got {out.dtype} {tuple(out.shape)}")
-    if T == 0:
-        return out
-    cfg = {**configs.ARGMAX_DEFAULT, **(config or {})}
-    block = min(cfg["BLOCK"], next_pow2(V))
-    n_part = triton.cdiv(V, block)
-    pv = torch.empty((T, n_part), dtype=torch.float32, device=logits.device)
-    pi = torch.empty((T, n_part), dtype=torch.int32, device=logits.device)
-    _sample_partial_kernel[(T, n_part)](logits, logits.stride(0), pv, pi, V, n_part, temperature, cut, seed, pos,
-                                        BLOCK=block, num_warps=cfg["num_warps"], **pdl())
-    tok, start, seq = step if step is not None else (out, out, out)
-    _argmax_final_kernel[(T,)](pv, pi, out, V, n_part, tok, start, seq, PART_PAD=next_pow2(n_part),
-                               STEP=step is not None, num_warps=1, **pdl())
-    return out
+    return _choose_rows(logits, out, config, step, "sample",
+                        lambda grid, pv, pi, V, n_part, block, warps: _sample_partial_kernel[grid](
+                            logits, logits.stride(0), pv, pi, V, n_part, temperature, cut, seed, pos,
+                            BLOCK=block, num_warps=warps, **pdl()))
 
 
 FULL_SORT_FROM = 4096  # a ranked prefix longer than this is taken from a sort of the row, not a top-k
