@@ -289,55 +289,62 @@ def test_last_row_and_argmax(dev, rng):
     assert np.frombuffer(dev.read(hist, 0, 32), np.uint32).tolist() == [12345] * 5 + [17] + [12345] * 2
 
 
-def _draws(dev, x: np.ndarray, positions, temperature=1.0, min_p=0.0, seed=7):
-    """The sample kernel's token for logits x at each position (one launch each)."""
-    X = upload_f32(dev, x)
+def _draws(dev, x: np.ndarray, positions, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7):
+    """The sampled token for logits x at each position: the dispatches of kernels.sample_plan."""
+    n = len(x)
+    nwg = kernels.sample_parallelism(n)
     tok, hist = dev.upload(np.array([12345], np.uint32)), dev.upload(np.full(4, 12345, np.uint32))
-    samp = dev.upload(kernels.sample_words(temperature, min_p, seed))
-    L = Launch(dev, kernels.sample(len(x)), dict(X=X, TOK=tok, HIST=hist, SAMP=samp))
+    bufs = dict(X=upload_f32(dev, x), TOK=tok, HIST=hist,
+                SAMP=dev.upload(kernels.sample_words(temperature, top_k, top_p, min_p, seed)),
+                STATE=dev.upload(kernels.sample_state()), PART=dev.upload(np.full(16 * nwg, 7, np.uint32)))
+    launches = {name: Launch(dev, k, bufs) for name, k in kernels.sample_kernels(n).items()}
     out = []
     for pos in positions:
-        L.set_step(start=int(pos))
-        L.run((1, 1, 1))
+        for name, parallel in kernels.sample_plan(top_k, top_p, min_p, n):
+            launches[name].set_step(start=int(pos))
+            launches[name].run((nwg if parallel else 1, 1, 1))
         out.append(int(np.frombuffer(dev.read(tok, 0, 4), np.uint32)[0]))
     return out, np.frombuffer(dev.read(hist, 0, 16), np.uint32).tolist()
 
 
-def _min_p_keeping(x: np.ndarray, n: int) -> float:
-    """A min-p that keeps this row's n best tokens: between the n-th and the next one's."""
-    p = np.exp(np.sort(x.astype(np.float64))[::-1] - x.max())
-    return float(p[n - 1] + p[n]) / 2
-
-
-def test_sample_keeps_min_ps_candidates(dev, rng):
-    """At a high temperature the draws spread evenly over the tokens min-p keeps: over 100
-    positions they hit every one of them (reference: the chain in float64) and no other."""
+@pytest.mark.parametrize("cut", ["top_k", "top_p", "min_p", "all"])
+def test_sample_keeps_the_chains_candidates(dev, rng, cut):
+    """At a high temperature the draws spread evenly over the kept tokens: over 60 positions they
+    hit every token that top-k -> top-p -> min-p keep (reference: the chain in float64) and no
+    other. Each cut's parameter lies between two of this row's ranked tokens, keeping four."""
     x = rng.standard_normal(3001).astype(np.float32) * 3.0
-    min_p = _min_p_keeping(x, 5)
-    want = chain_kept(x.astype(np.float64), 0, 1.0, min_p)
-    assert len(want) == 5
-    got, _ = _draws(dev, x, range(100), temperature=1e4, min_p=min_p)
+    x64 = np.sort(x.astype(np.float64))[::-1]
+    probs = np.exp(x64 - x64[0]) / np.exp(x64 - x64[0]).sum()
+    cum = np.cumsum(probs)
+    top_k, top_p, min_p = {
+        "top_k": (4, 1.0, 0.0),
+        "top_p": (0, float(cum[2] + cum[3]) / 2, 0.0),
+        "min_p": (0, 1.0, float(probs[3] + probs[4]) / 2 / probs[0]),
+        "all": (40, 0.999, float(probs[3] + probs[4]) / 2 / probs[0]),
+    }[cut]
+    want = chain_kept(x.astype(np.float64), top_k, top_p, min_p)
+    assert len(want) == 4
+    got, _ = _draws(dev, x, range(60), temperature=1e4, top_k=top_k, top_p=top_p, min_p=min_p)
     assert set(got) == want
 
 
 def test_sample_draws_the_tempered_distribution_and_greedy(dev, rng):
-    """Draws over positions follow softmax(x / T) over the tokens min-p keeps (Pearson's
-    chi-square against an exact float64 reference); a seed and position give the same token
-    again; temperature 0 is the argmax, written to the history slot as argmax does."""
+    """Draws over positions follow softmax(x / T) over the top-k (Pearson's chi-square against an
+    exact float64 reference); a seed and position give the same token again; temperature 0 is the
+    argmax, written to the history slot as argmax does."""
     V, N, temp = 37, 300, 0.7
     x = rng.standard_normal(V).astype(np.float32) * 2.0
-    min_p = _min_p_keeping(x, 10)
-    got, _ = _draws(dev, x, range(N), temperature=temp, min_p=min_p)
+    got, _ = _draws(dev, x, range(N), temperature=temp, top_k=10)
     kept = np.zeros(V, bool)
-    kept[list(chain_kept(x.astype(np.float64), 0, 1.0, min_p))] = True
+    kept[list(chain_kept(x.astype(np.float64), 10, 1.0, 0.0))] = True
     assert kept.sum() == 10 and kept[got].all()
     want = np.where(kept, np.exp((x - x.max()) / temp), 0.0)
     want /= want.sum()
     fits, stat = draws_fit(got, want)  # Pearson's chi-square against the exact probabilities
     assert fits, (stat, np.bincount(got, minlength=V), want * N)
-    assert _draws(dev, x, range(20), temperature=temp, min_p=min_p)[0] == got[:20]
-    assert _draws(dev, x, range(20), temperature=temp, min_p=min_p, seed=8)[0] != got[:20]
-    greedy, hist = _draws(dev, x, [3], temperature=0.0, min_p=min_p)
+    assert _draws(dev, x, range(20), temperature=temp, top_k=10)[0] == got[:20]
+    assert _draws(dev, x, range(20), temperature=temp, top_k=10, seed=8)[0] != got[:20]
+    greedy, hist = _draws(dev, x, [3], temperature=0.0, top_k=10)
     assert greedy == [int(np.argmax(x))] and hist == [int(np.argmax(x))] + [12345] * 3  # HIST[step.p0 = 0]
 
 

@@ -270,17 +270,12 @@ class WebgpuProgram:
         for op in graph.ops:
             if op.name not in absorbed:
                 self._steps.extend(self._lower(op))
-        self._argmax = self._sampler = None
+        self._argmax = None
+        self._samplers: dict[str, _Dispatch] = {}  # kernels.sample_kernels' dispatches, made at first use
         if self.max_seq == 1 and "logits" in graph.outputs:
             n = self.shape("logits", 1)[-1]
             self.hist_buf = self.dev.buffer(4 * self.ctx)
-            self.samp_buf = self.dev.buffer(4 * kernels.SAMPLE_WORDS)
-            res = {"X": self._res("logits"), "TOK": lambda: (self.tok_buf, 0, self.tok_buf.size),
-                   "HIST": lambda: (self.hist_buf, 0, self.hist_buf.size),
-                   "SAMP": lambda: (self.samp_buf, 0, self.samp_buf.size)}
-            self._argmax = _Dispatch(self, kernels.argmax(n), res, lambda s, k: (1, 1, 1))
-            # the sampled loop's token choice (its pipeline made at its first use)
-            self._sampler = _Dispatch(self, kernels.sample(n), res, lambda s, k: (1, 1, 1))
+            self._argmax = _Dispatch(self, kernels.argmax(n), self._token_resources(), lambda s, k: (1, 1, 1))
 
     # -- tensors ------------------------------------------------------------------------------
     def shape(self, name: str, seq: int) -> tuple[int, ...]:
@@ -766,9 +761,9 @@ class WebgpuProgram:
         self.dev.write(self.step_buf, np.array([seq, start, kv_len, split_len, splits, hist, 0, 0], np.uint32))
         return splits
 
-    def _record(self, seq: int, splits: int, with_argmax: bool = False, chooser: "_Dispatch | None" = None) -> None:
-        """Encode and submit one step; with_argmax: then the token choice (chooser, default the
-        argmax) into the token buffer and the history."""
+    def _record(self, seq: int, splits: int, with_argmax: bool = False, chooser: list | None = None) -> None:
+        """Encode and submit one step; with_argmax: then the token choice (the dispatches of
+        chooser, default the argmax) into the token buffer and the history."""
         dev = self.dev
         for st in self._steps:
             st.prepare()
@@ -784,9 +779,9 @@ class WebgpuProgram:
             else:
                 st.encode(cpass, seq, splits)
         if with_argmax:
-            chooser = chooser or self._argmax
-            chooser.prepare()
-            chooser.encode(cpass, seq, splits)
+            for d in chooser or [self._argmax]:
+                d.prepare()
+                d.encode(cpass, seq, splits)
         cpass.end()
         dev.queue.submit([enc.finish()])
 
@@ -805,15 +800,33 @@ class WebgpuProgram:
             self._record(seq, self._write_step(seq, start))
         return {name: self.tensor(name, seq) for name in self.graph.outputs}
 
-    def draws_on_device(self, params) -> bool:
-        """Whether loop_tokens takes a sampled generation with these SamplingParams: temperature and
-        min-p (kernels.sample), not top-k or top-p (left to the host sampler)."""
-        return device_sampling_enabled() and self._sampler is not None and \
-            kernels.draws_here(params.top_k, params.top_p, self.shape("logits", 1)[-1])
+    def draws_on_device(self, params) -> bool:  # loop_tokens draws any sampled generation (kernels.sample_kernels)
+        return device_sampling_enabled() and self._argmax is not None
+
+    def _token_resources(self) -> dict:
+        return {"X": self._res("logits"), "TOK": lambda: (self.tok_buf, 0, self.tok_buf.size),
+                "HIST": lambda: (self.hist_buf, 0, self.hist_buf.size)}
+
+    def _sample_dispatches(self, p) -> list:
+        """The dispatches of a sampled step with SamplingParams p (kernels.sample_plan); the
+        sampler's buffers and pipelines are made at the first sampled generation."""
+        n = self.shape("logits", 1)[-1]
+        if not self._samplers:
+            nwg = kernels.sample_parallelism(n)
+            self.samp_buf = self.dev.buffer(4 * kernels.SAMPLE_WORDS)
+            self.state_buf = self.dev.buffer(4 * kernels.STATE_WORDS)
+            self.part_buf = self.dev.buffer(4 * 16 * nwg)
+            res = {**self._token_resources(), "SAMP": lambda: (self.samp_buf, 0, self.samp_buf.size),
+                   "STATE": lambda: (self.state_buf, 0, self.state_buf.size),
+                   "PART": lambda: (self.part_buf, 0, self.part_buf.size)}
+            for name, k in kernels.sample_kernels(n).items():
+                self._samplers[name] = _Dispatch(self, k, res, lambda s, c, g=nwg if name in (
+                    "stats", "count", "mass", "mcount") else 1: (g, 1, 1))
+        return [self._samplers[name] for name, _ in kernels.sample_plan(p.top_k, p.top_p, p.min_p, n)]
 
     def loop_tokens(self, first_token: int, start: int, n: int, draw=None) -> Iterator[int]:
         """Decode on the device: each step's token choice (the argmax, or a draw as `draw`, an
-        edgellm.sampling.DeviceDraw with no top-k or top-p cut, says: kernels.sample) writes the next token into the token
+        edgellm.sampling.DeviceDraw, says: kernels.sample_kernels) writes the next token into the token
         buffer the next step's embedding reads, so no step waits for the host. Steps are
         submitted in growing batches (1, 2, 4, ... 32 tokens: the first token comes at once; the
         host encodes the next step while the GPU runs this one) and each batch's tokens are read
@@ -825,11 +838,9 @@ class WebgpuProgram:
         chooser = None
         if draw is not None and not draw.params.greedy:
             p = draw.params
-            if not kernels.draws_here(p.top_k, p.top_p, self.shape("logits", 1)[-1]):
-                raise GraphError("the webgpu backend draws on the device without top-k or top-p only "
-                                 "(draws_on_device); sample this generation on the host")
-            self.dev.write(self.samp_buf, kernels.sample_words(p.temperature, p.min_p, draw.seed))
-            chooser = self._sampler
+            chooser = self._sample_dispatches(p)
+            self.dev.write(self.samp_buf, kernels.sample_words(p.temperature, p.top_k, p.top_p, p.min_p, draw.seed))
+            self.dev.write(self.state_buf, kernels.sample_state())  # the cut of a step without cuts
         if start + n > self.ctx:
             raise GraphError(f"{start + n} tokens exceed the context of {self.ctx}")
         self.dev.write(self.tok_buf, np.array([first_token], np.uint32))

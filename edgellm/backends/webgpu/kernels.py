@@ -659,36 +659,178 @@ fn main(@builtin(local_invocation_index) lid: u32) {
     return Kernel(k.name, k.source, k.bindings + (Binding("TOK", "array<u32>"), Binding("HIST", "array<u32>")), wg)
 
 
-SAMPLE_WORDS = 4  # the SAMP buffer: temperature and min-p (f32 bits), the seed's low and high words
-
-
-def sample(n: int, wg: int = 256, *, dtypes: dict | None = None) -> Kernel:
-    """TOK[0] (and HIST[step.p0], as `argmax`) = a token drawn from x[0..n) at a temperature, among
-    the logits min-p keeps (x >= max + log(min_p)); the argmax at temperature 0. One workgroup,
-    two passes over the row. The draw is a Gumbel-max pass, argmax of x / T - log(-log u), u from a
-    hash (PCG) of the seed, the position (step.start) and the token id, so a seed gives the same
-    tokens on every run. Top-k and top-p are not drawn here: ranking a 128k row in one workgroup
-    cost more than the host sampler (H200, docs/benchmarks.md), so the backend leaves them to it."""
-    body = _TOKEN_PICK + """
+SAMPLE_WORDS = 8  # SAMP: temperature, min-p, top-p (f32 bits), top-k, the seed's low and high words
+STATE_WORDS = 8  # SAMPLE_STATE: best key, least key, lo, hi, mass (f32 bits), cut (f32 bits), top-k cut key
+SAMPLE_WG = 256
+_SAMPLE_COMMON = """
 @group(0) @binding(${SAMPB}) var<storage, read> SAMP: array<u32>;
+@group(0) @binding(${STATEB}) var<storage, read_write> STATE: array<u32>;
+@group(0) @binding(${PARTB}) var<storage, read_write> PART: array<u32>;
+var<workgroup> redf: array<f32, ${WG}>;
+var<workgroup> redu: array<u32, ${WG}>;
+fn key_of(x: f32) -> u32 {  // float order as unsigned order
+    let u = bitcast<u32>(x + 0.0);
+    return select(u | 0x80000000u, ~u, (u >> 31u) == 1u);
+}
+fn value_of(k: u32) -> f32 {
+    return bitcast<f32>(select(~k, k & 0x7fffffffu, (k >> 31u) == 1u));
+}
+fn sum_f(v: f32, lid: u32) -> f32 {
+    redf[lid] = v; workgroupBarrier();
+    for (var s = ${WG}u / 2u; s > 0u; s = s >> 1u) { if (lid < s) { redf[lid] = redf[lid] + redf[lid + s]; } workgroupBarrier(); }
+    let r = redf[0]; workgroupBarrier();
+    return r;
+}
+fn sum_u(v: u32, lid: u32) -> u32 {
+    redu[lid] = v; workgroupBarrier();
+    for (var s = ${WG}u / 2u; s > 0u; s = s >> 1u) { if (lid < s) { redu[lid] = redu[lid] + redu[lid + s]; } workgroupBarrier(); }
+    let r = redu[0]; workgroupBarrier();
+    return r;
+}
+fn max_f(v: f32, lid: u32) -> f32 {
+    redf[lid] = v; workgroupBarrier();
+    for (var s = ${WG}u / 2u; s > 0u; s = s >> 1u) { if (lid < s) { redf[lid] = max(redf[lid], redf[lid + s]); } workgroupBarrier(); }
+    let r = redf[0]; workgroupBarrier();
+    return r;
+}
+// the 17 thresholds of a 16-way split of [lo, hi): t(0) = lo, t(16) = hi
+fn split(lo: u32, hi: u32, j: u32) -> u32 {
+    let w = hi - lo;
+    return lo + (w >> 4u) * j + (((w & 15u) * j) >> 4u);
+}
+const CHUNK: u32 = ${CHUNK}u;  // the logits one workgroup of a parallel pass reads
+"""
+# each kernel's body: a parallel pass (NWG workgroups, partial results to PART[wg * 16 + j]) or a
+# one-workgroup step that combines them into STATE
+_SAMPLE_BODIES = {
+    # the row's largest and smallest logits
+    "stats": """
+    var hi_v = -3.0e38; var lo_v = 3.0e38;
+    for (var i = wg * CHUNK + lid; i < min(${N}u, (wg + 1u) * CHUNK); i += ${WG}u) {
+        let v = X_ld(i); hi_v = max(hi_v, v); lo_v = min(lo_v, v);
+    }
+    let mx = max_f(hi_v, lid);
+    let mn = -max_f(-lo_v, lid);
+    if (lid == 0u) { PART[wg * 16u] = bitcast<u32>(mx); PART[wg * 16u + 1u] = bitcast<u32>(mn); }""",
+    "stats_done": """
+    var hi_v = -3.0e38; var lo_v = 3.0e38;
+    for (var w = lid; w < ${NWG}u; w += ${WG}u) {
+        hi_v = max(hi_v, bitcast<f32>(PART[w * 16u])); lo_v = min(lo_v, bitcast<f32>(PART[w * 16u + 1u]));
+    }
+    let mx = max_f(hi_v, lid);
+    let mn = -max_f(-lo_v, lid);
+    if (lid == 0u) {
+        STATE[0] = key_of(mx); STATE[1] = key_of(mn);
+        STATE[2] = key_of(mn); STATE[3] = key_of(mx) + 1u;  // top-k: count(>= lo) >= k > count(>= hi)
+        STATE[6] = key_of(mn);  // no top-k: every logit
+    }""",
+    # top-k: how many logits lie at or above each threshold
+    "count": """
+    let lo = STATE[2]; let hi = STATE[3];
+    var c: array<u32, 16>;
+    for (var i = wg * CHUNK + lid; i < min(${N}u, (wg + 1u) * CHUNK); i += ${WG}u) {
+        let k = key_of(X_ld(i));
+        for (var j = 1u; j < 16u; j++) { c[j] += select(0u, 1u, k >= split(lo, hi, j)); }
+    }
+    for (var j = 1u; j < 16u; j++) { let t = sum_u(c[j], lid); if (lid == 0u) { PART[wg * 16u + j] = t; } }""",
+    "count_done": """
+    let lo = STATE[2]; let hi = STATE[3]; let k = SAMP[3];
+    var pick = 0u;
+    for (var j = 1u; j < 16u; j++) {
+        var c = 0u;
+        for (var w = lid; w < ${NWG}u; w += ${WG}u) { c += PART[w * 16u + j]; }
+        if (sum_u(c, lid) >= k) { pick = j; }
+    }
+    if (lid == 0u) { STATE[2] = split(lo, hi, pick); STATE[3] = split(lo, hi, pick + 1u); STATE[6] = STATE[2]; }""",
+    # the mass (relative to the best logit's) of the logits the top-k keeps
+    "mass": """
+    let best = value_of(STATE[0]); let ck = value_of(STATE[6]);
+    var m = 0.0;
+    for (var i = wg * CHUNK + lid; i < min(${N}u, (wg + 1u) * CHUNK); i += ${WG}u) {
+        let v = X_ld(i); m += select(0.0, exp(v - best), v >= ck);
+    }
+    let t = sum_f(m, lid);
+    if (lid == 0u) { PART[wg * 16u] = bitcast<u32>(t); }""",
+    "mass_done": """
+    var m = 0.0;
+    for (var w = lid; w < ${NWG}u; w += ${WG}u) { m += bitcast<f32>(PART[w * 16u]); }
+    let t = sum_f(m, lid);
+    if (lid == 0u) { STATE[4] = bitcast<u32>(t); STATE[2] = STATE[6]; STATE[3] = STATE[0] + 1u; }""",
+    # top-p: the mass at or above each threshold, within the top-k
+    "mcount": """
+    let lo = STATE[2]; let hi = STATE[3]; let best = value_of(STATE[0]); let ck = STATE[6];
+    var a: array<f32, 16>;
+    for (var i = wg * CHUNK + lid; i < min(${N}u, (wg + 1u) * CHUNK); i += ${WG}u) {
+        let v = X_ld(i); let k = key_of(v);
+        if (k >= ck) {
+            let e = exp(v - best);
+            for (var j = 1u; j < 16u; j++) { a[j] += select(0.0, e, k >= split(lo, hi, j)); }
+        }
+    }
+    for (var j = 1u; j < 16u; j++) { let t = sum_f(a[j], lid); if (lid == 0u) { PART[wg * 16u + j] = bitcast<u32>(t); } }""",
+    "mcount_done": """
+    let lo = STATE[2]; let hi = STATE[3]; let goal = bitcast<f32>(SAMP[2]) * bitcast<f32>(STATE[4]);
+    var pick = 0u;
+    for (var j = 1u; j < 16u; j++) {
+        var a = 0.0;
+        for (var w = lid; w < ${NWG}u; w += ${WG}u) { a += bitcast<f32>(PART[w * 16u + j]); }
+        if (sum_f(a, lid) >= goal) { pick = j; }
+    }
+    if (lid == 0u) { STATE[2] = split(lo, hi, pick); STATE[3] = split(lo, hi, pick + 1u); }""",
+}
+
+
+def _sample_kernel(name: str, n: int, nwg: int, head: str, body: str, extra: tuple = (), dtypes=None, **consts) -> Kernel:
+    wg = SAMPLE_WG
+    src = _SAMPLE_COMMON + head + """
+@compute @workgroup_size(${WG})
+fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wgid: vec3<u32>) {
+    let wg = wgid.x;""" + body + "\n}\n"
+    k = _render(name, [(ActDesc("X"), None)], src, wg, N=n, NWG=nwg, CHUNK=-(-n // nwg), SAMPB=2, STATEB=3, PARTB=4,
+                dtypes=dtypes, **consts)
+    return Kernel(k.name, k.source, k.bindings + (Binding("SAMP", "array<u32>", "read"),
+                                                  Binding("STATE", "array<u32>"), Binding("PART", "array<u32>")) + extra, wg)
+
+
+def sample_parallelism(n: int) -> int:
+    """The workgroups of the sampler's parallel passes over a row of n logits."""
+    return max(1, min(128, -(-n // (4 * SAMPLE_WG))))
+
+
+def sample_kernels(n: int, *, dtypes: dict | None = None) -> dict[str, Kernel]:
+    """The token choice of a sampled step over logits x[0..n), as edgellm.sampling's chain draws
+    it: top-k, then top-p (over the top-k's probabilities, or the whole row's), then min-p, then
+    temperature. The kept logits are those at or above one cut value. Top-k's cut (the k-th largest
+    logit) and top-p's (the smallest logit whose better-ranked mass is below top_p) are found on
+    the logits' order-preserving 32-bit keys, 16 ways a round, 8 rounds: each round a pass of
+    sample_parallelism(n) workgroups over the row ("count", "mcount") and a one-workgroup step
+    that picks the sixteenth holding the cut ("count_done", "mcount_done"); "stats" and "mass"
+    give the row's extremes and the kept mass. "cut" combines the three cuts into STATE; "draw" is
+    a Gumbel-max pass, argmax of x / T - log(-log u) over the kept logits, u from a hash (PCG) of
+    the seed, the position (step.start) and the token id, so a seed gives the same tokens on every
+    run (and the argmax at temperature 0), into TOK[0] and HIST[step.p0] as `argmax` writes them.
+    Which passes a step runs follows the parameters (sample_plan)."""
+    nwg = sample_parallelism(n)
+    ks = {name: _sample_kernel("sample_" + name, n, nwg, "", body, dtypes=dtypes) for name, body in _SAMPLE_BODIES.items()}
+    ks["cut"] = _sample_kernel("sample_cut", n, nwg, "", """
+    if (lid == 0u) {
+        let best = value_of(STATE[0]);
+        var cut = -3.0e38;
+        if (SAMP[3] > 0u && SAMP[3] < ${N}u) { cut = value_of(STATE[6]); }
+        if (bitcast<f32>(SAMP[2]) < 1.0) { cut = max(cut, value_of(STATE[2])); }
+        let min_p = bitcast<f32>(SAMP[1]);
+        if (min_p > 0.0) { cut = max(cut, best + log(min_p)); }
+        STATE[5] = bitcast<u32>(cut);
+    }""", dtypes=dtypes)
+    pick = Template(_TOKEN_PICK).safe_substitute(TOKB=5, HISTB=6)
+    ks["draw"] = _sample_kernel("sample_draw", n, nwg, pick + """
 fn pcg(v: u32) -> u32 {
     let s = v * 747796405u + 2891336453u;
     let w = ((s >> ((s >> 28u) + 4u)) ^ s) * 277803737u;
     return (w >> 22u) ^ w;
-}
-@compute @workgroup_size(${WG})
-fn main(@builtin(local_invocation_index) lid: u32) {
-    let temp = bitcast<f32>(SAMP[0]); let min_p = bitcast<f32>(SAMP[1]);
-    var cut = ${NEG};
-    if (temp > 0.0 && min_p > 0.0) {  // min-p: the logits within log(min_p) of the best
-        var hi_v = ${NEG};
-        for (var i = lid; i < ${N}u; i += ${WG}u) { hi_v = max(hi_v, X_ld(i)); }
-        best[lid] = hi_v; workgroupBarrier();
-        for (var s = ${WG}u / 2u; s > 0u; s = s >> 1u) { if (lid < s) { best[lid] = max(best[lid], best[lid + s]); } workgroupBarrier(); }
-        cut = best[0] + log(min_p);
-        workgroupBarrier();
-    }
-    let rkey = pcg(step.start ^ pcg(SAMP[2] ^ pcg(SAMP[3])));
+}""", """
+    let temp = bitcast<f32>(SAMP[0]); let cut = bitcast<f32>(STATE[5]);
+    let rkey = pcg(step.start ^ pcg(SAMP[4] ^ pcg(SAMP[5])));
     var m = ${NEG}; var mi = 0xffffffffu;
     for (var i = lid; i < ${N}u; i += ${WG}u) {
         let v = X_ld(i);
@@ -699,25 +841,40 @@ fn main(@builtin(local_invocation_index) lid: u32) {
         }
         if (score > m) { m = score; mi = i; }
     }
-    pick(m, mi, lid);
-}
-"""
-    k = _render("sample", [(ActDesc("X"), None)], body, wg, N=n, NEG=NEG, TOKB=2, HISTB=3, SAMPB=4, dtypes=dtypes)
-    return Kernel(k.name, k.source, k.bindings + (Binding("TOK", "array<u32>"), Binding("HIST", "array<u32>"),
-                                                  Binding("SAMP", "array<u32>", "read")), wg)
+    pick(m, mi, lid);""", extra=(Binding("TOK", "array<u32>"), Binding("HIST", "array<u32>")), dtypes=dtypes, NEG=NEG)
+    return ks
 
 
-def sample_words(temperature: float, min_p: float, seed: int) -> "np.ndarray":
-    """The SAMP buffer's words for `sample`."""
+def sample_plan(top_k: int, top_p: float, min_p: float, vocab: int) -> list[tuple[str, bool]]:
+    """The kernels (sample_kernels) a sampled step runs, in order, each with whether it is a
+    parallel pass (sample_parallelism(vocab) workgroups) or one workgroup."""
+    plan = []
+    by_rank = 0 < top_k < vocab
+    if by_rank or top_p < 1.0 or min_p > 0:
+        plan += [("stats", True), ("stats_done", False)]
+        if by_rank:
+            plan += [("count", True), ("count_done", False)] * 8
+        if top_p < 1.0:
+            plan += [("mass", True), ("mass_done", False)] + [("mcount", True), ("mcount_done", False)] * 8
+        plan.append(("cut", False))
+    return plan + [("draw", False)]
+
+
+def sample_words(temperature: float, top_k: int, top_p: float, min_p: float, seed: int) -> "np.ndarray":
+    """The SAMP buffer's words for sample_kernels."""
     import numpy as np
 
-    f = np.array([temperature, min_p], np.float32).view(np.uint32)
-    return np.array([f[0], f[1], seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF], np.uint32)
+    f = np.array([temperature, min_p, top_p], np.float32).view(np.uint32)
+    return np.array([f[0], f[1], f[2], top_k, seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, 0, 0], np.uint32)
 
 
-def draws_here(top_k: int, top_p: float, vocab: int) -> bool:
-    """Whether `sample` takes a sequence's draws: no top-k or top-p cut (min-p and temperature only)."""
-    return (top_k <= 0 or top_k >= vocab) and top_p >= 1.0
+def sample_state(cut: float = float("-inf")) -> "np.ndarray":
+    """SAMPLE_STATE as a step without cuts reads it: only the cut (-inf: every logit kept)."""
+    import numpy as np
+
+    st = np.zeros(STATE_WORDS, np.uint32)
+    st[5] = np.array([max(cut, -3.0e38)], np.float32).view(np.uint32)[0]
+    return st
 
 
 # -- RoPE and the KV cache ----------------------------------------------------------------------
