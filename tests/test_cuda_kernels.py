@@ -761,11 +761,13 @@ SAMPLING_ROWS = [(40, 0.95, 0.05), (0, 0.9, 0.0), (0, 1.0, 0.1), (0, 1.0, 0.0), 
 @pytest.mark.parametrize("full_sort_from", [None, 8])
 def test_sampling_cuts_keep_the_chains_candidates(rng, full_sort_from, monkeypatch):
     """The cut of each row keeps exactly the tokens that top-k -> top-p -> min-p keep (reference:
-    a full stable ranking in float64), with each row's own parameters, by a top-k or a sort."""
+    a full stable ranking in float64), with each row's own parameters, by a top-k, a sort, or the
+    16-way rounds on the logits' keys."""
     from edgellm.backends.cuda.kernels import sampling
 
-    if full_sort_from is not None:
+    if full_sort_from is not None:  # and every row by the rounds (_cuts_by_rounds) instead of a sort
         monkeypatch.setattr(sampling, "FULL_SORT_FROM", full_sort_from)
+        monkeypatch.setattr(sampling, "ROUNDS_ROWS", 1 << 20)
     V = 3001
     logits = rand(rng, len(SAMPLING_ROWS), V, dtype=torch.float32) * 3.0
     top_k = torch.tensor([r[0] for r in SAMPLING_ROWS], device=DEV)

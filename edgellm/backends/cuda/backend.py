@@ -294,7 +294,8 @@ class DeviceChooser:
                 (d.params.temperature, d.params.top_k, d.params.top_p, d.params.min_p, d.seed) for d in draws]
         self.need = K.ranked_need([r[1] for r in rows], [r[2] for r in rows], vocab)
         self.cut_rows = self.need > 0 or any(r[3] > 0 for r in rows)
-        self.plan = (self.need, self.cut_rows)
+        self.any_top_k = any(0 < r[1] < vocab for r in rows)
+        self.plan = (self.need, self.cut_rows, self.any_top_k)
         values = dict(zip(("temperature", "top_k", "top_p", "min_p", "seed"), zip(*rows)))
         values["cut"] = [float("-inf")] * len(rows)
         t = into if into is not None else self.buffers(len(rows), device)
@@ -308,7 +309,7 @@ class DeviceChooser:
             return self.K.argmax(logits, out=out, step=step)
         t = self.t
         if self.cut_rows:
-            self.K.cuts(logits, t["top_k"], t["top_p"], t["min_p"], self.need, out=t["cut"])
+            self.K.cuts(logits, t["top_k"], t["top_p"], t["min_p"], self.need, out=t["cut"], any_top_k=self.any_top_k)
         return self.K.sample(logits, t["temperature"], t["cut"], t["seed"], pos, out=out, step=step)
 
 

@@ -173,6 +173,10 @@ def _cases():
     f16 = [torch.empty(16, dtype=torch.float32) for _ in range(2)]
     yield "sample", lambda: sample(torch.empty(16, 128256, dtype=torch.float32), *f16,
                                    torch.empty(16, dtype=torch.int64), torch.empty(16, dtype=torch.int32))
+    from . import cuts
+
+    yield "sample cuts", lambda: cuts(torch.empty(16, 128256, dtype=torch.float32), torch.empty(16, dtype=torch.int64),
+                                      *f16, 128256)
     # the batched decode step of 32 sequences (rows program): per-row positions and KV slots
     from . import attention_rows, decode_workspace, kv_store_rows, rope_rows
 
