@@ -30,6 +30,8 @@ def add_chat_parser(sub, help: str | None = None) -> None:
     c.add_argument("--top-p", type=float, default=0.95, help="1.0 disables (default 0.95)")
     c.add_argument("--min-p", type=float, default=0.05, help="0 disables (default 0.05)")
     c.add_argument("--repeat-penalty", type=float, default=1.0, help="1.0 disables (default 1.0)")
+    c.add_argument("--frequency-penalty", type=float, default=0.0, help="per repeat in the last 64 (default 0)")
+    c.add_argument("--presence-penalty", type=float, default=0.0, help="once per token in the last 64 (default 0)")
     c.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     c.add_argument("--system", default=None, help="the system message to start with")
     c.set_defaults(func=_cmd_chat)
@@ -47,7 +49,8 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
     # every argument checked before the model loads
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                    repetition_penalty=args.repeat_penalty, seed=args.seed)
+                    repetition_penalty=args.repeat_penalty, seed=args.seed,
+                    frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty)
     SamplingParams(**sampling)
     if args.max_tokens < 1:
         raise EdgeLLMError(f"--max-tokens must be >= 1, got {args.max_tokens}")

@@ -69,7 +69,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     chat = False if args.raw else None
     stream = m.generate(prompt, max_tokens=args.max_tokens, chat=chat, system=args.system, stop=args.stop or (),
                         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                        repetition_penalty=args.repeat_penalty, seed=args.seed)
+                        repetition_penalty=args.repeat_penalty, seed=args.seed,
+                        frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty)
     for piece in stream:
         sys.stdout.write(piece)
         sys.stdout.flush()
@@ -233,6 +234,10 @@ def _add_run_parser(sub, help: str) -> None:
     r.add_argument("--top-p", type=A.between(0.0, 1.0), default=0.95, help="1.0 disables (default 0.95)")
     r.add_argument("--min-p", type=A.between(0.0, 1.0), default=0.05, help="0 disables (default 0.05)")
     r.add_argument("--repeat-penalty", type=A.positive(float), default=1.0, help="1.0 disables (default 1.0)")
+    r.add_argument("--frequency-penalty", type=A.between(-2.0, 2.0), default=0.0,
+                   help="subtracted per repeat of a token in the last 64 (default 0)")
+    r.add_argument("--presence-penalty", type=A.between(-2.0, 2.0), default=0.0,
+                   help="subtracted once from a token in the last 64 (default 0)")
     r.add_argument("--seed", type=A.at_least(0), default=None, help="random seed for sampling")
     r.add_argument("--stop", action="append", type=A.unescape,
                    help=r"stop when this text appears (repeatable; escapes as llama-cli: \n \t \\ \xHH \uXXXX ...)")

@@ -1,5 +1,9 @@
 """Token sampling from next-token logits, in llama.cpp's order:
-repetition penalty -> top-k -> top-p -> min-p -> temperature -> draw (greedy when temperature <= 0)."""
+penalties -> top-k -> top-p -> min-p -> temperature -> draw (greedy when temperature <= 0).
+The penalties, over the last repeat_last_n tokens of the history (prompt and answer), are llama.cpp's:
+the repetition penalty divides a repeated token's positive logit (multiplies a negative one), then
+the frequency penalty subtracts its count times frequency_penalty and the presence penalty
+subtracts presence_penalty once (OpenAI's frequency_penalty and presence_penalty)."""
 
 from __future__ import annotations
 
@@ -23,6 +27,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     repeat_last_n: int = 64
     seed: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
     def __post_init__(self):
         checks = [
@@ -32,6 +38,8 @@ class SamplingParams:
             ("min_p", 0 <= self.min_p < 1, "in [0, 1)"),
             ("repetition_penalty", self.repetition_penalty > 0, "> 0"),
             ("repeat_last_n", self.repeat_last_n >= 0, ">= 0"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "in [-2, 2]"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "in [-2, 2]"),
         ]
         for name, ok, want in checks:
             if not ok:
@@ -42,10 +50,16 @@ class SamplingParams:
         return self.temperature <= 0
 
     @property
+    def penalized(self) -> bool:
+        """Whether the history changes the logits (a penalty over its last repeat_last_n tokens)."""
+        return self.repeat_last_n > 0 and (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                                           or self.presence_penalty != 0.0)
+
+    @property
     def chain_only(self) -> bool:
-        """The draw depends on the logits alone (no repetition penalty over the history): a backend
-        that samples on the device can take it there (DeviceDraw)."""
-        return self.repetition_penalty == 1.0 or self.repeat_last_n == 0
+        """The draw depends on the logits alone (no penalty over the history): a backend that
+        samples on the device can take it there (DeviceDraw)."""
+        return not self.penalized
 
 
 def device_sampling_enabled() -> bool:
@@ -120,11 +134,13 @@ class Sampler:
     def __call__(self, logits: np.ndarray, history: list[int] | None = None) -> int:
         p = self.params
         x = np.asarray(logits).reshape(-1)
-        if p.repetition_penalty != 1.0 and history and p.repeat_last_n:
+        if p.penalized and history:
             x = x.astype(np.float64)  # a copy: the caller's logits stay as they are
-            ids = np.unique(np.asarray(history[-p.repeat_last_n :], dtype=np.int64))
+            ids, counts = np.unique(np.asarray(history[-p.repeat_last_n :], dtype=np.int64), return_counts=True)
             v = x[ids]
-            x[ids] = np.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+            if p.repetition_penalty != 1.0:
+                v = np.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+            x[ids] = v - counts * p.frequency_penalty - p.presence_penalty
         if p.greedy:
             return int(np.argmax(x))
         n = len(x)

@@ -73,6 +73,30 @@ def test_repetition_penalty():
     assert s2(np.array([-1.0, -1.2]), history=[0]) == 1  # -1.0 * 1.5 = -1.5 < -1.2
 
 
+@pytest.mark.parametrize("rep,freq,pres", [(1.0, 0.7, 0.0), (1.0, 0.0, 1.3), (1.3, 0.4, 0.5), (1.0, -0.6, -0.2)])
+def test_frequency_and_presence_penalties(rng, rep, freq, pres):
+    """llama.cpp's penalties over the last repeat_last_n tokens, written out here per token: the
+    repetition penalty, then count * frequency_penalty and presence_penalty subtracted. Greedy picks
+    the reference's argmax; sampled, seeded draws are the unpenalized sampler's on the reference's
+    logits (the same chain after the penalties)."""
+    V, last_n = 300, 16
+    logits = (rng.standard_normal(V) * 2).astype(np.float32)
+    history = rng.integers(0, 20, 40).tolist()  # repeats among the first 20 ids
+    want = logits.astype(np.float64)
+    window = history[-last_n:]
+    for t in set(window):
+        v = want[t]
+        v = v / rep if v > 0 else v * rep
+        want[t] = v - window.count(t) * freq - pres
+    base = dict(repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres, repeat_last_n=last_n)
+    assert Sampler(SamplingParams(temperature=0, **base))(logits, history) == int(np.argmax(want))
+    sampled = dict(temperature=1.2, top_k=0, top_p=0.9, min_p=0.0, seed=11)
+    a = Sampler(SamplingParams(**sampled, **base))
+    b = Sampler(SamplingParams(**sampled))
+    assert [a(logits, history) for _ in range(30)] == [b(want) for _ in range(30)]
+    assert not SamplingParams(**base).chain_only and SamplingParams(frequency_penalty=0.0).chain_only
+
+
 def test_seed_reproducible():
     s1, s2 = Sampler(SamplingParams(seed=42, top_k=0, min_p=0)), Sampler(SamplingParams(seed=42, top_k=0, min_p=0))
     draws = [s1(LOGITS) for _ in range(50)]
@@ -128,7 +152,8 @@ def test_sampler_without_a_cut_matches_the_softmax():
 
 
 @pytest.mark.parametrize("kw", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(min_p=1.0),
-                                dict(top_k=-2), dict(repetition_penalty=0)])
+                                dict(top_k=-2), dict(repetition_penalty=0), dict(frequency_penalty=2.5),
+                                dict(presence_penalty=-3.0)])
 def test_bad_sampling_params(kw):
     with pytest.raises(SamplingError, match=list(kw)[0]):
         SamplingParams(**kw)

@@ -108,6 +108,21 @@ def test_greedy_chat_matches_edgellm_run(client, model_id, tokenizer):
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
 
 
+def test_frequency_and_presence_penalties_reach_the_sampler(client, model_id, default_model):
+    """OpenAI's frequency_penalty and presence_penalty change the answer as the engine's own
+    sampler with the same penalties does (greedy, so the tokens are comparable)."""
+    from edgellm.sampling import SamplingParams
+
+    prompt = PROMPTS[0]
+    kw = dict(frequency_penalty=1.5, presence_penalty=0.8)
+    r = _chat(client, model_id, prompt, max_tokens=20, **kw)
+    ids = default_model.chat_tokens([{"role": "user", "content": prompt}])
+    want = default_model.tokenizer.decode(list(default_model.generate_tokens(
+        ids, 20, SamplingParams(temperature=0, **kw))))
+    plain = default_model.tokenizer.decode(list(default_model.generate_tokens(ids, 20, SamplingParams(temperature=0))))
+    assert r.choices[0].message.content == want and want != plain
+
+
 def test_streamed_chat_equals_the_whole_answer(client, model_id):
     whole = _chat(client, model_id, PROMPTS[1], max_tokens=16)
     chunks = list(_chat(client, model_id, PROMPTS[1], max_tokens=16, stream=True,

@@ -179,7 +179,9 @@ def create_app(model, scheduler: sch.Scheduler, cfg: ServeConfig) -> FastAPI:
         max_tokens = room if max_tokens is None else min(max_tokens, room)
         try:
             params = SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
-                                    min_p=body.min_p, repetition_penalty=body.repeat_penalty, seed=body.seed)
+                                    min_p=body.min_p, repetition_penalty=body.repeat_penalty, seed=body.seed,
+                                    frequency_penalty=body.frequency_penalty,
+                                    presence_penalty=body.presence_penalty)
         except EdgeLLMError as e:
             raise APIError(400, str(e)) from None
         return sch.Request(prompt=prompt, max_tokens=max_tokens, params=params, stops=tuple(stops),

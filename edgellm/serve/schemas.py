@@ -1,6 +1,6 @@
 """Request bodies of the OpenAI-compatible API (pydantic), with their bounds.
 
-Unknown fields are accepted and ignored (clients send many: user, frequency_penalty, ...);
+Unknown fields are accepted and ignored (clients send many: user, metadata, ...);
 fields that change the answer and are not supported (n > 1, a batch of prompts, tools) are
 refused by the app with a 400 naming them.
 """
@@ -49,6 +49,8 @@ class _Sampling(_Body):
     top_k: int = Field(default=0, ge=0)
     min_p: float = Field(default=0.0, ge=0.0, lt=1.0)
     repeat_penalty: float = Field(default=1.0, gt=0.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     ignore_eos: bool = False  # generate max_tokens tokens whatever comes (load tests)
     seed: int | None = None
     n: int = Field(default=1, ge=1)
