@@ -50,6 +50,11 @@
 #   serve NAME:FMT [bench_serve options]  edgellm serve --backend cuda under N = 1, 4, 16, 32 streaming
 #                         clients, edgellm's single-stream decode and llama-batched-bench (from build_llama)
 #                         on the same synthetic file, one table (benchmarks/bench_serve.py; issue 15)
+#   sampling [NAME:FMT] [BACKEND]  token choice on the device (benchmarks/bench_sampling.py): the cuda
+#                         kernels' device times (--kernels), then the decode loop on a synthetic file
+#                         with a 128k text vocabulary (default 1b:Q4_0) per sampling mode, drawn on the
+#                         GPU and on the host; BACKEND cuda (default) or webgpu (needs the .gl/ debs
+#                         unpacked into / and VK_DRIVER_FILES, as for the webgpu backend)
 #   bench_1b              edgellm bench: the Llama-3.2-1B shape in q4_0 and q8_0, edgellm cuda vs
 #                         llama.cpp CUDA (llama-cpp-python from build_llama_py) vs transformers
 #                         (issue 5's GPU report)
@@ -229,6 +234,16 @@ serve)
   python3 "$ROOT/benchmarks/bench_serve.py" --backend cuda --synthetic "$(preset_of "${item%%:*}"):${item##*:}" \
     --model-out "$W/models/${item%%:*}-${item##*:}-textvocab.gguf" --single "${lbb[@]}" \
     --json "$OUT/serve_${item%%:*}_${item##*:}.json" "$@" | tee "$OUT/serve_${item%%:*}_${item##*:}.txt"
+  ;;
+sampling)
+  item=${1:-1b:Q4_0}
+  be=${2:-cuda}
+  f=$W/models/${item%%:*}-${item##*:}-textvocab.gguf
+  python3 -c "import sys; sys.path.insert(0, '$ROOT/benchmarks'); from bench_serve import synthetic_model as s
+s('$(preset_of "${item%%:*}"):${item##*:}', '$f')"
+  [ "$be" = cuda ] && python3 "$ROOT/benchmarks/bench_sampling.py" --kernels --rows 1,16 | tee "$OUT/sampling_kernels.txt"
+  python3 "$ROOT/benchmarks/bench_sampling.py" --decode -m "$f" --backend "$be" -r 2 --tokens 128 \
+    | tee "$OUT/sampling_${item%%:*}_${item##*:}_$be.txt"
   ;;
 bench_1b)
   f=$W/models/llama-3.2-1b-F16-vocab.gguf
