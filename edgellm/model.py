@@ -363,10 +363,11 @@ class Model:
             # the device loop writes rows from pos on without the slot's record: it stays a true prefix
             program = slot.programs["decode"]
             loop = getattr(program, "loop_tokens", None)
-            draw = sampler.device_draw()
+            # the device draw's seed only where a device loop can take it (it comes from the sampler's
+            # random numbers, which a host loop then goes on drawing from)
+            draw = sampler.device_draw() if step == 0 and loop is not None else None
             on_device = getattr(program, "draws_on_device", None)
-            if step == 0 and loop is not None and draw is not None and \
-                    (draw.params.greedy or (on_device is not None and on_device(draw.params))):
+            if draw is not None and (draw.params.greedy or (on_device is not None and on_device(draw.params))):
                 # a backend that loops on the device (argmax or draw there): no logits leave it
                 n = min(max_tokens - 1, self.ctx - pos)
                 slot.wrote(pos, pos + n)  # rows it may write (ring caches lose what they overwrite)

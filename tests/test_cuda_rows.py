@@ -272,6 +272,27 @@ def test_slot_pool_decode_on_cuda_matches_cpu_and_each_sequence_alone(name, tmp_
     np.testing.assert_allclose(logits[1], full[1], rtol=0, atol=1e-6)
 
 
+def _watch_steps(s) -> list:
+    """Each decode step the scheduler s starts, as (rows, rows reading their logits back, draws).
+    On a GPU the steps overlap the delivery of the previous step's tokens."""
+    seen = []
+    decode_start = s.pool.decode_start
+    s.pool.decode_start = lambda steps, need, draws=None: seen.append((len(steps), sum(need), draws)) or \
+        decode_start(steps, need, draws)
+    return seen
+
+
+def _listener(events, done, i):
+    """A request's event callback: its events into events[i], done[i] set at the final one."""
+    from edgellm.serve.scheduler import Piece
+
+    def on(ev):
+        events[i].append(ev)
+        if not isinstance(ev, Piece):
+            done[i].set()
+    return on
+
+
 def test_scheduler_on_cuda_batches_greedy_requests_like_each_alone(tmp_path):
     """The server's scheduler on the cuda backend: concurrent greedy requests share batched steps
     (argmax on the device; the one asking for logprobs reads its logits) and each gets the
@@ -286,28 +307,19 @@ def test_scheduler_on_cuda_batches_greedy_requests_like_each_alone(tmp_path):
     path = write_synthetic_gguf(tmp_path / "m.gguf", spec, byte_bpe_vocab(416))
     m = edgellm.load(path, backend="cuda", ctx=MODEL_CTX, prefill_chunk=8)
     s = Scheduler(m, 3, chunk=32)
-    rows_seen = []
-    decode_start = s.pool.decode_start  # on a GPU the steps overlap the delivery of the previous step's tokens
-    s.pool.decode_start = lambda steps, need, draws=None: rows_seen.append((len(steps), sum(need))) or \
-        decode_start(steps, need, draws)
+    steps_seen = _watch_steps(s)
     prompts = [m.tokenizer.encode(t) for t in ("the sea", "a robot", "one")]
     events = [[] for _ in prompts]
     done = [threading.Event() for _ in prompts]
-
-    def listener(i):
-        def on(ev):
-            events[i].append(ev)
-            if not isinstance(ev, Piece):
-                done[i].set()
-        return on
     for i, ids in enumerate(prompts):  # queued before the loop starts: they run together
         s.submit(Request(ids, 4, SamplingParams(temperature=0), ignore_eos=True, logprobs=0 if i == 1 else None,
-                         on_event=listener(i)))
+                         on_event=_listener(events, done, i)))
     s.start()
     try:
         assert all(d.wait(300) for d in done)
     finally:
         s.stop()
+    rows_seen = [(n, k) for n, k, _ in steps_seen]
     assert (3, 1) in rows_seen, f"no batched step of all three (steps: {rows_seen})"
     for ids, evs in zip(prompts, events):
         assert isinstance(evs[-1], Done) and evs[-1].completion_tokens == 4
@@ -338,21 +350,11 @@ def test_scheduler_on_cuda_draws_sampled_rows_on_the_device(tmp_path):
 
     def serve(which):
         s = Scheduler(m, 3, chunk=32)
-        seen = []
-        decode_start = s.pool.decode_start
-        s.pool.decode_start = lambda steps, need, draws=None: seen.append((len(steps), sum(need), draws)) or \
-            decode_start(steps, need, draws)
+        seen = _watch_steps(s)
         events = {i: [] for i in which}
         done = {i: threading.Event() for i in which}
-
-        def listener(i):
-            def on(ev):
-                events[i].append(ev)
-                if not isinstance(ev, Piece):
-                    done[i].set()
-            return on
         for i in which:
-            s.submit(Request(prompts[i], 5, params[i], ignore_eos=True, on_event=listener(i)))
+            s.submit(Request(prompts[i], 5, params[i], ignore_eos=True, on_event=_listener(events, done, i)))
         s.start()
         try:
             assert all(d.wait(300) for d in done.values())

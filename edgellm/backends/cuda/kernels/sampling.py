@@ -69,6 +69,15 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None, config: dict |
                             logits, logits.stride(0), pv, pi, V, n_part, BLOCK=block, num_warps=warps, **pdl()))
 
 
+def _check_per_row(what: str, logits: torch.Tensor, tensors) -> None:
+    """Each (name, tensor, dtypes) must hold one element per row of logits, on its device."""
+    T = logits.shape[0]
+    for name, t, kinds in tensors:
+        if t.dtype not in kinds or t.shape != (T,) or t.device != logits.device:
+            raise ValueError(f"{what}: {name} must be a {'/'.join(map(str, kinds))} tensor of shape ({T},) "
+                             f"on {logits.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+
+
 def _choose_rows(logits: torch.Tensor, out, config, step, what: str, partial) -> torch.Tensor:
     """The two-stage launch argmax and sample share: `partial` writes each (row, block of the
     vocabulary)'s best score and its index, the final kernel keeps each row's first best (and,
@@ -132,11 +141,8 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, cut: torch.Tensor, s
     new). step: as for `argmax` (one row; the device loop's next inputs, pos may be its start)."""
     check_2d(logits, "logits")
     T, V = logits.shape
-    for name, t, kinds in (("temperature", temperature, (torch.float32,)), ("cut", cut, (torch.float32,)),
-                           ("seed", seed, (torch.int64,)), ("pos", pos, (torch.int32, torch.int64))):
-        if t.dtype not in kinds or t.shape != (T,) or t.device != logits.device:
-            raise ValueError(f"sample: {name} must be a {'/'.join(map(str, kinds))} tensor of shape ({T},) "
-                             f"on {logits.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+    _check_per_row("sample", logits, (("temperature", temperature, (torch.float32,)), ("cut", cut, (torch.float32,)),
+                                      ("seed", seed, (torch.int64,)), ("pos", pos, (torch.int32, torch.int64))))
     return _choose_rows(logits, out, config, step, "sample",
                         lambda grid, pv, pi, V, n_part, block, warps: _sample_partial_kernel[grid](
                             logits, logits.stride(0), pv, pi, V, n_part, temperature, cut, seed, pos,
@@ -396,11 +402,8 @@ def cuts(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: 
     a host fact, skips the top-k rounds)."""
     check_2d(logits, "logits")
     T, V = logits.shape
-    for name, t, kinds in (("top_k", top_k, (torch.int32, torch.int64)), ("top_p", top_p, (torch.float32,)),
-                           ("min_p", min_p, (torch.float32,))):
-        if t.dtype not in kinds or t.shape != (T,) or t.device != logits.device:
-            raise ValueError(f"cuts: {name} must be a {'/'.join(map(str, kinds))} tensor of shape ({T},) "
-                             f"on {logits.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+    _check_per_row("cuts", logits, (("top_k", top_k, (torch.int32, torch.int64)), ("top_p", top_p, (torch.float32,)),
+                                    ("min_p", min_p, (torch.float32,))))
     if out is None:
         out = torch.empty((T,), dtype=torch.float32, device=logits.device)
     if T == 0:
