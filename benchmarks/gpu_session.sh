@@ -50,6 +50,11 @@
 #   serve NAME:FMT [bench_serve options]  edgellm serve --backend cuda under N = 1, 4, 16, 32 streaming
 #                         clients, edgellm's single-stream decode and llama-batched-bench (from build_llama)
 #                         on the same synthetic file, one table (benchmarks/bench_serve.py; issue 15)
+#   serve15 [bench_serve options]  issue 15's table in one run (after build_llama): `serve` on 8B and
+#                         1B, Q4_0 and Q4_K_M (--tokens 512 --ctx 1024 --prompt-tokens 100 --clients 1 16
+#                         32 unless given), then benchmarks/serve_table.py over the four JSON files
+#                         ($OUT/serve15.md: ratios and targets); four serve runs of 1.5-2 min each
+#                         on an H200; start build_llama first (setsid), write the models meanwhile
 #   sampling [NAME:FMT] [BACKEND]  token choice on the device (benchmarks/bench_sampling.py): the cuda
 #                         kernels' device times (--kernels), then the decode loop on a synthetic file
 #                         with a 128k text vocabulary (default 1b:Q4_0) per sampling mode, drawn on the
@@ -234,6 +239,16 @@ serve)
   python3 "$ROOT/benchmarks/bench_serve.py" --backend cuda --synthetic "$(preset_of "${item%%:*}"):${item##*:}" \
     --model-out "$W/models/${item%%:*}-${item##*:}-textvocab.gguf" --single "${lbb[@]}" \
     --json "$OUT/serve_${item%%:*}_${item##*:}.json" "$@" | tee "$OUT/serve_${item%%:*}_${item##*:}.txt"
+  ;;
+serve15)
+  wait_done "$W/llama.done" 600 "$W/build.log" "$W/cmake.log"
+  opts=("$@")
+  [ ${#opts[@]} -gt 0 ] || opts=(--tokens 512 --ctx 1024 --prompt-tokens 100 --clients 1 16 32)
+  for item in 8b:Q4_0 8b:Q4_K_M 1b:Q4_0 1b:Q4_K_M; do
+    bash "$0" serve "$item" "${opts[@]}" > /dev/null
+  done
+  python3 "$ROOT/benchmarks/serve_table.py" "$OUT"/serve_8b_Q4_0.json "$OUT"/serve_8b_Q4_K_M.json \
+    "$OUT"/serve_1b_Q4_0.json "$OUT"/serve_1b_Q4_K_M.json --markdown "$OUT/serve15.md"
   ;;
 sampling)
   item=${1:-1b:Q4_0}
