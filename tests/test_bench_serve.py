@@ -1,5 +1,6 @@
 """benchmarks/bench_serve.py's steady-state decode rate (the counterpart of llama-batched-bench's
-S_TG), on stand-in streams whose arrival times follow known rates."""
+S_TG), on stand-in streams whose arrival times follow known rates; benchmarks/serve_table.py's
+ratios and target checks on stand-in runs."""
 
 from __future__ import annotations
 
@@ -12,12 +13,17 @@ import pytest
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_serve.py"
 
 
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_serve", BENCH)
+def _load(path: Path):
+    """A script of benchmarks/ as a module (they are not a package)."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return _load(BENCH)
 
 
 def _stream(start: float, rate: float, tokens: int, per_chunk: int = 1) -> dict:
@@ -53,10 +59,7 @@ TABLE = Path(__file__).resolve().parent.parent / "benchmarks" / "serve_table.py"
 
 @pytest.fixture(scope="module")
 def serve_table():
-    spec = importlib.util.spec_from_file_location("serve_table", TABLE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return _load(TABLE)
 
 
 def _run(rng, own: float, one: float, steady16: float, llama16: float, failed: int = 0) -> dict:
