@@ -77,9 +77,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     _check_args(args)  # before the model loads: a typo costs no waiting
     # The server's kernels launch without programmatic dependent launch (cuda, Hopper) unless
     # EDGELLM_PDL says otherwise. Measured on the H200 (2026-11-28, docs/benchmarks.md), 8B Q4_0
-    # through this server, 16 streams: 3,459 decode tok/s with it off against 2,950 with it on
-    # (llama.cpp 2,120-2,200 on the same file); one stream 1.02x of `edgellm run` (which keeps it).
-    # Off for the batched steps alone, one stream through the server fell to 0.73-0.95x.
+    # through this server, 16 streams: 3,459 tok/s steady with it off against 2,950 with it on
+    # (llama.cpp 2,120-2,200 on the same file); one stream 493.5 tok/s against `edgellm run`'s
+    # 462.7-487.9 (it keeps PDL). Off for the batched steps alone, one stream through the server
+    # fell to 0.73-0.95x of `edgellm run`.
     os.environ.setdefault("EDGELLM_PDL", "0")
     from ..backends.cuda.early import start_for
 
