@@ -1340,6 +1340,7 @@ class CudaBackend(CudaInfo):
         self.device = _device()
         self.K = _kernels()
         self._choosers: OrderedDict[tuple, DeviceChooser] = OrderedDict()  # choose's, per set of draws
+        self.K.linear_module._shift_table(self.device)  # made before any capture needs it
         # programmatic dependent launch (Hopper): each kernel starts while its predecessor drains
         self.K.set_pdl(self.device.type == "cuda" and os.environ.get("EDGELLM_PDL", "1") != "0"
                        and torch.cuda.get_device_capability(self.device)[0] >= 9)

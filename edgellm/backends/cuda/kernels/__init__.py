@@ -22,6 +22,7 @@ from .attention import (attention_decode, attention_prefill, attention_rows, dec
                         rows_splits)
 from .elementwise import add_into, silu_mul, take_rows, unary, upload_fp16
 from .embedding import embedding
+from . import linear as linear_module
 from .linear import QuantizedActivations, linear, linear_silu_mul, quantize_activations
 from .norm import NormTail, head_rms_norm, rms_norm
 from .packing import (PACKED_FORMATS, SUPPORTED_FORMATS, PackedWeight, UnsupportedFormatError, can_repack,

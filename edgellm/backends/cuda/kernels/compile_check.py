@@ -242,6 +242,9 @@ def main(argv=None) -> int:
         except Exception as e:  # report and go on: one broken kernel must not hide the others
             failures += 1
             print(f"{name:22s} FAILED: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            if os.environ.get("EDGELLM_COMPILE_CHECK_TRACE"):
+                import traceback
+                traceback.print_exception(e)
             continue
         for kname, k in compiled[start:]:
             s = summarise(k, a.sass, f"{name}-{kname}")

@@ -620,7 +620,7 @@ def _dot_halves(lo, hi, xcol, k0, K, mmask, acc, BLOCK_N: tl.constexpr, BLOCK_K:
 
 @jit
 def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
-                 M, N, K, stride_q, stride_d, ws_ptr, cnt_ptr, k_split, n_splits,
+                 M, N, K, stride_q, stride_d, ws_ptr, cnt_ptr, k_split, n_splits, shifts_ptr,
                  FMT: tl.constexpr, HAS_BIAS: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                  EVEN_K: tl.constexpr, WEIGHT_B: tl.constexpr, PDL: tl.constexpr):
@@ -648,6 +648,11 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    # each element's top-bit shift in its block's word (six-bit layouts, Q5K), read from a table
+    # (_shift_table) before the loop: computed from tl.arange in the loop, Triton sent the
+    # dequantized tile through shared memory to the MMA (compile_check: 137 stores a K-step, 162
+    # registers for Q6K; with the table 9 and 141)
+    shifts = tl.load(shifts_ptr + (16 if FMT == 8 else 0) + tl.arange(0, 16))
     for k0 in range(k_lo, k_hi, BLOCK_K):
         if FMT == 0:
             k = k0 + tl.arange(0, BLOCK_K)
@@ -691,7 +696,7 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
                 q = tl.load(rowp + kb[None, :, None] * 16 + j[None, None, :], mask=wm[:, :, None], other=0)
                 t = tl.load((w_q + rn64[:, None] * stride_q + n_blocks * 16 + kb[None, :] * 4).to(
                     tl.pointer_type(tl.int32)), mask=wm, other=0)[:, :, None]
-                sh = (8 * (j % 4) + j // 4)[None, None, :]
+                sh = shifts[None, None, :]
                 t_lo = (t >> sh) & 1
                 t_hi = (t >> (sh + 4)) & 1
                 lo = ((q & 15).to(tl.int32) | (t_lo << 4) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
@@ -716,7 +721,7 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
                 hw = tl.load((rowp + n_blocks * 16 + kb[None, :, None] * 8).to(tl.pointer_type(tl.int32))
                              + tl.arange(0, 2)[None, None, :], mask=wm[:, :, None], other=0)
                 h_lo, h_hi = tl.split(hw)
-                sh = (8 * (j % 4) + 2 * (j // 4))[None, None, :]
+                sh = shifts[None, None, :]
                 t_lo = (h_lo[:, :, None] >> sh) & 3
                 t_hi = (h_hi[:, :, None] >> sh) & 3
                 # code -> fp16 as for Q4: 0x6400 | q is 1024 + q, and 1024 + q - 1056 is q - 32 exactly
@@ -921,6 +926,42 @@ def _splitk_workspace(dev: torch.device, elements: int) -> tuple[torch.Tensor, t
     return ws, cnt
 
 
+_shift_tables: dict[str, torch.Tensor] = {}
+
+
+def _shift_table(dev: torch.device) -> torch.Tensor:
+    """int32 [32]: element j's top-bit shift in a six-bit block word (8 (j % 4) + 2 (j // 4)), then
+    its fifth-bit shift in a Q5K word (8 (j % 4) + j // 4), on dev; made outside any capture
+    (CudaProgram loads kernels eagerly first)."""
+    t = _shift_tables.get(str(dev))
+    if t is None:
+        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("linear: the shift table must be made before a CUDA graph capture "
+                               "(call _shift_table(device) at load)")
+        j = torch.arange(16, dtype=torch.int32)
+        t = _shift_tables[str(dev)] = torch.cat([8 * (j % 4) + 2 * (j // 4), 8 * (j % 4) + j // 4]).to(dev)
+    return t
+
+
+_shift_tables: dict[tuple, torch.Tensor] = {}
+
+
+def _shift_table(dev) -> torch.Tensor:
+    """int32 [32]: element j's top-bit shift in a six-bit block word (8 (j % 4) + 2 (j // 4)), then
+    its fifth-bit shift in a Q5K word (8 (j % 4) + j // 4), on dev; made outside any capture (the
+    backend makes it at load). Keyed by device index: "cuda" and "cuda:0" are one device."""
+    dev = torch.device(dev)
+    index = dev.index if dev.index is not None or dev.type != "cuda" else torch.cuda.current_device()
+    t = _shift_tables.get((dev.type, index))
+    if t is None:
+        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("linear: the shift table must be made before a CUDA graph capture "
+                               "(call _shift_table(device) at load)")
+        j = torch.arange(16, dtype=torch.int32)
+        t = _shift_tables[(dev.type, index)] = torch.cat([8 * (j % 4) + 2 * (j // 4), 8 * (j % 4) + j // 4]).to(dev)
+    return t
+
+
 def _launch_gemm(x, w, bias, out, config):
     M, K = x.shape
     N = out.shape[1]
@@ -939,7 +980,7 @@ def _launch_gemm(x, w, bias, out, config):
     qs, d, m = _weight_args(w, out)
     _gemm_kernel[(tiles * splits,)](x, x.stride(0), qs, d, m, bias if bias is not None else out, out, out.stride(0),
                                     M, N, K, w.qs.stride(0), w.d.stride(0) if w.d is not None else 0,
-                                    ws, cnt, k_split, splits,
+                                    ws, cnt, k_split, splits, _shift_table(x.device),
                                     FMT=_FMT_CODE[w.fmt], HAS_BIAS=bias is not None,
                                     BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=splits > 1, EVEN_K=K % bk == 0,
                                     WEIGHT_B=bool(cfg.get("WEIGHT_B", False)), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl())
