@@ -55,6 +55,10 @@
 #                         32 unless given), then benchmarks/serve_table.py over the four JSON files
 #                         ($OUT/serve15.md: ratios and targets); four serve runs of 1.5-2 min each
 #                         on an H200; start build_llama first (setsid), write the models meanwhile
+#   skinny_ncu [FMT] [SHAPE] [CFG_JSON]  Nsight Compute on one skinny product at 16 rows (skinny_probe.py
+#                         --ncu; default Q4_K gate_up, the 128 x 128 x 128 split-4 tile): speed of light,
+#                         occupancy, scheduler and warp state with every stall reason, source counters
+#                         (where the stalls sit); $OUT/ncu_FMT_SHAPE.txt
 #   sampling [NAME:FMT] [BACKEND]  token choice on the device (benchmarks/bench_sampling.py): the cuda
 #                         kernels' device times (--kernels), then the decode loop on a synthetic file
 #                         with a 128k text vocabulary (default 1b:Q4_0) per sampling mode, drawn on the
@@ -249,6 +253,17 @@ serve15)
   done
   python3 "$ROOT/benchmarks/serve_table.py" "$OUT"/serve_8b_Q4_0.json "$OUT"/serve_8b_Q4_K_M.json \
     "$OUT"/serve_1b_Q4_0.json "$OUT"/serve_1b_Q4_K_M.json --markdown "$OUT/serve15.md"
+  ;;
+skinny_ncu)
+  fmt=${1:-Q4_K}
+  shape=${2:-gate_up}
+  cfg=${3:-'{"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "SPLIT_K": 4}'}
+  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1 || ls /usr/local/cuda/bin/ncu)
+  [ -n "$ncu" ] || { echo "no ncu on this machine"; exit 1; }
+  timeout 300 "$ncu" --clock-control none -k regex:_gemm_kernel -s 5 -c 1 --print-details all \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section SchedulerStats \
+    --section WarpStateStats --section SourceCounters --section InstructionStats --section LaunchStats \
+    python3 "$ROOT/benchmarks/skinny_probe.py" --shapes "$shape" --fmts "$fmt" --ncu "$cfg" | tee "$OUT/ncu_${fmt}_$shape.txt"
   ;;
 sampling)
   item=${1:-1b:Q4_0}
