@@ -926,23 +926,6 @@ def _splitk_workspace(dev: torch.device, elements: int) -> tuple[torch.Tensor, t
     return ws, cnt
 
 
-_shift_tables: dict[str, torch.Tensor] = {}
-
-
-def _shift_table(dev: torch.device) -> torch.Tensor:
-    """int32 [32]: element j's top-bit shift in a six-bit block word (8 (j % 4) + 2 (j // 4)), then
-    its fifth-bit shift in a Q5K word (8 (j % 4) + j // 4), on dev; made outside any capture
-    (CudaProgram loads kernels eagerly first)."""
-    t = _shift_tables.get(str(dev))
-    if t is None:
-        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("linear: the shift table must be made before a CUDA graph capture "
-                               "(call _shift_table(device) at load)")
-        j = torch.arange(16, dtype=torch.int32)
-        t = _shift_tables[str(dev)] = torch.cat([8 * (j % 4) + 2 * (j // 4), 8 * (j % 4) + j // 4]).to(dev)
-    return t
-
-
 _shift_tables: dict[tuple, torch.Tensor] = {}
 
 
