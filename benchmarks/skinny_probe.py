@@ -42,6 +42,8 @@ SHAPES = {"gate_up": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096), 
 
 def weight(fmt: str, n: int, k: int, rng):
     raw = random_blocks(fmt, (n, k), rng, 0.02)
+    if raw is None:  # float formats: random_blocks makes only block formats
+        raw = (rng.standard_normal((n, k), dtype=np.float32) * 0.02).astype(np.float16 if fmt == "F16" else np.float32)
     return repack(raw, fmt, (n, k), device="cuda")
 
 
