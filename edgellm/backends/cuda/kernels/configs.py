@@ -299,8 +299,12 @@ def _split_k(M: int, N: int, K: int, sms: int, cfg: dict, per_sm: float = SPLITK
 # put more weight bytes in flight per pipeline stage: on the 1B shapes at 16 rows 128 x 128 took
 # gate|up from 21.2 to 17.4 us (2026-11-26, bench_rows.py --gemm-sweep). Every one of them is
 # checked for wrong or unwritten tiles by `benchmarks/gemm_stress.py --skinny` on the GPU and by
-# tests/test_cuda_rows.py in the interpreter.
-SKINNY_TUNE_TILES = ((64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 4), (32, 128, 4))
+# tests/test_cuda_rows.py in the interpreter. 64 x 256 reads a whole K-quant super-block's scale
+# codes (16 bytes a row) a K-step instead of a third of a sector: on an H200 at 16 rows
+# (skinny_probe.py --configs, 2026-11-28) 8B Q4_K down 34.8 us against 42.3 for 128 x 128, q|k|v
+# 19.4 against 24.6, gate|up 65.1 against 66.9; Q6_K slower (68.7 against 59.6 on down), which
+# the tuner's timing leaves to the other tiles.
+SKINNY_TUNE_TILES = ((64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 4), (32, 128, 4), (64, 256, 4))
 
 
 def skinny_candidates(M: int, N: int, K: int, sms: int) -> list[dict]:
