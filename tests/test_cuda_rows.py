@@ -211,6 +211,41 @@ def test_skinny_linear_every_tune_candidate(rng, fmt):
         assert not cnt.any(), f"{cfg} left its tile counters dirty"
 
 
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K"])
+def test_skinny_linear_every_tune_candidate_kquants(rng, monkeypatch, fmt):
+    """As above for the native K-quant layouts (Q4K, Q6K), whose skinny tiles read a super-block's
+    fields once a row (Q4K) and whose K is whole 256-super-blocks: three of them, so that the
+    64 x 256 tile's K-steps each start a super-block and the 128-wide ones split it. Rows are
+    moved off centre and scaled apart so that the minimums and super-block scales matter."""
+    import importlib
+
+    from edgellm.backends.cuda.kernels import configs
+    from edgellm.backends.cuda.kernels._common import device_sm_count
+    from edgellm.quant import quantize as eq_quantize
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gg_dequantize
+
+    linear_mod = importlib.import_module("edgellm.backends.cuda.kernels.linear")
+    n_out, n_in, M = 70, 768, 16
+    w = rng.standard_normal((n_out, n_in)).astype(np.float32) * rng.uniform(0.01, 3, (n_out, 1)).astype(np.float32)
+    w += rng.uniform(-1, 1, (n_out, 1)).astype(np.float32) * np.abs(w).max(axis=1, keepdims=True)
+    raw = eq_quantize(w, fmt)
+    want_w = gg_dequantize(raw, GGMLQuantizationType[fmt]).astype(np.float64)
+    monkeypatch.setenv("EDGELLM_KQUANTS", "native")
+    pw = K.repack(raw, fmt, (n_out, n_in), device=DEV)
+    assert pw.fmt == fmt.replace("_", "")
+    x = rand(rng, M, n_in)
+    want = torch.from_numpy(x.double().cpu().numpy() @ want_w.T)
+    cands = configs.skinny_candidates(M, n_out, n_in, device_sm_count(x))
+    assert {c["BLOCK_K"] for c in cands} >= {128, 256}
+    for cfg in cands:
+        out = poisoned((M, n_out))
+        K.linear(x, pw, out=out, config=cfg, decode_max_tokens=0)
+        close(out, want, 3e-3, f"{fmt} {cfg}")
+        _, cnt = linear_mod._splitk_workspace(DEV, M * n_out)
+        assert not cnt.any(), f"{cfg} left its tile counters dirty"
+
+
 # -- the rows program of a tiny model on the cuda backend -----------------------------------------
 import edgellm  # noqa: E402
 from edgellm.sampling import SamplingParams  # noqa: E402

@@ -116,6 +116,20 @@ def _q4k_scales(c_ptr, p_ptr, rows64, kb, mask, stride_c, MASKED: tl.constexpr):
 
 
 @jit
+def _q4k_tile_scales(c_ptr, p_ptr, rows64, kb, k0, mask, rmask, stride_c):
+    """_q4k_scales for a GEMM tile whose sub-blocks kb [blocks] lie in one super-block (BLOCK_K
+    divides 256 and k0 is a multiple of it): the super-block's (D, DMIN) word is loaded once a row
+    [rows], not once a sub-block (4 identical 4-byte copies a row and K-step at BLOCK_K = 128,
+    a quarter of the pipeliner's copy instructions). Skinny products at 16 rows on an H200
+    (skinny_probe.py, 2026-11-28): 8B Q4_K gate|up 55.9 us against 60.0, down 33.0 against 34.5."""
+    code = _ld(c_ptr + rows64[:, None] * stride_c + kb[None, :], mask, True, True).to(tl.int32)
+    pair = _ld(p_ptr.to(tl.pointer_type(tl.int32)) + rows64 * (stride_c // 8) + k0 // 256, rmask, True, True)[:, None]
+    dd = (pair & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    dm = ((pair >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return dd * (code & 63).to(tl.float32), -(dm * ((code >> 8) & 63).to(tl.float32))
+
+
+@jit
 def _q4_scales(d_ptr, m_ptr, rows64, kb, mask2, stride_d, FMT: tl.constexpr, MASKED: tl.constexpr):
     """A decode GEMV's per-block scale and minimum (float32 [blocks, rows]) of a 4-bit layout:
     Q4_0's fp16 scale (minimum: unused, returned as the scale), Q4_1's fp16 pair of arrays, Q4K's
@@ -603,19 +617,55 @@ def _mma(w, xt, acc, WEIGHT_B: tl.constexpr):
 
 @jit
 def _dot_halves(lo, hi, xcol, k0, K, mmask, acc, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                WEIGHT_B: tl.constexpr):
-    """acc += the products of a weight tile split into its 32-blocks' first halves (lo: elements
-    0..15 of each block, the low nibbles) and second halves (hi) with the matching rows of x^T:
-    operand column c of lo is element (c // 16) * 32 + c % 16 of the K-tile, of hi that + 16."""
-    lo = tl.reshape(lo, [BLOCK_N, BLOCK_K // 2])
-    hi = tl.reshape(hi, [BLOCK_N, BLOCK_K // 2])
-    c = tl.arange(0, BLOCK_K // 2)
-    klo = k0 + (c // 16) * 32 + c % 16
-    xm = (klo < K)[:, None] & mmask[None, :]
-    xlo = tl.load(xcol + klo[:, None], mask=xm, other=0.0).to(tl.float16)
-    xhi = tl.load(xcol + (klo + 16)[:, None], mask=xm, other=0.0).to(tl.float16)
-    acc = _mma(lo, xlo, acc, WEIGHT_B)
-    return _mma(hi, xhi, acc, WEIGHT_B)
+                WEIGHT_B: tl.constexpr, JOIN: tl.constexpr):
+    """acc += the product of a weight tile given as its 32-blocks' first halves (lo: elements
+    0..15 of each block, the low nibbles, [rows, blocks, 16]) and second halves (hi) with x^T's
+    rows k0 .. k0 + BLOCK_K.
+
+    JOIN: the halves joined back into one [rows, BLOCK_K] operand in K order, which moves no data
+    (in the MMA operand each thread holds pieces of 16 consecutive k, and a block's halves are
+    such pieces), and one product a K-step; Triton then issues it as a chain of asynchronous MMAs
+    that the next K-step's dequantization overlaps. Otherwise one product per half (operand
+    column c of lo is element (c // 16) * 32 + c % 16 of the K-tile, of hi that + 16), the
+    second waiting for the first's MMAs to drain. On an H200 at 16 rows (skinny_probe.py,
+    2026-11-28) joined products were 6-8% faster for Q4_0 and Q4_K; for the six-bit layouts
+    mixed (Q6_K down 5% slower), which keep the two products. Measured only on skinny tiles: the
+    larger (prefill) tiles keep the two products."""
+    if JOIN:
+        w = tl.reshape(tl.permute(tl.join(lo, hi), (0, 1, 3, 2)), [BLOCK_N, BLOCK_K])
+        k = k0 + tl.arange(0, BLOCK_K)
+        xt = tl.load(xcol + k[:, None], mask=(k < K)[:, None] & mmask[None, :], other=0.0).to(tl.float16)
+        acc = _mma(w, xt, acc, WEIGHT_B)
+    else:
+        lo = tl.reshape(lo, [BLOCK_N, BLOCK_K // 2])
+        hi = tl.reshape(hi, [BLOCK_N, BLOCK_K // 2])
+        c = tl.arange(0, BLOCK_K // 2)
+        klo = k0 + (c // 16) * 32 + c % 16
+        xm = (klo < K)[:, None] & mmask[None, :]
+        xlo = tl.load(xcol + klo[:, None], mask=xm, other=0.0).to(tl.float16)
+        xhi = tl.load(xcol + (klo + 16)[:, None], mask=xm, other=0.0).to(tl.float16)
+        acc = _mma(lo, xlo, acc, WEIGHT_B)
+        acc = _mma(hi, xhi, acc, WEIGHT_B)
+    return acc
+
+
+@jit
+def _ld_blocks(ptr, rn64, kb, j, wm, stride, WIDTH: tl.constexpr, BLOCK_MAJOR: tl.constexpr):
+    """A weight tile's quant bytes, [rows, blocks, WIDTH] (WIDTH bytes of each block, j = arange(WIDTH)).
+    BLOCK_MAJOR: loaded [blocks, rows, WIDTH] and permuted, so that the pipeliner's shared-memory
+    copy holds a block's rows WIDTH bytes apart and the MMA-operand reads of 8 rows (2 bytes each)
+    fall in distinct banks; loaded [rows, blocks, WIDTH], a row's blocks sat BLOCK_K / 2 bytes
+    apart and those reads were 4-way bank conflicts. Skinny products at 16 rows on an H200
+    (2026-11-28) ran 0-7% faster with it; measured only there, the larger tiles keep the other
+    order."""
+    if BLOCK_MAJOR:
+        q = tl.load(ptr + rn64[None, :, None] * stride + kb[:, None, None] * WIDTH + j[None, None, :],
+                    mask=tl.trans(wm)[:, :, None], other=0)
+        q = tl.permute(q, (1, 0, 2))
+    else:
+        q = tl.load(ptr + rn64[:, None, None] * stride + kb[None, :, None] * WIDTH + j[None, None, :],
+                    mask=wm[:, :, None], other=0)
+    return q
 
 
 @jit
@@ -653,6 +703,9 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
     # dequantized tile through shared memory to the MMA (compile_check: 137 stores a K-step, 162
     # registers for Q6K; with the table 9 and 141)
     shifts = tl.load(shifts_ptr + (16 if FMT == 8 else 0) + tl.arange(0, 16))
+    # the skinny tiles (batched decode, M <= configs.SKINNY_M) load the quants block-major
+    # (_ld_blocks) and, for the 4-bit layouts, make one product a K-step (_dot_halves)
+    SKINNY: tl.constexpr = BLOCK_M <= 32
     for k0 in range(k_lo, k_hi, BLOCK_K):
         if FMT == 0:
             k = k0 + tl.arange(0, BLOCK_K)
@@ -692,8 +745,7 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
                 # 8 (j % 4) + j // 4 (first half) and that + 4 (second half); one 4-byte load per
                 # block (copied ahead: the row, n_blocks * 16 and kb * 4 are multiples of 4 bytes)
                 j = tl.arange(0, 16)
-                rowp = w_q + rn64[:, None, None] * stride_q
-                q = tl.load(rowp + kb[None, :, None] * 16 + j[None, None, :], mask=wm[:, :, None], other=0)
+                q = _ld_blocks(w_q, rn64, kb, j, wm, stride_q, 16, SKINNY)
                 t = tl.load((w_q + rn64[:, None] * stride_q + n_blocks * 16 + kb[None, :] * 4).to(
                     tl.pointer_type(tl.int32)), mask=wm, other=0)[:, :, None]
                 sh = shifts[None, None, :]
@@ -706,13 +758,13 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
                 mk = mk.to(tl.float16)[:, :, None]
                 lo = (lo - 1024.0) * dk + mk
                 hi = (hi - 1024.0) * dk + mk
-                acc = _dot_halves(lo, hi, xcol, k0, K, mmask, acc, BLOCK_N, BLOCK_K, WEIGHT_B)
+                acc = _dot_halves(lo, hi, xcol, k0, K, mmask, acc, BLOCK_N, BLOCK_K, WEIGHT_B, SKINNY)
             elif FMT == 4 or FMT == 5 or FMT == 7:
                 # Q6/Q6M/Q6K: the nibbles as Q4, each element's top two bits from its half's byte
                 # 4h + (j % 4), bits 2 (j // 4) (see packing.py); per-16 scales d[2b], d[2b + 1]
                 j = tl.arange(0, 16)
                 rowp = w_q + rn64[:, None, None] * stride_q
-                q = tl.load(rowp + kb[None, :, None] * 16 + j[None, None, :], mask=wm[:, :, None], other=0)
+                q = _ld_blocks(w_q, rn64, kb, j, wm, stride_q, 16, SKINNY)
                 # a block's 8 bytes of top bits as two 32-bit words (one 8-byte load, copied ahead;
                 # the row, n_blocks * 16 and kb * 8 are multiples of 8 bytes): element j's bits sit
                 # at 8 (j % 4) + 2 (j // 4) of the first word (first half) and of the second (second
@@ -744,11 +796,10 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
                                                   other=0.0).to(tl.float16))
                     lo = lo + m_lo[:, :, None]
                     hi = hi + m_hi[:, :, None]
-                acc = _dot_halves(lo, hi, xcol, k0, K, mmask, acc, BLOCK_N, BLOCK_K, WEIGHT_B)
+                acc = _dot_halves(lo, hi, xcol, k0, K, mmask, acc, BLOCK_N, BLOCK_K, WEIGHT_B, False)
             else:
                 j = tl.arange(0, 16)
-                q = tl.load(w_q + rn64[:, None, None] * stride_q + kb[None, :, None] * 16 + j[None, None, :],
-                            mask=wm[:, :, None], other=0)
+                q = _ld_blocks(w_q, rn64, kb, j, wm, stride_q, 16, SKINNY)
                 # nibble -> fp16 without int-to-float conversions (a quarter-rate instruction that
                 # would outlast the MMAs): 0x6400 | q is the fp16 1024 + q, and 1024 + q - 1032
                 # is q - 8 exactly, so the only rounding is the product with the scale
@@ -758,7 +809,10 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
                     lo = (lo - 1032.0) * d
                     hi = (hi - 1032.0) * d
                 elif FMT == 6:  # Q4K: each sub-block's scale and minimum from its codes (rounded to fp16 here)
-                    dk, mk = _q4k_scales(w_d, w_m, rn64[:, None], kb[None, :], wm, stride_d, True)
+                    if SKINNY and 256 % BLOCK_K == 0:
+                        dk, mk = _q4k_tile_scales(w_d, w_m, rn64, kb, k0, wm, nmask, stride_d)
+                    else:
+                        dk, mk = _q4k_scales(w_d, w_m, rn64[:, None], kb[None, :], wm, stride_d, True)
                     dk = dk.to(tl.float16)[:, :, None]
                     mk = mk.to(tl.float16)[:, :, None]
                     lo = (lo - 1024.0) * dk + mk
@@ -768,7 +822,7 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
                                  other=0.0).to(tl.float16)[:, :, None]
                     lo = (lo - 1024.0) * d + mn
                     hi = (hi - 1024.0) * d + mn
-                acc = _dot_halves(lo, hi, xcol, k0, K, mmask, acc, BLOCK_N, BLOCK_K, WEIGHT_B)
+                acc = _dot_halves(lo, hi, xcol, k0, K, mmask, acc, BLOCK_N, BLOCK_K, WEIGHT_B, SKINNY)
     if WEIGHT_B:
         acc = tl.trans(acc)  # [rows, tokens], as the epilogue writes it
     omask = nmask[:, None] & mmask[None, :]
