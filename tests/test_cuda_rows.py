@@ -190,12 +190,9 @@ def test_skinny_linear_every_tune_candidate(rng, fmt):
     """A rows program's tuner may launch any of configs.skinny_candidates for a skinny product:
     each must give the product (and leave the split-K tile counters zero) on a weight no tile
     divides, K not a multiple of the wider K-tiles."""
-    import importlib
-
     from edgellm.backends.cuda.kernels import configs
     from edgellm.backends.cuda.kernels._common import device_sm_count
 
-    linear_mod = importlib.import_module("edgellm.backends.cuda.kernels.linear")
     n_out, n_in, M = 70, 416, 16
     pw, want_w = _quantized(rng, fmt, n_out, n_in)
     x = rand(rng, M, n_in)
@@ -203,10 +200,20 @@ def test_skinny_linear_every_tune_candidate(rng, fmt):
     cands = configs.skinny_candidates(M, n_out, n_in, device_sm_count(x))
     assert {(c["BLOCK_N"], c["BLOCK_K"]) for c in cands} == {t[:2] for t in configs.SKINNY_TUNE_TILES}
     assert any(c.get("SPLIT_K", 1) > 1 for c in cands)
+    _check_candidates(x, pw, want, cands, fmt)
+
+
+def _check_candidates(x, pw, want, cands, what):
+    """Each configuration's skinny product of x and pw against want, the split-K tile counters
+    left zero after each."""
+    import importlib
+
+    linear_mod = importlib.import_module("edgellm.backends.cuda.kernels.linear")
+    M, n_out = want.shape
     for cfg in cands:
         out = poisoned((M, n_out))
         K.linear(x, pw, out=out, config=cfg, decode_max_tokens=0)
-        close(out, want, 3e-3, f"{fmt} {cfg}")
+        close(out, want, 3e-3, f"{what} {cfg}")
         _, cnt = linear_mod._splitk_workspace(DEV, M * n_out)
         assert not cnt.any(), f"{cfg} left its tile counters dirty"
 
@@ -217,15 +224,13 @@ def test_skinny_linear_every_tune_candidate_kquants(rng, monkeypatch, fmt):
     fields once a row (Q4K) and whose K is whole 256-super-blocks: three of them, so that the
     64 x 256 tile's K-steps each start a super-block and the 128-wide ones split it. Rows are
     moved off centre and scaled apart so that the minimums and super-block scales matter."""
-    import importlib
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gg_dequantize
 
     from edgellm.backends.cuda.kernels import configs
     from edgellm.backends.cuda.kernels._common import device_sm_count
     from edgellm.quant import quantize as eq_quantize
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize as gg_dequantize
 
-    linear_mod = importlib.import_module("edgellm.backends.cuda.kernels.linear")
     n_out, n_in, M = 70, 768, 16
     w = rng.standard_normal((n_out, n_in)).astype(np.float32) * rng.uniform(0.01, 3, (n_out, 1)).astype(np.float32)
     w += rng.uniform(-1, 1, (n_out, 1)).astype(np.float32) * np.abs(w).max(axis=1, keepdims=True)
@@ -238,12 +243,7 @@ def test_skinny_linear_every_tune_candidate_kquants(rng, monkeypatch, fmt):
     want = torch.from_numpy(x.double().cpu().numpy() @ want_w.T)
     cands = configs.skinny_candidates(M, n_out, n_in, device_sm_count(x))
     assert {c["BLOCK_K"] for c in cands} >= {128, 256}
-    for cfg in cands:
-        out = poisoned((M, n_out))
-        K.linear(x, pw, out=out, config=cfg, decode_max_tokens=0)
-        close(out, want, 3e-3, f"{fmt} {cfg}")
-        _, cnt = linear_mod._splitk_workspace(DEV, M * n_out)
-        assert not cnt.any(), f"{cfg} left its tile counters dirty"
+    _check_candidates(x, pw, want, cands, fmt)
 
 
 # -- the rows program of a tiny model on the cuda backend -----------------------------------------
