@@ -218,10 +218,10 @@ def _check_candidates(x, pw, want, cands, what):
         assert not cnt.any(), f"{cfg} left its tile counters dirty"
 
 
-@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q5_K", "Q6_K"])
 def test_skinny_linear_every_tune_candidate_kquants(rng, monkeypatch, fmt):
-    """As above for the native K-quant layouts (Q4K, Q6K), whose skinny tiles read a super-block's
-    fields once a row (Q4K) and whose K is whole 256-super-blocks: three of them, so that the
+    """As above for the native K-quant layouts (Q4K, Q5K, Q6K), whose skinny tiles read a
+    super-block's fields once a row and whose K is whole 256-super-blocks: three of them, so that the
     64 x 256 tile's K-steps each start a super-block and the 128-wide ones split it. Rows are
     moved off centre and scaled apart so that the minimums and super-block scales matter."""
     from gguf import GGMLQuantizationType

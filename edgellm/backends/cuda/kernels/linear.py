@@ -130,6 +130,16 @@ def _q4k_tile_scales(c_ptr, p_ptr, rows64, kb, k0, mask, rmask, stride_c):
 
 
 @jit
+def _q6k_tile_scales(d_ptr, m_ptr, rows64, kb, k0, mask, rmask, stride_d):
+    """_q6_scales of Q6K for a GEMM tile whose sub-blocks kb lie in one super-block (as
+    _q4k_tile_scales): the super-block's D loaded once a row, not once a sub-block."""
+    pair = _ld(d_ptr.to(tl.pointer_type(tl.int16)) + rows64[:, None] * (stride_d // 2) + kb[None, :], mask, True,
+               True).to(tl.int32)
+    dd = _ld(m_ptr + rows64 * (stride_d // 16) + k0 // 256, rmask, True, True).to(tl.float32)[:, None]
+    return dd * ((pair << 24) >> 24).to(tl.float32), dd * (pair >> 8).to(tl.float32)
+
+
+@jit
 def _q4_scales(d_ptr, m_ptr, rows64, kb, mask2, stride_d, FMT: tl.constexpr, MASKED: tl.constexpr):
     """A decode GEMV's per-block scale and minimum (float32 [blocks, rows]) of a 4-bit layout:
     Q4_0's fp16 scale (minimum: unused, returned as the scale), Q4_1's fp16 pair of arrays, Q4K's
@@ -706,6 +716,8 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
     # the skinny tiles (batched decode, M <= configs.SKINNY_M) load the quants block-major
     # (_ld_blocks) and, for the 4-bit layouts, make one product a K-step (_dot_halves)
     SKINNY: tl.constexpr = BLOCK_M <= 32
+    # K-quant super-block fields once a row (_q4k_tile_scales) where a K-step stays in one super-block
+    SUPER_ONCE: tl.constexpr = SKINNY and 256 % BLOCK_K == 0
     for k0 in range(k_lo, k_hi, BLOCK_K):
         if FMT == 0:
             k = k0 + tl.arange(0, BLOCK_K)
@@ -753,7 +765,10 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
                 t_hi = (t >> (sh + 4)) & 1
                 lo = ((q & 15).to(tl.int32) | (t_lo << 4) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
                 hi = ((q >> 4).to(tl.int32) | (t_hi << 4) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-                dk, mk = _q4k_scales(w_d, w_m, rn64[:, None], kb[None, :], wm, stride_d, True)
+                if SUPER_ONCE:
+                    dk, mk = _q4k_tile_scales(w_d, w_m, rn64, kb, k0, wm, nmask, stride_d)
+                else:
+                    dk, mk = _q4k_scales(w_d, w_m, rn64[:, None], kb[None, :], wm, stride_d, True)
                 dk = dk.to(tl.float16)[:, :, None]
                 mk = mk.to(tl.float16)[:, :, None]
                 lo = (lo - 1024.0) * dk + mk
@@ -783,7 +798,10 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
                 # load (copied ahead like the quants), split into each block's first and second half
                 pair = (kb * 2)[None, :, None] + tl.arange(0, 2)[None, None, :]
                 if FMT == 7:  # Q6K: the int8 codes times the super-block's D, rounded to fp16 here
-                    d_lo, d_hi = _q6_scales(w_d, w_m, rn64[:, None], kb[None, :], wm, stride_d, FMT, True)
+                    if SUPER_ONCE:
+                        d_lo, d_hi = _q6k_tile_scales(w_d, w_m, rn64, kb, k0, wm, nmask, stride_d)
+                    else:
+                        d_lo, d_hi = _q6_scales(w_d, w_m, rn64[:, None], kb[None, :], wm, stride_d, FMT, True)
                     d_lo = d_lo.to(tl.float16)
                     d_hi = d_hi.to(tl.float16)
                 else:
@@ -809,7 +827,7 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
                     lo = (lo - 1032.0) * d
                     hi = (hi - 1032.0) * d
                 elif FMT == 6:  # Q4K: each sub-block's scale and minimum from its codes (rounded to fp16 here)
-                    if SKINNY and 256 % BLOCK_K == 0:
+                    if SUPER_ONCE:
                         dk, mk = _q4k_tile_scales(w_d, w_m, rn64, kb, k0, wm, nmask, stride_d)
                     else:
                         dk, mk = _q4k_scales(w_d, w_m, rn64[:, None], kb[None, :], wm, stride_d, True)
