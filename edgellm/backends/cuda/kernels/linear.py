@@ -108,8 +108,16 @@ def _q4k_scales(c_ptr, p_ptr, rows64, kb, mask, stride_c, MASKED: tl.constexpr):
     of rows rows64: codes c (int16 [out, nb]: 6-bit scale, 6-bit minimum << 8) and the super-block's
     fp16 (D, DMIN) pair at p (one 4-byte word per super-block, row stride stride_c / 8 words):
     D * scale and -(DMIN * minimum), products in fp32 as llama.cpp forms them."""
-    code = _ld(c_ptr + rows64 * stride_c + kb, mask, MASKED, True).to(tl.int32)
+    code = _ld(c_ptr + rows64 * stride_c + kb, mask, MASKED, True)
     pair = _ld(p_ptr.to(tl.pointer_type(tl.int32)) + rows64 * (stride_c // 8) + kb // 8, mask, MASKED, True)
+    return _q4k_decode(code, pair)
+
+
+@jit
+def _q4k_decode(code, pair):
+    """Q4K sub-block codes (int16) and their super-block's (D, DMIN) words (int32, broadcastable)
+    as (D * scale, -(DMIN * minimum)) in float32."""
+    code = code.to(tl.int32)
     dd = (pair & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     dm = ((pair >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     return dd * (code & 63).to(tl.float32), -(dm * ((code >> 8) & 63).to(tl.float32))
@@ -122,11 +130,9 @@ def _q4k_tile_scales(c_ptr, p_ptr, rows64, kb, k0, mask, rmask, stride_c):
     [rows], not once a sub-block (4 identical 4-byte copies a row and K-step at BLOCK_K = 128,
     a quarter of the pipeliner's copy instructions). Skinny products at 16 rows on an H200
     (skinny_probe.py, 2026-11-28): 8B Q4_K gate|up 55.9 us against 60.0, down 33.0 against 34.5."""
-    code = _ld(c_ptr + rows64[:, None] * stride_c + kb[None, :], mask, True, True).to(tl.int32)
-    pair = _ld(p_ptr.to(tl.pointer_type(tl.int32)) + rows64 * (stride_c // 8) + k0 // 256, rmask, True, True)[:, None]
-    dd = (pair & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    dm = ((pair >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return dd * (code & 63).to(tl.float32), -(dm * ((code >> 8) & 63).to(tl.float32))
+    code = _ld(c_ptr + rows64[:, None] * stride_c + kb[None, :], mask, True, True)
+    pair = _ld(p_ptr.to(tl.pointer_type(tl.int32)) + rows64 * (stride_c // 8) + k0 // 256, rmask, True, True)
+    return _q4k_decode(code, pair[:, None])
 
 
 @jit
@@ -134,8 +140,16 @@ def _q6k_tile_scales(d_ptr, m_ptr, rows64, kb, k0, mask, rmask, stride_d):
     """_q6_scales of Q6K for a GEMM tile whose sub-blocks kb lie in one super-block (as
     _q4k_tile_scales): the super-block's D loaded once a row, not once a sub-block."""
     pair = _ld(d_ptr.to(tl.pointer_type(tl.int16)) + rows64[:, None] * (stride_d // 2) + kb[None, :], mask, True,
-               True).to(tl.int32)
-    dd = _ld(m_ptr + rows64 * (stride_d // 16) + k0 // 256, rmask, True, True).to(tl.float32)[:, None]
+               True)
+    return _q6k_decode(pair, _ld(m_ptr + rows64 * (stride_d // 16) + k0 // 256, rmask, True, True)[:, None])
+
+
+@jit
+def _q6k_decode(pair, dd):
+    """Q6K's two int8 scale codes of a block (one int16) times the super-block's D (fp32,
+    broadcastable): the block halves' scales in float32, as llama.cpp forms them."""
+    pair = pair.to(tl.int32)
+    dd = dd.to(tl.float32)
     return dd * ((pair << 24) >> 24).to(tl.float32), dd * (pair >> 8).to(tl.float32)
 
 
@@ -162,10 +176,7 @@ def _q6_scales(d_ptr, m_ptr, rows64, kb, mask, stride_d, FMT: tl.constexpr, MASK
     D (fp32, row stride stride_d / 16), in fp32 as llama.cpp forms them."""
     if FMT == 7:
         pair = _ld(d_ptr.to(tl.pointer_type(tl.int16)) + rows64 * (stride_d // 2) + kb, mask, MASKED, True)
-        pair = pair.to(tl.int32)
-        dd = _ld(m_ptr + rows64 * (stride_d // 16) + kb // 8, mask, MASKED, True).to(tl.float32)
-        d_lo = dd * ((pair << 24) >> 24).to(tl.float32)
-        d_hi = dd * (pair >> 8).to(tl.float32)
+        d_lo, d_hi = _q6k_decode(pair, _ld(m_ptr + rows64 * (stride_d // 16) + kb // 8, mask, MASKED, True))
     else:
         d_lo, d_hi = _ld_pair(d_ptr + rows64 * stride_d + kb * 2, mask, MASKED)
     return d_lo, d_hi
@@ -683,7 +694,7 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
                  M, N, K, stride_q, stride_d, ws_ptr, cnt_ptr, k_split, n_splits, shifts_ptr,
                  FMT: tl.constexpr, HAS_BIAS: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                 EVEN_K: tl.constexpr, WEIGHT_B: tl.constexpr, PDL: tl.constexpr):
+                 EVEN_K: tl.constexpr, WEIGHT_B: tl.constexpr, SKINNY: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -713,9 +724,8 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
     # dequantized tile through shared memory to the MMA (compile_check: 137 stores a K-step, 162
     # registers for Q6K; with the table 9 and 141)
     shifts = tl.load(shifts_ptr + (16 if FMT == 8 else 0) + tl.arange(0, 16))
-    # the skinny tiles (batched decode, M <= configs.SKINNY_M) load the quants block-major
-    # (_ld_blocks) and, for the 4-bit layouts, make one product a K-step (_dot_halves)
-    SKINNY: tl.constexpr = BLOCK_M <= 32
+    # SKINNY (the batched-decode tiles, BLOCK_M <= configs.SKINNY_M): the quants loaded
+    # block-major (_ld_blocks) and, for the 4-bit layouts, one product a K-step (_dot_halves);
     # K-quant super-block fields once a row (_q4k_tile_scales) where a K-step stays in one super-block
     SUPER_ONCE: tl.constexpr = SKINNY and 256 % BLOCK_K == 0
     for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -1038,7 +1048,8 @@ def _launch_gemm(x, w, bias, out, config):
                                     ws, cnt, k_split, splits, _shift_table(x.device),
                                     FMT=_FMT_CODE[w.fmt], HAS_BIAS=bias is not None,
                                     BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=splits > 1, EVEN_K=K % bk == 0,
-                                    WEIGHT_B=bool(cfg.get("WEIGHT_B", False)), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl())
+                                    WEIGHT_B=bool(cfg.get("WEIGHT_B", False)), SKINNY=bm <= configs.SKINNY_M,
+                                    num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl())
 
 
 def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
