@@ -124,24 +124,33 @@ def _q4k_decode(code, pair):
 
 
 @jit
-def _q4k_tile_scales(c_ptr, p_ptr, rows64, kb, k0, mask, rmask, stride_c):
-    """_q4k_scales for a GEMM tile whose sub-blocks kb [blocks] lie in one super-block (BLOCK_K
-    divides 256 and k0 is a multiple of it): the super-block's (D, DMIN) word is loaded once a row
-    [rows], not once a sub-block (4 identical 4-byte copies a row and K-step at BLOCK_K = 128,
-    a quarter of the pipeliner's copy instructions). Skinny products at 16 rows on an H200
-    (skinny_probe.py, 2026-11-28): 8B Q4_K gate|up 55.9 us against 60.0, down 33.0 against 34.5."""
-    code = _ld(c_ptr + rows64[:, None] * stride_c + kb[None, :], mask, True, True)
-    pair = _ld(p_ptr.to(tl.pointer_type(tl.int32)) + rows64 * (stride_c // 8) + k0 // 256, rmask, True, True)
-    return _q4k_decode(code, pair[:, None])
+def _q4k_tile_scales(c_ptr, p_ptr, rows64, kb, k0, mask, rmask, stride_c, SUPER_ONCE: tl.constexpr):
+    """A GEMM tile's Q4K scales and minimums (_q4k_scales) rounded to fp16, [rows, blocks, 1].
+    SUPER_ONCE: the tile's sub-blocks kb lie in one super-block (BLOCK_K divides 256 and k0 is a
+    multiple of it), whose (D, DMIN) word is loaded once a row, not once a sub-block (4 identical
+    4-byte copies a row and K-step at BLOCK_K = 128, a quarter of the pipeliner's copy
+    instructions). Skinny products at 16 rows on an H200 (skinny_probe.py, 2026-11-28): 8B Q4_K
+    gate|up 55.9 us against 60.0, down 33.0 against 34.5."""
+    if SUPER_ONCE:
+        code = _ld(c_ptr + rows64[:, None] * stride_c + kb[None, :], mask, True, True)
+        pair = _ld(p_ptr.to(tl.pointer_type(tl.int32)) + rows64 * (stride_c // 8) + k0 // 256, rmask, True, True)
+        dk, mk = _q4k_decode(code, pair[:, None])
+    else:
+        dk, mk = _q4k_scales(c_ptr, p_ptr, rows64[:, None], kb[None, :], mask, stride_c, True)
+    return dk.to(tl.float16)[:, :, None], mk.to(tl.float16)[:, :, None]
 
 
 @jit
-def _q6k_tile_scales(d_ptr, m_ptr, rows64, kb, k0, mask, rmask, stride_d):
-    """_q6_scales of Q6K for a GEMM tile whose sub-blocks kb lie in one super-block (as
-    _q4k_tile_scales): the super-block's D loaded once a row, not once a sub-block."""
-    pair = _ld(d_ptr.to(tl.pointer_type(tl.int16)) + rows64[:, None] * (stride_d // 2) + kb[None, :], mask, True,
-               True)
-    return _q6k_decode(pair, _ld(m_ptr + rows64 * (stride_d // 16) + k0 // 256, rmask, True, True)[:, None])
+def _q6k_tile_scales(d_ptr, m_ptr, rows64, kb, k0, mask, rmask, stride_d, SUPER_ONCE: tl.constexpr):
+    """A GEMM tile's Q6K block-half scales (_q6_scales) rounded to fp16, [rows, blocks]; SUPER_ONCE
+    as for _q4k_tile_scales: the super-block's D loaded once a row, not once a sub-block."""
+    if SUPER_ONCE:
+        pair = _ld(d_ptr.to(tl.pointer_type(tl.int16)) + rows64[:, None] * (stride_d // 2) + kb[None, :], mask,
+                   True, True)
+        d_lo, d_hi = _q6k_decode(pair, _ld(m_ptr + rows64 * (stride_d // 16) + k0 // 256, rmask, True, True)[:, None])
+    else:
+        d_lo, d_hi = _q6_scales(d_ptr, m_ptr, rows64[:, None], kb[None, :], mask, stride_d, 7, True)
+    return d_lo.to(tl.float16), d_hi.to(tl.float16)
 
 
 @jit
@@ -775,12 +784,7 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
                 t_hi = (t >> (sh + 4)) & 1
                 lo = ((q & 15).to(tl.int32) | (t_lo << 4) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
                 hi = ((q >> 4).to(tl.int32) | (t_hi << 4) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-                if SUPER_ONCE:
-                    dk, mk = _q4k_tile_scales(w_d, w_m, rn64, kb, k0, wm, nmask, stride_d)
-                else:
-                    dk, mk = _q4k_scales(w_d, w_m, rn64[:, None], kb[None, :], wm, stride_d, True)
-                dk = dk.to(tl.float16)[:, :, None]
-                mk = mk.to(tl.float16)[:, :, None]
+                dk, mk = _q4k_tile_scales(w_d, w_m, rn64, kb, k0, wm, nmask, stride_d, SUPER_ONCE)
                 lo = (lo - 1024.0) * dk + mk
                 hi = (hi - 1024.0) * dk + mk
                 acc = _dot_halves(lo, hi, xcol, k0, K, mmask, acc, BLOCK_N, BLOCK_K, WEIGHT_B, SKINNY)
@@ -808,12 +812,7 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
                 # load (copied ahead like the quants), split into each block's first and second half
                 pair = (kb * 2)[None, :, None] + tl.arange(0, 2)[None, None, :]
                 if FMT == 7:  # Q6K: the int8 codes times the super-block's D, rounded to fp16 here
-                    if SUPER_ONCE:
-                        d_lo, d_hi = _q6k_tile_scales(w_d, w_m, rn64, kb, k0, wm, nmask, stride_d)
-                    else:
-                        d_lo, d_hi = _q6_scales(w_d, w_m, rn64[:, None], kb[None, :], wm, stride_d, FMT, True)
-                    d_lo = d_lo.to(tl.float16)
-                    d_hi = d_hi.to(tl.float16)
+                    d_lo, d_hi = _q6k_tile_scales(w_d, w_m, rn64, kb, k0, wm, nmask, stride_d, SUPER_ONCE)
                 else:
                     d_lo, d_hi = tl.split(tl.load(w_d + rn64[:, None, None] * stride_d + pair, mask=wm[:, :, None],
                                                   other=0.0).to(tl.float16))
@@ -837,12 +836,7 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
                     lo = (lo - 1032.0) * d
                     hi = (hi - 1032.0) * d
                 elif FMT == 6:  # Q4K: each sub-block's scale and minimum from its codes (rounded to fp16 here)
-                    if SUPER_ONCE:
-                        dk, mk = _q4k_tile_scales(w_d, w_m, rn64, kb, k0, wm, nmask, stride_d)
-                    else:
-                        dk, mk = _q4k_scales(w_d, w_m, rn64[:, None], kb[None, :], wm, stride_d, True)
-                    dk = dk.to(tl.float16)[:, :, None]
-                    mk = mk.to(tl.float16)[:, :, None]
+                    dk, mk = _q4k_tile_scales(w_d, w_m, rn64, kb, k0, wm, nmask, stride_d, SUPER_ONCE)
                     lo = (lo - 1024.0) * dk + mk
                     hi = (hi - 1024.0) * dk + mk
                 else:
