@@ -120,6 +120,40 @@ def test_attention_rows_matches_reference(rng, H, HKV, D, window, splits):
     assert torch.equal(out[-1].float().cpu(), torch.zeros(H * D)), "a padding row's output is not zero"
 
 
+@pytest.mark.parametrize("H,HKV,D,window,splits,style,n_rot,ff,pos_scale", [
+    (4, 2, 16, 0, 1, "norm", None, False, 1.0), (6, 2, 24, 0, 3, "neox", 16, True, 1.0),
+    (4, 1, 16, 9, 2, "norm", 8, False, 2.0), (3, 3, 32, 0, 4, "neox", None, False, 1.0)])
+def test_attention_rows_with_rope_and_store(rng, H, HKV, D, window, splits, style, n_rot, ff, pos_scale):
+    """attention_rows given the rows' own k and v (new_k, new_v) and q unrotated does rope_qkv_cache's
+    rows-mode work itself: the same output as rope_qkv_cache then attention_rows, and the same
+    cache rows written (rotated k, v at base + pos; nothing for the padding row), from one q|k|v
+    buffer's views as the backend passes them."""
+    T = len(POS)
+    qkv = rand(rng, T, (H + 2 * HKV) * D)
+    q, k, v = qkv[:, :H * D], qkv[:, H * D:(H + HKV) * D], qkv[:, (H + HKV) * D:]
+    factors = torch.from_numpy(rng.uniform(1, 4, (n_rot or D) // 2).astype(np.float32)).to(DEV) if ff else None
+    rope = dict(theta=1e4, style=style, freq_factors=factors, n_rot=n_rot, pos_scale=pos_scale)
+    kc0, vc0 = rand(rng, SLOTS * CTX, HKV * D), rand(rng, SLOTS * CTX, HKV * D)
+    ws = K.decode_workspace(T, H, D, splits, DEV) if splits > 1 else None
+    # the reference: the two launches the backend made before
+    kc1, vc1, qo = kc0.clone(), vc0.clone(), poisoned((T, H * D))
+    K.rope_qkv_cache(q, k, v, kc1, vc1, 0, H, HKV, D, q_out=qo, positions=ints(POS), bases=ints(BASES), **rope)
+    want = poisoned((T, H * D))
+    K.attention_rows(qo, kc1, vc1, ints(POS), ints(BASES), H, HKV, 0.3, out=want, head_dim=D, window=window,
+                     n_splits=splits, workspace=ws)
+    kc2, vc2 = kc0.clone(), vc0.clone()
+    out = poisoned((T, H * D))
+    K.attention_rows(q, kc2, vc2, ints(POS), ints(BASES), H, HKV, 0.3, out=out, head_dim=D, window=window,
+                     n_splits=splits, workspace=ws, new_k=k, new_v=v, **rope)
+    close(out, want.float().cpu(), 3e-3, "attention_rows with rope")
+    assert torch.equal(out[-1].float().cpu(), torch.zeros(H * D)), "a padding row's output is not zero"
+    for got, ref_, what in ((kc2, kc1, "k cache"), (vc2, vc1, "v cache")):
+        diff = (got.float() - ref_.float()).abs().max(-1).values.cpu()
+        assert (diff <= 2e-3 * ref_.float().abs().max().item()).all(), f"{what}: rows differ {torch.nonzero(diff > 0)}"
+    # the written rows are the rotated keys and values themselves, all of them
+    assert not torch.equal(kc2, kc0)
+
+
 def _quantized(rng, fmt, n_out, n_in):
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize as gg_dequantize

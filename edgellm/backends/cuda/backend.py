@@ -345,6 +345,7 @@ class CudaProgram:
         self._rows_fused: dict[str, tuple[Op, Op, Op]] = {}  # rope_rows(q) -> (rope_rows(k), store k, store v)
         self._rows_qkv: dict[str, tuple[Op, Op, Op]] = {}  # linear q -> its (q, k, v) linears, one product
         self._rows_qkv_of: dict[str, str] = {}  # rope_rows(q) -> the linear q whose q|k|v buffer it reads
+        self._attn_rope: dict[str, str] = {}  # attention_rows -> the fused rope_rows(q) whose work it does
         self._host_positions = False
         self.delegated: list[str] = []
         # decode-stage fusions across ops (see _plan_decode_fusions); a rows program is a decode
@@ -578,6 +579,12 @@ class CudaProgram:
                     self._rows_qkv[lins[0].name] = tuple(lins)
                     self._rows_qkv_of[rq.name] = lins[0].name
                     self._absorbed.update({lins[1].name, lins[2].name})
+                    # and the rotation + store done by the attention kernel itself, which reads the
+                    # q|k|v buffer (outside the arena, so it outlives the rope op's place)
+                    if (os.environ.get("EDGELLM_ROWS_ROPE_IN_ATTENTION", "1") != "0"
+                            and rq.attrs.get("mscale", 1.0) == 1.0):
+                        self._attn_rope[att.name] = rq.name
+                        self._absorbed.add(rq.name)
 
     def _private_buffer(self, width: int) -> torch.Tensor:
         return self.backend.shared_buffer(("q", self.max_seq, width), lambda: torch.empty(
@@ -797,6 +804,27 @@ class CudaProgram:
             return lambda env, s, c: K.kv_store_rows(env[ins[0]], env[ins[1]], self.row_base, self.row_pos)
         ws: dict[tuple[int, int], tuple] = {}
         window = int(a.get("window", 0))
+        rq_name = self._attn_rope.get(op.name)
+        if rq_name is not None:  # RoPE and the K/V store in this kernel (_plan_rows_fusions)
+            rq = next(o for o in self.graph.ops if o.name == rq_name)
+            _, sk, sv = self._rows_fused[rq_name]
+            ra = rq.attrs
+            freqs = W.vector(self._wname(rq.inputs[2])) if len(rq.inputs) > 2 else None
+            rope = dict(theta=ra["theta"], style=ra["style"], freq_factors=freqs,
+                        n_rot=ra.get("rope_dim", ra["head_dim"]), pos_scale=ra.get("pos_scale", 1.0))
+            buf = self._qkv_buffer(self._rows_qkv_of[rq_name])
+            nq, nkv = a["n_heads"] * a["head_dim"], a["n_kv_heads"] * a["head_dim"]
+
+            def run_attention_rope(env, s, c):
+                n = self._splits
+                if n > 1 and (s, n) not in ws:
+                    ws[s, n] = K.decode_workspace(s, a["n_heads"], a["head_dim"], n, self.dev)
+                qkv = buf[:s]
+                K.attention_rows(qkv[:, :nq], env[sk.inputs[0]], env[sv.inputs[0]], self.row_pos, self.row_base,
+                                 a["n_heads"], a["n_kv_heads"], a["scale"], out=env[outs[0]], head_dim=a["head_dim"],
+                                 window=window, n_splits=n, workspace=ws.get((s, n)), new_k=qkv[:, nq:nq + nkv],
+                                 new_v=qkv[:, nq + nkv:], **rope)
+            return run_attention_rope
 
         def run_attention_rows(env, s, c):
             n = self._splits

@@ -27,6 +27,7 @@ import triton.language as tl
 from . import configs
 from ._common import check_2d, device_sm_count, int_or_tensor, jit, next_pow2, out_buffer, pdl, pdl_prologue
 from .norm import store_int8_tile
+from .rope import rope_cos_sin
 
 _LOG2E = 1.4426950408889634
 
@@ -320,14 +321,49 @@ def attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 # ---------------------------------------------------------------------------------------------
 
 @jit
+def _rope_tile(ptr, d, mask, pos, ff_ptr, log2_theta, pos_scale, N_ROT: tl.constexpr, NEOX: tl.constexpr,
+               HAS_FF: tl.constexpr, SCALED: tl.constexpr):
+    """RoPE of head vectors at ptr + d (ptr [heads, 1] or a scalar, d [1, BLOCK_D] columns; mask as
+    the load's) at position pos, in fp32: each element and its pair partner are loaded, rotated as
+    rope_qkv_cache rotates them; columns from N_ROT pass through."""
+    if NEOX:  # pairs (i, i + N_ROT / 2)
+        first = d < N_ROT // 2
+        i = tl.where(first, d, d - N_ROT // 2)
+        partner = tl.where(first, d + N_ROT // 2, d - N_ROT // 2)
+    else:  # pairs (2i, 2i + 1)
+        first = d % 2 == 0
+        i = d // 2
+        partner = tl.where(first, d + 1, d - 1)
+    rot = d < N_ROT
+    x = tl.load(ptr + d, mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(ptr + partner, mask=mask & rot, other=0.0).to(tl.float32)
+    if SCALED:
+        p = pos.to(tl.float32) * pos_scale
+    else:
+        p = pos
+    cs, sn = rope_cos_sin(p, i, rot, ff_ptr, log2_theta, N_ROT, HAS_FF)
+    return tl.where(rot, x * cs + tl.where(first, -xp, xp) * sn, x)
+
+
+@jit
 def _attn_rows_kernel(q_ptr, stride_q, kc_ptr, vc_ptr, stride_c, out_ptr, stride_o, po_ptr, pml_ptr,
                       pos_ptr, base_ptr, H, scale_log2, window,
+                      k_ptr, v_ptr, stride_kv, ff_ptr, log2_theta, pos_scale,
                       G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, N_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, PDL: tl.constexpr):
+                      BLOCK_N: tl.constexpr, N_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                      ROPE: tl.constexpr, N_ROT: tl.constexpr, NEOX: tl.constexpr, HAS_FF: tl.constexpr,
+                      SCALED: tl.constexpr, PDL: tl.constexpr):
     """Program (row, kv head, split): the G query heads of one row over its split of the row's own
     keys, cache rows base..base+pos. One split writes the normalised output; several write
     partials that _attn_decode_reduce_kernel combines (a split with no keys writes m = -inf,
-    l = 0, which the combine weighs 0). A padding row (pos < 0) has no keys: output 0."""
+    l = 0, which the combine weighs 0). A padding row (pos < 0) has no keys: output 0.
+
+    ROPE: q is the projection's, not yet rotated, and the row's own key and value (at pos) are not
+    in the cache yet: each program rotates its q heads and the row's key (k_ptr, v_ptr: the
+    projection's k and v, row stride stride_kv), takes keys below pos from the cache and the own
+    key from registers (in the split that holds pos), and split 0 stores the rotated key and the
+    value to cache row base + pos (rope_qkv_cache's rows-mode work, without its launch). No
+    program reads that row in this launch."""
     pdl_prologue(PDL)
     row = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -342,8 +378,12 @@ def _attn_rows_kernel(q_ptr, stride_q, kc_ptr, vc_ptr, stride_c, out_ptr, stride
     dm = d < HEAD_DIM
     qmask = rmask[:, None] & dm[None, :]
     row64 = row.to(tl.int64)
-    q = tl.load(q_ptr + row64 * stride_q + h[:, None] * HEAD_DIM + d[None, :], mask=qmask,
-                other=0.0).to(kc_ptr.dtype.element_ty)
+    if ROPE:
+        q = _rope_tile(q_ptr + row64 * stride_q + h[:, None] * HEAD_DIM, d[None, :], qmask, pos, ff_ptr,
+                       log2_theta, pos_scale, N_ROT, NEOX, HAS_FF, SCALED).to(kc_ptr.dtype.element_ty)
+    else:
+        q = tl.load(q_ptr + row64 * stride_q + h[:, None] * HEAD_DIM + d[None, :], mask=qmask,
+                    other=0.0).to(kc_ptr.dtype.element_ty)
     chunk = tl.cdiv(tl.cdiv(n_keys, N_SPLITS), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, n_keys)
@@ -353,8 +393,34 @@ def _attn_rows_kernel(q_ptr, stride_q, kc_ptr, vc_ptr, stride_c, out_ptr, stride
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     qpos = tl.zeros([BLOCK_M], dtype=tl.int32) + pos
-    acc, m_i, l_i = _attn_tiles(q, kc_ptr + base * stride_c, vc_ptr + base * stride_c, stride_c, kvh, lo, hi, qpos,
-                                scale_log2, window, acc, m_i, l_i, HEAD_DIM, BLOCK_D, BLOCK_N, HAS_WINDOW)
+    kbase = kc_ptr + base * stride_c
+    vbase = vc_ptr + base * stride_c
+    if ROPE:  # the keys below pos from the cache, the own key below
+        acc, m_i, l_i = _attn_tiles(q, kbase, vbase, stride_c, kvh, lo, tl.minimum(hi, pos), qpos, scale_log2,
+                                    window, acc, m_i, l_i, HEAD_DIM, BLOCK_D, BLOCK_N, HAS_WINDOW)
+        dm2 = dm[None, :]
+        kn = _rope_tile(k_ptr + row64 * stride_kv + kvh * HEAD_DIM, d[None, :], dm2, pos, ff_ptr, log2_theta,
+                        pos_scale, N_ROT, NEOX, HAS_FF, SCALED).to(kc_ptr.dtype.element_ty)
+        vn = tl.load(v_ptr + row64 * stride_kv + kvh * HEAD_DIM + d[None, :], mask=dm2,
+                     other=0.0).to(vc_ptr.dtype.element_ty)
+        own = (pos >= 0) & (pos >= lo) & (pos < hi)
+        # one more key, as _attn_tiles takes a tile: fp16 operands, fp32 sums, p rounded as v's type
+        s = tl.sum(q.to(tl.float32) * kn.to(tl.float32), axis=1) * scale_log2
+        s = tl.where(own & rmask, s, float("-inf"))
+        m_new = tl.maximum(m_i, s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe)
+        l_i = l_i * alpha + p
+        acc = acc * alpha[:, None] + p.to(vn.dtype).to(tl.float32)[:, None] * vn.to(tl.float32)
+        m_i = m_new
+        put = dm2 & (pos >= 0) & (split == 0)
+        crow = (base + tl.maximum(pos, 0)) * stride_c + kvh * HEAD_DIM
+        tl.store(kc_ptr + crow + d[None, :], kn, mask=put)
+        tl.store(vc_ptr + crow + d[None, :], vn, mask=put)
+    else:
+        acc, m_i, l_i = _attn_tiles(q, kbase, vbase, stride_c, kvh, lo, hi, qpos, scale_log2, window, acc, m_i, l_i,
+                                    HEAD_DIM, BLOCK_D, BLOCK_N, HAS_WINDOW)
     if N_SPLITS == 1:
         res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + row64 * stride_o + h[:, None] * HEAD_DIM + d[None, :],
@@ -381,20 +447,41 @@ def rows_splits(q: torch.Tensor, n_rows: int, n_kv_heads: int, max_keys: int, co
 def attention_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
                    bases: torch.Tensor, n_heads: int, n_kv_heads: int, scale: float | None = None,
                    out: torch.Tensor | None = None, *, head_dim: int | None = None, window: int = 0,
-                   n_splits: int = 1, workspace=None, config: dict | None = None) -> torch.Tensor:
+                   n_splits: int = 1, workspace=None, config: dict | None = None,
+                   new_k: torch.Tensor | None = None, new_v: torch.Tensor | None = None, theta: float = 10000.0,
+                   style: str = "norm", freq_factors: torch.Tensor | None = None, n_rot: int | None = None,
+                   pos_scale: float = 1.0) -> torch.Tensor:
     """Decode attention of T rows, each a different sequence (the attention_rows op): q row t
     (q [T, n_heads*head_dim]) attends to cache rows bases[t] .. bases[t] + positions[t] (its own
     slot, up to and including its own position; window > 0: only the last `window` of them).
     positions and bases are int32/int64 device tensors of at least T entries (read by the kernel,
     so a CUDA graph replays any values); a row with positions[t] < 0 is padding and gets zeros.
     n_splits > 1 cuts each row's keys into that many chunks (flash-decoding) and needs a
-    workspace from decode_workspace(T, n_heads, head_dim, n_splits)."""
-    from .rope import _check_rows
+    workspace from decode_workspace(T, n_heads, head_dim, n_splits).
+
+    new_k, new_v ([T, n_kv_heads*head_dim], a row stride of their own; e.g. views of a q|k|v
+    projection): the rows' own keys and values, not yet in the cache, and q not yet rotated. The
+    kernel then does rope_qkv_cache's rows-mode work too (RoPE of q and k as theta, style,
+    freq_factors, n_rot and pos_scale say; k and v stored at cache row bases[t] + positions[t])."""
+    from .rope import _check_rows, _rope_args
 
     H, HKV, D = _check_attn(q, k_cache, v_cache, n_heads, n_kv_heads, head_dim)
     T = q.shape[0]
     G = H // HKV
     _check_rows(T, q, positions=positions, bases=bases)
+    rope = new_k is not None or new_v is not None
+    if rope:
+        if new_k is None or new_v is None:
+            raise ValueError("attention_rows: give both new_k and new_v, or neither")
+        for name, t in (("new_k", new_k), ("new_v", new_v)):
+            check_2d(t, name)
+            if t.shape[0] < T or t.shape[1] != HKV * D:
+                raise ValueError(f"attention_rows {name} has shape {tuple(t.shape)}, expected ({T}, {HKV * D})")
+        if new_k.stride(0) != new_v.stride(0):
+            raise ValueError("attention_rows: new_k and new_v must share a row stride")
+        n_rot = _rope_args(D, n_rot, style, freq_factors)
+    else:
+        n_rot = D
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     out = out_buffer(out, (T, H * D), q.dtype, q.device)
     n_splits = max(1, int(n_splits))
@@ -410,8 +497,14 @@ def attention_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         po = pml = out
     _attn_rows_kernel[(T, HKV, n_splits)](q, q.stride(0), k_cache, v_cache, k_cache.stride(0), out, out.stride(0),
                                           po, pml, positions, bases, H, scale * _LOG2E, int(window),
+                                          new_k if rope else q, new_v if rope else q,
+                                          new_k.stride(0) if rope else 0,
+                                          freq_factors if freq_factors is not None else q, math.log2(theta),
+                                          float(pos_scale),
                                           G=G, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=max(16, next_pow2(G)),
                                           BLOCK_N=cfg["BLOCK_N"], N_SPLITS=n_splits, HAS_WINDOW=window > 0,
+                                          ROPE=rope, N_ROT=n_rot, NEOX=style == "neox",
+                                          HAS_FF=freq_factors is not None, SCALED=pos_scale != 1.0,
                                           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl())
     if n_splits > 1:
         # every split wrote its partial (empty ones m = -inf): combine all of them, which the
