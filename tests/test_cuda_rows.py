@@ -120,6 +120,34 @@ def test_attention_rows_matches_reference(rng, H, HKV, D, window, splits):
     assert torch.equal(out[-1].float().cpu(), torch.zeros(H * D)), "a padding row's output is not zero"
 
 
+def test_attention_rows_splits_combined_in_the_kernel(rng, monkeypatch):
+    """Split attention_rows combined by each (row, kv head)'s last split program, against the
+    reduce kernel's combine (EDGELLM_ROWS_ATTN_COMBINE=0) and the reference; run twice, and the
+    counters are left zero for the next launch."""
+    import importlib
+
+    att = importlib.import_module("edgellm.backends.cuda.kernels.attention")
+    H, HKV, D, splits = 4, 2, 16, 5
+    T = len(POS)
+    kc, vc = rand(rng, SLOTS * CTX, HKV * D), rand(rng, SLOTS * CTX, HKV * D)
+    q = rand(rng, T, H * D)
+    ws = K.decode_workspace(T, H, D, splits, DEV)
+    outs = {}
+    for combine in ("0", "1", "1"):
+        monkeypatch.setenv("EDGELLM_ROWS_ATTN_COMBINE", combine)
+        out = poisoned((T, H * D))
+        K.attention_rows(q, kc, vc, ints(POS), ints(BASES), H, HKV, 0.3, out=out, head_dim=D, n_splits=splits,
+                         workspace=ws)
+        outs.setdefault(combine, []).append(out.float().cpu())
+    want = ref("attention_rows", [q[:-1], kc, vc, ints(BASES[:-1]), ints(POS[:-1])], n_heads=H, n_kv_heads=HKV,
+               head_dim=D, scale=0.3)
+    for got in outs["1"]:
+        close(got[:-1], want, 3e-3, "combined in the kernel")
+        assert torch.equal(got[-1], torch.zeros(H * D)), "a padding row's output is not zero"
+        assert (got - outs["0"][0]).abs().max().item() < 1e-3
+    assert not att._split_counters(DEV, T * HKV).any(), "the combine left its counters dirty"
+
+
 @pytest.mark.parametrize("H,HKV,D,window,splits,style,n_rot,ff,pos_scale", [
     (4, 2, 16, 0, 1, "norm", None, False, 1.0), (6, 2, 24, 0, 3, "neox", 16, True, 1.0),
     (4, 1, 16, 9, 2, "norm", 8, False, 2.0), (3, 3, 32, 0, 4, "neox", None, False, 1.0)])

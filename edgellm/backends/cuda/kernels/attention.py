@@ -321,11 +321,12 @@ def attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 # ---------------------------------------------------------------------------------------------
 
 @jit
-def _rope_tile(ptr, d, mask, pos, ff_ptr, log2_theta, pos_scale, N_ROT: tl.constexpr, NEOX: tl.constexpr,
+def _rope_cols(pos, ff_ptr, log2_theta, pos_scale, BLOCK_D: tl.constexpr, N_ROT: tl.constexpr, NEOX: tl.constexpr,
                HAS_FF: tl.constexpr, SCALED: tl.constexpr):
-    """RoPE of head vectors at ptr + d (ptr [heads, 1] or a scalar, d [1, BLOCK_D] columns; mask as
-    the load's) at position pos, in fp32: each element and its pair partner are loaded, rotated as
-    rope_qkv_cache rotates them; columns from N_ROT pass through."""
+    """Per column d of a head (1-D, BLOCK_D): its pair partner, whether it is the pair's first, and
+    cos / sin of its pair's angle at position pos (1 and 0 from column N_ROT: not rotated), as
+    rope_qkv_cache rotates. Computed once a program for its q heads and its key alike."""
+    d = tl.arange(0, BLOCK_D)
     if NEOX:  # pairs (i, i + N_ROT / 2)
         first = d < N_ROT // 2
         i = tl.where(first, d, d - N_ROT // 2)
@@ -335,28 +336,40 @@ def _rope_tile(ptr, d, mask, pos, ff_ptr, log2_theta, pos_scale, N_ROT: tl.const
         i = d // 2
         partner = tl.where(first, d + 1, d - 1)
     rot = d < N_ROT
-    x = tl.load(ptr + d, mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(ptr + partner, mask=mask & rot, other=0.0).to(tl.float32)
     if SCALED:
         p = pos.to(tl.float32) * pos_scale
     else:
         p = pos
-    cs, sn = rope_cos_sin(p, i, rot, ff_ptr, log2_theta, N_ROT, HAS_FF)
-    return tl.where(rot, x * cs + tl.where(first, -xp, xp) * sn, x)
+    cs, sn = rope_cos_sin(p, tl.where(rot, i, 0), rot, ff_ptr, log2_theta, N_ROT, HAS_FF)
+    cs = tl.where(rot, cs, 1.0)
+    sn = tl.where(rot, tl.where(first, -sn, sn), 0.0)  # the sign of the partner's term folded in
+    return tl.where(rot, partner, d), cs, sn
+
+
+@jit
+def _rope_tile(ptr, mask, partner, cs, sn, BLOCK_D: tl.constexpr):
+    """RoPE of head vectors at ptr + columns (ptr [heads, 1] or a scalar; mask [.., BLOCK_D] as the
+    load's) with _rope_cols' partner, cos and signed sin: x * cos + x[partner] * sin, in fp32."""
+    d = tl.arange(0, BLOCK_D)[None, :]
+    x = tl.load(ptr + d, mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(ptr + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    return x * cs[None, :] + xp * sn[None, :]
 
 
 @jit
 def _attn_rows_kernel(q_ptr, stride_q, kc_ptr, vc_ptr, stride_c, out_ptr, stride_o, po_ptr, pml_ptr,
                       pos_ptr, base_ptr, H, scale_log2, window,
-                      k_ptr, v_ptr, stride_kv, ff_ptr, log2_theta, pos_scale,
+                      k_ptr, v_ptr, stride_kv, ff_ptr, log2_theta, pos_scale, cnt_ptr,
                       G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, N_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                      BLOCK_N: tl.constexpr, N_SPLITS: tl.constexpr, COMBINE: tl.constexpr, HAS_WINDOW: tl.constexpr,
                       ROPE: tl.constexpr, N_ROT: tl.constexpr, NEOX: tl.constexpr, HAS_FF: tl.constexpr,
                       SCALED: tl.constexpr, PDL: tl.constexpr):
     """Program (row, kv head, split): the G query heads of one row over its split of the row's own
     keys, cache rows base..base+pos. One split writes the normalised output; several write
     partials that _attn_decode_reduce_kernel combines (a split with no keys writes m = -inf,
-    l = 0, which the combine weighs 0). A padding row (pos < 0) has no keys: output 0.
+    l = 0, which the combine weighs 0), or with COMBINE the last split program of the (row, kv
+    head) to finish (cnt_ptr: one int32 counter each, zero between launches). A padding row
+    (pos < 0) has no keys: output 0.
 
     ROPE: q is the projection's, not yet rotated, and the row's own key and value (at pos) are not
     in the cache yet: each program rotates its q heads and the row's key (k_ptr, v_ptr: the
@@ -379,8 +392,9 @@ def _attn_rows_kernel(q_ptr, stride_q, kc_ptr, vc_ptr, stride_c, out_ptr, stride
     qmask = rmask[:, None] & dm[None, :]
     row64 = row.to(tl.int64)
     if ROPE:
-        q = _rope_tile(q_ptr + row64 * stride_q + h[:, None] * HEAD_DIM, d[None, :], qmask, pos, ff_ptr,
-                       log2_theta, pos_scale, N_ROT, NEOX, HAS_FF, SCALED).to(kc_ptr.dtype.element_ty)
+        partner, cs, sn = _rope_cols(pos, ff_ptr, log2_theta, pos_scale, BLOCK_D, N_ROT, NEOX, HAS_FF, SCALED)
+        q = _rope_tile(q_ptr + row64 * stride_q + h[:, None] * HEAD_DIM, qmask, partner, cs, sn,
+                       BLOCK_D).to(kc_ptr.dtype.element_ty)
     else:
         q = tl.load(q_ptr + row64 * stride_q + h[:, None] * HEAD_DIM + d[None, :], mask=qmask,
                     other=0.0).to(kc_ptr.dtype.element_ty)
@@ -399,8 +413,8 @@ def _attn_rows_kernel(q_ptr, stride_q, kc_ptr, vc_ptr, stride_c, out_ptr, stride
         acc, m_i, l_i = _attn_tiles(q, kbase, vbase, stride_c, kvh, lo, tl.minimum(hi, pos), qpos, scale_log2,
                                     window, acc, m_i, l_i, HEAD_DIM, BLOCK_D, BLOCK_N, HAS_WINDOW)
         dm2 = dm[None, :]
-        kn = _rope_tile(k_ptr + row64 * stride_kv + kvh * HEAD_DIM, d[None, :], dm2, pos, ff_ptr, log2_theta,
-                        pos_scale, N_ROT, NEOX, HAS_FF, SCALED).to(kc_ptr.dtype.element_ty)
+        kn = _rope_tile(k_ptr + row64 * stride_kv + kvh * HEAD_DIM, dm2, partner, cs, sn,
+                        BLOCK_D).to(kc_ptr.dtype.element_ty)
         vn = tl.load(v_ptr + row64 * stride_kv + kvh * HEAD_DIM + d[None, :], mask=dm2,
                      other=0.0).to(vc_ptr.dtype.element_ty)
         own = (pos >= 0) & (pos >= lo) & (pos < hi)
@@ -430,17 +444,88 @@ def _attn_rows_kernel(q_ptr, stride_q, kc_ptr, vc_ptr, stride_c, out_ptr, stride
         tl.store(po_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=qmask)
         tl.store(pml_ptr + part * 2, m_i, mask=rmask)
         tl.store(pml_ptr + part * 2 + 1, l_i, mask=rmask)
+        if COMBINE:
+            # the program that counts its (row, kv head)'s splits complete combines their partials
+            # from L2 in split order (the result does not depend on which finished last), writes
+            # the output and zeroes its counter for the next launch: no reduce kernel
+            tl.debug_barrier()  # every thread's stores come before the counter's release
+            cnt = cnt_ptr + row * tl.num_programs(1) + kvh
+            done = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+            if done == N_SPLITS - 1:
+                first = ((row64 * H + h) * N_SPLITS).to(tl.int64)
+                m_all = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+                for sp in range(0, N_SPLITS):
+                    m_all = tl.maximum(m_all, tl.load(pml_ptr + (first + sp) * 2, mask=rmask, other=float("-inf"),
+                                                      cache_modifier=".cg"))
+                m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
+                o = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+                total = tl.zeros([BLOCK_M], dtype=tl.float32)
+                for sp in range(0, N_SPLITS):
+                    ps = first + sp
+                    w = tl.exp2(tl.load(pml_ptr + ps * 2, mask=rmask, other=float("-inf"), cache_modifier=".cg")
+                                - m_all)
+                    total += w * tl.load(pml_ptr + ps * 2 + 1, mask=rmask, other=0.0, cache_modifier=".cg")
+                    o += w[:, None] * tl.load(po_ptr + ps[:, None] * HEAD_DIM + d[None, :], mask=qmask, other=0.0,
+                                              cache_modifier=".cg")
+                res = o / tl.where(total > 0, total, 1.0)[:, None]
+                tl.store(out_ptr + row64 * stride_o + h[:, None] * HEAD_DIM + d[None, :],
+                         res.to(out_ptr.dtype.element_ty), mask=qmask)
+                tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
+
+
+def _rows_combine_in_kernel() -> bool:
+    """Whether attention_rows' splits are combined by their last program (EDGELLM_ROWS_ATTN_COMBINE=0:
+    by the reduce kernel, one launch more)."""
+    import os
+
+    return os.environ.get("EDGELLM_ROWS_ATTN_COMBINE", "1") != "0"
+
+
+_counters: dict[tuple, torch.Tensor] = {}
+_ones_cache: dict[tuple, torch.Tensor] = {}
+
+
+def _ones(dev: torch.device, n: int) -> torch.Tensor:
+    """A float32 tensor of n ones on dev, made once (a CUDA graph keeps its address)."""
+    key = (str(torch.device(dev)), n)
+    t = _ones_cache.get(key)
+    if t is None:
+        t = _ones_cache[key] = torch.ones(n, dtype=torch.float32, device=dev)
+    return t
+
+
+_N_COUNTERS = 1 << 16
+
+
+def _split_counters(dev: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 counters (_N_COUNTERS, at least n), one buffer per device made once (a CUDA graph
+    keeps its address), shared by the launches (each leaves its counters zero). Keyed by device
+    index: "cuda" and "cuda:0" are one device."""
+    if n > _N_COUNTERS:
+        raise ValueError(f"attention_rows: {n} (row, kv head) pairs split, at most {_N_COUNTERS}")
+    dev = torch.device(dev)
+    index = dev.index if dev.index is not None or dev.type != "cuda" else torch.cuda.current_device()
+    t = _counters.get((dev.type, index))
+    if t is None:
+        t = _counters[(dev.type, index)] = torch.zeros(_N_COUNTERS, dtype=torch.int32, device=dev)
+    return t
 
 
 def rows_splits(q: torch.Tensor, n_rows: int, n_kv_heads: int, max_keys: int, config: dict | None = None) -> int:
     """Context splits of an attention_rows step whose longest row attends to max_keys keys: one
-    per ATTN_DECODE_KEYS_PER_SPLIT keys, but no more than fills about two programs per SM
-    (rows x kv heads x splits). A CUDA graph is captured per (rows, splits)."""
+    per configs.ROWS_ATTN_KEYS_PER_SPLIT keys, but no more than fills about
+    configs.ROWS_ATTN_PROGRAMS_PER_SM programs per SM (rows x kv heads x splits); the environment's
+    EDGELLM_ROWS_ATTN_KEYS and EDGELLM_ROWS_ATTN_PER_SM override them. A CUDA graph is captured
+    per (rows, splits)."""
+    import os
+
     cfg = {**configs.ATTN_DECODE_DEFAULT, **(config or {})}
     if cfg.get("n_splits"):
         return int(cfg["n_splits"])
-    want = triton.cdiv(max(int(max_keys), 1), configs.ATTN_DECODE_KEYS_PER_SPLIT)
-    cap = max(1, triton.cdiv(2 * device_sm_count(q), max(1, n_rows * n_kv_heads)))
+    per = int(os.environ.get("EDGELLM_ROWS_ATTN_KEYS", configs.ROWS_ATTN_KEYS_PER_SPLIT))
+    per_sm = float(os.environ.get("EDGELLM_ROWS_ATTN_PER_SM", configs.ROWS_ATTN_PROGRAMS_PER_SM))
+    want = triton.cdiv(max(int(max_keys), 1), max(1, per))
+    cap = max(1, math.ceil(per_sm * device_sm_count(q) / max(1, n_rows * n_kv_heads)))
     return max(1, min(want, cap, 128))
 
 
@@ -480,6 +565,12 @@ def attention_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         if new_k.stride(0) != new_v.stride(0):
             raise ValueError("attention_rows: new_k and new_v must share a row stride")
         n_rot = _rope_args(D, n_rot, style, freq_factors)
+        if freq_factors is None:
+            # factors of 1 (exact): their load keeps the cos / sin at one column a thread; computed
+            # from arange alone, Triton computed them in the q tile's layout, 16 columns a thread
+            # with libdevice's slow-path local arrays (compile_check attn-rows-rope: 765 IMAD, 103
+            # local loads against 174 and 6)
+            freq_factors = _ones(q.device, n_rot // 2)
     else:
         n_rot = D
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
@@ -489,10 +580,14 @@ def attention_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         return out
     cfg = {**configs.ATTN_DECODE_DEFAULT, **(config or {})}
     block_d = max(16, next_pow2(D))
+    combine = n_splits > 1 and _rows_combine_in_kernel()
+    cnt = out
     if n_splits > 1:
         po, pml = workspace if workspace is not None else decode_workspace(T, H, D, n_splits, q.device)
         if po.numel() < T * H * n_splits * D or pml.numel() < T * H * n_splits * 2:
             raise ValueError("attention_rows workspace is too small; make it with decode_workspace()")
+        if combine:
+            cnt = _split_counters(q.device, T * HKV)
     else:
         po = pml = out
     _attn_rows_kernel[(T, HKV, n_splits)](q, q.stride(0), k_cache, v_cache, k_cache.stride(0), out, out.stride(0),
@@ -500,13 +595,14 @@ def attention_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                                           new_k if rope else q, new_v if rope else q,
                                           new_k.stride(0) if rope else 0,
                                           freq_factors if freq_factors is not None else q, math.log2(theta),
-                                          float(pos_scale),
+                                          float(pos_scale), cnt,
                                           G=G, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=max(16, next_pow2(G)),
-                                          BLOCK_N=cfg["BLOCK_N"], N_SPLITS=n_splits, HAS_WINDOW=window > 0,
+                                          BLOCK_N=cfg["BLOCK_N"], N_SPLITS=n_splits, COMBINE=combine,
+                                          HAS_WINDOW=window > 0,
                                           ROPE=rope, N_ROT=n_rot, NEOX=style == "neox",
                                           HAS_FF=freq_factors is not None, SCALED=pos_scale != 1.0,
                                           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl())
-    if n_splits > 1:
+    if n_splits > 1 and not combine:
         # every split wrote its partial (empty ones m = -inf): combine all of them, which the
         # reduce kernel does for a "sequence length" of n_splits tiles
         _attn_decode_reduce_kernel[(T * H,)](po, pml, out, out.stride(0), out, n_splits * cfg["BLOCK_N"], H,

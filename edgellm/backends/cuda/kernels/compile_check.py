@@ -190,6 +190,19 @@ def _cases():
     yield "attn-rows-split", lambda: attention_rows(q32, kc, kc, rows, rows, 32, 8, n_splits=4,
                                                     workspace=decode_workspace(32, 32, 128, 4, "cpu"))
     yield "attn-rows-window", lambda: attention_rows(q32, kc, kc, rows, rows, 32, 8, window=512)
+    # RoPE and the K/V store in the attention kernel, from a q|k|v buffer's views (the backend's form)
+    qkv32 = torch.empty(32, 6144, dtype=h16)
+    yield "attn-rows-rope", lambda: attention_rows(qkv32[:, :4096], kc, kc, rows, rows, 32, 8, new_k=qkv32[:, 4096:5120],
+                                                   new_v=qkv32[:, 5120:], theta=5e5)
+    yield "attn-rows-rope-split", lambda: attention_rows(qkv32[:, :4096], kc, kc, rows, rows, 32, 8, n_splits=4,
+                                                         workspace=decode_workspace(32, 32, 128, 4, "cpu"),
+                                                         new_k=qkv32[:, 4096:5120], new_v=qkv32[:, 5120:], theta=5e5,
+                                                         freq_factors=torch.empty(64), style="neox")
+    yield "attn-rows-rope-neox", lambda: attention_rows(qkv32[:, :4096], kc, kc, rows, rows, 32, 8, new_k=qkv32[:, 4096:5120],
+                                                        new_v=qkv32[:, 5120:], theta=5e5, style="neox")
+    yield "attn-rows-rope-norm-split", lambda: attention_rows(qkv32[:, :4096], kc, kc, rows, rows, 32, 8, n_splits=4,
+                                                              workspace=decode_workspace(32, 32, 128, 4, "cpu"),
+                                                              new_k=qkv32[:, 4096:5120], new_v=qkv32[:, 5120:], theta=5e5)
 
 
 def main(argv=None) -> int:

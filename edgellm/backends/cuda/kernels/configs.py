@@ -347,6 +347,11 @@ ROPE_DEFAULT = dict(num_warps=1)
 # per KV head (no combine kernel); each further such run of keys adds a split. The decode CUDA
 # graph is captured once per bucket (split count).
 ATTN_DECODE_KEYS_PER_SPLIT = 512
+# A rows step's attention (batched decode, one program per row, kv head and split): keys per split
+# and the programs per SM the splits may fill (as ATTN_DECODE_KEYS_PER_SPLIT until measured with
+# the splits combined in the kernel; kernels/attention.py rows_splits)
+ROWS_ATTN_KEYS_PER_SPLIT = 512
+ROWS_ATTN_PROGRAMS_PER_SM = 2.0
 ATTN_DECODE_DEFAULT = dict(BLOCK_N=64, num_warps=4, num_stages=2, n_splits=None)
 ATTN_DECODE_CANDIDATES = [dict(BLOCK_N=bn, num_warps=w, num_stages=s, n_splits=ns)
                           for bn in (32, 64, 128) for w in (2, 4, 8) for s in (1, 2, 3) for ns in (None, 16, 32, 64)]
