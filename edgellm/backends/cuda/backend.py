@@ -777,14 +777,12 @@ class CudaProgram:
     def _lower_rows(self, op: Op) -> Callable:
         """The row-wise ops of a rows program: positions and slot bases come from the program's
         device tensors row_pos / row_base (set by run), so a captured graph replays any of them."""
-        K, W, a = self.K, self.backend.weights, op.attrs
+        K, a = self.K, op.attrs
         ins, outs = op.inputs, op.outputs
         if op.kind == "rope_rows":
             if a.get("mscale", 1.0) != 1.0:
                 raise GraphError(f"cuda: op '{op.name}' uses a long-RoPE attention factor, which the rope kernel lacks")
-            freqs = W.vector(self._wname(ins[2])) if len(ins) > 2 else None
-            rope = dict(theta=a["theta"], style=a["style"], freq_factors=freqs, n_rot=a.get("rope_dim", a["head_dim"]),
-                        pos_scale=a.get("pos_scale", 1.0))
+            rope = self._rows_rope_args(op)
             fused = self._rows_fused.get(op.name)
             if fused is None:
                 return lambda env, s, c: K.rope_rows(env[ins[0]], self.row_pos, a["n_heads"], a["head_dim"],
@@ -805,35 +803,36 @@ class CudaProgram:
         ws: dict[tuple[int, int], tuple] = {}
         window = int(a.get("window", 0))
         rq_name = self._attn_rope.get(op.name)
-        if rq_name is not None:  # RoPE and the K/V store in this kernel (_plan_rows_fusions)
-            rq = next(o for o in self.graph.ops if o.name == rq_name)
+        if rq_name is None:
+            def operands(env, s):
+                return env[ins[0]], env[ins[1]], env[ins[2]], {}
+        else:  # RoPE and the K/V store in this kernel, from the q|k|v buffer (_plan_rows_fusions)
+            rope = self._rows_rope_args(next(o for o in self.graph.ops if o.name == rq_name))
             _, sk, sv = self._rows_fused[rq_name]
-            ra = rq.attrs
-            freqs = W.vector(self._wname(rq.inputs[2])) if len(rq.inputs) > 2 else None
-            rope = dict(theta=ra["theta"], style=ra["style"], freq_factors=freqs,
-                        n_rot=ra.get("rope_dim", ra["head_dim"]), pos_scale=ra.get("pos_scale", 1.0))
             buf = self._qkv_buffer(self._rows_qkv_of[rq_name])
             nq, nkv = a["n_heads"] * a["head_dim"], a["n_kv_heads"] * a["head_dim"]
 
-            def run_attention_rope(env, s, c):
-                n = self._splits
-                if n > 1 and (s, n) not in ws:
-                    ws[s, n] = K.decode_workspace(s, a["n_heads"], a["head_dim"], n, self.dev)
+            def operands(env, s):
                 qkv = buf[:s]
-                K.attention_rows(qkv[:, :nq], env[sk.inputs[0]], env[sv.inputs[0]], self.row_pos, self.row_base,
-                                 a["n_heads"], a["n_kv_heads"], a["scale"], out=env[outs[0]], head_dim=a["head_dim"],
-                                 window=window, n_splits=n, workspace=ws.get((s, n)), new_k=qkv[:, nq:nq + nkv],
-                                 new_v=qkv[:, nq + nkv:], **rope)
-            return run_attention_rope
+                return (qkv[:, :nq], env[sk.inputs[0]], env[sv.inputs[0]],
+                        dict(rope, new_k=qkv[:, nq:nq + nkv], new_v=qkv[:, nq + nkv:]))
 
         def run_attention_rows(env, s, c):
             n = self._splits
             if n > 1 and (s, n) not in ws:
                 ws[s, n] = K.decode_workspace(s, a["n_heads"], a["head_dim"], n, self.dev)
-            K.attention_rows(env[ins[0]], env[ins[1]], env[ins[2]], self.row_pos, self.row_base, a["n_heads"],
-                             a["n_kv_heads"], a["scale"], out=env[outs[0]], head_dim=a["head_dim"], window=window,
-                             n_splits=n, workspace=ws.get((s, n)))
+            q, kc, vc, extra = operands(env, s)
+            K.attention_rows(q, kc, vc, self.row_pos, self.row_base, a["n_heads"], a["n_kv_heads"], a["scale"],
+                             out=env[outs[0]], head_dim=a["head_dim"], window=window, n_splits=n,
+                             workspace=ws.get((s, n)), **extra)
         return run_attention_rows
+
+    def _rows_rope_args(self, rope_op: Op) -> dict:
+        """A rope_rows op's rotation as the rope and attention kernels take it (keyword arguments)."""
+        a, ins = rope_op.attrs, rope_op.inputs
+        freqs = self.backend.weights.vector(self._wname(ins[2])) if len(ins) > 2 else None
+        return dict(theta=a["theta"], style=a["style"], freq_factors=freqs, n_rot=a.get("rope_dim", a["head_dim"]),
+                    pos_scale=a.get("pos_scale", 1.0))
 
     def _qkv_buffer(self, lin_q: str) -> torch.Tensor:
         """The q|k|v product of a rows layer: outside the arena (the memory plan knows three
