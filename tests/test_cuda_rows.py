@@ -308,6 +308,53 @@ def test_skinny_linear_every_tune_candidate_kquants(rng, monkeypatch, fmt):
     _check_candidates(x, pw, want, cands, fmt)
 
 
+def _native(rng, monkeypatch, fmt, n_out, n_in):
+    """A weight packed in its native layout (K-quants quantized by edgellm.quant, which gguf's
+    writer lacks) and its float64 dequantization by gguf's reader."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gg_dequantize
+
+    from edgellm.quant import quantize as eq_quantize
+
+    monkeypatch.setenv("EDGELLM_KQUANTS", "native")
+    w = rng.standard_normal((n_out, n_in)).astype(np.float32) * 0.1
+    if fmt == "F16":
+        raw, want_w = w.astype(np.float16), w.astype(np.float16).astype(np.float64)
+    else:
+        raw = eq_quantize(w, fmt)
+        want_w = gg_dequantize(raw, GGMLQuantizationType[fmt]).astype(np.float64)
+    return K.repack(raw, fmt, (n_out, n_in), device=DEV), want_w
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_K", "Q6_K", "F16"])
+@pytest.mark.parametrize("cfg", [dict(BLOCK_N=32, BLOCK_K=64, SPLIT_K=1), dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=3)])
+def test_skinny_swiglu_in_the_gemm_epilogue(rng, monkeypatch, fmt, cfg):
+    """A batched decode step's gate|up product with SiLU(gate) * up in its epilogue (each tile holds
+    gate row c and up row c side by side): against float64 on the dequantized weights, F (the
+    output width) no tile multiple, split-K and not, every output element written; run twice, the
+    split-K counters left zero; and the same as the product followed by silu_mul
+    (EDGELLM_SKINNY_GLU=0)."""
+    import importlib
+
+    linear_mod = importlib.import_module("edgellm.backends.cuda.kernels.linear")
+    F, n_in, M = 44, 768, 13
+    pw, want_w = _native(rng, monkeypatch, fmt, 2 * F, n_in)
+    x = rand(rng, M, n_in)
+    gu = x.double().cpu().numpy() @ want_w.T
+    want = torch.from_numpy(gu[:, :F] / (1.0 + np.exp(-gu[:, :F])) * gu[:, F:])
+    full = dict(BLOCK_M=16, num_warps=4, num_stages=3, **cfg)
+    for rep in range(2):
+        out = poisoned((M, F))
+        K.linear_silu_mul(x, pw, out=out, config=full, decode_max_tokens=4)
+        close(out, want, 3e-3, f"{fmt} {cfg} run {rep}")
+    _, cnt = linear_mod._splitk_workspace(DEV, M * 2 * F)
+    assert not cnt.any(), "split-K left its tile counters dirty"
+    monkeypatch.setenv("EDGELLM_SKINNY_GLU", "0")
+    apart = poisoned((M, F))
+    K.linear_silu_mul(x, pw, out=apart, config=full, decode_max_tokens=4)
+    assert (apart.float() - out.float()).abs().max().item() <= 2e-3 * want.abs().max().item()
+
+
 # -- the rows program of a tiny model on the cuda backend -----------------------------------------
 import edgellm  # noqa: E402
 from edgellm.sampling import SamplingParams  # noqa: E402

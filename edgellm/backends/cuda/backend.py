@@ -866,7 +866,7 @@ class CudaProgram:
         # tuned GEMV tiles are for the single-token program; a rows program's steps of more than
         # gemv_max rows take the skinny GEMM, tuned per row count (cfg_at: the config of a step of s rows)
         cfg = self._tuned_gemv(op, w, i8) if self.decode_stage and not self.rows_mode else None
-        skinny = self._tuned_skinny(w)
+        skinny = self._tuned_skinny(w, kind == "linear_swiglu")
 
         def cfg_at(s: int) -> dict | None:
             return skinny.get(s, cfg)
@@ -938,23 +938,25 @@ class CudaProgram:
                     and op.kind in self.backend.SUPPORTED_OPS:
                 w = self._linear_weight(op, W)
                 if self.rows_mode:
-                    jobs.extend(self._skinny_tuning(w))
+                    jobs.extend(self._skinny_tuning(w, op.kind == "linear_swiglu"))
                 else:
                     job = self._gemv_tuning(op, w, self._linear_uses_int8(op, W))
                     if job is not None:
                         jobs.append(job)
         tuner.prepare("gemm_skinny" if self.rows_mode else "gemv", jobs)
 
-    def _tuned_skinny(self, w) -> dict[int, dict]:
+    def _tuned_skinny(self, w, swiglu: bool = False) -> dict[int, dict]:
         """A rows program's product with this weight: per row bucket that runs the GEMM kernel, the
         skinny tile and split-K count timed at first load and cached on disk (tuning.py); {} with
-        tuning off (configs.gemm_default then)."""
-        return {job[0][3]: self.backend.tuner.pick("gemm_skinny", *job) for job in self._skinny_tuning(w)}
+        tuning off (configs.gemm_default then). swiglu: w is a fused gate|up weight."""
+        return {job[0][3]: self.backend.tuner.pick("gemm_skinny", *job) for job in self._skinny_tuning(w, swiglu)}
 
-    def _skinny_tuning(self, w) -> list[tuple]:
+    def _skinny_tuning(self, w, swiglu: bool = False) -> list[tuple]:
         """(key, candidates, default, run) for Tuner.pick of each row bucket of this rows program
         that takes the skinny GEMM (more rows than gemv_max, at most SKINNY_M); [] with tuning off.
-        One job per (format, shape, rows): the layers sharing a shape share it and its buffers."""
+        One job per (format, shape, rows): the layers sharing a shape share it and its buffers.
+        A gate|up weight whose product takes the activation in its epilogue (linear.skinny_glu) is
+        timed in that form, the kernel that runs (key marked "glu")."""
         tuner = self.backend.tuner
         if not self.rows_mode or tuner is None or not tuner.enabled:
             return []
@@ -965,15 +967,19 @@ class CudaProgram:
         N, Kd = w.out_features, w.in_features
         jobs = []
         for rows in sorted({self.row_bucket(n) for n in range(1, self.max_seq + 1)}):
-            key = (w.fmt, N, Kd, rows)
             if rows <= self.gemv_max or rows > cf.SKINNY_M:
                 continue
+            glu = swiglu and K.linear_module.skinny_glu(rows)
+            key = (w.fmt, N, Kd, rows) + (("glu",) if glu else ())
             if key not in self._skinny_jobs:
                 x = torch.randn((rows, Kd), device=self.dev).to(torch.float16)
-                out = torch.empty((rows, N), dtype=torch.float16, device=self.dev)
+                out = torch.empty((rows, N // 2 if glu else N), dtype=torch.float16, device=self.dev)
 
-                def run(cfg, w=w, x=x, out=out):
-                    K.linear(x, w, out=out, config=cfg, decode_max_tokens=0)
+                def run(cfg, w=w, x=x, out=out, glu=glu):
+                    if glu:
+                        K.linear_silu_mul(x, w, out=out, config=cfg, decode_max_tokens=0)
+                    else:
+                        K.linear(x, w, out=out, config=cfg, decode_max_tokens=0)
                 sms = device_sm_count(x)
                 self._skinny_jobs[key] = (key, cf.skinny_candidates(rows, N, Kd, sms),
                                           cf.gemm_default(rows, N, sms, Kd), run)
