@@ -817,6 +817,8 @@ class CudaProgram:
                 return (qkv[:, :nq], env[sk.inputs[0]], env[sv.inputs[0]],
                         dict(rope, new_k=qkv[:, nq:nq + nkv], new_v=qkv[:, nq + nkv:]))
 
+        K.prepare_attention_rows(self.dev, rope["n_rot"] if rq_name is not None else 0)
+
         def run_attention_rows(env, s, c):
             n = self._splits
             if n > 1 and (s, n) not in ws:

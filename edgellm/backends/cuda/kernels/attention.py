@@ -485,13 +485,30 @@ _counters: dict[tuple, torch.Tensor] = {}
 _ones_cache: dict[tuple, torch.Tensor] = {}
 
 
+def _made_once(cache: dict, key, make, what: str) -> torch.Tensor:
+    """cache[key], made by make() on first use. Not inside a CUDA graph capture: there make()'s
+    fill would only be recorded (run at the graph's replay, not now) and its memory would belong
+    to that graph; a program that captures calls prepare_attention_rows when it is built."""
+    t = cache.get(key)
+    if t is None:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"attention_rows: its {what} are made outside a CUDA graph capture; call "
+                               f"prepare_attention_rows(device, n_rot) before capturing")
+        t = cache[key] = make()
+    return t
+
+
+def _dev_key(dev) -> tuple:
+    """A device as a cache key: "cuda" and "cuda:0" are one device."""
+    dev = torch.device(dev)
+    index = dev.index if dev.index is not None or dev.type != "cuda" else torch.cuda.current_device()
+    return dev.type, index
+
+
 def _ones(dev: torch.device, n: int) -> torch.Tensor:
     """A float32 tensor of n ones on dev, made once (a CUDA graph keeps its address)."""
-    key = (str(torch.device(dev)), n)
-    t = _ones_cache.get(key)
-    if t is None:
-        t = _ones_cache[key] = torch.ones(n, dtype=torch.float32, device=dev)
-    return t
+    return _made_once(_ones_cache, (_dev_key(dev), n), lambda: torch.ones(n, dtype=torch.float32, device=dev),
+                      "RoPE factors of 1")
 
 
 _N_COUNTERS = 1 << 16
@@ -503,12 +520,16 @@ def _split_counters(dev: torch.device, n: int) -> torch.Tensor:
     index: "cuda" and "cuda:0" are one device."""
     if n > _N_COUNTERS:
         raise ValueError(f"attention_rows: {n} (row, kv head) pairs split, at most {_N_COUNTERS}")
-    dev = torch.device(dev)
-    index = dev.index if dev.index is not None or dev.type != "cuda" else torch.cuda.current_device()
-    t = _counters.get((dev.type, index))
-    if t is None:
-        t = _counters[(dev.type, index)] = torch.zeros(_N_COUNTERS, dtype=torch.int32, device=dev)
-    return t
+    return _made_once(_counters, _dev_key(dev), lambda: torch.zeros(_N_COUNTERS, dtype=torch.int32, device=dev),
+                      "split counters")
+
+
+def prepare_attention_rows(dev: torch.device, n_rot: int = 0) -> None:
+    """Makes attention_rows' per-device constants (the split counters; with n_rot, RoPE factors of
+    1 for n_rot rotated dimensions) now, so that a CUDA graph captured later only records launches."""
+    _split_counters(dev, 1)
+    if n_rot:
+        _ones(dev, n_rot // 2)
 
 
 def rows_splits(q: torch.Tensor, n_rows: int, n_kv_heads: int, max_keys: int, config: dict | None = None) -> int:
