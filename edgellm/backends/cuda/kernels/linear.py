@@ -43,6 +43,7 @@ nibble words merged with one word of fifth bits per block), with Q4K's scales.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -51,12 +52,19 @@ import triton.language as tl
 
 from . import configs
 from ._common import (INTERPRET, USE_DP4A, check_2d, device_sm_count, dp4a, int_or_tensor, jit, l2_prefetch,
-                      or_under_one, out_buffer, pdl, pdl_prologue, prefetch_lines)
+                      nibbles_f16, or_under_one, six_bits_f16, out_buffer, pdl, pdl_prologue, prefetch_lines)
 from .elementwise import ACT_CODES, gate_act
 from .norm import NormTail, norm_tail_epilogue
 from .packing import PackedWeight
 from .rope import RopeStore, rope_cos_sin
 
+# The GEMM's dequantization through packed PTX (nibbles_f16, six_bits_f16); otherwise the Triton
+# operations, as the interpreter runs them. EDGELLM_NIBBLE_ASM=0 turns the 4-bit one off;
+# EDGELLM_SIX_ASM=1 turns the six-bit one on (off by default: its element-wise form is not yet
+# checked on a GPU; a form that assumed a thread's two packed elements to be neighbours in a block
+# gave wrong Q6 tiles where the layout packed rows instead, K not a multiple of BLOCK_K).
+_NIBBLE_ASM = USE_DP4A and os.environ.get("EDGELLM_NIBBLE_ASM", "1") != "0"
+_SIX_ASM = USE_DP4A and os.environ.get("EDGELLM_SIX_ASM", "0") == "1"
 _FMT_CODE = {"F16": 0, "Q4_0": 1, "Q4_1": 2, "Q8_0": 3, "Q6": 4, "Q6M": 5, "Q4K": 6, "Q6K": 7, "Q5K": 8}
 
 
@@ -723,7 +731,7 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
                  FMT: tl.constexpr, HAS_BIAS: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                  EVEN_K: tl.constexpr, WEIGHT_B: tl.constexpr, SKINNY: tl.constexpr, GLU: tl.constexpr,
-                 PDL: tl.constexpr):
+                 ASM: tl.constexpr, SIX_ASM: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -828,12 +836,8 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
                 hw = tl.load((rowp + n_blocks * 16 + kb[None, :, None] * 8).to(tl.pointer_type(tl.int32))
                              + tl.arange(0, 2)[None, None, :], mask=wm[:, :, None], other=0)
                 h_lo, h_hi = tl.split(hw)
-                sh = shifts[None, None, :]
-                t_lo = (h_lo[:, :, None] >> sh) & 3
-                t_hi = (h_hi[:, :, None] >> sh) & 3
-                # code -> fp16 as for Q4: 0x6400 | q is 1024 + q, and 1024 + q - 1056 is q - 32 exactly
-                lo = ((q & 15).to(tl.int32) | (t_lo << 4) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-                hi = ((q >> 4).to(tl.int32) | (t_hi << 4) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+                # code - 32 as exact fp16 (six_bits_f16: 0x6400 | q is 1024 + q, less 1056)
+                lo, hi = six_bits_f16(q, h_lo[:, :, None], h_hi[:, :, None], shifts[None, None, :], SIX_ASM)
                 # the per-16 scales (and minimums) of the tile's blocks as one contiguous [rows, 2 * blocks]
                 # load (copied ahead like the quants), split into each block's first and second half
                 pair = (kb * 2)[None, :, None] + tl.arange(0, 2)[None, None, :]
@@ -842,8 +846,8 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
                 else:
                     d_lo, d_hi = tl.split(tl.load(w_d + rn64[:, None, None] * stride_d + pair, mask=wm[:, :, None],
                                                   other=0.0).to(tl.float16))
-                lo = (lo - 1056.0) * d_lo[:, :, None]
-                hi = (hi - 1056.0) * d_hi[:, :, None]
+                lo = lo * d_lo[:, :, None]
+                hi = hi * d_hi[:, :, None]
                 if FMT == 5:
                     m_lo, m_hi = tl.split(tl.load(w_m + rn64[:, None, None] * stride_d + pair, mask=wm[:, :, None],
                                                   other=0.0).to(tl.float16))
@@ -853,23 +857,24 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
             else:
                 j = tl.arange(0, 16)
                 q = _ld_blocks(w_q, rn64, kb, j, wm, stride_q, 16, SKINNY)
-                # nibble -> fp16 without int-to-float conversions (a quarter-rate instruction that
-                # would outlast the MMAs): 0x6400 | q is the fp16 1024 + q, and 1024 + q - 1032
-                # is q - 8 exactly, so the only rounding is the product with the scale
-                lo = ((q & 15).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
-                hi = ((q >> 4).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+                # nibble -> exact fp16 (q - 8 for Q4_0) without int-to-float conversions (a
+                # quarter-rate instruction that would outlast the MMAs; nibbles_f16), so the only
+                # rounding is the product with the scale
                 if FMT == 1:
-                    lo = (lo - 1032.0) * d
-                    hi = (hi - 1032.0) * d
+                    lo, hi = nibbles_f16(q, 8, ASM)
+                    lo = lo * d
+                    hi = hi * d
                 elif FMT == 6:  # Q4K: each sub-block's scale and minimum from its codes (rounded to fp16 here)
+                    lo, hi = nibbles_f16(q, 0, ASM)
                     dk, mk = _q4k_tile_scales(w_d, w_m, rn64, kb, k0, wm, nmask, stride_d, SUPER_ONCE)
-                    lo = (lo - 1024.0) * dk + mk
-                    hi = (hi - 1024.0) * dk + mk
+                    lo = lo * dk + mk
+                    hi = hi * dk + mk
                 else:
+                    lo, hi = nibbles_f16(q, 0, ASM)
                     mn = tl.load(w_m + rn64[:, None] * stride_d + kb[None, :], mask=wm,
                                  other=0.0).to(tl.float16)[:, :, None]
-                    lo = (lo - 1024.0) * d + mn
-                    hi = (hi - 1024.0) * d + mn
+                    lo = lo * d + mn
+                    hi = hi * d + mn
                 acc = _dot_halves(lo, hi, xcol, k0, K, mmask, acc, BLOCK_N, BLOCK_K, WEIGHT_B, SKINNY)
     if WEIGHT_B:
         acc = tl.trans(acc)  # [rows, tokens], as the epilogue writes it
@@ -1067,7 +1072,8 @@ def _launch_gemm(x, w, bias, out, config, glu: int = 0):
                                     FMT=_FMT_CODE[w.fmt], HAS_BIAS=bias is not None,
                                     BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=splits > 1, EVEN_K=K % bk == 0,
                                     WEIGHT_B=bool(cfg.get("WEIGHT_B", False)), SKINNY=bm <= configs.SKINNY_M,
-                                    GLU=glu, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl())
+                                    GLU=glu, ASM=_NIBBLE_ASM, SIX_ASM=_SIX_ASM, num_warps=cfg["num_warps"],
+                                    num_stages=cfg["num_stages"], **pdl())
 
 
 def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
