@@ -60,9 +60,9 @@ def model_file(spec: str, folder: str) -> str:
     return path
 
 
-def check(m, pool, rng) -> dict:
+def check(m, pool, rng, lens=(2, 200)) -> dict:
     vocab = m.config.vocab_size
-    lens = [int(x) for x in rng.integers(2, min(200, m.ctx // 2), pool.n)]
+    lens = [int(x) for x in rng.integers(min(lens[0], m.ctx // 2 - 1), min(lens[1], m.ctx // 2), pool.n)]
     for slot, n in zip(pool.slots, lens):
         m.forward(rng.integers(0, vocab, n).tolist(), 0, all_logits=False, slot=slot)
     order = list(rng.permutation(pool.n))
@@ -220,6 +220,8 @@ def main() -> int:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     p.add_argument("--ctx", type=int, default=1024, help="context per slot")
     p.add_argument("--reps", type=int, default=50, help="timed steps per row count")
+    p.add_argument("--lens", type=int, nargs=2, default=[2, 200], metavar=("LO", "HI"),
+                   help="cached tokens of each slot before the timed steps: drawn in [LO, HI) (attention's keys)")
     p.add_argument("--profile", type=int, nargs="*", default=[], metavar="ROWS",
                    help="profile the kernels of steps of these row counts")
     p.add_argument("--gemm-sweep", action="store_true")
@@ -253,7 +255,7 @@ def main() -> int:
         print(f"tuned gemm_skinny {key}: {p['source']} {us} {p['config']}", flush=True)
     rng = np.random.default_rng(0)
     res = {"model": path, "device": "interpreter" if DRY else torch.cuda.get_device_name(0),
-           "skinny_picks": [dict(p, key=list(p["key"])) for p in picks], "check": check(m, pool, rng)}
+           "skinny_picks": [dict(p, key=list(p["key"])) for p in picks], "check": check(m, pool, rng, args.lens)}
     wbytes = m.backend.resident_weight_bytes(m.file)
     res["steps"] = time_steps(m, pool, args.rows, args.reps, wbytes)
     res["single_tps"] = single_stream(m, 4 if DRY else 128)

@@ -1044,6 +1044,28 @@ def test_linear_prefill_six_bit(rng, fmt):
     check_tensor_core_paths(rng, pw, w, 9, fmt)
 
 
+@pytest.mark.skipif(not CUDA, reason="inline PTX: the interpreter runs the Triton form (the tests above)")
+@pytest.mark.parametrize("fmt", ["Q6", "Q6M", "Q6K"])
+@pytest.mark.parametrize("n_in", [160, 512])
+def test_linear_six_bit_packed_ptx(rng, monkeypatch, fmt, n_in):
+    """The six-bit dequantization through packed PTX (six_bits_f16, EDGELLM_SIX_ASM=1) in every
+    tile shape: the prefill and default tiles, the large-M and weight-B ones, and the 16-row skinny
+    tile; K a multiple of BLOCK_K and not (where Triton packs a thread's rows, not neighbours in a
+    block, into one instruction)."""
+    from edgellm.backends.cuda.kernels import configs
+    if fmt == "Q6K" and n_in % 256:
+        pytest.skip("Q6_K super-blocks are 256 wide")
+    monkeypatch.setattr(K.linear_module, "_SIX_ASM", True)
+    pw, w = make_kquant(fmt, rng, 37, n_in, monkeypatch) if fmt == "Q6K" else make_q6(rng, 37, n_in, fmt == "Q6M")
+    check_tensor_core_paths(rng, pw, w, 16, f"{fmt} packed PTX")
+    for cfg in (configs.GEMM_DEFAULT_LARGE_M, configs.GEMM_WIDE_WEIGHT_B, dict(configs.GEMM_WIDE_WEIGHT_B, SPLIT_K=2)):
+        M = cfg["BLOCK_M"] + 3
+        x = rand(rng, M, n_in)
+        out = poisoned((M, 37))
+        K.linear(x, pw, out=out, config=cfg)
+        check(out, np64(x) @ w.T, 2e-3, f"{fmt} packed PTX {cfg}")
+
+
 @pytest.mark.parametrize("fmt", ["Q6", "Q6M"])
 def test_embedding_six_bit(rng, fmt):
     pw, w = make_q6(rng, 11, 96, fmt == "Q6M")

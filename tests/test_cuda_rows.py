@@ -120,6 +120,68 @@ def test_attention_rows_matches_reference(rng, H, HKV, D, window, splits):
     assert torch.equal(out[-1].float().cpu(), torch.zeros(H * D)), "a padding row's output is not zero"
 
 
+def test_attention_rows_splits_combined_in_the_kernel(rng, monkeypatch):
+    """Split attention_rows combined by each (row, kv head)'s last split program, against the
+    reduce kernel's combine (EDGELLM_ROWS_ATTN_COMBINE=0) and the reference; run twice, and the
+    counters are left zero for the next launch."""
+    import importlib
+
+    att = importlib.import_module("edgellm.backends.cuda.kernels.attention")
+    H, HKV, D, splits = 4, 2, 16, 5
+    T = len(POS)
+    kc, vc = rand(rng, SLOTS * CTX, HKV * D), rand(rng, SLOTS * CTX, HKV * D)
+    q = rand(rng, T, H * D)
+    ws = K.decode_workspace(T, H, D, splits, DEV)
+    outs = {}
+    for combine in ("0", "1", "1"):
+        monkeypatch.setenv("EDGELLM_ROWS_ATTN_COMBINE", combine)
+        out = poisoned((T, H * D))
+        K.attention_rows(q, kc, vc, ints(POS), ints(BASES), H, HKV, 0.3, out=out, head_dim=D, n_splits=splits,
+                         workspace=ws)
+        outs.setdefault(combine, []).append(out.float().cpu())
+    want = ref("attention_rows", [q[:-1], kc, vc, ints(BASES[:-1]), ints(POS[:-1])], n_heads=H, n_kv_heads=HKV,
+               head_dim=D, scale=0.3)
+    for got in outs["1"]:
+        close(got[:-1], want, 3e-3, "combined in the kernel")
+        assert torch.equal(got[-1], torch.zeros(H * D)), "a padding row's output is not zero"
+        assert (got - outs["0"][0]).abs().max().item() < 1e-3
+    assert not att._split_counters(DEV, T * HKV).any(), "the combine left its counters dirty"
+
+
+@pytest.mark.parametrize("H,HKV,D,window,splits,style,n_rot,ff,pos_scale", [
+    (4, 2, 16, 0, 1, "norm", None, False, 1.0), (6, 2, 24, 0, 3, "neox", 16, True, 1.0),
+    (4, 1, 16, 9, 2, "norm", 8, False, 2.0), (3, 3, 32, 0, 4, "neox", None, False, 1.0)])
+def test_attention_rows_with_rope_and_store(rng, H, HKV, D, window, splits, style, n_rot, ff, pos_scale):
+    """attention_rows given the rows' own k and v (new_k, new_v) and q unrotated does rope_qkv_cache's
+    rows-mode work itself: the same output as rope_qkv_cache then attention_rows, and the same
+    cache rows written (rotated k, v at base + pos; nothing for the padding row), from one q|k|v
+    buffer's views as the backend passes them."""
+    T = len(POS)
+    qkv = rand(rng, T, (H + 2 * HKV) * D)
+    q, k, v = qkv[:, :H * D], qkv[:, H * D:(H + HKV) * D], qkv[:, (H + HKV) * D:]
+    factors = torch.from_numpy(rng.uniform(1, 4, (n_rot or D) // 2).astype(np.float32)).to(DEV) if ff else None
+    rope = dict(theta=1e4, style=style, freq_factors=factors, n_rot=n_rot, pos_scale=pos_scale)
+    kc0, vc0 = rand(rng, SLOTS * CTX, HKV * D), rand(rng, SLOTS * CTX, HKV * D)
+    ws = K.decode_workspace(T, H, D, splits, DEV) if splits > 1 else None
+    # the reference: the two launches the backend made before
+    kc1, vc1, qo = kc0.clone(), vc0.clone(), poisoned((T, H * D))
+    K.rope_qkv_cache(q, k, v, kc1, vc1, 0, H, HKV, D, q_out=qo, positions=ints(POS), bases=ints(BASES), **rope)
+    want = poisoned((T, H * D))
+    K.attention_rows(qo, kc1, vc1, ints(POS), ints(BASES), H, HKV, 0.3, out=want, head_dim=D, window=window,
+                     n_splits=splits, workspace=ws)
+    kc2, vc2 = kc0.clone(), vc0.clone()
+    out = poisoned((T, H * D))
+    K.attention_rows(q, kc2, vc2, ints(POS), ints(BASES), H, HKV, 0.3, out=out, head_dim=D, window=window,
+                     n_splits=splits, workspace=ws, new_k=k, new_v=v, **rope)
+    close(out, want.float().cpu(), 3e-3, "attention_rows with rope")
+    assert torch.equal(out[-1].float().cpu(), torch.zeros(H * D)), "a padding row's output is not zero"
+    for got, ref_, what in ((kc2, kc1, "k cache"), (vc2, vc1, "v cache")):
+        diff = (got.float() - ref_.float()).abs().max(-1).values.cpu()
+        assert (diff <= 2e-3 * ref_.float().abs().max().item()).all(), f"{what}: rows differ {torch.nonzero(diff > 0)}"
+    # the written rows are the rotated keys and values themselves, all of them
+    assert not torch.equal(kc2, kc0)
+
+
 def _quantized(rng, fmt, n_out, n_in):
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize as gg_dequantize
@@ -244,6 +306,53 @@ def test_skinny_linear_every_tune_candidate_kquants(rng, monkeypatch, fmt):
     cands = configs.skinny_candidates(M, n_out, n_in, device_sm_count(x))
     assert {c["BLOCK_K"] for c in cands} >= {128, 256}
     _check_candidates(x, pw, want, cands, fmt)
+
+
+def _native(rng, monkeypatch, fmt, n_out, n_in):
+    """A weight packed in its native layout (K-quants quantized by edgellm.quant, which gguf's
+    writer lacks) and its float64 dequantization by gguf's reader."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gg_dequantize
+
+    from edgellm.quant import quantize as eq_quantize
+
+    monkeypatch.setenv("EDGELLM_KQUANTS", "native")
+    w = rng.standard_normal((n_out, n_in)).astype(np.float32) * 0.1
+    if fmt == "F16":
+        raw, want_w = w.astype(np.float16), w.astype(np.float16).astype(np.float64)
+    else:
+        raw = eq_quantize(w, fmt)
+        want_w = gg_dequantize(raw, GGMLQuantizationType[fmt]).astype(np.float64)
+    return K.repack(raw, fmt, (n_out, n_in), device=DEV), want_w
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_K", "Q6_K", "F16"])
+@pytest.mark.parametrize("cfg", [dict(BLOCK_N=32, BLOCK_K=64, SPLIT_K=1), dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=3)])
+def test_skinny_swiglu_in_the_gemm_epilogue(rng, monkeypatch, fmt, cfg):
+    """A batched decode step's gate|up product with SiLU(gate) * up in its epilogue (each tile holds
+    gate row c and up row c side by side): against float64 on the dequantized weights, F (the
+    output width) no tile multiple, split-K and not, every output element written; run twice, the
+    split-K counters left zero; and the same as the product followed by silu_mul
+    (EDGELLM_SKINNY_GLU=0)."""
+    import importlib
+
+    linear_mod = importlib.import_module("edgellm.backends.cuda.kernels.linear")
+    F, n_in, M = 44, 768, 13
+    pw, want_w = _native(rng, monkeypatch, fmt, 2 * F, n_in)
+    x = rand(rng, M, n_in)
+    gu = x.double().cpu().numpy() @ want_w.T
+    want = torch.from_numpy(gu[:, :F] / (1.0 + np.exp(-gu[:, :F])) * gu[:, F:])
+    full = dict(BLOCK_M=16, num_warps=4, num_stages=3, **cfg)
+    for rep in range(2):
+        out = poisoned((M, F))
+        K.linear_silu_mul(x, pw, out=out, config=full, decode_max_tokens=4)
+        close(out, want, 3e-3, f"{fmt} {cfg} run {rep}")
+    _, cnt = linear_mod._splitk_workspace(DEV, M * 2 * F)
+    assert not cnt.any(), "split-K left its tile counters dirty"
+    monkeypatch.setenv("EDGELLM_SKINNY_GLU", "0")
+    apart = poisoned((M, F))
+    K.linear_silu_mul(x, pw, out=apart, config=full, decode_max_tokens=4)
+    assert (apart.float() - out.float()).abs().max().item() <= 2e-3 * want.abs().max().item()
 
 
 # -- the rows program of a tiny model on the cuda backend -----------------------------------------

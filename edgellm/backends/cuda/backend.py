@@ -345,6 +345,7 @@ class CudaProgram:
         self._rows_fused: dict[str, tuple[Op, Op, Op]] = {}  # rope_rows(q) -> (rope_rows(k), store k, store v)
         self._rows_qkv: dict[str, tuple[Op, Op, Op]] = {}  # linear q -> its (q, k, v) linears, one product
         self._rows_qkv_of: dict[str, str] = {}  # rope_rows(q) -> the linear q whose q|k|v buffer it reads
+        self._attn_rope: dict[str, str] = {}  # attention_rows -> the fused rope_rows(q) whose work it does
         self._host_positions = False
         self.delegated: list[str] = []
         # decode-stage fusions across ops (see _plan_decode_fusions); a rows program is a decode
@@ -578,6 +579,12 @@ class CudaProgram:
                     self._rows_qkv[lins[0].name] = tuple(lins)
                     self._rows_qkv_of[rq.name] = lins[0].name
                     self._absorbed.update({lins[1].name, lins[2].name})
+                    # and the rotation + store done by the attention kernel itself, which reads the
+                    # q|k|v buffer (outside the arena, so it outlives the rope op's place)
+                    if (os.environ.get("EDGELLM_ROWS_ROPE_IN_ATTENTION", "1") != "0"
+                            and rq.attrs.get("mscale", 1.0) == 1.0):
+                        self._attn_rope[att.name] = rq.name
+                        self._absorbed.add(rq.name)
 
     def _private_buffer(self, width: int) -> torch.Tensor:
         return self.backend.shared_buffer(("q", self.max_seq, width), lambda: torch.empty(
@@ -770,14 +777,12 @@ class CudaProgram:
     def _lower_rows(self, op: Op) -> Callable:
         """The row-wise ops of a rows program: positions and slot bases come from the program's
         device tensors row_pos / row_base (set by run), so a captured graph replays any of them."""
-        K, W, a = self.K, self.backend.weights, op.attrs
+        K, a = self.K, op.attrs
         ins, outs = op.inputs, op.outputs
         if op.kind == "rope_rows":
             if a.get("mscale", 1.0) != 1.0:
                 raise GraphError(f"cuda: op '{op.name}' uses a long-RoPE attention factor, which the rope kernel lacks")
-            freqs = W.vector(self._wname(ins[2])) if len(ins) > 2 else None
-            rope = dict(theta=a["theta"], style=a["style"], freq_factors=freqs, n_rot=a.get("rope_dim", a["head_dim"]),
-                        pos_scale=a.get("pos_scale", 1.0))
+            rope = self._rows_rope_args(op)
             fused = self._rows_fused.get(op.name)
             if fused is None:
                 return lambda env, s, c: K.rope_rows(env[ins[0]], self.row_pos, a["n_heads"], a["head_dim"],
@@ -797,15 +802,39 @@ class CudaProgram:
             return lambda env, s, c: K.kv_store_rows(env[ins[0]], env[ins[1]], self.row_base, self.row_pos)
         ws: dict[tuple[int, int], tuple] = {}
         window = int(a.get("window", 0))
+        rq_name = self._attn_rope.get(op.name)
+        if rq_name is None:
+            def operands(env, s):
+                return env[ins[0]], env[ins[1]], env[ins[2]], {}
+        else:  # RoPE and the K/V store in this kernel, from the q|k|v buffer (_plan_rows_fusions)
+            rope = self._rows_rope_args(next(o for o in self.graph.ops if o.name == rq_name))
+            _, sk, sv = self._rows_fused[rq_name]
+            buf = self._qkv_buffer(self._rows_qkv_of[rq_name])
+            nq, nkv = a["n_heads"] * a["head_dim"], a["n_kv_heads"] * a["head_dim"]
+
+            def operands(env, s):
+                qkv = buf[:s]
+                return (qkv[:, :nq], env[sk.inputs[0]], env[sv.inputs[0]],
+                        dict(rope, new_k=qkv[:, nq:nq + nkv], new_v=qkv[:, nq + nkv:]))
+
+        K.prepare_attention_rows(self.dev, rope["n_rot"] if rq_name is not None else 0)
 
         def run_attention_rows(env, s, c):
             n = self._splits
             if n > 1 and (s, n) not in ws:
                 ws[s, n] = K.decode_workspace(s, a["n_heads"], a["head_dim"], n, self.dev)
-            K.attention_rows(env[ins[0]], env[ins[1]], env[ins[2]], self.row_pos, self.row_base, a["n_heads"],
-                             a["n_kv_heads"], a["scale"], out=env[outs[0]], head_dim=a["head_dim"], window=window,
-                             n_splits=n, workspace=ws.get((s, n)))
+            q, kc, vc, extra = operands(env, s)
+            K.attention_rows(q, kc, vc, self.row_pos, self.row_base, a["n_heads"], a["n_kv_heads"], a["scale"],
+                             out=env[outs[0]], head_dim=a["head_dim"], window=window, n_splits=n,
+                             workspace=ws.get((s, n)), **extra)
         return run_attention_rows
+
+    def _rows_rope_args(self, rope_op: Op) -> dict:
+        """A rope_rows op's rotation as the rope and attention kernels take it (keyword arguments)."""
+        a, ins = rope_op.attrs, rope_op.inputs
+        freqs = self.backend.weights.vector(self._wname(ins[2])) if len(ins) > 2 else None
+        return dict(theta=a["theta"], style=a["style"], freq_factors=freqs, n_rot=a.get("rope_dim", a["head_dim"]),
+                    pos_scale=a.get("pos_scale", 1.0))
 
     def _qkv_buffer(self, lin_q: str) -> torch.Tensor:
         """The q|k|v product of a rows layer: outside the arena (the memory plan knows three
@@ -839,7 +868,7 @@ class CudaProgram:
         # tuned GEMV tiles are for the single-token program; a rows program's steps of more than
         # gemv_max rows take the skinny GEMM, tuned per row count (cfg_at: the config of a step of s rows)
         cfg = self._tuned_gemv(op, w, i8) if self.decode_stage and not self.rows_mode else None
-        skinny = self._tuned_skinny(w)
+        skinny = self._tuned_skinny(w, kind == "linear_swiglu")
 
         def cfg_at(s: int) -> dict | None:
             return skinny.get(s, cfg)
@@ -911,23 +940,25 @@ class CudaProgram:
                     and op.kind in self.backend.SUPPORTED_OPS:
                 w = self._linear_weight(op, W)
                 if self.rows_mode:
-                    jobs.extend(self._skinny_tuning(w))
+                    jobs.extend(self._skinny_tuning(w, op.kind == "linear_swiglu"))
                 else:
                     job = self._gemv_tuning(op, w, self._linear_uses_int8(op, W))
                     if job is not None:
                         jobs.append(job)
         tuner.prepare("gemm_skinny" if self.rows_mode else "gemv", jobs)
 
-    def _tuned_skinny(self, w) -> dict[int, dict]:
+    def _tuned_skinny(self, w, swiglu: bool = False) -> dict[int, dict]:
         """A rows program's product with this weight: per row bucket that runs the GEMM kernel, the
         skinny tile and split-K count timed at first load and cached on disk (tuning.py); {} with
-        tuning off (configs.gemm_default then)."""
-        return {job[0][3]: self.backend.tuner.pick("gemm_skinny", *job) for job in self._skinny_tuning(w)}
+        tuning off (configs.gemm_default then). swiglu: w is a fused gate|up weight."""
+        return {job[0][3]: self.backend.tuner.pick("gemm_skinny", *job) for job in self._skinny_tuning(w, swiglu)}
 
-    def _skinny_tuning(self, w) -> list[tuple]:
+    def _skinny_tuning(self, w, swiglu: bool = False) -> list[tuple]:
         """(key, candidates, default, run) for Tuner.pick of each row bucket of this rows program
         that takes the skinny GEMM (more rows than gemv_max, at most SKINNY_M); [] with tuning off.
-        One job per (format, shape, rows): the layers sharing a shape share it and its buffers."""
+        One job per (format, shape, rows): the layers sharing a shape share it and its buffers.
+        A gate|up weight whose product takes the activation in its epilogue (linear.skinny_glu) is
+        timed in that form, the kernel that runs (key marked "glu")."""
         tuner = self.backend.tuner
         if not self.rows_mode or tuner is None or not tuner.enabled:
             return []
@@ -938,15 +969,19 @@ class CudaProgram:
         N, Kd = w.out_features, w.in_features
         jobs = []
         for rows in sorted({self.row_bucket(n) for n in range(1, self.max_seq + 1)}):
-            key = (w.fmt, N, Kd, rows)
             if rows <= self.gemv_max or rows > cf.SKINNY_M:
                 continue
+            glu = swiglu and K.linear_module.skinny_glu(rows)
+            key = (w.fmt, N, Kd, rows) + (("glu",) if glu else ())
             if key not in self._skinny_jobs:
                 x = torch.randn((rows, Kd), device=self.dev).to(torch.float16)
-                out = torch.empty((rows, N), dtype=torch.float16, device=self.dev)
+                out = torch.empty((rows, N // 2 if glu else N), dtype=torch.float16, device=self.dev)
 
-                def run(cfg, w=w, x=x, out=out):
-                    K.linear(x, w, out=out, config=cfg, decode_max_tokens=0)
+                def run(cfg, w=w, x=x, out=out, glu=glu):
+                    if glu:
+                        K.linear_silu_mul(x, w, out=out, config=cfg, decode_max_tokens=0)
+                    else:
+                        K.linear(x, w, out=out, config=cfg, decode_max_tokens=0)
                 sms = device_sm_count(x)
                 self._skinny_jobs[key] = (key, cf.skinny_candidates(rows, N, Kd, sms),
                                           cf.gemm_default(rows, N, sms, Kd), run)

@@ -19,7 +19,7 @@ GPU and prints registers, spills and the instruction mix of each.
 
 from ._common import INTERPRET, USE_DP4A, set_l2_prefetch, set_pdl
 from .attention import (attention_decode, attention_prefill, attention_rows, decode_workspace, default_decode_splits,
-                        rows_splits)
+                        prepare_attention_rows, rows_splits)
 from .elementwise import add_into, silu_mul, take_rows, unary, upload_fp16
 from .embedding import embedding
 from . import linear as linear_module
@@ -37,4 +37,5 @@ __all__ = [
     "concat_packed", "convert_packed", "unify_formats", "decode_workspace", "default_decode_splits", "dequantize", "embedding", "linear",
     "linear_silu_mul", "pack_float", "quantize_activations", "repack", "rms_norm", "rope_qkv_cache", "cuts", "ranked_need", "sample", "set_l2_prefetch", "set_pdl", "silu_mul",
     "unary", "upload_fp16", "head_rms_norm", "attention_rows", "kv_store_rows", "rope_rows", "rows_splits",
+    "prepare_attention_rows",
 ]

@@ -92,6 +92,76 @@ def or_under_one(moved, USE_ASM: tl.constexpr, SIX: tl.constexpr = False):
     return r
 
 
+def _nibble_asm(mask: str, tail: str) -> tl.constexpr:
+    """PTX of one nibbles_f16 step: the two bytes in $1 (16 bits) as byte 0 and byte 2 of a word,
+    the masked nibbles under the fp16 exponent of 1024, then `tail` (an f16x2 op on t) into $0."""
+    return tl.constexpr("{.reg .b32 t, a, c; cvt.u32.u16 t, $1; prmt.b32 t, t, 0, 0x7170; "
+                        f"lop3.b32 t, t, {mask}, 0x64006400, 0xEA; {tail}}}")
+
+
+# low nibble: 1024 + n - (1024 + OFF); high nibble (in place, 1024 + 16 n): / 16 - (64 + OFF)
+_NIB_LO0 = _nibble_asm("0x000F000F", "mov.b32 c, 0x64006400; sub.rn.f16x2 $0, t, c;")
+_NIB_LO8 = _nibble_asm("0x000F000F", "mov.b32 c, 0x64086408; sub.rn.f16x2 $0, t, c;")
+_NIB_HI0 = _nibble_asm("0x00F000F0", "mov.b32 a, 0x2C002C00; mov.b32 c, 0xD400D400; fma.rn.f16x2 $0, t, a, c;")
+_NIB_HI8 = _nibble_asm("0x00F000F0", "mov.b32 a, 0x2C002C00; mov.b32 c, 0xD480D480; fma.rn.f16x2 $0, t, a, c;")
+
+
+@jit
+def nibbles_f16(q, OFF: tl.constexpr, USE_ASM: tl.constexpr):
+    """(low nibble - OFF, high nibble - OFF) of each byte of q (uint8), exact fp16 values; OFF 0 or 8.
+
+    USE_ASM: two bytes a few packed instructions (_nibble_asm): prmt pairs the bytes in one word,
+    lop3 puts a nibble of each under the fp16 exponent of 1024 (0x6400 | n is 1024 + n), and one
+    f16x2 sub or fma leaves the exact value. Written as Triton operations the compiler extracted,
+    shifted and re-packed each byte on its own: for Q4K's 16-row GEMM tile 755 instructions a
+    K-step against 564 (compile_check gemm-m16-skinny)."""
+    if USE_ASM:
+        if OFF == 8:
+            lo = tl.inline_asm_elementwise(_NIB_LO8, "=r,h", [q], dtype=tl.float16, is_pure=True, pack=2)
+            hi = tl.inline_asm_elementwise(_NIB_HI8, "=r,h", [q], dtype=tl.float16, is_pure=True, pack=2)
+        else:
+            lo = tl.inline_asm_elementwise(_NIB_LO0, "=r,h", [q], dtype=tl.float16, is_pure=True, pack=2)
+            hi = tl.inline_asm_elementwise(_NIB_HI0, "=r,h", [q], dtype=tl.float16, is_pure=True, pack=2)
+    else:
+        lo = ((q & 15).to(tl.int16) - OFF).to(tl.float16)
+        hi = ((q >> 4).to(tl.int16) - OFF).to(tl.float16)
+    return lo, hi
+
+
+def _six_asm(mask: str, up: int, hmask: str, tail: str) -> tl.constexpr:
+    """PTX of one six_bits_f16 step on two elements (any two: Triton packs a thread's consecutive
+    registers, which a layout may hold along any dimension): $1 their nibble bytes (16 bits), $2 and
+    $3 their top-bit words, $4 and $5 their shifts in them. The nibbles as in _nibble_asm; each top-bit
+    pair shifted down, the two put in bytes 0 and 2, moved up by `up` under the nibbles and merged
+    with them under the fp16 exponent of 1024; then `tail` on u into $0."""
+    return tl.constexpr("{.reg .b32 t, y, z, u, a, c; cvt.u32.u16 t, $1; prmt.b32 t, t, 0, 0x7170; "
+                        f"shr.b32 y, $2, $4; shr.b32 z, $3, $5; prmt.b32 y, y, z, 0x5410; shl.b32 y, y, {up}; "
+                        f"lop3.b32 u, y, {hmask}, 0x64006400, 0xEA; lop3.b32 u, t, {mask}, u, 0xEA; {tail}}}")
+
+
+# low six-bit value: 1024 + q - 1056; high (in place, 1024 + 16 q): / 16 - 96; both q - 32
+_SIX_LO = _six_asm("0x000F000F", 4, "0x00300030", "mov.b32 c, 0x64206420; sub.rn.f16x2 $0, u, c;")
+_SIX_HI = _six_asm("0x00F000F0", 8, "0x03000300",
+                   "mov.b32 a, 0x2C002C00; mov.b32 c, 0xD600D600; fma.rn.f16x2 $0, u, a, c;")
+
+
+@jit
+def six_bits_f16(q, h_lo, h_hi, sh, USE_ASM: tl.constexpr):
+    """The six-bit codes minus 32 (exact fp16) of a Q6-layout tile: q (uint8) the nibbles (low:
+    the element, high: the element 16 on), h_lo / h_hi (int32, broadcast) the words holding the two
+    top bits of the first and second 16 at bit sh (int32, see packing.py). USE_ASM: two elements
+    a few packed instructions each (_six_asm), as nibbles_f16."""
+    if USE_ASM:
+        lo = tl.inline_asm_elementwise(_SIX_LO, "=r,h,r,r,r,r", [q, h_lo, sh], dtype=tl.float16, is_pure=True,
+                                       pack=2)
+        hi = tl.inline_asm_elementwise(_SIX_HI, "=r,h,r,r,r,r", [q, h_hi, sh], dtype=tl.float16, is_pure=True,
+                                       pack=2)
+    else:
+        lo = (((q & 15).to(tl.int32) | (((h_lo >> sh) & 3) << 4)) - 32).to(tl.float16)
+        hi = (((q >> 4).to(tl.int32) | (((h_hi >> sh) & 3) << 4)) - 32).to(tl.float16)
+    return lo, hi
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 

@@ -27,6 +27,7 @@ import triton.language as tl
 from . import configs
 from ._common import check_2d, device_sm_count, int_or_tensor, jit, next_pow2, out_buffer, pdl, pdl_prologue
 from .norm import store_int8_tile
+from .rope import rope_cos_sin
 
 _LOG2E = 1.4426950408889634
 
@@ -320,14 +321,62 @@ def attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 # ---------------------------------------------------------------------------------------------
 
 @jit
+def _rope_cols(pos, ff_ptr, log2_theta, pos_scale, BLOCK_D: tl.constexpr, N_ROT: tl.constexpr, NEOX: tl.constexpr,
+               HAS_FF: tl.constexpr, SCALED: tl.constexpr):
+    """Per column d of a head (1-D, BLOCK_D): its pair partner, whether it is the pair's first, and
+    cos / sin of its pair's angle at position pos (1 and 0 from column N_ROT: not rotated), as
+    rope_qkv_cache rotates. Computed once a program for its q heads and its key alike."""
+    d = tl.arange(0, BLOCK_D)
+    if NEOX:  # pairs (i, i + N_ROT / 2)
+        first = d < N_ROT // 2
+        i = tl.where(first, d, d - N_ROT // 2)
+        partner = tl.where(first, d + N_ROT // 2, d - N_ROT // 2)
+    else:  # pairs (2i, 2i + 1)
+        first = d % 2 == 0
+        i = d // 2
+        partner = tl.where(first, d + 1, d - 1)
+    rot = d < N_ROT
+    if SCALED:
+        p = pos.to(tl.float32) * pos_scale
+    else:
+        p = pos
+    cs, sn = rope_cos_sin(p, tl.where(rot, i, 0), rot, ff_ptr, log2_theta, N_ROT, HAS_FF)
+    cs = tl.where(rot, cs, 1.0)
+    sn = tl.where(rot, tl.where(first, -sn, sn), 0.0)  # the sign of the partner's term folded in
+    return tl.where(rot, partner, d), cs, sn
+
+
+@jit
+def _rope_tile(ptr, mask, partner, cs, sn, BLOCK_D: tl.constexpr):
+    """RoPE of head vectors at ptr + columns (ptr [heads, 1] or a scalar; mask [.., BLOCK_D] as the
+    load's) with _rope_cols' partner, cos and signed sin: x * cos + x[partner] * sin, in fp32."""
+    d = tl.arange(0, BLOCK_D)[None, :]
+    x = tl.load(ptr + d, mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(ptr + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    return x * cs[None, :] + xp * sn[None, :]
+
+
+@jit
 def _attn_rows_kernel(q_ptr, stride_q, kc_ptr, vc_ptr, stride_c, out_ptr, stride_o, po_ptr, pml_ptr,
                       pos_ptr, base_ptr, H, scale_log2, window,
+                      k_ptr, v_ptr, stride_kv, ff_ptr, log2_theta, pos_scale, cnt_ptr,
                       G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, N_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, PDL: tl.constexpr):
+                      BLOCK_N: tl.constexpr, N_SPLITS: tl.constexpr, COMBINE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                      ROPE: tl.constexpr, N_ROT: tl.constexpr, NEOX: tl.constexpr, HAS_FF: tl.constexpr,
+                      SCALED: tl.constexpr, PDL: tl.constexpr):
     """Program (row, kv head, split): the G query heads of one row over its split of the row's own
     keys, cache rows base..base+pos. One split writes the normalised output; several write
     partials that _attn_decode_reduce_kernel combines (a split with no keys writes m = -inf,
-    l = 0, which the combine weighs 0). A padding row (pos < 0) has no keys: output 0."""
+    l = 0, which the combine weighs 0), or with COMBINE the last split program of the (row, kv
+    head) to finish (cnt_ptr: one int32 counter each, zero between launches). A padding row
+    (pos < 0) has no keys: output 0.
+
+    ROPE: q is the projection's, not yet rotated, and the row's own key and value (at pos) are not
+    in the cache yet: each program rotates its q heads and the row's key (k_ptr, v_ptr: the
+    projection's k and v, row stride stride_kv), takes keys below pos from the cache and the own
+    key from registers (in the split that holds pos), and split 0 stores the rotated key and the
+    value to cache row base + pos (rope_qkv_cache's rows-mode work, without its launch). No
+    program reads that row in this launch."""
     pdl_prologue(PDL)
     row = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -342,8 +391,13 @@ def _attn_rows_kernel(q_ptr, stride_q, kc_ptr, vc_ptr, stride_c, out_ptr, stride
     dm = d < HEAD_DIM
     qmask = rmask[:, None] & dm[None, :]
     row64 = row.to(tl.int64)
-    q = tl.load(q_ptr + row64 * stride_q + h[:, None] * HEAD_DIM + d[None, :], mask=qmask,
-                other=0.0).to(kc_ptr.dtype.element_ty)
+    if ROPE:
+        partner, cs, sn = _rope_cols(pos, ff_ptr, log2_theta, pos_scale, BLOCK_D, N_ROT, NEOX, HAS_FF, SCALED)
+        q = _rope_tile(q_ptr + row64 * stride_q + h[:, None] * HEAD_DIM, qmask, partner, cs, sn,
+                       BLOCK_D).to(kc_ptr.dtype.element_ty)
+    else:
+        q = tl.load(q_ptr + row64 * stride_q + h[:, None] * HEAD_DIM + d[None, :], mask=qmask,
+                    other=0.0).to(kc_ptr.dtype.element_ty)
     chunk = tl.cdiv(tl.cdiv(n_keys, N_SPLITS), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, n_keys)
@@ -353,8 +407,34 @@ def _attn_rows_kernel(q_ptr, stride_q, kc_ptr, vc_ptr, stride_c, out_ptr, stride
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     qpos = tl.zeros([BLOCK_M], dtype=tl.int32) + pos
-    acc, m_i, l_i = _attn_tiles(q, kc_ptr + base * stride_c, vc_ptr + base * stride_c, stride_c, kvh, lo, hi, qpos,
-                                scale_log2, window, acc, m_i, l_i, HEAD_DIM, BLOCK_D, BLOCK_N, HAS_WINDOW)
+    kbase = kc_ptr + base * stride_c
+    vbase = vc_ptr + base * stride_c
+    if ROPE:  # the keys below pos from the cache, the own key below
+        acc, m_i, l_i = _attn_tiles(q, kbase, vbase, stride_c, kvh, lo, tl.minimum(hi, pos), qpos, scale_log2,
+                                    window, acc, m_i, l_i, HEAD_DIM, BLOCK_D, BLOCK_N, HAS_WINDOW)
+        dm2 = dm[None, :]
+        kn = _rope_tile(k_ptr + row64 * stride_kv + kvh * HEAD_DIM, dm2, partner, cs, sn,
+                        BLOCK_D).to(kc_ptr.dtype.element_ty)
+        vn = tl.load(v_ptr + row64 * stride_kv + kvh * HEAD_DIM + d[None, :], mask=dm2,
+                     other=0.0).to(vc_ptr.dtype.element_ty)
+        own = (pos >= 0) & (pos >= lo) & (pos < hi)
+        # one more key, as _attn_tiles takes a tile: fp16 operands, fp32 sums, p rounded as v's type
+        s = tl.sum(q.to(tl.float32) * kn.to(tl.float32), axis=1) * scale_log2
+        s = tl.where(own & rmask, s, float("-inf"))
+        m_new = tl.maximum(m_i, s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe)
+        l_i = l_i * alpha + p
+        acc = acc * alpha[:, None] + p.to(vn.dtype).to(tl.float32)[:, None] * vn.to(tl.float32)
+        m_i = m_new
+        put = dm2 & (pos >= 0) & (split == 0)
+        crow = (base + tl.maximum(pos, 0)) * stride_c + kvh * HEAD_DIM
+        tl.store(kc_ptr + crow + d[None, :], kn, mask=put)
+        tl.store(vc_ptr + crow + d[None, :], vn, mask=put)
+    else:
+        acc, m_i, l_i = _attn_tiles(q, kbase, vbase, stride_c, kvh, lo, hi, qpos, scale_log2, window, acc, m_i, l_i,
+                                    HEAD_DIM, BLOCK_D, BLOCK_N, HAS_WINDOW)
     if N_SPLITS == 1:
         res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + row64 * stride_o + h[:, None] * HEAD_DIM + d[None, :],
@@ -364,37 +444,156 @@ def _attn_rows_kernel(q_ptr, stride_q, kc_ptr, vc_ptr, stride_c, out_ptr, stride
         tl.store(po_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=qmask)
         tl.store(pml_ptr + part * 2, m_i, mask=rmask)
         tl.store(pml_ptr + part * 2 + 1, l_i, mask=rmask)
+        if COMBINE:
+            # the program that counts its (row, kv head)'s splits complete combines their partials
+            # from L2 in split order (the result does not depend on which finished last), writes
+            # the output and zeroes its counter for the next launch: no reduce kernel
+            tl.debug_barrier()  # every thread's stores come before the counter's release
+            cnt = cnt_ptr + row * tl.num_programs(1) + kvh
+            done = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+            if done == N_SPLITS - 1:
+                first = ((row64 * H + h) * N_SPLITS).to(tl.int64)
+                m_all = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+                for sp in range(0, N_SPLITS):
+                    m_all = tl.maximum(m_all, tl.load(pml_ptr + (first + sp) * 2, mask=rmask, other=float("-inf"),
+                                                      cache_modifier=".cg"))
+                m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
+                o = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+                total = tl.zeros([BLOCK_M], dtype=tl.float32)
+                for sp in range(0, N_SPLITS):
+                    ps = first + sp
+                    w = tl.exp2(tl.load(pml_ptr + ps * 2, mask=rmask, other=float("-inf"), cache_modifier=".cg")
+                                - m_all)
+                    total += w * tl.load(pml_ptr + ps * 2 + 1, mask=rmask, other=0.0, cache_modifier=".cg")
+                    o += w[:, None] * tl.load(po_ptr + ps[:, None] * HEAD_DIM + d[None, :], mask=qmask, other=0.0,
+                                              cache_modifier=".cg")
+                res = o / tl.where(total > 0, total, 1.0)[:, None]
+                tl.store(out_ptr + row64 * stride_o + h[:, None] * HEAD_DIM + d[None, :],
+                         res.to(out_ptr.dtype.element_ty), mask=qmask)
+                tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
+
+
+def _rows_combine_in_kernel() -> bool:
+    """Whether attention_rows' splits are combined by their last program (EDGELLM_ROWS_ATTN_COMBINE=0:
+    by the reduce kernel, one launch more)."""
+    import os
+
+    return os.environ.get("EDGELLM_ROWS_ATTN_COMBINE", "1") != "0"
+
+
+_counters: dict[tuple, torch.Tensor] = {}
+_ones_cache: dict[tuple, torch.Tensor] = {}
+
+
+def _made_once(cache: dict, key, make, what: str) -> torch.Tensor:
+    """cache[key], made by make() on first use. Not inside a CUDA graph capture: there make()'s
+    fill would only be recorded (run at the graph's replay, not now) and its memory would belong
+    to that graph; a program that captures calls prepare_attention_rows when it is built."""
+    t = cache.get(key)
+    if t is None:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"attention_rows: its {what} are made outside a CUDA graph capture; call "
+                               f"prepare_attention_rows(device, n_rot) before capturing")
+        t = cache[key] = make()
+    return t
+
+
+def _dev_key(dev) -> tuple:
+    """A device as a cache key: "cuda" and "cuda:0" are one device."""
+    dev = torch.device(dev)
+    index = dev.index if dev.index is not None or dev.type != "cuda" else torch.cuda.current_device()
+    return dev.type, index
+
+
+def _ones(dev: torch.device, n: int) -> torch.Tensor:
+    """A float32 tensor of n ones on dev, made once (a CUDA graph keeps its address)."""
+    return _made_once(_ones_cache, (_dev_key(dev), n), lambda: torch.ones(n, dtype=torch.float32, device=dev),
+                      "RoPE factors of 1")
+
+
+_N_COUNTERS = 1 << 16
+
+
+def _split_counters(dev: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 counters (_N_COUNTERS, at least n), one buffer per device made once (a CUDA graph
+    keeps its address), shared by the launches (each leaves its counters zero). Keyed by device
+    index: "cuda" and "cuda:0" are one device."""
+    if n > _N_COUNTERS:
+        raise ValueError(f"attention_rows: {n} (row, kv head) pairs split, at most {_N_COUNTERS}")
+    return _made_once(_counters, _dev_key(dev), lambda: torch.zeros(_N_COUNTERS, dtype=torch.int32, device=dev),
+                      "split counters")
+
+
+def prepare_attention_rows(dev: torch.device, n_rot: int = 0) -> None:
+    """Makes attention_rows' per-device constants (the split counters; with n_rot, RoPE factors of
+    1 for n_rot rotated dimensions) now, so that a CUDA graph captured later only records launches."""
+    _split_counters(dev, 1)
+    if n_rot:
+        _ones(dev, n_rot // 2)
 
 
 def rows_splits(q: torch.Tensor, n_rows: int, n_kv_heads: int, max_keys: int, config: dict | None = None) -> int:
     """Context splits of an attention_rows step whose longest row attends to max_keys keys: one
-    per ATTN_DECODE_KEYS_PER_SPLIT keys, but no more than fills about two programs per SM
-    (rows x kv heads x splits). A CUDA graph is captured per (rows, splits)."""
+    per configs.ROWS_ATTN_KEYS_PER_SPLIT keys, but no more than fills about
+    configs.ROWS_ATTN_PROGRAMS_PER_SM programs per SM (rows x kv heads x splits); the environment's
+    EDGELLM_ROWS_ATTN_KEYS and EDGELLM_ROWS_ATTN_PER_SM override them. A CUDA graph is captured
+    per (rows, splits)."""
+    import os
+
     cfg = {**configs.ATTN_DECODE_DEFAULT, **(config or {})}
     if cfg.get("n_splits"):
         return int(cfg["n_splits"])
-    want = triton.cdiv(max(int(max_keys), 1), configs.ATTN_DECODE_KEYS_PER_SPLIT)
-    cap = max(1, triton.cdiv(2 * device_sm_count(q), max(1, n_rows * n_kv_heads)))
+    per = int(os.environ.get("EDGELLM_ROWS_ATTN_KEYS", configs.ROWS_ATTN_KEYS_PER_SPLIT))
+    per_sm = float(os.environ.get("EDGELLM_ROWS_ATTN_PER_SM", configs.ROWS_ATTN_PROGRAMS_PER_SM))
+    want = triton.cdiv(max(int(max_keys), 1), max(1, per))
+    cap = max(1, math.ceil(per_sm * device_sm_count(q) / max(1, n_rows * n_kv_heads)))
     return max(1, min(want, cap, 128))
 
 
 def attention_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
                    bases: torch.Tensor, n_heads: int, n_kv_heads: int, scale: float | None = None,
                    out: torch.Tensor | None = None, *, head_dim: int | None = None, window: int = 0,
-                   n_splits: int = 1, workspace=None, config: dict | None = None) -> torch.Tensor:
+                   n_splits: int = 1, workspace=None, config: dict | None = None,
+                   new_k: torch.Tensor | None = None, new_v: torch.Tensor | None = None, theta: float = 10000.0,
+                   style: str = "norm", freq_factors: torch.Tensor | None = None, n_rot: int | None = None,
+                   pos_scale: float = 1.0) -> torch.Tensor:
     """Decode attention of T rows, each a different sequence (the attention_rows op): q row t
     (q [T, n_heads*head_dim]) attends to cache rows bases[t] .. bases[t] + positions[t] (its own
     slot, up to and including its own position; window > 0: only the last `window` of them).
     positions and bases are int32/int64 device tensors of at least T entries (read by the kernel,
     so a CUDA graph replays any values); a row with positions[t] < 0 is padding and gets zeros.
     n_splits > 1 cuts each row's keys into that many chunks (flash-decoding) and needs a
-    workspace from decode_workspace(T, n_heads, head_dim, n_splits)."""
-    from .rope import _check_rows
+    workspace from decode_workspace(T, n_heads, head_dim, n_splits).
+
+    new_k, new_v ([T, n_kv_heads*head_dim], a row stride of their own; e.g. views of a q|k|v
+    projection): the rows' own keys and values, not yet in the cache, and q not yet rotated. The
+    kernel then does rope_qkv_cache's rows-mode work too (RoPE of q and k as theta, style,
+    freq_factors, n_rot and pos_scale say; k and v stored at cache row bases[t] + positions[t])."""
+    from .rope import _check_rows, _rope_args
 
     H, HKV, D = _check_attn(q, k_cache, v_cache, n_heads, n_kv_heads, head_dim)
     T = q.shape[0]
     G = H // HKV
     _check_rows(T, q, positions=positions, bases=bases)
+    rope = new_k is not None or new_v is not None
+    if rope:
+        if new_k is None or new_v is None:
+            raise ValueError("attention_rows: give both new_k and new_v, or neither")
+        for name, t in (("new_k", new_k), ("new_v", new_v)):
+            check_2d(t, name)
+            if t.shape[0] < T or t.shape[1] != HKV * D:
+                raise ValueError(f"attention_rows {name} has shape {tuple(t.shape)}, expected ({T}, {HKV * D})")
+        if new_k.stride(0) != new_v.stride(0):
+            raise ValueError("attention_rows: new_k and new_v must share a row stride")
+        n_rot = _rope_args(D, n_rot, style, freq_factors)
+        if freq_factors is None:
+            # factors of 1 (exact): their load keeps the cos / sin at one column a thread; computed
+            # from arange alone, Triton computed them in the q tile's layout, 16 columns a thread
+            # with libdevice's slow-path local arrays (compile_check attn-rows-rope: 765 IMAD, 103
+            # local loads against 174 and 6)
+            freq_factors = _ones(q.device, n_rot // 2)
+    else:
+        n_rot = D
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     out = out_buffer(out, (T, H * D), q.dtype, q.device)
     n_splits = max(1, int(n_splits))
@@ -402,18 +601,29 @@ def attention_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         return out
     cfg = {**configs.ATTN_DECODE_DEFAULT, **(config or {})}
     block_d = max(16, next_pow2(D))
+    combine = n_splits > 1 and _rows_combine_in_kernel()
+    cnt = out
     if n_splits > 1:
         po, pml = workspace if workspace is not None else decode_workspace(T, H, D, n_splits, q.device)
         if po.numel() < T * H * n_splits * D or pml.numel() < T * H * n_splits * 2:
             raise ValueError("attention_rows workspace is too small; make it with decode_workspace()")
+        if combine:
+            cnt = _split_counters(q.device, T * HKV)
     else:
         po = pml = out
     _attn_rows_kernel[(T, HKV, n_splits)](q, q.stride(0), k_cache, v_cache, k_cache.stride(0), out, out.stride(0),
                                           po, pml, positions, bases, H, scale * _LOG2E, int(window),
+                                          new_k if rope else q, new_v if rope else q,
+                                          new_k.stride(0) if rope else 0,
+                                          freq_factors if freq_factors is not None else q, math.log2(theta),
+                                          float(pos_scale), cnt,
                                           G=G, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=max(16, next_pow2(G)),
-                                          BLOCK_N=cfg["BLOCK_N"], N_SPLITS=n_splits, HAS_WINDOW=window > 0,
+                                          BLOCK_N=cfg["BLOCK_N"], N_SPLITS=n_splits, COMBINE=combine,
+                                          HAS_WINDOW=window > 0,
+                                          ROPE=rope, N_ROT=n_rot, NEOX=style == "neox",
+                                          HAS_FF=freq_factors is not None, SCALED=pos_scale != 1.0,
                                           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl())
-    if n_splits > 1:
+    if n_splits > 1 and not combine:
         # every split wrote its partial (empty ones m = -inf): combine all of them, which the
         # reduce kernel does for a "sequence length" of n_splits tiles
         _attn_decode_reduce_kernel[(T * H,)](po, pml, out, out.stride(0), out, n_splits * cfg["BLOCK_N"], H,

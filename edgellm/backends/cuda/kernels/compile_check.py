@@ -129,6 +129,14 @@ def _cases():
         yield f"gemm-m16-skinny {fmt}", lambda w=w: linear(torch.empty(16, 4096, dtype=h16), w, decode_max_tokens=0,
                                                            config=dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128,
                                                                        num_warps=4, num_stages=3, SPLIT_K=4))
+    # the rows step's gate|up product with SiLU(gate) * up in its epilogue, at a tile the tuner picks
+    skinny = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, SPLIT_K=4)
+    x16 = torch.empty(16, 4096, dtype=h16)
+    for fmt in ("Q4_0", "Q4K", "Q6K"):
+        yield f"gemm-m16-glu {fmt}", lambda fmt=fmt: linear_silu_mul(x16, pw(fmt, 2 * 14336, 4096), config=skinny,
+                                                                   decode_max_tokens=0)
+        yield f"gemm-m16-plain {fmt}", lambda fmt=fmt: linear(x16, pw(fmt, 2 * 14336, 4096), config=skinny,
+                                                            decode_max_tokens=0)
     yield "quantize_act", lambda: quantize_activations(x1)
 
     def norm_tail(fmt, int8):  # the o projection with the residual add + RMSNorm after it
@@ -190,6 +198,19 @@ def _cases():
     yield "attn-rows-split", lambda: attention_rows(q32, kc, kc, rows, rows, 32, 8, n_splits=4,
                                                     workspace=decode_workspace(32, 32, 128, 4, "cpu"))
     yield "attn-rows-window", lambda: attention_rows(q32, kc, kc, rows, rows, 32, 8, window=512)
+    # RoPE and the K/V store in the attention kernel, from a q|k|v buffer's views (the backend's form)
+    qkv32 = torch.empty(32, 6144, dtype=h16)
+    yield "attn-rows-rope", lambda: attention_rows(qkv32[:, :4096], kc, kc, rows, rows, 32, 8, new_k=qkv32[:, 4096:5120],
+                                                   new_v=qkv32[:, 5120:], theta=5e5)
+    yield "attn-rows-rope-split", lambda: attention_rows(qkv32[:, :4096], kc, kc, rows, rows, 32, 8, n_splits=4,
+                                                         workspace=decode_workspace(32, 32, 128, 4, "cpu"),
+                                                         new_k=qkv32[:, 4096:5120], new_v=qkv32[:, 5120:], theta=5e5,
+                                                         freq_factors=torch.empty(64), style="neox")
+    yield "attn-rows-rope-neox", lambda: attention_rows(qkv32[:, :4096], kc, kc, rows, rows, 32, 8, new_k=qkv32[:, 4096:5120],
+                                                        new_v=qkv32[:, 5120:], theta=5e5, style="neox")
+    yield "attn-rows-rope-norm-split", lambda: attention_rows(qkv32[:, :4096], kc, kc, rows, rows, 32, 8, n_splits=4,
+                                                              workspace=decode_workspace(32, 32, 128, 4, "cpu"),
+                                                              new_k=qkv32[:, 4096:5120], new_v=qkv32[:, 5120:], theta=5e5)
 
 
 def main(argv=None) -> int:

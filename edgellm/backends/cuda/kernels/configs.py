@@ -347,6 +347,13 @@ ROPE_DEFAULT = dict(num_warps=1)
 # per KV head (no combine kernel); each further such run of keys adds a split. The decode CUDA
 # graph is captured once per bucket (split count).
 ATTN_DECODE_KEYS_PER_SPLIT = 512
+# A rows step's attention (batched decode, one program per row, kv head and split; the splits
+# combined in the kernel): keys per split and the programs per SM the splits may fill
+# (kernels/attention.py rows_splits). 8B Q4_K_M, 16 rows at 250-500 cached keys each on an H200
+# (bench_rows.py --profile 16, 2026-11-29): attention 493 us a step with 128 and 4 (4 splits)
+# against 567 us with 512 and 2 (none).
+ROWS_ATTN_KEYS_PER_SPLIT = 128
+ROWS_ATTN_PROGRAMS_PER_SM = 4.0
 ATTN_DECODE_DEFAULT = dict(BLOCK_N=64, num_warps=4, num_stages=2, n_splits=None)
 ATTN_DECODE_CANDIDATES = [dict(BLOCK_N=bn, num_warps=w, num_stages=s, n_splits=ns)
                           for bn in (32, 64, 128) for w in (2, 4, 8) for s in (1, 2, 3) for ns in (None, 16, 32, 64)]

@@ -43,6 +43,7 @@ nibble words merged with one word of fifth bits per block), with Q4K's scales.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -51,12 +52,19 @@ import triton.language as tl
 
 from . import configs
 from ._common import (INTERPRET, USE_DP4A, check_2d, device_sm_count, dp4a, int_or_tensor, jit, l2_prefetch,
-                      or_under_one, out_buffer, pdl, pdl_prologue, prefetch_lines)
+                      nibbles_f16, or_under_one, six_bits_f16, out_buffer, pdl, pdl_prologue, prefetch_lines)
 from .elementwise import ACT_CODES, gate_act
 from .norm import NormTail, norm_tail_epilogue
 from .packing import PackedWeight
 from .rope import RopeStore, rope_cos_sin
 
+# The GEMM's dequantization through packed PTX (nibbles_f16, six_bits_f16); otherwise the Triton
+# operations, as the interpreter runs them. EDGELLM_NIBBLE_ASM=0 turns the 4-bit one off;
+# EDGELLM_SIX_ASM=1 turns the six-bit one on (off by default: its element-wise form is not yet
+# checked on a GPU; a form that assumed a thread's two packed elements to be neighbours in a block
+# gave wrong Q6 tiles where the layout packed rows instead, K not a multiple of BLOCK_K).
+_NIBBLE_ASM = USE_DP4A and os.environ.get("EDGELLM_NIBBLE_ASM", "1") != "0"
+_SIX_ASM = USE_DP4A and os.environ.get("EDGELLM_SIX_ASM", "0") == "1"
 _FMT_CODE = {"F16": 0, "Q4_0": 1, "Q4_1": 2, "Q8_0": 3, "Q6": 4, "Q6M": 5, "Q4K": 6, "Q6K": 7, "Q5K": 8}
 
 
@@ -646,6 +654,25 @@ def _mma(w, xt, acc, WEIGHT_B: tl.constexpr):
 
 
 @jit
+def _gemm_store(acc, rn, nmask, rm, mmask, pid_n, N, bias_ptr, out_ptr, stride_om, HAS_BIAS: tl.constexpr,
+                GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Writes a finished tile acc [weight rows rn, tokens rm] (fp32), + bias. GLU (1 silu, 2
+    gelu_tanh): the tile's rows are interleaved gate/up pairs; writes act(gate) * up to output
+    columns pid_n * BLOCK_N / 2 ... of out (N / 2 wide)."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[:, None]
+    rm64 = rm.to(tl.int64)[None, :]
+    if GLU:
+        g, u = tl.split(tl.permute(tl.reshape(acc, [BLOCK_N // 2, 2, BLOCK_M]), (0, 2, 1)))
+        c = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(out_ptr + rm64 * stride_om + c[:, None], (gate_act(g, GLU) * u).to(out_ptr.dtype.element_ty),
+                 mask=(c < N // 2)[:, None] & mmask[None, :])
+    else:
+        tl.store(out_ptr + rm64 * stride_om + rn[:, None], acc.to(out_ptr.dtype.element_ty),
+                 mask=nmask[:, None] & mmask[None, :])
+
+
+@jit
 def _dot_halves(lo, hi, xcol, k0, K, mmask, acc, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 WEIGHT_B: tl.constexpr, JOIN: tl.constexpr):
     """acc += the product of a weight tile given as its 32-blocks' first halves (lo: elements
@@ -703,7 +730,8 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
                  M, N, K, stride_q, stride_d, ws_ptr, cnt_ptr, k_split, n_splits, shifts_ptr,
                  FMT: tl.constexpr, HAS_BIAS: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                 EVEN_K: tl.constexpr, WEIGHT_B: tl.constexpr, SKINNY: tl.constexpr, PDL: tl.constexpr):
+                 EVEN_K: tl.constexpr, WEIGHT_B: tl.constexpr, SKINNY: tl.constexpr, GLU: tl.constexpr,
+                 ASM: tl.constexpr, SIX_ASM: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -717,9 +745,15 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
         pid_n = pid // (num_m * n_splits)
         k_lo = pid_k * k_split
         k_hi = tl.minimum(K, k_lo + k_split)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if GLU:  # gate|up weight (gate rows, then up rows): the tile's rows are pairs (gate c, up c)
+        v = tl.arange(0, BLOCK_N)
+        c = pid_n * (BLOCK_N // 2) + v // 2
+        nmask = c < N // 2
+        rn = c + (v % 2) * (N // 2)
+    else:
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = rn < N
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    nmask = rn < N
     mmask = rm < M
     rn64 = rn.to(tl.int64)
     xcol = x_ptr + rm.to(tl.int64)[None, :] * stride_xm  # x^T tile: [k, token]
@@ -802,12 +836,8 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
                 hw = tl.load((rowp + n_blocks * 16 + kb[None, :, None] * 8).to(tl.pointer_type(tl.int32))
                              + tl.arange(0, 2)[None, None, :], mask=wm[:, :, None], other=0)
                 h_lo, h_hi = tl.split(hw)
-                sh = shifts[None, None, :]
-                t_lo = (h_lo[:, :, None] >> sh) & 3
-                t_hi = (h_hi[:, :, None] >> sh) & 3
-                # code -> fp16 as for Q4: 0x6400 | q is 1024 + q, and 1024 + q - 1056 is q - 32 exactly
-                lo = ((q & 15).to(tl.int32) | (t_lo << 4) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-                hi = ((q >> 4).to(tl.int32) | (t_hi << 4) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+                # code - 32 as exact fp16 (six_bits_f16: 0x6400 | q is 1024 + q, less 1056)
+                lo, hi = six_bits_f16(q, h_lo[:, :, None], h_hi[:, :, None], shifts[None, None, :], SIX_ASM)
                 # the per-16 scales (and minimums) of the tile's blocks as one contiguous [rows, 2 * blocks]
                 # load (copied ahead like the quants), split into each block's first and second half
                 pair = (kb * 2)[None, :, None] + tl.arange(0, 2)[None, None, :]
@@ -816,8 +846,8 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
                 else:
                     d_lo, d_hi = tl.split(tl.load(w_d + rn64[:, None, None] * stride_d + pair, mask=wm[:, :, None],
                                                   other=0.0).to(tl.float16))
-                lo = (lo - 1056.0) * d_lo[:, :, None]
-                hi = (hi - 1056.0) * d_hi[:, :, None]
+                lo = lo * d_lo[:, :, None]
+                hi = hi * d_hi[:, :, None]
                 if FMT == 5:
                     m_lo, m_hi = tl.split(tl.load(w_m + rn64[:, None, None] * stride_d + pair, mask=wm[:, :, None],
                                                   other=0.0).to(tl.float16))
@@ -827,23 +857,24 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
             else:
                 j = tl.arange(0, 16)
                 q = _ld_blocks(w_q, rn64, kb, j, wm, stride_q, 16, SKINNY)
-                # nibble -> fp16 without int-to-float conversions (a quarter-rate instruction that
-                # would outlast the MMAs): 0x6400 | q is the fp16 1024 + q, and 1024 + q - 1032
-                # is q - 8 exactly, so the only rounding is the product with the scale
-                lo = ((q & 15).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
-                hi = ((q >> 4).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+                # nibble -> exact fp16 (q - 8 for Q4_0) without int-to-float conversions (a
+                # quarter-rate instruction that would outlast the MMAs; nibbles_f16), so the only
+                # rounding is the product with the scale
                 if FMT == 1:
-                    lo = (lo - 1032.0) * d
-                    hi = (hi - 1032.0) * d
+                    lo, hi = nibbles_f16(q, 8, ASM)
+                    lo = lo * d
+                    hi = hi * d
                 elif FMT == 6:  # Q4K: each sub-block's scale and minimum from its codes (rounded to fp16 here)
+                    lo, hi = nibbles_f16(q, 0, ASM)
                     dk, mk = _q4k_tile_scales(w_d, w_m, rn64, kb, k0, wm, nmask, stride_d, SUPER_ONCE)
-                    lo = (lo - 1024.0) * dk + mk
-                    hi = (hi - 1024.0) * dk + mk
+                    lo = lo * dk + mk
+                    hi = hi * dk + mk
                 else:
+                    lo, hi = nibbles_f16(q, 0, ASM)
                     mn = tl.load(w_m + rn64[:, None] * stride_d + kb[None, :], mask=wm,
                                  other=0.0).to(tl.float16)[:, :, None]
-                    lo = (lo - 1024.0) * d + mn
-                    hi = (hi - 1024.0) * d + mn
+                    lo = lo * d + mn
+                    hi = hi * d + mn
                 acc = _dot_halves(lo, hi, xcol, k0, K, mmask, acc, BLOCK_N, BLOCK_K, WEIGHT_B, SKINNY)
     if WEIGHT_B:
         acc = tl.trans(acc)  # [rows, tokens], as the epilogue writes it
@@ -854,7 +885,8 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
         # order (the result does not depend on which program finished last), writes the output
         # and zeroes its counter for the next launch. (Float atomics adding into one [M, N] sum
         # instead gave wrong tiles on the H100 with triton 3.6.0, every run: gemm_stress.py --skinny.)
-        mn = rm.to(tl.int64)[None, :] * N + rn[:, None]
+        # (the tile's own columns of the workspace, contiguous also where rn is not: GLU)
+        mn = rm.to(tl.int64)[None, :] * N + (pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[:, None]
         tl.store(ws_ptr + pid_k.to(tl.int64) * M * N + mn, acc, mask=omask)
         tl.debug_barrier()  # every thread's stores come before this program's release of the counter
         cnt = cnt_ptr + pid_n * num_m + pid_m
@@ -863,16 +895,11 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
             acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
             for s in range(0, n_splits):
                 acc += tl.load(ws_ptr + s * M * N + mn, mask=omask, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[:, None]
-            optr = out_ptr + rm.to(tl.int64)[None, :] * stride_om + rn[:, None]
-            tl.store(optr, acc.to(out_ptr.dtype.element_ty), mask=omask)
+            _gemm_store(acc, rn, nmask, rm, mmask, pid_n, N, bias_ptr, out_ptr, stride_om, HAS_BIAS, GLU,
+                        BLOCK_N, BLOCK_M)
             tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
     else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[:, None]
-        optr = out_ptr + rm.to(tl.int64)[None, :] * stride_om + rn[:, None]
-        tl.store(optr, acc.to(out_ptr.dtype.element_ty), mask=omask)
+        _gemm_store(acc, rn, nmask, rm, mmask, pid_n, N, bias_ptr, out_ptr, stride_om, HAS_BIAS, GLU, BLOCK_N, BLOCK_M)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1021,9 +1048,11 @@ def _shift_table(dev) -> torch.Tensor:
     return t
 
 
-def _launch_gemm(x, w, bias, out, config):
+def _launch_gemm(x, w, bias, out, config, glu: int = 0):
+    """The matrix-matrix kernel; glu (an ACT_CODES value): w is a gate|up weight and out, half its
+    width, receives act(gate) * up."""
     M, K = x.shape
-    N = out.shape[1]
+    N = w.out_features
     cfg = {**configs.gemm_default(M, N, device_sm_count(x), K, w.fmt), **(config or {})}
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     if bk % 32:
@@ -1043,7 +1072,8 @@ def _launch_gemm(x, w, bias, out, config):
                                     FMT=_FMT_CODE[w.fmt], HAS_BIAS=bias is not None,
                                     BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=splits > 1, EVEN_K=K % bk == 0,
                                     WEIGHT_B=bool(cfg.get("WEIGHT_B", False)), SKINNY=bm <= configs.SKINNY_M,
-                                    num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl())
+                                    GLU=glu, ASM=_NIBBLE_ASM, SIX_ASM=_SIX_ASM, num_warps=cfg["num_warps"],
+                                    num_stages=cfg["num_stages"], **pdl())
 
 
 def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
@@ -1106,6 +1136,15 @@ def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, o
     return out
 
 
+def skinny_glu(M: int) -> bool:
+    """Whether an M-row product of a fused gate|up weight (above the GEMV's rows) takes the
+    activation in the GEMM's epilogue: skinny products (M <= configs.SKINNY_M), unless
+    EDGELLM_SKINNY_GLU=0."""
+    import os
+
+    return M <= configs.SKINNY_M and os.environ.get("EDGELLM_SKINNY_GLU", "1") != "0"
+
+
 def linear_silu_mul(x: torch.Tensor, w_gate: PackedWeight, w_up: PackedWeight | None = None,
                     out: torch.Tensor | None = None, *, act_int8: bool = False,
                     xq: QuantizedActivations | None = None, config: dict | None = None,
@@ -1114,8 +1153,11 @@ def linear_silu_mul(x: torch.Tensor, w_gate: PackedWeight, w_up: PackedWeight | 
     """act(x @ Wg.T) * (x @ Wu.T) in one kernel for decode (tokens <= decode_max_tokens); act is
     silu (SwiGLU) or gelu_tanh (GeGLU).
 
-    w_up None: w_gate holds both, gate rows first then up rows (concat_packed([gate, up])).
-    Prefill: one matrix-matrix product per half, then silu_mul.
+    w_up None: w_gate holds both, gate rows first then up rows (concat_packed([gate, up])). Then
+    skinny products (up to configs.SKINNY_M tokens: batched decode steps) take the matrix-matrix
+    kernel with the activation in its epilogue (each tile multiplies gate row c and up row c side
+    by side; EDGELLM_SKINNY_GLU=0: a product, then silu_mul). Prefill: one matrix-matrix product
+    (per half), then silu_mul.
     """
     check_2d(x, "x")
     _check_weight(x, w_gate, "w_gate")
@@ -1134,6 +1176,9 @@ def linear_silu_mul(x: torch.Tensor, w_gate: PackedWeight, w_up: PackedWeight | 
         return out
     if M <= decode_max_tokens:
         _launch_gemv(x, w_gate, wb, b_off, None, out, True, act_int8, xq, config, act=act, l2_prefetch=l2_prefetch)
+        return out
+    if w_up is None and skinny_glu(M):
+        _launch_gemm(x, w_gate, None, out, config, glu=ACT_CODES[act])
         return out
     from .elementwise import silu_mul
     if w_up is None:
