@@ -122,9 +122,9 @@ def nibbles_f16(q, OFF: tl.constexpr, USE_ASM: tl.constexpr):
         else:
             lo = tl.inline_asm_elementwise(_NIB_LO0, "=r,h", [q], dtype=tl.float16, is_pure=True, pack=2)
             hi = tl.inline_asm_elementwise(_NIB_HI0, "=r,h", [q], dtype=tl.float16, is_pure=True, pack=2)
-    else:
-        lo = ((q & 15).to(tl.int16) - OFF).to(tl.float16)
-        hi = ((q >> 4).to(tl.int16) - OFF).to(tl.float16)
+    else:  # the same exponent trick one element at a time (no int-to-float conversion)
+        lo = ((q & 15).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - (1024.0 + OFF)
+        hi = ((q >> 4).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - (1024.0 + OFF)
     return lo, hi
 
 
@@ -156,9 +156,11 @@ def six_bits_f16(q, h_lo, h_hi, sh, USE_ASM: tl.constexpr):
                                        pack=2)
         hi = tl.inline_asm_elementwise(_SIX_HI, "=r,h,r,r,r,r", [q, h_hi, sh], dtype=tl.float16, is_pure=True,
                                        pack=2)
-    else:
-        lo = (((q & 15).to(tl.int32) | (((h_lo >> sh) & 3) << 4)) - 32).to(tl.float16)
-        hi = (((q >> 4).to(tl.int32) | (((h_hi >> sh) & 3) << 4)) - 32).to(tl.float16)
+    else:  # the exponent trick one element at a time: 0x6400 | q is 1024 + q, less 1056 is q - 32
+        lo = ((q & 15).to(tl.int32) | (((h_lo >> sh) & 3) << 4) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        hi = ((q >> 4).to(tl.int32) | (((h_hi >> sh) & 3) << 4) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        lo = lo - 1056.0
+        hi = hi - 1056.0
     return lo, hi
 
 
