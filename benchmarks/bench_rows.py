@@ -40,6 +40,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import edgellm  # noqa: E402
 from edgellm.sampling import SamplingParams  # noqa: E402
+from edgellm.backends.cuda.backend import SKINNY_TUNE_KERNEL  # noqa: E402
 from edgellm.session import SlotPool  # noqa: E402
 from edgellm.synthetic import SyntheticSpec, preset, write_synthetic_gguf  # noqa: E402
 
@@ -249,7 +250,7 @@ def main() -> int:
     if pool.batch is None:
         sys.exit("bench_rows: the cuda backend did not compile the rows program")
     tuner = getattr(m.backend, "tuner", None)
-    picks = [p for p in (tuner.report() if tuner is not None else []) if p["kernel"] == "gemm_skinny"]
+    picks = [p for p in (tuner.report() if tuner is not None else []) if p["kernel"] == SKINNY_TUNE_KERNEL]
     for key, p in {p["key"]: p for p in picks}.items():  # the tuner's skinny-GEMM picks (rows buckets)
         us = f"{p['us']:.1f} us (default {p['default_us']:.1f})" if p.get("us") and p.get("default_us") else ""
         print(f"tuned gemm_skinny {key}: {p['source']} {us} {p['config']}", flush=True)

@@ -358,6 +358,7 @@ def test_skinny_swiglu_in_the_gemm_epilogue(rng, monkeypatch, fmt, cfg):
 # -- the rows program of a tiny model on the cuda backend -----------------------------------------
 import edgellm  # noqa: E402
 from edgellm.sampling import SamplingParams  # noqa: E402
+from edgellm.backends.cuda.backend import SKINNY_TUNE_KERNEL  # noqa: E402
 from edgellm.session import SlotPool  # noqa: E402
 from edgellm.synthetic import SyntheticSpec, write_synthetic_gguf  # noqa: E402
 
@@ -539,7 +540,7 @@ def test_rows_program_tunes_its_skinny_products_and_matches_the_defaults(tmp_pat
         monkeypatch.setenv("EDGELLM_TUNE", tune)
         m = edgellm.load(path, backend="cuda", ctx=MODEL_CTX, prefill_chunk=8)
         pool = SlotPool(m, 16)
-        picks = [p for p in m.backend.tuner.report() if p["kernel"] == "gemm_skinny"]
+        picks = [p for p in m.backend.tuner.report() if p["kernel"] == SKINNY_TUNE_KERNEL]
         if tune == "1":
             assert {p["key"][3] for p in picks} == {8, 16}, picks  # the buckets of 5-8 and 9-16 rows
             assert all(p["source"] in ("tuned", "cached") for p in picks)

@@ -263,6 +263,11 @@ def residual_stream(graph: Graph) -> set[str]:
 # first use (which may set it up) is not inside a capture.
 _EAGER_BEFORE_CAPTURE = os.environ.get("EDGELLM_EAGER_BEFORE_CAPTURE", "0") == "1"
 
+# The rows programs' skinny-GEMM tuning entries (tuning.py: the kernel name carries a version, so
+# that timings of an older kernel are not reused): 2 since the dequantization went through packed
+# PTX (2026-11-29), which changed which tiles are fastest.
+SKINNY_TUNE_KERNEL = "gemm_skinny.2"
+
 
 
 def _pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -945,13 +950,14 @@ class CudaProgram:
                     job = self._gemv_tuning(op, w, self._linear_uses_int8(op, W))
                     if job is not None:
                         jobs.append(job)
-        tuner.prepare("gemm_skinny" if self.rows_mode else "gemv", jobs)
+        tuner.prepare(SKINNY_TUNE_KERNEL if self.rows_mode else "gemv", jobs)
 
     def _tuned_skinny(self, w, swiglu: bool = False) -> dict[int, dict]:
         """A rows program's product with this weight: per row bucket that runs the GEMM kernel, the
         skinny tile and split-K count timed at first load and cached on disk (tuning.py); {} with
         tuning off (configs.gemm_default then). swiglu: w is a fused gate|up weight."""
-        return {job[0][3]: self.backend.tuner.pick("gemm_skinny", *job) for job in self._skinny_tuning(w, swiglu)}
+        return {job[0][3]: self.backend.tuner.pick(SKINNY_TUNE_KERNEL, *job)
+                for job in self._skinny_tuning(w, swiglu)}
 
     def _skinny_tuning(self, w, swiglu: bool = False) -> list[tuple]:
         """(key, candidates, default, run) for Tuner.pick of each row bucket of this rows program
