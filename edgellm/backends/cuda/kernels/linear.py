@@ -731,7 +731,7 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
                  FMT: tl.constexpr, HAS_BIAS: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                  EVEN_K: tl.constexpr, WEIGHT_B: tl.constexpr, SKINNY: tl.constexpr, GLU: tl.constexpr,
-                 ASM: tl.constexpr, SIX_ASM: tl.constexpr, PDL: tl.constexpr):
+                 NIBBLE_ASM: tl.constexpr, SIX_ASM: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -861,16 +861,16 @@ def _gemm_kernel(x_ptr, stride_xm, w_q, w_d, w_m, bias_ptr, out_ptr, stride_om,
                 # quarter-rate instruction that would outlast the MMAs; nibbles_f16), so the only
                 # rounding is the product with the scale
                 if FMT == 1:
-                    lo, hi = nibbles_f16(q, 8, ASM)
+                    lo, hi = nibbles_f16(q, 8, NIBBLE_ASM)
                     lo = lo * d
                     hi = hi * d
                 elif FMT == 6:  # Q4K: each sub-block's scale and minimum from its codes (rounded to fp16 here)
-                    lo, hi = nibbles_f16(q, 0, ASM)
+                    lo, hi = nibbles_f16(q, 0, NIBBLE_ASM)
                     dk, mk = _q4k_tile_scales(w_d, w_m, rn64, kb, k0, wm, nmask, stride_d, SUPER_ONCE)
                     lo = lo * dk + mk
                     hi = hi * dk + mk
                 else:
-                    lo, hi = nibbles_f16(q, 0, ASM)
+                    lo, hi = nibbles_f16(q, 0, NIBBLE_ASM)
                     mn = tl.load(w_m + rn64[:, None] * stride_d + kb[None, :], mask=wm,
                                  other=0.0).to(tl.float16)[:, :, None]
                     lo = lo * d + mn
@@ -1072,7 +1072,7 @@ def _launch_gemm(x, w, bias, out, config, glu: int = 0):
                                     FMT=_FMT_CODE[w.fmt], HAS_BIAS=bias is not None,
                                     BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=splits > 1, EVEN_K=K % bk == 0,
                                     WEIGHT_B=bool(cfg.get("WEIGHT_B", False)), SKINNY=bm <= configs.SKINNY_M,
-                                    GLU=glu, ASM=_NIBBLE_ASM, SIX_ASM=_SIX_ASM, num_warps=cfg["num_warps"],
+                                    GLU=glu, NIBBLE_ASM=_NIBBLE_ASM, SIX_ASM=_SIX_ASM, num_warps=cfg["num_warps"],
                                     num_stages=cfg["num_stages"], **pdl())
 
 
