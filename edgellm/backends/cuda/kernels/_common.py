@@ -164,6 +164,26 @@ def six_bits_f16(q, h_lo, h_hi, sh, USE_ASM: tl.constexpr):
     return lo, hi
 
 
+def device_key(dev) -> tuple:
+    """A device as a cache key: "cuda" and "cuda:0" are one device."""
+    dev = torch.device(dev)
+    index = dev.index if dev.index is not None or dev.type != "cuda" else torch.cuda.current_device()
+    return dev.type, index
+
+
+def made_once(cache: dict, key, make, what: str, hint: str) -> torch.Tensor:
+    """cache[key], made by make() on first use: a per-device constant that CUDA graphs keep the
+    address of. Never inside a capture, where make()'s fill would only be recorded (run at the
+    graph's replay, not now) and its memory would belong to that graph: there it raises, naming
+    `what` and `hint` (the call that makes it when the program is built)."""
+    t = cache.get(key)
+    if t is None:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{what} must be made before a CUDA graph capture ({hint})")
+        t = cache[key] = make()
+    return t
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 

@@ -19,13 +19,15 @@ cache may be a ring shorter than the context (ModelConfig.kv_rows), holding the 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
 import triton.language as tl
 
 from . import configs
-from ._common import check_2d, device_sm_count, int_or_tensor, jit, next_pow2, out_buffer, pdl, pdl_prologue
+from ._common import (check_2d, device_key, device_sm_count, int_or_tensor, jit, made_once, next_pow2, out_buffer,
+                      pdl, pdl_prologue)
 from .norm import store_int8_tile
 from .rope import rope_cos_sin
 
@@ -476,8 +478,6 @@ def _attn_rows_kernel(q_ptr, stride_q, kc_ptr, vc_ptr, stride_c, out_ptr, stride
 def _rows_combine_in_kernel() -> bool:
     """Whether attention_rows' splits are combined by their last program (EDGELLM_ROWS_ATTN_COMBINE=0:
     by the reduce kernel, one launch more)."""
-    import os
-
     return os.environ.get("EDGELLM_ROWS_ATTN_COMBINE", "1") != "0"
 
 
@@ -485,30 +485,10 @@ _counters: dict[tuple, torch.Tensor] = {}
 _ones_cache: dict[tuple, torch.Tensor] = {}
 
 
-def _made_once(cache: dict, key, make, what: str) -> torch.Tensor:
-    """cache[key], made by make() on first use. Not inside a CUDA graph capture: there make()'s
-    fill would only be recorded (run at the graph's replay, not now) and its memory would belong
-    to that graph; a program that captures calls prepare_attention_rows when it is built."""
-    t = cache.get(key)
-    if t is None:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"attention_rows: its {what} are made outside a CUDA graph capture; call "
-                               f"prepare_attention_rows(device, n_rot) before capturing")
-        t = cache[key] = make()
-    return t
-
-
-def _dev_key(dev) -> tuple:
-    """A device as a cache key: "cuda" and "cuda:0" are one device."""
-    dev = torch.device(dev)
-    index = dev.index if dev.index is not None or dev.type != "cuda" else torch.cuda.current_device()
-    return dev.type, index
-
-
 def _ones(dev: torch.device, n: int) -> torch.Tensor:
     """A float32 tensor of n ones on dev, made once (a CUDA graph keeps its address)."""
-    return _made_once(_ones_cache, (_dev_key(dev), n), lambda: torch.ones(n, dtype=torch.float32, device=dev),
-                      "RoPE factors of 1")
+    return made_once(_ones_cache, (device_key(dev), n), lambda: torch.ones(n, dtype=torch.float32, device=dev),
+                     "attention_rows' RoPE factors of 1", "prepare_attention_rows(device, n_rot)")
 
 
 _N_COUNTERS = 1 << 16
@@ -520,8 +500,8 @@ def _split_counters(dev: torch.device, n: int) -> torch.Tensor:
     index: "cuda" and "cuda:0" are one device."""
     if n > _N_COUNTERS:
         raise ValueError(f"attention_rows: {n} (row, kv head) pairs split, at most {_N_COUNTERS}")
-    return _made_once(_counters, _dev_key(dev), lambda: torch.zeros(_N_COUNTERS, dtype=torch.int32, device=dev),
-                      "split counters")
+    return made_once(_counters, device_key(dev), lambda: torch.zeros(_N_COUNTERS, dtype=torch.int32, device=dev),
+                     "attention_rows' split counters", "prepare_attention_rows(device)")
 
 
 def prepare_attention_rows(dev: torch.device, n_rot: int = 0) -> None:
@@ -538,8 +518,6 @@ def rows_splits(q: torch.Tensor, n_rows: int, n_kv_heads: int, max_keys: int, co
     configs.ROWS_ATTN_PROGRAMS_PER_SM programs per SM (rows x kv heads x splits); the environment's
     EDGELLM_ROWS_ATTN_KEYS and EDGELLM_ROWS_ATTN_PER_SM override them. A CUDA graph is captured
     per (rows, splits)."""
-    import os
-
     cfg = {**configs.ATTN_DECODE_DEFAULT, **(config or {})}
     if cfg.get("n_splits"):
         return int(cfg["n_splits"])

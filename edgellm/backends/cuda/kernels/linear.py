@@ -51,8 +51,9 @@ import triton
 import triton.language as tl
 
 from . import configs
-from ._common import (INTERPRET, USE_DP4A, check_2d, device_sm_count, dp4a, int_or_tensor, jit, l2_prefetch,
-                      nibbles_f16, or_under_one, six_bits_f16, out_buffer, pdl, pdl_prologue, prefetch_lines)
+from ._common import (INTERPRET, USE_DP4A, check_2d, device_key, device_sm_count, dp4a, int_or_tensor, jit,
+                      l2_prefetch, made_once, nibbles_f16, or_under_one, out_buffer, pdl, pdl_prologue, prefetch_lines,
+                      six_bits_f16)
 from .elementwise import ACT_CODES, gate_act
 from .norm import NormTail, norm_tail_epilogue
 from .packing import PackedWeight
@@ -1036,16 +1037,10 @@ def _shift_table(dev) -> torch.Tensor:
     """int32 [32]: element j's top-bit shift in a six-bit block word (8 (j % 4) + 2 (j // 4)), then
     its fifth-bit shift in a Q5K word (8 (j % 4) + j // 4), on dev; made outside any capture (the
     backend makes it at load). Keyed by device index: "cuda" and "cuda:0" are one device."""
-    dev = torch.device(dev)
-    index = dev.index if dev.index is not None or dev.type != "cuda" else torch.cuda.current_device()
-    t = _shift_tables.get((dev.type, index))
-    if t is None:
-        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("linear: the shift table must be made before a CUDA graph capture "
-                               "(call _shift_table(device) at load)")
+    def make():
         j = torch.arange(16, dtype=torch.int32)
-        t = _shift_tables[(dev.type, index)] = torch.cat([8 * (j % 4) + 2 * (j // 4), 8 * (j % 4) + j // 4]).to(dev)
-    return t
+        return torch.cat([8 * (j % 4) + 2 * (j // 4), 8 * (j % 4) + j // 4]).to(dev)
+    return made_once(_shift_tables, device_key(dev), make, "linear's shift table", "call _shift_table(device) at load")
 
 
 def _launch_gemm(x, w, bias, out, config, glu: int = 0):
