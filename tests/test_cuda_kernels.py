@@ -1048,7 +1048,7 @@ def test_linear_prefill_six_bit(rng, fmt):
 @pytest.mark.parametrize("fmt", ["Q6", "Q6M", "Q6K"])
 @pytest.mark.parametrize("n_in", [160, 512])
 def test_linear_six_bit_packed_ptx(rng, monkeypatch, fmt, n_in):
-    """The six-bit dequantization through packed PTX (six_bits_f16, EDGELLM_SIX_ASM=1) in every
+    """The six-bit dequantization through packed PTX (six_bits_f16, on unless EDGELLM_SIX_ASM=0) in every
     tile shape: the prefill and default tiles, the large-M and weight-B ones, and the 16-row skinny
     tile; K a multiple of BLOCK_K and not (where Triton packs a thread's rows, not neighbours in a
     block, into one instruction)."""

@@ -60,12 +60,14 @@ from .packing import PackedWeight
 from .rope import RopeStore, rope_cos_sin
 
 # The GEMM's dequantization through packed PTX (nibbles_f16, six_bits_f16); otherwise the Triton
-# operations, as the interpreter runs them. EDGELLM_NIBBLE_ASM=0 turns the 4-bit one off;
-# EDGELLM_SIX_ASM=1 turns the six-bit one on (off by default: its element-wise form is not yet
-# checked on a GPU; a form that assumed a thread's two packed elements to be neighbours in a block
-# gave wrong Q6 tiles where the layout packed rows instead, K not a multiple of BLOCK_K).
+# operations, as the interpreter runs them. EDGELLM_NIBBLE_ASM=0 and EDGELLM_SIX_ASM=0 turn them
+# off. The six-bit one is element-wise (each element its own shift): a form that assumed a thread's
+# two packed elements to be neighbours in a block gave wrong Q6 tiles where the layout packed rows
+# instead (K not a multiple of BLOCK_K); the element-wise form passed test_linear_six_bit_packed_ptx
+# (every tile kind, K 160 and 512) on an H200 (2026-11-29) and took 8B Q4_K_M's 16-row step's
+# kernels from 5,178 to 4,929 us (bench_rows.py --profile 16).
 _NIBBLE_ASM = USE_DP4A and os.environ.get("EDGELLM_NIBBLE_ASM", "1") != "0"
-_SIX_ASM = USE_DP4A and os.environ.get("EDGELLM_SIX_ASM", "0") == "1"
+_SIX_ASM = USE_DP4A and os.environ.get("EDGELLM_SIX_ASM", "1") != "0"
 _FMT_CODE = {"F16": 0, "Q4_0": 1, "Q4_1": 2, "Q8_0": 3, "Q6": 4, "Q6M": 5, "Q4K": 6, "Q6K": 7, "Q5K": 8}
 
 
