@@ -24,6 +24,10 @@ streams' decode rates (each over its own first to last token, so it includes the
 streams' prefill took); "steady tok/s" the tokens received while every stream decoded at once over
 that window's length (see steady_decode): llama.cpp's S_TG t/s (N sequences decoding after all
 prompts are in) is its counterpart. Long answers (--tokens 512) give the steady window room.
+">0.1s model/loop": from the server's GET /metrics before and after the round, how many times an
+iteration of the model thread took more than 0.1 s and how many times the event loop ran a timer
+more than 0.1 s late (edgellm.serve.metrics). On a GPU, where a step takes milliseconds, either
+is a stall; on a CPU, an iteration with a prefill chunk takes that long by itself.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ except ImportError:
     import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from edgellm.serve.metrics import STALL_S  # noqa: E402
 TOPICS = ["the sea", "a robot", "a mountain", "the moon", "a city", "a forest", "a train", "a library"]
 
 
@@ -184,6 +190,33 @@ def steady_decode(streams: list[dict], min_window: float = 0.02) -> dict:
     return {"steady_tps": tokens / (hi - lo), "steady_window_s": hi - lo}
 
 
+def scrape(url: str) -> dict | None:
+    """The server's /metrics (edgellm.serve.metrics.parse), or None where it has none."""
+    from edgellm.serve.metrics import parse
+
+    try:
+        r = httpx.get(url + "/metrics", timeout=10)
+    except httpx.HTTPError:
+        return None
+    return parse(r.text) if r.status_code == 200 else None
+
+
+def stalls(before: dict | None, after: dict | None) -> dict:
+    """From two scrapes: the round's iterations of the model thread that took more than STALL_S and
+    event-loop timers run more than STALL_S late, each with the range the longest fell in."""
+    if before is None or after is None:
+        return {}
+    from edgellm.serve.metrics import past
+
+    model, model_max = past(before, after, "edgellm_scheduler_interval_seconds")
+    loop, loop_max = past(before, after, "edgellm_event_loop_lag_seconds")
+    return {"model_stalls": model, "model_stall_max": model_max, "loop_stalls": loop, "loop_stall_max": loop_max}
+
+
+def _stall_text(r: dict) -> str:
+    return f"{r['model_stalls']}/{r['loop_stalls']}" if "model_stalls" in r else "-"
+
+
 def synthetic_model(spec: str, out: str) -> str:
     """PRESET:FMT (edgellm.synthetic presets) written to out unless it is there: random weights, a
     byte-level vocabulary whose reserved tokens are text (a random model's output streams)."""
@@ -314,8 +347,10 @@ def main(argv=None) -> int:
             # a short untimed round first: the batch sizes this level reaches compile their kernels
             # and capture their CUDA graphs (once per row bucket) outside the timed round
             asyncio.run(round_(url, n, 1, 8, args.timeout, raw, words))
+            before = scrape(url)
             rows.append(asyncio.run(round_(url, n, args.requests, args.tokens, args.timeout, raw, words)))
             r = rows[-1]
+            r.update(stalls(before, scrape(url)))
             print(f"  N={n}: {r['aggregate_tps']:.1f} tok/s", file=sys.stderr)
     finally:
         if proc is not None:
@@ -325,7 +360,8 @@ def main(argv=None) -> int:
     prompt_tokens = max((r["prompt_tokens"] for r in rows), default=0) or 16
     llama = llama_batched(args, args.model, prompt_tokens) if args.llama_batched_bench and args.model else {}
     head = (f"{'clients':>7} {'ok/req':>7} {'agg tok/s':>10} {'decode tok/s':>13} {'steady tok/s':>13} "
-            f"{'window s':>9} {'TTFT p50 ms':>12} {'TTFT p95 ms':>12} {'stream tok/s':>13} {'wall s':>7}")
+            f"{'window s':>9} {'TTFT p50 ms':>12} {'TTFT p95 ms':>12} {'stream tok/s':>13} {'wall s':>7} "
+            f"{'>0.1s model/loop':>17}")
     if llama:
         head += f" {'llama.cpp S_TG':>15} {'llama.cpp S':>12} {'decode vs llama':>16} {'steady vs llama':>16}"
     print(f"edgellm serve load test: {args.tokens} tokens per request, {args.requests} request(s) per client, "
@@ -335,7 +371,8 @@ def main(argv=None) -> int:
         steady = f"{r['steady_tps']:>13.1f}" if r["steady_tps"] else f"{'-':>13}"
         line = (f"{r['clients']:>7} {str(r['ok']) + '/' + str(r['requests']):>7} {r['aggregate_tps']:>10.1f} "
                 f"{r['decode_tps']:>13.1f} {steady} {r['steady_window_s']:>9.2f} {r['ttft_p50_ms']:>12.0f} "
-                f"{r['ttft_p95_ms']:>12.0f} {r['stream_tps']:>13.1f} {r['wall_s']:>7.1f}")
+                f"{r['ttft_p95_ms']:>12.0f} {r['stream_tps']:>13.1f} {r['wall_s']:>7.1f} "
+                f"{_stall_text(r):>17}")
         lr = llama.get(r["clients"])
         if lr:
             vs = f"{r['steady_tps'] / lr['speed_tg']:>15.2f}x" if r["steady_tps"] else f"{'-':>16}"
@@ -343,6 +380,11 @@ def main(argv=None) -> int:
         elif llama:
             line += f" {'-':>15} {'-':>12} {'-':>16} {'-':>16}"
         print(line + (f"  errors: {r['errors']}" if r["errors"] else ""))
+    for r in rows:
+        if r.get("model_stalls") or r.get("loop_stalls"):
+            print(f"  N={r['clients']}: model-thread iterations over {STALL_S:g} s: {r['model_stalls']} (longest "
+                  f"{r['model_stall_max'] or '-'}); event-loop lags over {STALL_S:g} s: {r['loop_stalls']} (longest "
+                  f"{r['loop_stall_max'] or '-'}) (GET /metrics)")
     if rows and rows[0]["clients"] == 1:
         base = rows[0]["aggregate_tps"]
         print("aggregate vs 1 client: " + ", ".join(f"N={r['clients']} {r['aggregate_tps'] / base:.2f}x" for r in rows))

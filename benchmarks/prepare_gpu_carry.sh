@@ -8,7 +8,7 @@
 # .whl/: the wheels the GPU image lacks, for its Python 3.12 on x86_64 (`gpu_session.sh setup`
 # installs them into the session folder): gguf, tokenizers (and their pure-Python needs pyyaml,
 # tqdm), rich (markdown-it-py, mdurl, pygments), psutil, diskcache (llama-cpp-python imports it),
-# and the serving stack for `gpu_session.sh serve` (fastapi with opentelemetry-api and annotated-doc, starlette, uvicorn, pydantic,
+# and the serving stack for `gpu_session.sh serve` (fastapi with opentelemetry-api and annotated-doc, starlette, uvicorn, prometheus-client, pydantic,
 # pydantic-core, annotated-types, typing-inspection, anyio, sniffio, h11, click) and the webgpu
 # backend's (wgpu, cffi, pycparser, rendercanvas; the Vulkan loader comes from .gl/). Versions follow
 # what the CI install resolves today, pinned here so that a later run carries the same ones.
@@ -25,6 +25,7 @@ trap 'rm -rf "$T"' EXIT
 WHEELS=(gguf==0.19.0 tokenizers==0.23.3 pyyaml==6.0.3 tqdm==4.70.1 rich==15.0.0 markdown-it-py==4.3.0
         mdurl==0.1.2 pygments==2.21.0 psutil==7.2.2 diskcache==5.6.3
         fastapi==0.165.0 opentelemetry-api==1.45.2 annotated-doc==0.0.7 starlette==1.10.0 uvicorn==0.54.0
+        prometheus-client==0.26.0
         pydantic==2.14.4 pydantic-core
         annotated-types typing-inspection anyio==4.16.0 sniffio==1.3.1 h11==0.16.0 click==8.5.1
         wgpu==0.32.0 cffi==2.1.1 pycparser==3.12 rendercanvas==2.7.2)

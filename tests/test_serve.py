@@ -216,6 +216,45 @@ def test_client_disconnect_frees_its_slot(server):
         time.sleep(0.1)
 
 
+def _scrape(base):
+    from edgellm.serve.metrics import parse
+
+    r = httpx.get(base + "/metrics", timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain"), r.headers
+    return parse(r.text)
+
+
+def test_metrics_count_what_the_answers_report(server, client, model_id):
+    """GET /metrics (Prometheus text, read back with prometheus_client's parser): the counters move
+    by what the answers' usage says, and the model thread's iteration intervals and the event
+    loop's lag are observed."""
+    before = _scrape(server[1])
+    chat = _chat(client, model_id, PROMPTS[2], max_tokens=8)
+    text = client.completions.create(model=model_id, prompt="Once upon a time", max_tokens=5, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    after = _scrape(server[1])
+
+    def moved(name):
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert moved("edgellm_generated_tokens_total") == chat.usage.completion_tokens + text.usage.completion_tokens
+    assert text.usage.completion_tokens == 5 and text.choices[0].finish_reason == "length"
+    reasons = {"stop": 0, "length": 0}
+    for r in (chat, text):
+        reasons[r.choices[0].finish_reason] += 1
+    for reason, n in reasons.items():
+        assert moved(f'edgellm_requests_total{{reason="{reason}"}}') == n, reason
+    cached = sum((r.usage.prompt_tokens_details.cached_tokens or 0) for r in (chat, text))
+    assert moved("edgellm_prompt_tokens_total") == chat.usage.prompt_tokens + text.usage.prompt_tokens - cached
+    # every generated token after the first of each request came from a decode step
+    steps, rows = moved("edgellm_decode_steps_total"), moved("edgellm_decode_rows_total")
+    assert 1 <= steps <= rows and rows >= moved("edgellm_generated_tokens_total") - 2
+    # one interval between each two iterations of a request's run (these two ran one after the other)
+    assert moved("edgellm_scheduler_interval_seconds_count") >= steps - 2
+    assert moved("edgellm_event_loop_lag_seconds_count") >= 1
+    assert after["edgellm_slots_busy"] == 0 and after["edgellm_requests_waiting"] == 0
+
+
 def test_concurrent_clients_each_get_their_own_answer(server, client, model_id):
     alone = [_chat(client, model_id, p, max_tokens=12).choices[0].message.content for p in PROMPTS]
     assert len(set(alone)) > 1

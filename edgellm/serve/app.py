@@ -4,6 +4,7 @@
   POST /v1/completions        a raw prompt (text or token ids)
   GET  /v1/models             the one model served
   GET  /health                status and slot / queue counts (no key needed)
+  GET  /metrics               Prometheus counters: requests, tokens, steps, stalls (edgellm.serve.metrics; no key needed)
 
 Every answer carries usage (prompt, completion and cached prompt tokens; in a stream, in the
 chunk with the finish reason). Errors have OpenAI's body {"error": {message, type, param, code}}
@@ -27,12 +28,14 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from ..errors import EdgeLLMError
 from ..sampling import SamplingParams
 from . import scheduler as sch
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .metrics import ServerMetrics
 from .schemas import MAX_STOP_LEN, MAX_STOPS, ChatCompletionRequest, CompletionRequest
 
 DEFAULT_MAX_BODY = 1 << 20  # bytes of request body
@@ -96,9 +99,15 @@ class _Guard:
 
 
 def create_app(model, scheduler: sch.Scheduler, cfg: ServeConfig) -> FastAPI:
+    if scheduler.metrics is None:
+        scheduler.attach_metrics(ServerMetrics())
+    metrics = scheduler.metrics
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        watcher = asyncio.get_running_loop().create_task(metrics.watch_event_loop())
         yield
+        watcher.cancel()
         # shutdown: uvicorn has let running requests finish (or cancelled them after its grace
         # period); whatever is still queued or running is cancelled and the model thread ends
         await run_in_threadpool(scheduler.stop)
@@ -140,6 +149,10 @@ def create_app(model, scheduler: sch.Scheduler, cfg: ServeConfig) -> FastAPI:
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": cfg.model_id, **scheduler.counts()}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     model_card = {"id": cfg.model_id, "object": "model", "created": created, "owned_by": "edgellm",
                   "context_length": ctx}

@@ -127,12 +127,13 @@ class _Running:
 
 class Scheduler:
     def __init__(self, model, parallel: int = 1, *, max_queue: int = 64, chunk: int = 256,
-                 pool: SlotPool | None = None, chain: bool | None = None):
+                 pool: SlotPool | None = None, chain: bool | None = None, metrics=None):
         """pool: the slots and decode step over model (default SlotPool(model, parallel); a stand-in
         with the same slots / batch / decode_start / overlaps measures the serving stack without a
         model: benchmarks/bench_serve_stack.py). chain: queue steps whose tokens the device chooses back to back (see the
         module docstring); None: where the steps overlap and the pool has decode_next, unless
-        EDGELLM_SERVE_CHAIN=0."""
+        EDGELLM_SERVE_CHAIN=0. metrics: an edgellm.serve.metrics.ServerMetrics that exports `stats`
+        (counts kept here as plain ints) and gets the iteration intervals."""
         if parallel < 1:
             raise EdgeLLMError(f"parallel must be at least 1, got {parallel}")
         if max_queue < 0:
@@ -160,6 +161,11 @@ class Scheduler:
         self._stop_ids = model.tokenizer.stop_ids if model.tokenizer is not None else frozenset()
         self._thread = threading.Thread(target=self._loop, name="edgellm-scheduler", daemon=True)
         self.steps = 0
+        # counts a metrics endpoint reads (edgellm.serve.metrics): tokens, steps, finished requests
+        self.stats: collections.Counter = collections.Counter()
+        self.metrics = None
+        if metrics is not None:
+            self.attach_metrics(metrics)
 
     # -- the caller's side ------------------------------------------------------------------------
     def start(self) -> "Scheduler":
@@ -184,6 +190,12 @@ class Scheduler:
             self._cv.notify()
         return req
 
+    def attach_metrics(self, metrics) -> None:
+        """Export stats and counts through metrics (edgellm.serve.metrics.ServerMetrics) and observe
+        the model thread's iteration intervals into it."""
+        metrics.watch(self.stats, self.counts)
+        self.metrics = metrics
+
     def counts(self) -> dict:
         with self._cv:
             return {"slots": len(self.slots), "busy": len(self.slots) - len(self._free),
@@ -201,6 +213,7 @@ class Scheduler:
 
     # -- the model thread -------------------------------------------------------------------------
     def _loop(self) -> None:
+        last = None  # the start of the previous iteration that had requests to run
         while True:
             with self._cv:
                 settle = self._inflight is not None and not self._chain_goes_on()
@@ -210,8 +223,14 @@ class Scheduler:
                     if not self._running:
                         if self._stopping:
                             return
+                        last = None  # idle time is no stall
                         self._cv.wait(0.5)
                         continue
+            if self.metrics is not None:
+                now = time.perf_counter()
+                if last is not None:
+                    self.metrics.interval.observe(now - last)
+                last = now if self._running else None
             if settle:
                 self._settle()
                 continue
@@ -255,6 +274,7 @@ class Scheduler:
     def _drop_cancelled(self) -> None:
         for r in [r for r in self._waiting if r.cancelled]:
             self._waiting.remove(r)
+            self.stats["requests_cancelled"] += 1
             _send(r, Done("cancelled", len(r.prompt), 0, 0, 0.0, 0.0))
         for run in [run for run in self._running if run.req.cancelled]:
             self._finish(run, "cancelled")
@@ -270,6 +290,7 @@ class Scheduler:
                            TextStream(self.model.tokenizer, req.stops), time.perf_counter(), cached=pos)
             if req.max_tokens == 0:
                 self._release(run)
+                self.stats["requests_length"] += 1
                 _send(req, Done("length", len(req.prompt), pos, 0, 0.0, 0.0))
                 continue
             self._running.append(run)
@@ -288,6 +309,7 @@ class Scheduler:
                 continue
             part, run.todo = run.todo[:budget], run.todo[budget:]
             budget -= len(part)
+            self.stats["prompt_tokens"] += len(part)
             logits = self._forward(run, part)
             if logits is not None and not run.todo:
                 run.ttft = time.perf_counter() - run.t0
@@ -309,6 +331,8 @@ class Scheduler:
         if not runs:
             self._deliver()
             return
+        self.stats["decode_steps"] += 1
+        self.stats["decode_rows"] += len(runs)
         if not self.batched:  # round-robin single-sequence steps (see the module docstring)
             for run in runs:
                 logits = self._forward(run, [run.last])
@@ -373,6 +397,7 @@ class Scheduler:
             run.ending = "stop"
             self._deliveries.append((run, None, None))
             return
+        self.stats["generated_tokens"] += 1  # as usage counts them: an end-of-turn token is not
         run.history.append(token)
         run.last = token
         lp = _logprobs(logits, token, req.logprobs, self.model.tokenizer) if req.logprobs is not None else None
@@ -405,11 +430,13 @@ class Scheduler:
     def _finish(self, run: _Running, reason: str) -> None:
         completion = len(run.history) - len(run.req.prompt)  # sampled tokens, an end-of-turn token not counted
         self._release(run)
+        self.stats[f"requests_{reason}"] += 1
         _send(run.req, Done(reason, len(run.req.prompt), run.cached, completion,
                             run.ttft, time.perf_counter() - run.t0))
 
     def _fail(self, run: _Running, message: str) -> None:
         self._release(run)
+        self.stats["requests_failed"] += 1
         _send(run.req, Failed(message))
 
     def _release(self, run: _Running) -> None:
