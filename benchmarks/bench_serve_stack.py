@@ -9,11 +9,15 @@ over loopback, and streaming httpx clients in another process.
 
 Per N concurrent clients (each streams --requests completions of --tokens tokens, ignore_eos):
 aggregate and per-stream tokens/s (the median of --repeat rounds), each also as a fraction of the
-ceiling, the stand-in's own step rate measured in a tight loop (per stream: steps/s; aggregate: N
-x steps/s). Also where the time per step goes, read from the server: the stand-in step as the
+ceiling, the stand-in's own step rate (per stream: steps/s; aggregate: N x steps/s): its device
+rate, one step every --step-ms, where steps are queued on a device, else a tight loop of its
+steps. Also where the time per step goes, read from the server: the stand-in step as the
 scheduler saw it, the scheduler thread's time between steps, the CPU time per token of the
-scheduler and event-loop threads, and the event loop's busy fraction. The stand-in's step runs
-while the scheduler goes on, as a step queued on a GPU does (--no-overlap: as on a CPU backend).
+scheduler and event-loop threads, the event loop's busy fraction, the spread of the rounds and
+the longest time between two steps queued one after the other (a stall). The stand-in's step runs
+while the scheduler goes on, as a step queued on a GPU does, on a device queue (a step queued
+while another runs starts when it ends), and has decode_next, so the scheduler chains steps as
+on cuda (--no-overlap: as on a CPU backend).
 --profile writes cProfile tables of the scheduler thread and the event-loop thread.
 
   python benchmarks/bench_serve_stack.py                        # N = 1, 4, 16, 32; 0.7 ms steps
@@ -117,9 +121,15 @@ class StandInPool:
         self._last = None  # (wall, thread cpu) at the end of the previous step
         self.own_cpu = 0.0  # the stand-in's own CPU time (its host part)
         self.cpu_first = self.cpu_last = None  # the scheduler thread's CPU clock at the first and last step
+        self._device_free = 0.0  # when the last queued step's device part ends
+        self._queued = None  # when the last step was queued
+        self.max_gap = 0.0  # the longest time between two steps queued one after the other (a stall)
+
+    draws_on_device = False  # sampled rows are drawn on the host from their logits, as on the cpu backend
 
     def launch(self) -> float:
-        """The host part; returns when the device part ends."""
+        """The host part; returns when the device part ends: after the steps queued before it, as
+        a GPU runs its queue in order."""
         t0, c0 = time.perf_counter(), time.thread_time()
         for k in range(1, self.releases + 1):  # each torch call releases the GIL and takes it again
             end = t0 + self.host_s * k / self.releases
@@ -127,7 +137,8 @@ class StandInPool:
                 pass
             time.sleep(0)
         self.own_cpu += time.thread_time() - c0
-        return t0 + self.step_s
+        self._device_free = max(time.perf_counter(), self._device_free) + self.step_s
+        return self._device_free
 
     @staticmethod
     def wait_until(end: float) -> None:
@@ -138,10 +149,19 @@ class StandInPool:
     def step(self):
         self.wait_until(self.launch())
 
-    def decode_tokens(self, steps, need_logits):
-        return self.decode_start(steps, need_logits)()
+    def decode_tokens(self, steps, need_logits, draws=None):
+        return self.decode_start(steps, need_logits, draws)()
 
-    def decode_start(self, steps, need_logits):
+    def decode_start(self, steps, need_logits, draws=None):
+        return self._queue([(slot, pos) for slot, _, pos in steps], [token for _, token, _ in steps], need_logits)
+
+    def decode_next(self, prev: "StandInStep") -> "StandInStep":
+        """The step after prev for the same slots, fed prev's tokens, queued before prev is read
+        (SlotPool.decode_next: the scheduler's chain of steps where the device chooses the tokens)."""
+        return self._queue([(slot, pos + 1) for slot, pos in prev.rows], list(prev.chosen),
+                           [False] * len(prev.rows))
+
+    def _queue(self, rows, fed, need_logits) -> "StandInStep":
         t0, c0 = time.perf_counter(), time.thread_time()
         if self.cpu_first is None:
             self.cpu_first, self.own_cpu = c0, 0.0
@@ -149,9 +169,12 @@ class StandInPool:
         if self._last is not None and t0 - self._last[0] < 0.05:  # not across an idle gap
             self.between += t0 - self._last[0]
             self.between_cpu += c0 - self._last[1]
+        if self._queued is not None:
+            self.max_gap = max(self.max_gap, t0 - self._queued)
+        self._queued = t0
         device_end = self.launch()
-        tokens = np.empty(len(steps), np.int64)
-        for i, (slot, token, pos) in enumerate(steps):
+        tokens = np.empty(len(rows), np.int64)
+        for i, ((slot, pos), token) in enumerate(zip(rows, fed)):
             del slot.tokens[pos:]
             slot.tokens.append(int(token))
             tokens[i] = self.model.token(slot, pos + 1)
@@ -163,18 +186,26 @@ class StandInPool:
                 logits[i] = row
         t1 = time.perf_counter()
         self.steps += 1
-        self.rows += len(steps)
+        self.rows += len(rows)
         self.in_step += t1 - t0
+        return StandInStep(self, rows, tokens, logits, device_end)
 
-        def wait():
-            t2 = time.perf_counter()
-            self.wait_until(device_end)
-            t3 = time.perf_counter()
-            self.in_step += t3 - t2
-            self._last = (t3, time.thread_time())
-            return tokens, logits
 
-        return wait
+class StandInStep:
+    """A queued stand-in step (SlotPool's DecodeStep): rows (slot, position), the chosen tokens, and
+    called, waits for the device part to end and returns (tokens, logits rows asked for)."""
+
+    def __init__(self, pool: StandInPool, rows, chosen, logits, device_end: float):
+        self.pool, self.rows, self.chosen, self.logits, self.device_end = pool, rows, chosen, logits, device_end
+
+    def __call__(self):
+        pool = self.pool
+        t2 = time.perf_counter()
+        pool.wait_until(self.device_end)
+        t3 = time.perf_counter()
+        pool.in_step += t3 - t2
+        pool._last = (t3, time.thread_time())
+        return self.chosen, self.logits
 
 
 class LoopClock:
@@ -242,6 +273,7 @@ def serve_main(args) -> None:
     async def _stats():
         sched_cpu = (pool.cpu_last - pool.cpu_first - pool.own_cpu) if pool.cpu_first is not None else 0.0
         return {"steps": pool.steps, "rows": pool.rows, "in_step_s": pool.in_step, "between_s": pool.between,
+                "max_gap_s": pool.max_gap,
                 "sched_cpu_s": sched_cpu,
                 "between_cpu_s": pool.between_cpu, "loop": clock.read(),
                 "switch_interval_s": sys.getswitchinterval()}
@@ -315,7 +347,10 @@ async def round_(url: str, n: int, requests: int, tokens: int, words: int, stop,
 
 
 def ceiling(args) -> float:
-    """Steps per second of the stand-in alone (a tight loop of its decode step)."""
+    """Steps per second of the stand-in alone: its device rate where steps queue on a device (the
+    scheduler then chains them back to back), else a tight loop of its decode step."""
+    if not args.no_overlap:
+        return 1e3 / args.step_ms
     pool = StandInPool(SimpleNamespace(), 1, args.step_ms, args.host_ms, args.gil_releases)
     n = max(200, int(0.5 / max(args.step_ms / 1e3, 1e-5)))
     pool.step()
@@ -389,6 +424,7 @@ def main(argv=None) -> int:
             runs.sort(key=lambda r: r["aggregate_tps"])
             r = runs[len(runs) // 2]  # the median round
             r["all_aggregate_tps"] = [x["aggregate_tps"] for x in runs]
+            r["max_gap_ms"] = max(1e3 * x["server"]["max_gap_s"] for x in runs)
             rows.append(r)
             print(f"  N={n}: {r['aggregate_tps']:.0f} tok/s", file=sys.stderr)
     finally:
@@ -405,7 +441,7 @@ def main(argv=None) -> int:
           f"switch interval {interval * 1e3:g} ms; stream interval {args.stream_interval:g} ms; {os.cpu_count()} CPUs")
     print(f"{'clients':>7} {'ok/req':>7} {'agg tok/s':>10} {'of ceiling':>10} {'stream tok/s':>12} {'of ceiling':>10} "
           f"{'TTFT p50 ms':>11} {'rows/step':>9} {'step ms':>8} {'between ms':>10} {'sched us/tok':>12} "
-          f"{'loop us/tok':>11} {'loop busy':>9} {'client cpu':>10}")
+          f"{'loop us/tok':>11} {'loop busy':>9} {'client cpu':>10} {'agg min-max':>13} {'max gap ms':>10}")
     for r in rows:
         s = r["server"]
         steps, tokens = max(1, s["steps"]), max(1, s["rows"])
@@ -415,12 +451,15 @@ def main(argv=None) -> int:
                 f"{r['stream_tps'] / rate:>10.2f} {r['ttft_p50_ms']:>11.1f} {s['rows'] / steps:>9.1f} "
                 f"{1e3 * s['in_step_s'] / steps:>8.3f} {1e3 * s['between_s'] / steps:>10.3f} "
                 f"{1e6 * s['sched_cpu_s'] / tokens:>12.1f} {1e6 * s['loop']['cpu_s'] / tokens:>11.1f} "
-                f"{busy:>9} {r['client_cpu_s'] / r['wall_s']:>10.2f}")
+                f"{busy:>9} {r['client_cpu_s'] / r['wall_s']:>10.2f} "
+                f"{min(r['all_aggregate_tps']):>6.0f}-{max(r['all_aggregate_tps']):<6.0f} {r['max_gap_ms']:>10.1f}")
         print(line + (f"  errors: {r['errors']}" if r["errors"] else ""))
     print("step ms: the stand-in step as the scheduler saw it (launch to result); between ms: the scheduler "
           "thread's wall time from one step's result to the next launch; sched / loop us/tok: CPU time of the "
           "scheduler thread (less the stand-in's own) and of the event-loop thread per generated token; loop "
-          "busy: the event loop's busy fraction; client cpu: the client process's CPU / wall")
+          "busy: the event loop's busy fraction; client cpu: the client process's CPU / wall; "
+          "agg min-max: the rounds' aggregate tok/s; max gap ms: the longest time between two steps queued "
+          "one after the other, over the rounds")
     if args.profile:
         for name in ("scheduler", "loop"):
             path = f"{args.profile}.{name}.prof"
