@@ -172,15 +172,30 @@ class SlotPool:
 
     def warmup(self) -> int:
         """One batched step at every padded row count the backend runs (and one single-sequence
-        step), at the first and the last position of a slot, so that kernel compiles and CUDA
-        graph captures happen now rather than inside the first requests that reach each count
-        (H100, 1B: a 16-client level otherwise waited 1.7 s for its first steps). The slots are
-        reset afterwards. Returns the number of steps run."""
+        step), at the first and the last position of a slot and at the first position of each
+        attention split count (see below), so that kernel compiles and CUDA graph captures happen
+        now rather than inside the first requests that reach each count (H100, 1B: a 16-client
+        level otherwise waited 1.7 s for its first steps). The slots are reset afterwards. Returns
+        the number of steps run."""
         if self.batch is None:
             return 0
         bucket = getattr(self.batch, "row_bucket", None)
         counts = sorted({min(self.n, bucket(k)) if bucket else k for k in range(1, self.n + 1)})
-        shapes = [(count, pos) for count in counts for pos in sorted({0, self.ctx - 1})]
+        # and a step at the first position of each attention split count that a program has a
+        # kernel variant for (step_shapes, cuda), once per count: the compile of a variant met
+        # first inside a served round would stall it
+        warmed: set = set()
+        shapes = []
+        for count in counts:
+            positions = {0, self.ctx - 1}
+            program = self.batch if count > 1 else self.slots[0].programs["decode"]
+            step_shapes = getattr(program, "step_shapes", None)
+            if step_shapes is not None:
+                for splits, pos in sorted(step_shapes(count, self.ctx).items()):
+                    if (count > 1, splits) not in warmed:
+                        warmed.add((count > 1, splits))
+                        positions.add(pos)
+            shapes += [(count, pos) for pos in sorted(positions)]
 
         def run_steps():
             for count, pos in shapes:

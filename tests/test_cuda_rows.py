@@ -552,3 +552,37 @@ def test_rows_program_tunes_its_skinny_products_and_matches_the_defaults(tmp_pat
         logits[tune] = pool.decode([(slot, 7, 3) for slot in pool.slots])
     assert np.isfinite(logits["1"]).all()
     assert np.abs(logits["1"] - logits["0"]).max() <= 5e-3 * np.abs(logits["0"]).max()
+
+
+def test_warmup_steps_at_every_attention_split_count(tmp_path, monkeypatch):
+    """step_shapes finds, for each row count, every attention split count that a position of the
+    context gives and the first position giving it (against all positions one by one), for the
+    rows program and the single-sequence decode program; SlotPool.warmup runs a step at each split
+    count once (besides the first and last positions of every row count it runs)."""
+    from edgellm.backends.cuda.kernels import configs
+
+    monkeypatch.setenv("EDGELLM_ROWS_ATTN_KEYS", "4")  # several split counts within MODEL_CTX positions
+    monkeypatch.setattr(configs, "ATTN_DECODE_KEYS_PER_SPLIT", 8)
+    path = write_synthetic_gguf(tmp_path / "m.gguf", MODELS["llama-gqa-rope-freqs"])
+    m = edgellm.load(path, backend="cuda", ctx=MODEL_CTX, prefill_chunk=8)
+    pool = SlotPool(m, 5)
+    rows, single = pool.batch, pool.slots[0].programs["decode"]
+    assert [min(5, rows.row_bucket(k)) for k in range(1, 6)] == [1, 2, 4, 4, 5]
+    expected_steps, warmed = 0, set()
+    for count in (1, 2, 4, 5):  # the row counts the warmup runs
+        program = rows if count > 1 else single
+        shapes = program.step_shapes(count, MODEL_CTX)
+        if count > 1:
+            every = [program._row_splits(program.row_bucket(count), p + 1) for p in range(MODEL_CTX)]
+        else:
+            every = [program._context_splits(p + 1) for p in range(MODEL_CTX)]
+        assert shapes == {s: every.index(s) for s in sorted(set(every))}, (count, shapes, every)
+        if count == 2:
+            assert len(shapes) >= 3, shapes  # the test exercises several split counts
+        positions = {0, MODEL_CTX - 1}
+        for s, p in sorted(shapes.items()):
+            if (count > 1, s) not in warmed:
+                warmed.add((count > 1, s))
+                positions.add(p)
+        expected_steps += len(positions)
+    assert pool.warmup() == expected_steps

@@ -630,6 +630,11 @@ class CudaProgram:
         return _use_act_int8(self._linear_weight(op, W))
 
     def _set_context(self, seq_len: int) -> int:
+        """The context bucket of a step (_context_splits), set for its launches."""
+        self._splits = self._context_splits(seq_len)
+        return self._splits
+
+    def _context_splits(self, seq_len: int) -> int:
         """The context bucket of a step: its attention split count, from the number of cached
         tokens. Short contexts take one split (one kernel, no combine step); each further
         ATTN_DECODE_KEYS_PER_SPLIT keys add a split, up to about two programs per SM. Decode CUDA
@@ -638,8 +643,34 @@ class CudaProgram:
         n = max(1, -(-int(seq_len) // per))
         if self._split_cap is not None:
             n = min(n, self._split_cap)
-        self._splits = n
         return n
+
+    def step_shapes(self, rows: int, ctx: int) -> dict[int, int]:
+        """{attention split count: the first position (of the longest row) at which a decode step
+        takes it} for a step of `rows` sequences (a rows program) or of one (a decode program), at
+        positions 0 .. ctx - 1. Each split count is a variant of the attention kernels (N_SPLITS is
+        a compile-time constant) and a CUDA graph of its own: SlotPool.warmup runs a step at each,
+        so that none is compiled inside a served round (on an H200, 2026-11-29, rounds of 16 and 32
+        streams stalled 0.5-2 s in one iteration of the model thread)."""
+        if self.rows_mode:
+            bucket = self.row_bucket(rows)
+            splits = lambda keys: self._row_splits(bucket, keys)  # noqa: E731
+        else:
+            splits = self._context_splits
+        out: dict[int, int] = {}
+        pos = 0
+        while pos < ctx:
+            s = splits(pos + 1)
+            out.setdefault(s, pos)
+            lo, hi = pos + 1, ctx  # the next position with another count (counts never fall as keys grow)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if splits(mid + 1) != s:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            pos = lo
+        return out
 
     # -- lowering: one closure per op ---------------------------------------------------------
     def _lower(self, op: Op) -> Callable:
