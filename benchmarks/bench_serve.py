@@ -210,7 +210,9 @@ def stalls(before: dict | None, after: dict | None) -> dict:
 
     model, model_max = past(before, after, "edgellm_scheduler_interval_seconds")
     loop, loop_max = past(before, after, "edgellm_event_loop_lag_seconds")
-    return {"model_stalls": model, "model_stall_max": model_max, "loop_stalls": loop, "loop_stall_max": loop_max}
+    one_time = after.get("edgellm_one_time_seconds_total", 0.0) - before.get("edgellm_one_time_seconds_total", 0.0)
+    return {"model_stalls": model, "model_stall_max": model_max, "loop_stalls": loop, "loop_stall_max": loop_max,
+            "one_time_s": one_time}
 
 
 def _stall_text(r: dict) -> str:
@@ -381,10 +383,10 @@ def main(argv=None) -> int:
             line += f" {'-':>15} {'-':>12} {'-':>16} {'-':>16}"
         print(line + (f"  errors: {r['errors']}" if r["errors"] else ""))
     for r in rows:
-        if r.get("model_stalls") or r.get("loop_stalls"):
+        if r.get("model_stalls") or r.get("loop_stalls") or r.get("one_time_s"):
             print(f"  N={r['clients']}: model-thread iterations over {STALL_S:g} s: {r['model_stalls']} (longest "
                   f"{r['model_stall_max'] or '-'}); event-loop lags over {STALL_S:g} s: {r['loop_stalls']} (longest "
-                  f"{r['loop_stall_max'] or '-'}) (GET /metrics)")
+                  f"{r['loop_stall_max'] or '-'}); compiles and graph captures: {r['one_time_s']:.2f} s (GET /metrics)")
     if rows and rows[0]["clients"] == 1:
         base = rows[0]["aggregate_tps"]
         print("aggregate vs 1 client: " + ", ".join(f"N={r['clients']} {r['aggregate_tps'] / base:.2f}x" for r in rows))

@@ -253,6 +253,7 @@ def test_metrics_count_what_the_answers_report(server, client, model_id):
     assert moved("edgellm_scheduler_interval_seconds_count") >= steps - 2
     assert moved("edgellm_event_loop_lag_seconds_count") >= 1
     assert after["edgellm_slots_busy"] == 0 and after["edgellm_requests_waiting"] == 0
+    assert moved("edgellm_one_time_seconds_total") == 0  # the cpu backend compiles nothing per shape
 
 
 def test_concurrent_clients_each_get_their_own_answer(server, client, model_id):

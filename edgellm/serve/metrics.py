@@ -2,7 +2,8 @@
 
 Counters: requests finished (by finish reason: stop, length, cancelled, failed), prompt tokens
 prefilled (a prefix reused from a slot's cache is not), tokens generated, decode steps and the
-sequences they carried. Gauges (read when scraped): slots busy, requests waiting. Two histograms
+sequences they carried, and seconds of one-time work (kernels compiled, CUDA graphs captured: on
+a GPU, what a stall is made of when it happens after the warmup). Gauges (read when scraped): slots busy, requests waiting. Two histograms
 say whether the server stalls, and where:
 
 - edgellm_scheduler_interval_seconds: the time between the starts of consecutive iterations of
@@ -44,10 +45,11 @@ class ServerMetrics:
         self.loop_lag = Histogram("edgellm_event_loop_lag_seconds", "How late the event loop ran a timer set "
                                   f"{EVENT_LOOP_PERIOD} s ahead", buckets=INTERVAL_BUCKETS, registry=r)
 
-    def watch(self, stats: dict, counts) -> None:
-        """Export the scheduler's counters (stats: {name: int}, 'requests_REASON' per finish reason)
-        and gauges (counts(): busy and waiting) when scraped."""
-        self.registry.register(_SchedulerCollector(stats, counts))
+    def watch(self, stats: dict, counts, one_time=None) -> None:
+        """Export the scheduler's counters (stats: {name: int}, 'requests_REASON' per finish reason),
+        gauges (counts(): busy and waiting) and one_time() (seconds of kernel compiles and graph
+        captures) when scraped."""
+        self.registry.register(_SchedulerCollector(stats, counts, one_time))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -67,8 +69,8 @@ class _SchedulerCollector:
                 "decode_steps": "Decode steps",
                 "decode_rows": "Sequences carried by the decode steps"}
 
-    def __init__(self, stats: dict, counts):
-        self.stats, self.counts = stats, counts
+    def __init__(self, stats: dict, counts, one_time=None):
+        self.stats, self.counts, self.one_time = stats, counts, one_time
 
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -80,6 +82,9 @@ class _SchedulerCollector:
         for reason in ("stop", "length", "cancelled", "failed"):
             finished.add_metric([reason], stats.get(f"requests_{reason}", 0))
         yield finished
+        if self.one_time is not None:
+            yield CounterMetricFamily("edgellm_one_time_seconds", "Seconds the model's programs spent on one-time "
+                                      "work: kernels compiled or loaded, CUDA graphs captured", value=self.one_time())
         c = self.counts()
         yield GaugeMetricFamily("edgellm_slots_busy", "Slots holding a request", value=c["busy"])
         yield GaugeMetricFamily("edgellm_requests_waiting", "Requests waiting for a slot", value=c["waiting"])

@@ -193,8 +193,14 @@ class Scheduler:
     def attach_metrics(self, metrics) -> None:
         """Export stats and counts through metrics (edgellm.serve.metrics.ServerMetrics) and observe
         the model thread's iteration intervals into it."""
-        metrics.watch(self.stats, self.counts)
+        metrics.watch(self.stats, self.counts, self.one_time_s)
         self.metrics = metrics
+
+    def one_time_s(self) -> float:
+        """Seconds the pool's programs spent on one-time work (kernel compiles, graph captures: the
+        cuda programs' one_time_s; 0 where a backend has none)."""
+        programs = [self.pool.batch] + [p for slot in self.slots for p in getattr(slot, "programs", {}).values()]
+        return float(sum(getattr(p, "one_time_s", 0.0) for p in programs if p is not None))
 
     def counts(self) -> dict:
         with self._cv:
