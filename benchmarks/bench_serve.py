@@ -51,7 +51,7 @@ except ImportError:
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from edgellm.serve.metrics import STALL_S  # noqa: E402
+from edgellm.serve.metrics import STALL_S, parse, past  # noqa: E402
 TOPICS = ["the sea", "a robot", "a mountain", "the moon", "a city", "a forest", "a train", "a library"]
 
 
@@ -192,8 +192,6 @@ def steady_decode(streams: list[dict], min_window: float = 0.02) -> dict:
 
 def scrape(url: str) -> dict | None:
     """The server's /metrics (edgellm.serve.metrics.parse), or None where it has none."""
-    from edgellm.serve.metrics import parse
-
     try:
         r = httpx.get(url + "/metrics", timeout=10)
     except httpx.HTTPError:
@@ -206,8 +204,6 @@ def stalls(before: dict | None, after: dict | None) -> dict:
     event-loop timers run more than STALL_S late, each with the range the longest fell in."""
     if before is None or after is None:
         return {}
-    from edgellm.serve.metrics import past
-
     model, model_max = past(before, after, "edgellm_scheduler_interval_seconds")
     loop, loop_max = past(before, after, "edgellm_event_loop_lag_seconds")
     one_time = after.get("edgellm_one_time_seconds_total", 0.0) - before.get("edgellm_one_time_seconds_total", 0.0)
