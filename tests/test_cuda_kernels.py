@@ -790,6 +790,22 @@ def test_sampling_cuts_keep_the_chains_candidates(rng, full_sort_from, monkeypat
         assert set(np.flatnonzero(x[i] >= cut[i].item()).tolist()) == host_chain_kept(x[i].astype(np.float64), k, p, mp)
 
 
+# the interpreter runs the bitonic passes slowly: a GPU takes every case, CI the smaller ones
+@pytest.mark.parametrize("V,need,rows", [(3001, 40, 2), (64, 40, 1), (4096, 1, 2), (130, 100, 1)] +
+                         ([(9000, 5, 1), (9000, 256, 2), (131072 + 77, 40, 3)] if CUDA else []))
+def test_ranked_prefix_is_the_rows_top_k(rng, V, need, rows):
+    """ranked_prefix's two passes give each row's `need` largest logits, best first, as torch.topk
+    (rows spanning one chunk, several, and a chunk not filled; fp16 logits with ties)."""
+    from edgellm.backends.cuda.kernels.sampling import ranked_prefix
+
+    for dtype in (torch.float32, torch.float16):
+        logits = rand(rng, rows, V, dtype=dtype) * 3.0
+        got = ranked_prefix(logits, need)
+        assert got.shape[0] == rows and got.shape[1] >= need and torch.isfinite(got[:, :need]).all()
+        want = torch.topk(logits.float().cpu(), need, dim=1).values
+        assert torch.equal(got[:, :need].cpu(), want), (dtype, (got[:, :need].cpu() - want).abs().max())
+
+
 def test_sample_draws_the_tempered_distribution(rng):
     """Draws over many positions follow softmax(x / T) over the kept tokens (an exact float64
     reference), never leave them; a temperature-0 row is the argmax; a seed and position give the

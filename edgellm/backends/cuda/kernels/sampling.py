@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from . import configs
+from ....sampling import ranked_need  # noqa: F401 - the kernels' host-side helper, torch-free
 from ._common import check_2d, jit, next_pow2, pdl, pdl_prologue
 
 
@@ -150,19 +151,6 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, cut: torch.Tensor, s
 
 
 FULL_SORT_FROM = 4096  # a ranked prefix longer than this is taken from a sort of the row, not a top-k
-
-
-def ranked_need(top_k, top_p, vocab: int) -> int:
-    """How many ranked logits `cuts` needs for rows with these top_k and top_p values (host
-    numbers): the largest top-k among rows that cut by rank, the whole vocabulary where a row cuts
-    by top-p without a top-k, 0 where min-p alone (or nothing) cuts."""
-    need = 0
-    for k, p in zip(top_k, top_p):
-        if 0 < k < vocab:
-            need = max(need, int(k))
-        elif p < 1.0:
-            return vocab
-    return need
 
 
 @jit
@@ -388,6 +376,49 @@ def _cuts_by_rounds(logits, top_k, top_p, min_p, out, any_top_k: bool) -> None:
     _rounds_cut_kernel[(T,)](si, sf, out, top_k, top_p, min_p, V, **pdl())
 
 
+# Ranked prefixes of up to this many logits come from the two-pass top-k kernels below; longer ones
+# from torch (topk, or a sort past FULL_SORT_FROM). The kernels keep a sampled decode step's CUDA
+# graph all Triton, which a start-up image needs (backends/cuda/replay.py): torch.topk's kernels
+# live in libtorch, which a replay does not load.
+TOPK_MAX = 256
+TOPK_CHUNK = 4096  # logits a first-pass program ranks
+
+
+@jit
+def _topk_part_kernel(x_ptr, stride_x, part_ptr, V, CH: tl.constexpr, KP: tl.constexpr, P: tl.constexpr,
+                      PDL: tl.constexpr):
+    """First pass: the KP largest logits of one CH-long chunk of a row, best first."""
+    pdl_prologue(PDL)
+    row = tl.program_id(0)
+    p = tl.program_id(1)
+    offs = p * CH + tl.arange(0, CH)
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+    tl.store(part_ptr + (row * P + p) * KP + tl.arange(0, KP), tl.topk(x, KP))
+
+
+@jit
+def _topk_merge_kernel(part_ptr, vals_ptr, stride_v, KP: tl.constexpr, P: tl.constexpr, PDL: tl.constexpr):
+    """Second pass: the KP largest of a row's P chunks' KP, best first."""
+    pdl_prologue(PDL)
+    row = tl.program_id(0)
+    c = tl.load(part_ptr + row * P * KP + tl.arange(0, P * KP))
+    tl.store(vals_ptr + row.to(tl.int64) * stride_v + tl.arange(0, KP), tl.topk(c, KP))
+
+
+def ranked_prefix(logits: torch.Tensor, need: int) -> torch.Tensor:
+    """Each row's `need` largest logits, best first, as float32 [T, >= need] (the first need
+    columns): two kernels (P programs a row rank a chunk each, one merges) for need <= TOPK_MAX."""
+    T, V = logits.shape
+    KP = max(2, next_pow2(int(need)))  # tl.topk reduces a pair at the least
+    CH = min(TOPK_CHUNK, max(next_pow2(V), KP))
+    P = next_pow2(triton.cdiv(V, CH))
+    part = torch.empty((T, P, KP), dtype=torch.float32, device=logits.device)
+    vals = torch.empty((T, KP), dtype=torch.float32, device=logits.device)
+    _topk_part_kernel[(T, P)](logits, logits.stride(0), part, V, CH=CH, KP=KP, P=P, num_warps=4, **pdl())
+    _topk_merge_kernel[(T,)](part, vals, vals.stride(0), KP=KP, P=P, num_warps=4, **pdl())
+    return vals
+
+
 def cuts(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, need: int,
          out: torch.Tensor | None = None, any_top_k: bool = True) -> torch.Tensor:
     """Each row's cut for `sample` (float32 [T]): the smallest logit that top-k, then top-p (over the
@@ -395,8 +426,8 @@ def cuts(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: 
     probability) keep; -inf where nothing is cut. top_k (int32/int64, 0: none), top_p and min_p
     (float32): device tensors of T elements; need: ranked_need of the same values (a host number,
     so that the work done, and a CUDA graph holding it, does not depend on device values). The
-    ranked prefix comes from torch (topk, or a sort of the row past FULL_SORT_FROM); the rest is
-    one kernel, a program per row. A single row (the device decode loop; up to ROUNDS_ROWS) that
+    ranked prefix comes from ranked_prefix's kernels up to TOPK_MAX, else from torch (topk, or a
+    sort of the row past FULL_SORT_FROM); the rest is one kernel, a program per row. A single row (the device decode loop; up to ROUNDS_ROWS) that
     needs the whole ranking (top-p without top-k), longer than FULL_SORT_FROM, is not ranked: the
     cuts are found on the logits' 32-bit keys in 16-way rounds (_cuts_by_rounds; any_top_k=False,
     a host fact, skips the top-k rounds)."""
@@ -414,6 +445,8 @@ def cuts(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: 
         return out
     if need == 0:
         vals = logits
+    elif need <= TOPK_MAX:
+        vals = ranked_prefix(logits, need)
     elif need >= min(V, FULL_SORT_FROM):
         vals = torch.sort(logits, dim=1, descending=True).values
     else:
