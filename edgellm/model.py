@@ -200,7 +200,7 @@ class Model:
         if ids.size == 1 and not all_logits:
             out = programs["decode"].run({"tokens": ids, "start_pos": int(start_pos)})
             return self.backend.to_numpy(out["logits"])
-        chunk = self.compiled["all"].sizes["seq"]
+        chunk = self.kv_chunk  # the prefill programs' size (the stages compiled in __post_init__)
         parts = []
         for i in range(0, ids.size, chunk):
             last_chunk = i + chunk >= ids.size

@@ -81,6 +81,41 @@ class DeviceDraw:
     seed: int
 
 
+def ranked_need(top_k, top_p, vocab: int) -> int:
+    """How many ranked logits a device draw's cut needs for rows with these top_k and top_p values
+    (host numbers): the largest top-k among rows that cut by rank, the whole vocabulary where a row
+    cuts by top-p without a top-k, 0 where min-p alone (or nothing) cuts."""
+    need = 0
+    for k, p in zip(top_k, top_p):
+        if 0 < k < vocab:
+            need = max(need, int(k))
+        elif p < 1.0:
+            return vocab
+    return need
+
+
+# a device draw's per-row parameters, in the order and types the device kernels read them
+DEVICE_DRAW_FIELDS = (("temperature", "float32"), ("top_k", "int64"), ("top_p", "float32"),
+                      ("min_p", "float32"), ("seed", "int64"), ("cut", "float32"))
+
+
+def device_draw_rows(draws: list, vocab: int) -> tuple[tuple | None, dict[str, list]]:
+    """(plan, values) of a token choice on the device for rows drawn as `draws` (a DeviceDraw, or
+    None for the argmax, per row). plan names the work (None: the argmax alone; else the ranked
+    logits needed, whether rows cut, whether any cuts by rank), which depends on host numbers only,
+    so a captured step holding it is keyed by it; values: each DEVICE_DRAW_FIELDS field per row."""
+    if not any(d is not None and not d.params.greedy for d in draws):
+        return None, {}
+    rows = [(0.0, 0, 1.0, 0.0, 0) if d is None or d.params.greedy else
+            (d.params.temperature, d.params.top_k, d.params.top_p, d.params.min_p, d.seed) for d in draws]
+    need = ranked_need([r[1] for r in rows], [r[2] for r in rows], vocab)
+    cut_rows = need > 0 or any(r[3] > 0 for r in rows)
+    any_top_k = any(0 < r[1] < vocab for r in rows)
+    values = {name: list(v) for name, v in zip(("temperature", "top_k", "top_p", "min_p", "seed"), zip(*rows))}
+    values["cut"] = [float("-inf")] * len(rows)
+    return (need, cut_rows, any_top_k), values
+
+
 def _rank(x: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """ids ordered by their logits x[ids], largest first, ties by lower id (a stable sort's order).
     Float32 logits (fp16 ones too, exactly) sort as one 64-bit key per id, the value's order-

@@ -35,7 +35,7 @@ import torch
 
 from ...errors import BackendUnavailableError, EdgeLLMError, GraphError, ModelFileError
 from ...gguf_file import GGUFFile
-from ...sampling import device_sampling_enabled
+from ...sampling import DEVICE_DRAW_FIELDS, device_draw_rows, device_sampling_enabled
 from ...graph.ir import Graph, Op
 from ...graph.shapes import shape_function
 from ..cpu import _rope, plan_offsets
@@ -73,6 +73,9 @@ def _kernels():
         from . import kernels
     except ImportError as e:  # triton missing
         raise BackendUnavailableError(f"the cuda backend needs triton: {e}") from None
+    from .replay_record import watch_kernel_loads
+
+    watch_kernel_loads()  # which cubin each loaded kernel came from, for start-up images
     return kernels
 
 
@@ -283,8 +286,7 @@ class DeviceChooser:
     parameters reads them there); each call picks one token per row of logits. `plan` names the
     work a call does, which depends on host numbers only (so a CUDA graph holding it is keyed by it)."""
 
-    FIELDS = (("temperature", torch.float32), ("top_k", torch.int64), ("top_p", torch.float32),
-              ("min_p", torch.float32), ("seed", torch.int64), ("cut", torch.float32))
+    FIELDS = tuple((name, getattr(torch, dtype)) for name, dtype in DEVICE_DRAW_FIELDS)
 
     @classmethod
     def buffers(cls, rows: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -292,18 +294,11 @@ class DeviceChooser:
 
     def __init__(self, K, draws: list, device: torch.device, vocab: int, into: dict | None = None):
         self.K = K
-        if not any(d is not None and not d.params.greedy for d in draws):
-            self.plan = None
+        self.plan, values = device_draw_rows(draws, vocab)
+        if self.plan is None:
             return
-        rows = [(0.0, 0, 1.0, 0.0, 0) if d is None or d.params.greedy else
-                (d.params.temperature, d.params.top_k, d.params.top_p, d.params.min_p, d.seed) for d in draws]
-        self.need = K.ranked_need([r[1] for r in rows], [r[2] for r in rows], vocab)
-        self.cut_rows = self.need > 0 or any(r[3] > 0 for r in rows)
-        self.any_top_k = any(0 < r[1] < vocab for r in rows)
-        self.plan = (self.need, self.cut_rows, self.any_top_k)
-        values = dict(zip(("temperature", "top_k", "top_p", "min_p", "seed"), zip(*rows)))
-        values["cut"] = [float("-inf")] * len(rows)
-        t = into if into is not None else self.buffers(len(rows), device)
+        self.need, self.cut_rows, self.any_top_k = self.plan
+        t = into if into is not None else self.buffers(len(draws), device)
         for name, dtype in self.FIELDS:  # queued on the stream: a blocking copy would wait for the GPU
             t[name].copy_(_pinned(torch.tensor(values[name], dtype=dtype), device), non_blocking=True)
         self.t = t
@@ -1237,12 +1232,7 @@ class CudaProgram:
         self.tokens[:1].fill_(first_token)
         self.start.fill_(start)
         self.seq_len.fill_(start + 1)
-        if not hasattr(self, "_loop_graphs"):
-            self._loop_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-            self._loop_env = self._env(1, ctx)
-            self._next = torch.zeros(1, dtype=torch.int64, device=self.dev)
-            self._loop_draw = DeviceChooser.buffers(1, self.dev)  # the parameters the captured graphs read
-        chooser = DeviceChooser(self.K, [draw], self.dev, self._loop_env["logits"].shape[-1], into=self._loop_draw)
+        chooser = self._loop_chooser(draw, ctx)
 
         def choose(env):  # the token into _next and the loop's inputs for the next step
             chooser(env["logits"], self.start, out=self._next, step=(self.tokens[:1], self.start, self.seq_len))
@@ -1274,6 +1264,54 @@ class CudaProgram:
                 self._loop_graphs[key] = g
             g.replay()
             yield int(self._next.item())
+
+    def _loop_chooser(self, draw, ctx: int) -> DeviceChooser:
+        """The decode loop's buffers (made once) and a chooser for `draw` writing its parameters there."""
+        if not hasattr(self, "_loop_graphs"):
+            self._loop_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+            self._loop_env = self._env(1, ctx)
+            self._next = torch.zeros(1, dtype=torch.int64, device=self.dev)
+            self._loop_draw = DeviceChooser.buffers(1, self.dev)  # the parameters the captured graphs read
+        return DeviceChooser(self.K, [draw], self.dev, self._loop_env["logits"].shape[-1], into=self._loop_draw)
+
+    # -- start-up images (replay_record.py records, replay.py replays without torch) -----------
+    def replay_meta(self) -> dict:
+        """The host-side rules of this program's steps that a replay recomputes: prefill padding
+        (_padded) and context buckets (_context_splits)."""
+        ctx = max(t.shape[0] for t in self.states.values())
+        return {"max_seq": self.max_seq, "pad": self.prefill_pad, "ctx": ctx, "cap": self._split_cap,
+                "per": self.K.configs.ATTN_DECODE_KEYS_PER_SPLIT, "vocab": int(self._buffer("logits", 1, ctx).shape[-1])}
+
+    def capture_for_replay(self, padded: int, bucket: int, loop_draw=False):
+        """(graph, io) for a start-up image: one step captured into a CUDA graph that is kept for
+        reading back (torch's keep_graph) and never run, so the caches are not touched. A step of
+        `padded` tokens in context bucket `bucket` (run's graph for that key); with loop_draw
+        (None for the argmax, or a DeviceDraw), the decode loop's step with its token choice
+        instead (loop_tokens' graph). io: the device tensors the host writes or reads."""
+        ctx = max(t.shape[0] for t in self.states.values())
+        saved = self._splits
+        self._splits = bucket
+        try:
+            io = {"tokens": self.tokens, "start": self.start, "seq_len": self.seq_len}
+            g = torch.cuda.CUDAGraph(keep_graph=True)
+            if loop_draw is False:
+                env = self._graph_envs.get(padded)
+                if env is None:
+                    env = self._graph_envs[padded] = self._env(padded, ctx)
+                io.update(last_index=self.last_index, logits=env["logits"])
+                with torch.cuda.graph(g):
+                    self._launch_all(env, padded, ctx)
+            else:
+                chooser = self._loop_chooser(loop_draw, ctx)
+                torch.cuda.synchronize(self.dev)  # its parameters' copies are done before the capture
+                io.update(next=self._next, **{f"draw.{k}": v for k, v in self._loop_draw.items()})
+                with torch.cuda.graph(g):
+                    self._launch_all(self._loop_env, 1, ctx)
+                    chooser(self._loop_env["logits"], self.start, out=self._next,
+                            step=(self.tokens[:1], self.start, self.seq_len))
+        finally:
+            self._splits = saved
+        return g, io
 
     def _padded(self, seq: int, start: int, ctx: int) -> int:
         """The token count a prefill step runs with: seq rounded up to prefill_pad (within the
