@@ -9,6 +9,10 @@ Per model and engine:
   edgellm cold   an empty engine cache (EDGELLM_CACHE_DIR: no compiled programs, no compiled
                  kernels, no tuning), the model file in the page cache;
   edgellm warm   the same cache, filled by the cold run (median of -r runs);
+  edgellm-image  (cuda) the same through the start-up image, as `edgellm run` loads a model whose
+                 steps an earlier run recorded (backends/cuda/replay.py; no torch imported): the
+                 cold sample loads in full and records the image, the warm ones replay it (load
+                 includes capturing the request's CUDA graphs through the driver);
   llama.cpp      llama-cpp-python's Llama() load and its first token (median of -r runs; it has no
                  cache of its own: its first run is reported as cold);
   run cold/warm  `edgellm run -n 8 --temperature 0` wall time for the default question, as a user
@@ -53,20 +57,40 @@ if sys.argv[1] == "llama.cpp":
     import llama_cpp  # noqa: F401  before numpy and torch: its CUDA build crashed otherwise (LlamaCppEngine.preload)
 import json
 engine, backend, path, ids, ctx = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), int(sys.argv[5])
-out = {}
-if engine == "llama.cpp":
+out, recorded = {}, False
+if engine == "edgellm-image":  # the start-up image as `edgellm run` loads it (backends/cuda/replay.py)
+    import numpy as np
+    from edgellm.backends.cuda.replay import load_replay
+    from edgellm.sampling import SamplingParams
+    t1 = time.perf_counter()
+    m = load_replay(path, ctx)
+    if m is not None and not m.backend.prepare(len(ids), 8, SamplingParams(temperature=0), m.kv_chunk):
+        m.backend.close()
+        m = None
+    if m is None:  # no image yet (the first sample): the full load, which then records one
+        import edgellm
+        m = edgellm.load(path, backend=backend, ctx=ctx)
+        recorded = True
+    class E:
+        model = m
+    e = E()
+    t2 = time.perf_counter()
+    first = int(np.argmax(m.forward(ids, 0, all_logits=False)[-1]))
+    t3 = time.perf_counter()
+elif engine == "llama.cpp":
     from edgellm.bench.engines import LlamaCppEngine as E
 else:
     from edgellm.bench.engines import EdgeLLMEngine as E
     import edgellm  # noqa: F401
-e = E()
-e.prepare(backend)
-t1 = time.perf_counter()
-e.load(path, backend, ctx)
-t2 = time.perf_counter()
-e.prefill(ids)
-first = e.next_token()
-t3 = time.perf_counter()
+if engine != "edgellm-image":
+    e = E()
+    e.prepare(backend)
+    t1 = time.perf_counter()
+    e.load(path, backend, ctx)
+    t2 = time.perf_counter()
+    e.prefill(ids)
+    first = e.next_token()
+    t3 = time.perf_counter()
 if engine == "llama.cpp":
     import llama_cpp
     tok = first
@@ -90,6 +114,14 @@ out = {"import_s": t1 - t0, "load_s": t2 - t1, "ttft_s": t3 - t2, "eight_s": t4 
 if engine != "llama.cpp":
     out["phases"] = e.model.load_phases
     out["cache_hits"] = e.model.cache_hits
+if recorded:
+    from edgellm.backends.cuda.replay_record import Unrecordable, record
+    e.model.default_slot.reset()
+    list(e.model.generate_tokens(ids, 8, SamplingParams(temperature=0)))  # the steps a run records
+    try:
+        out["image"] = record(e.model, len(ids), 8, SamplingParams(temperature=0))
+    except Unrecordable as err:
+        out["image"] = f"none: {err}"
 print("RESULT " + json.dumps(out))
 """
 
@@ -114,6 +146,8 @@ def _priming_imports(engine: str, backend: str) -> str:
     imports = "import edgellm.cli, edgellm.model, edgellm.compiler.compile, edgellm.tokenizer, rich"
     if backend == "cuda":
         imports += "; import edgellm.backends.cuda.backend, triton, sympy"
+    if engine == "edgellm-image":
+        return imports + "; import edgellm.backends.cuda.replay"
     return imports if engine in ("edgellm", "cli") else "import edgellm"
 
 
@@ -226,12 +260,12 @@ def main() -> int:
                         print(f"{Path(path).name} {engine} warm [{label}] #{i}: {s}", file=sys.stderr, flush=True)
                         warm[label].append(s)
                 rows = [(f"edgellm cold [{variants[0][0]}]", [cold])] + [(f"edgellm warm [{k}]", v) for k, v in warm.items()]
-            elif engine == "edgellm":
+            elif engine in ("edgellm", "edgellm-image"):
                 for i in range(args.repeat + 1):
                     s = _child(engine, args.backend, path, ids, args.ctx, env)
                     print(f"{Path(path).name} {engine} #{i}: {s}", file=sys.stderr, flush=True)
                     samples.append(s)
-                rows = [("edgellm cold", samples[:1]), ("edgellm warm", samples[1:])]
+                rows = [(f"{engine} cold", samples[:1]), (f"{engine} warm", samples[1:])]
             else:
                 for i in range(args.repeat):
                     s = _child(engine, args.backend, path, ids, args.ctx, env)

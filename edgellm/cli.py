@@ -49,35 +49,45 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if not prompt.strip() and not args.allow_empty:
         raise EdgeLLMError("the prompt is empty (give the prompt as an argument or on stdin; "
                            "--allow-empty runs an empty prompt deliberately)")
-    import torch
+    from .sampling import SamplingParams
 
-    from .progress import slow_notice
-
-    torch.set_num_threads(args.threads or A.physical_cores())  # the cpu backend's matrix code
-    with slow_notice("loading the model (the first load on this device compiles kernels; later ones read "
-                     "them from ~/.cache/edgellm)", after=1.5):
-        if args.gpu_memory:  # placed over the GPU (within the budget) and the CPU by the solver
-            from .hetero.plan import load_placed
-
-            def note(text):
-                if not args.quiet:
-                    print(text, file=sys.stderr)
-            m, placed = load_placed(args.model, args.gpu_memory, ctx=args.ctx, log=note)
-        else:
-            placed = None
-            m = load(args.model, backend=args.backend, ctx=args.ctx)
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                    repetition_penalty=args.repeat_penalty, seed=args.seed,
+                    frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty)
+    params = SamplingParams(**sampling)
     chat = False if args.raw else None
+    placed = None
+    # a cuda model whose steps an earlier run recorded: replayed without torch (backends/cuda/replay.py)
+    m = _replayed(args, prompt, chat, params) if args.backend in ("cuda", "auto") and not args.gpu_memory else None
+    if m is None:
+        import torch
+
+        from .progress import slow_notice
+
+        torch.set_num_threads(args.threads or A.physical_cores())  # the cpu backend's matrix code
+        with slow_notice("loading the model (the first load on this device compiles kernels; later ones read "
+                         "them from ~/.cache/edgellm)", after=1.5):
+            if args.gpu_memory:  # placed over the GPU (within the budget) and the CPU by the solver
+                from .hetero.plan import load_placed
+
+                def note(text):
+                    if not args.quiet:
+                        print(text, file=sys.stderr)
+                m, placed = load_placed(args.model, args.gpu_memory, ctx=args.ctx, log=note)
+            else:
+                m = load(args.model, backend=args.backend, ctx=args.ctx)
     stream = m.generate(prompt, max_tokens=args.max_tokens, chat=chat, system=args.system, stop=args.stop or (),
-                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                        repetition_penalty=args.repeat_penalty, seed=args.seed,
-                        frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty)
+                        **sampling)
     for piece in stream:
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    sys.stdout.flush()
     if not args.quiet:
         cached = f" (cached: {', '.join(m.cache_hits)})" if m.cache_hits else ""
         print(f"[{m.backend.describe()}; load {m.load_s:.2f} s{cached}; {m.last_stats.summary()}]", file=sys.stderr)
+    if placed is None and m.backend_name == "cuda" and "start-up image" not in m.cache_hits:
+        _record_image(args, m, params)
     if placed is not None:  # the solver's prediction beside this run's time, kept for `edgellm plan`
         from .hetero.plan import compare_line, record_measured
 
@@ -88,6 +98,44 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(compare_line(placed, decode_s), file=sys.stderr)
     return 0
+
+
+def _replayed(args: argparse.Namespace, prompt: str, chat, params):
+    """The model from its start-up image when one holds every step this request runs, else None."""
+    from .backends.cuda.replay import load_replay
+
+    m = load_replay(args.model, ctx=args.ctx)
+    if m is None:
+        return None
+    import time
+
+    t0 = time.perf_counter()
+    ids = m.prompt_tokens(prompt, chat=chat, system=args.system)
+    if m.backend.prepare(len(ids), args.max_tokens, params, m.kv_chunk):  # its steps' graphs made
+        m.load_phases["graphs"] = time.perf_counter() - t0
+        m.load_s += m.load_phases["graphs"]
+        return m
+    m.backend.close()  # its device memory back before the full load
+    return None
+
+
+def _record_image(args: argparse.Namespace, m, params) -> None:
+    """After a full cuda load: the steps this run needed saved as a start-up image, which the next
+    run of the same model and settings replays without torch (EDGELLM_REPLAY=0: not written)."""
+    from .backends.cuda import replay
+
+    if not replay.enabled() or m.last_stats is None:
+        return
+    from .backends.cuda.replay_record import Unrecordable, record
+
+    try:
+        line = record(m, m.last_stats.prompt_tokens, args.max_tokens, params)
+    except Unrecordable as e:
+        line = f"no start-up image: {e}"
+    except (EdgeLLMError, RuntimeError) as e:  # the driver or torch refused a step: the answer stands
+        line = f"no start-up image: {type(e).__name__}: {e}"
+    if not args.quiet:
+        print(f"[{line}]", file=sys.stderr)
 
 
 def _fmt_bytes(n: float) -> str:
