@@ -207,6 +207,8 @@ def record(model, n_prompt: int, max_tokens: int, params: SamplingParams) -> str
     Returns what was written; raises Unrecordable with the reason where no image can be."""
     pc = model.program_cache
     progs = model.programs
+    if model.backend_name != "cuda" or not hasattr(model.backend, "device"):
+        raise Unrecordable(f"images are made of cuda models (this one runs on {model.backend_name})")
     if pc is None or model.fingerprint is None:
         raise Unrecordable("the program cache is off")
     if model.config.shard != (0, 1) or model.backend.device.type != "cuda" or (model.backend.device.index or 0) != 0:
