@@ -297,6 +297,8 @@ class ProgramCache:
 
         entries = self.entries()
         parts = {"programs": (len(entries), sum(e[1] for e in entries))}
+        images = [f for f in self.programs.glob("*/replay") if f.is_file()] if self.programs.is_dir() else []
+        parts["images"] = (len(images), sum(f.stat().st_size for f in images))  # within "programs"
         for sub in ("tune", "triton"):
             parts[sub] = tree_bytes(self.root / sub)
         return {"root": str(self.root), "max_bytes": self.max_bytes, "enabled": enabled(),

@@ -27,10 +27,11 @@ def _cmd_cache(args: argparse.Namespace) -> int:
     print(f"cache     {info['root']}" + ("" if info["enabled"] else "  (off: EDGELLM_CACHE=0)"))
     print(f"bound     {_fmt(info['max_bytes'])} for compiled programs (EDGELLM_CACHE_MAX_BYTES)")
     what = {"programs": "compiled graphs, memory plans, tokenizers (one entry per model and setup)",
+            "images": "of which cuda start-up images (edgellm run replays them without torch)",
             "tune": "tuned kernel configurations, per device",
             "triton": "compiled GPU kernels"}
     for part, v in info["parts"].items():
-        print(f"{part:<9} {v['items']:>6} {'entries' if part == 'programs' else 'files':<8} "
+        print(f"{part:<9} {v['items']:>6} {'entries' if part in ('programs', 'images') else 'files':<8} "
               f"{_fmt(v['bytes']):>10}  {what[part]}")
     return 0
 

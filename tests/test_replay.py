@@ -279,3 +279,23 @@ def test_a_step_replay_cannot_reproduce_makes_no_image(tmp_path, monkeypatch):
     monkeypatch.setattr(driver, "node_type", lambda n: driver.NODE_MEMCPY)
     with pytest.raises(RR.Unrecordable, match="type 1"):
         RR.extract(0, RR._Segments(), RR._Modules())
+
+
+def test_images_are_read_only_whole_and_of_this_format(tmp_path):
+    """An image comes back as written; one of another format version, or truncated, is not used
+    (the truncated one is removed); `edgellm cache info` counts images apart."""
+    from edgellm.cache import ProgramCache
+
+    pc = ProgramCache(tmp_path)
+    image = np.arange(1000, dtype=np.uint32).view(np.uint8)
+    pc.put_arrays("a", R.ARTIFACT, {"image": image, "cubin.0": np.frombuffer(b"\x7fELF", np.uint8)},
+                  meta={"format": R.FORMAT, "vocab": 64})
+    pc.put_arrays("b", R.ARTIFACT, {"image": image}, meta={"format": R.FORMAT + 1})
+    meta, arrays = R._read_image(pc, "a")
+    assert meta["vocab"] == 64 and np.array_equal(arrays["image"], image) and bytes(arrays["cubin.0"]) == b"\x7fELF"
+    assert R._read_image(pc, "b") is None
+    parts = pc.info()["parts"]
+    assert parts["images"]["items"] == 2 and parts["images"]["bytes"] > 2 * image.nbytes
+    path = tmp_path / "programs" / "a" / R.ARTIFACT
+    path.write_bytes(path.read_bytes()[:-5])
+    assert R._read_image(pc, "a") is None and not path.exists()
