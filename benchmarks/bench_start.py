@@ -16,7 +16,8 @@ Per model and engine:
   llama.cpp      llama-cpp-python's Llama() load and its first token (median of -r runs; it has no
                  cache of its own: its first run is reported as cold);
   run cold/warm  `edgellm run -n 8 --temperature 0` wall time for the default question, as a user
-                 types it (process start to exit).
+                 types it (process start to exit); on cuda the warm runs replay the start-up image
+                 the cold run recorded (--cli-variant full:EDGELLM_REPLAY=0 measures the full load).
 --variant LABEL:K=V,K=V (repeatable) does the same for the edgellm load rows: one cold load (the first
 variant's), then each variant's warm loads from that cache, interleaved round by round.
 --cli-variant LABEL:K=V,K=V (repeatable) measures the `edgellm run` rows once per variant instead,
