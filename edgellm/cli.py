@@ -124,7 +124,7 @@ def _record_image(args: argparse.Namespace, m, params) -> None:
     run of the same model and settings replays without torch (EDGELLM_REPLAY=0: not written)."""
     from .backends.cuda import replay
 
-    if not replay.enabled() or m.last_stats is None:
+    if not replay.enabled() or m.last_stats is None or m.program_cache is None:  # (EDGELLM_CACHE=0: nothing kept)
         return
     from .backends.cuda.replay_record import Unrecordable, record
 
