@@ -260,8 +260,8 @@ class ReplayProgram:
         im.write(io["tokens"], np.array([first_token], dtype=np.int32))
         im.write(io["start"], np.array([start], dtype=np.int32))
         im.write(io["seq_len"], np.array([start + 1], dtype=np.int32))
-        for name, dtype in DEVICE_DRAW_FIELDS:
-            if plan is not None:
+        if plan is not None:
+            for name, dtype in DEVICE_DRAW_FIELDS:
                 im.write(io[f"draw.{name}"], np.array(values[name], dtype=dtype))
         out = np.zeros(1, dtype=np.int64)
         for i in range(n):
