@@ -263,3 +263,72 @@ def test_a_bad_prefetch_budget_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("EDGELLM_L2_PREFETCH_MB", "four")
     with pytest.raises(ValueError, match="EDGELLM_L2_PREFETCH_MB='four': expected a number of megabytes"):
         edgellm.load(path, backend="cuda", ctx=32, warmup=False, cache=False)
+
+
+def _graph_in_a_cycle(x, capture):
+    """A captured graph reachable only through a reference cycle: freed by the cyclic collector."""
+    g = torch.cuda.CUDAGraph()
+    with capture(g):
+        x.add_(1)
+    holder = {"graph": g}
+    holder["self"] = holder
+
+
+@pytest.mark.skipif(not ON_GPU, reason="captures CUDA graphs")
+def test_a_capture_is_not_broken_by_a_collection_on_another_thread():
+    """Models hold reference cycles, so an unused one's CUDA graphs are freed by the cyclic
+    collector, on whichever thread allocates when it runs. A collection on another thread (the
+    compile server's reader, an HTTP server's) during a capture would free a graph mid-capture,
+    which the driver refuses and which invalidates the capture. backends/cuda/graphs.captured holds
+    the collector off while it captures: with another thread allocating all along, every capture
+    succeeds and replays the right sums."""
+    import threading
+
+    from edgellm.backends.cuda.graphs import captured
+
+    x = torch.zeros(64, device="cuda")
+    stop = threading.Event()
+
+    def churn():  # allocations that would trigger collections
+        while not stop.is_set():
+            [[] for _ in range(2000)]
+    t = threading.Thread(target=churn, daemon=True)
+    t.start()
+    try:
+        replays = 0
+        for _ in range(40):
+            _graph_in_a_cycle(x, captured)
+            g = torch.cuda.CUDAGraph()
+            with captured(g):
+                for _ in range(64):
+                    x.add_(1)
+            g.replay()
+            replays += 1
+    finally:
+        stop.set()
+        t.join()
+    torch.cuda.synchronize()
+    assert torch.equal(x, torch.full_like(x, 64 * replays))  # (a capture records, it does not run)
+
+
+def test_a_collection_on_another_thread_waits_for_an_open_capture():
+    """backends/cuda/graphs.py's lock, without a GPU: while a capture holds it, a collection
+    started on another thread waits (its start callback takes the lock) and runs after; the
+    capturing thread's own collection is not held up (the lock is re-entrant)."""
+    import gc
+    import threading
+    import time
+
+    from edgellm.backends.cuda import graphs
+
+    graphs._install()
+    events = []
+    with graphs._quiet:  # what captured() holds while a graph is captured
+        gc.collect()
+        events.append("own collection")
+        t = threading.Thread(target=lambda: (gc.collect(), events.append("other thread's collection")))
+        t.start()
+        time.sleep(0.3)
+        events.append("capture closed")
+    t.join(10)
+    assert events == ["own collection", "capture closed", "other thread's collection"]

@@ -319,6 +319,7 @@ def profile_all_reduce(profile: Profile, d_model: int, rows: int = 512) -> Profi
     import torch.distributed as dist
 
     from ..backends.cuda.collective import one_shot
+    from ..backends.cuda.graphs import captured
 
     world = dist.get_world_size()
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -337,7 +338,7 @@ def profile_all_reduce(profile: Profile, d_model: int, rows: int = 512) -> Profi
         g = torch.cuda.CUDAGraph()
         reduce(n_rows)  # the communicator's first use, outside the capture
         torch.cuda.synchronize()
-        with torch.cuda.graph(g):
+        with captured(g):
             for _ in range(n):
                 reduce(n_rows)
         g.replay()

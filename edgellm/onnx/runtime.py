@@ -18,6 +18,7 @@ import sympy
 import torch
 
 from ..compiler.compile import CompiledGraph, compile_graph
+from ..backends.cuda.graphs import captured
 from ..errors import EdgeLLMError, GraphError
 from ..graph.ir import SYMBOLS, Graph, Op
 
@@ -200,7 +201,7 @@ class GraphRunner:
             static_in = {n: t.clone() for n, t in tensors.items()}
             graph = torch.cuda.CUDAGraph()
             try:
-                with torch.cuda.graph(graph):
+                with captured(graph):
                     static_out = self.execute(sizes, dict(static_in))
             except Exception as e:  # an op that cannot be captured: run this size eagerly from now on
                 self.graph_errors[key] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"

@@ -92,6 +92,8 @@ def cuda_event_timer(fn: Callable[[], None], *, launches: int = 20, replays: int
     """
     import torch
 
+    from .graphs import captured
+
     fn()
     torch.cuda.synchronize()
     scratch = torch.empty(max(flush_bytes, 1), dtype=torch.uint8, device="cuda")
@@ -106,7 +108,7 @@ def cuda_event_timer(fn: Callable[[], None], *, launches: int = 20, replays: int
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with captured(graph):
             for _ in range(launches):
                 if flush_bytes:
                     scratch.fill_(1)
