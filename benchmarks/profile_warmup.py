@@ -66,13 +66,27 @@ if backend == "cuda":
     timed(tjit.JITFunction, "run", "JITFunction.run (every launch)")
     import triton.backends.nvidia.driver as nvd
     timed(nvd.CudaLauncher, "__call__", "launcher call (C launch)")
-    timed(cb.CudaProgram, "greedy_tokens", "greedy_tokens generator made")
+    timed(cb.CudaProgram, "loop_tokens", "loop_tokens generator made")
     timed(torch.cuda, "synchronize", "torch.cuda.synchronize")
+    from edgellm.backends.cuda import precompile as pc, tuning as tu
+    timed(pc, "collect", "precompile.collect (the launches compile-only)")
+    timed(pc, "compile_all", "precompile.compile_all (compile, read back, load)", lambda a, k: f"{len(a[0])} specs")
+    timed(pc, "_get_pool", "waiting for the compile server")
+    timed(tu.Tuner, "prepare", "Tuner.prepare (its compiles)", lambda a, k: a[1])
+    timed(tu.Tuner, "pick", "Tuner.pick (timing, or the cache)")
+    timed(tu, "cuda_event_timer", "tuning's timer (a candidate's graphs)")
 t0 = time.perf_counter()
 m = edgellm.load(path, backend=backend)
 t1 = time.perf_counter()
 print(json.dumps({"import_s": round(t_imported - t_import, 3), "load_s": round(t1 - t0, 3),
                   "phases": {k: round(v, 3) for k, v in m.load_phases.items()}, "hits": m.cache_hits}))
+if backend == "cuda":
+    for r in pc.reports:
+        ws = sorted(r.worker_s)
+        print(f"  compile_all: {r.kernels} kernels in {r.compile_s:.2f} s (collected in {r.collect_s:.2f} s); "
+              f"{r.in_workers} by workers" + (f": sum {sum(ws):.2f} s, longest {ws[-1]:.2f} s" if ws else ""))
+    if pc._pool is not None or getattr(pc, "_last_start_s", None) is not None:
+        print(f"  compile server start: {getattr(pc, '_last_start_s', None)}")
 for label in sorted(tot, key=lambda l: -tot[l]):
     print(f"  {tot[label] * 1e3:9.1f} ms  x{cnt[label]:4d}  {label}")
 for dt, label, what in sorted(slow, reverse=True)[:24]:

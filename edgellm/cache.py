@@ -52,6 +52,12 @@ def cache_root() -> Path:
     return Path.home() / ".cache" / "edgellm"
 
 
+def triton_cache_dir() -> str:
+    """Where Triton keeps compiled kernels for edgellm: $TRITON_CACHE_DIR, else `triton/` in the
+    engine's cache (the cuda backend sets the variable to it, so `edgellm cache` covers them)."""
+    return os.environ.get("TRITON_CACHE_DIR") or str(cache_root() / "triton")
+
+
 def enabled() -> bool:
     return os.environ.get("EDGELLM_CACHE", "1") != "0"
 

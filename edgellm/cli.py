@@ -60,6 +60,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # a cuda model whose steps an earlier run recorded: replayed without torch (backends/cuda/replay.py)
     m = _replayed(args, prompt, chat, params) if args.backend in ("cuda", "auto") and not args.gpu_memory else None
     if m is None:
+        if args.backend in ("cuda", "auto") and not args.gpu_memory:
+            from .backends.cuda.precompile import start_pool_if_cold
+
+            start_pool_if_cold()  # a first run here: the compile workers start while torch imports
         import torch
 
         from .progress import slow_notice

@@ -133,6 +133,10 @@ class Model:
                     pass
         from .compiler.compile import compile_graph
 
+        if cache is not None:  # a first load of these programs: it will compile kernels too (cuda: in workers)
+            expect = getattr(self.backend, "expect_compiles", None)
+            if expect is not None:
+                expect()
         graphs = self.graphs
         out = {name: compile_graph(graphs[g], supported_ops=supported, backend=self.backend.name, seq=seq,
                                    ctx=self.ctx, fuse=self.fuse, planner="greedy_by_size", skip_passes=skip)
@@ -229,9 +233,14 @@ class Model:
             return 0.0
         t0 = time.perf_counter()
 
+        loop = getattr(self.programs["decode"], "loop_tokens", None)
+
         def run_steps():
             for stage, seq, start in steps:
                 self.programs[stage].run({"tokens": np.zeros(seq, dtype=np.int32), "start_pos": start})
+            if loop is not None and self.ctx > 2:  # the decode loop's step with its argmax
+                for _ in loop(0, 1, 1):
+                    pass
         precompile = getattr(self.backend, "precompile", None)
         # their kernels compiled side by side first (cuda: precompile.py), unless the programs came
         # from the cache: the load that stored them compiled these kernels into the kernel cache
@@ -239,10 +248,9 @@ class Model:
         if precompile is not None and (full or "compiled" not in self.cache_hits):
             precompile(run_steps)
         run_steps()
-        loop = getattr(self.programs["decode"], "loop_tokens", None)
-        if loop is not None and self.ctx > 2:
-            for _ in loop(0, 1, 1):
-                pass
+        done = getattr(self.backend, "compiles_done", None)
+        if done is not None:
+            done()
         dt = time.perf_counter() - t0
         self.load_phases["warmup"] = self.load_phases.get("warmup", 0.0) + dt
         return dt

@@ -879,12 +879,15 @@ def test_kernels_compile_for_sm90():
         assert row[i + 2] == "0", f"register spill in {' '.join(row[:i + 1])}"
 
 
-def test_parallel_compile_gives_the_kernels_the_launches_use(tmp_path):
+@pytest.mark.parametrize("pool", ["process", "thread"])
+def test_parallel_compile_gives_the_kernels_the_launches_use(tmp_path, pool):
     """A first load compiles its kernels side by side before the steps launch them
-    (backends/cuda/precompile.py): collected with every launch compile-only, compiled for sm_90 on a
-    thread pool (Triton's own ptxas: no GPU needed). The launches afterwards must find every kernel
-    compiled (none compiled at launch), and each must be the kernel a plain compile at launch makes
-    (same registers, shared memory and instruction mix), with an empty Triton cache for each run."""
+    (backends/cuda/precompile.py): collected with every launch compile-only, compiled for sm_90 in
+    the compile server's worker processes (pool "process": into Triton's cache, read back here) or
+    on this process's threads (Triton's own ptxas: no GPU needed). The launches afterwards must find
+    every kernel compiled (none compiled at launch), and each must be the kernel a plain compile at
+    launch makes (same registers, shared memory and instruction mix), with an empty Triton cache for
+    each run."""
     import subprocess
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     only = "gemv Q4_0,gemv-int8 Q8_0,rms_norm,attn-decode"
@@ -892,6 +895,8 @@ def test_parallel_compile_gives_the_kernels_the_launches_use(tmp_path):
     def run(parallel: int, cache: str) -> list[str]:
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         env["TRITON_CACHE_DIR"] = str(tmp_path / cache)
+        env["EDGELLM_CACHE_DIR"] = str(tmp_path / "engine")
+        env["EDGELLM_COMPILE_POOL"] = pool
         r = subprocess.run([sys.executable, "-m", "edgellm.backends.cuda.kernels.compile_check", "--arch", "90",
                             "--only", only, "--parallel", str(parallel)],
                            cwd=root, env=env, capture_output=True, text=True, timeout=600)
@@ -900,8 +905,10 @@ def test_parallel_compile_gives_the_kernels_the_launches_use(tmp_path):
 
     parallel, plain = run(3, "a"), run(0, "b")
     head = next(line for line in parallel if line.startswith("parallel compile:"))
-    assert "; 0 failed)" in head, head
+    assert "; 0 failed;" in head, head
     n = int(head.split()[2])
+    in_workers = int(head.split("failed; ")[1].split()[0])
+    assert in_workers == (n if pool == "process" else 0), head
     assert "compiled at launch after the parallel compile: 0" in parallel, "\n".join(parallel)
 
     def table(lines):

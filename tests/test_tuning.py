@@ -1,6 +1,7 @@
 """The kernel-configuration tuner: choice, disk cache, EDGELLM_TUNE, failures. CPU only, with a fake timer."""
 
 import json
+import os
 import warnings
 
 import pytest
@@ -166,6 +167,79 @@ def test_compile_threads_setting(monkeypatch):
         precompile.threads()
     monkeypatch.setenv("EDGELLM_COMPILE_THREADS", "1")
     assert not precompile.enabled()  # a pool of one: kernels compile at their first launch
+
+
+def test_compile_pool_setting(monkeypatch):
+    from edgellm.backends.cuda import precompile
+    monkeypatch.setenv("EDGELLM_COMPILE_POOL", "threads")
+    with pytest.raises(ValueError, match="EDGELLM_COMPILE_POOL"):
+        precompile.pool_mode()
+    monkeypatch.setenv("EDGELLM_COMPILE_POOL", "Thread")
+    assert precompile.pool_mode() == "thread"
+    monkeypatch.delenv("EDGELLM_COMPILE_POOL")
+    assert precompile.pool_mode() == "process"
+
+
+COMPILE_SERVER_SCRIPT = """
+import os, signal, sys
+print("script body ran", flush=True)  # no main guard: a worker must not run this again
+from edgellm.backends.cuda import precompile as p
+p.start_pool()
+server = p._get_pool()
+assert server is not None, p.pool_error()
+bad = server.submit("edgellm.no_such_module", "kernel", "key", "{}", ["cuda", 90, 32])
+try:
+    bad.result(timeout=60)
+    print("bad request: compiled?!")
+except RuntimeError as e:
+    print("bad request:", str(e).split(":")[0])
+from edgellm.backends.cuda.kernels import norm
+kernel = norm._rms_norm_kernel
+elsewhere = server.submit(kernel.__module__, kernel.__qualname__, kernel.cache_key, "{}", ["cuda", 90, 32], None,
+                          "/nonexistent/triton-cache")
+try:
+    elsewhere.result(timeout=60)
+    print("other cache folder: compiled?!")
+except RuntimeError as e:
+    print("other cache folder:", "refused" if "Triton cache is" in str(e) else str(e))
+p.stop_pool()  # a later compile starts a server again
+server = p._get_pool()
+assert server is not None, p.pool_error()
+os.kill(server.proc.pid, signal.SIGKILL)
+server.proc.wait()
+server._reader.join(30)
+late = None
+try:
+    late = server.submit("edgellm.no_such_module", "kernel", "key", "{}", ["cuda", 90, 32])
+except RuntimeError as e:
+    print("after the kill:", "refused")
+print("pool after the kill:", p._get_pool(), "|", (p.pool_error() or "")[:40])
+"""
+
+
+def test_compile_server_answers_survives_and_leaves_the_main_module_alone(tmp_path):
+    """The compile workers (precompile.py's server, compile_server.py) are forks of a server process
+    of their own: a script without a main guard runs once (multiprocessing's spawn and fork server
+    would import it again in every worker); a request the server cannot compile is answered with the
+    error (the loading process then compiles in-process), as is one for another Triton cache folder
+    than the server compiles into; a server that dies fails what is pending,
+    and compiles stay in-process from then on."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = tmp_path / "user_script.py"
+    script.write_text(COMPILE_SERVER_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(EDGELLM_COMPILE_THREADS="2", EDGELLM_COMPILE_POOL="process", EDGELLM_CACHE_DIR=str(tmp_path / "c"),
+               PYTHONPATH=root + os.pathsep + env.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout.splitlines()
+    assert out.count("script body ran") == 1, r.stdout
+    assert "bad request: ModuleNotFoundError" in out, r.stdout
+    assert "other cache folder: refused" in out, r.stdout  # a result this process would not find
+    assert "after the kill: refused" in out, r.stdout
+    assert any(line.startswith("pool after the kill: None | the compile server exited") for line in out), r.stdout
 
 
 def test_failing_default_is_skipped(tmp_path):

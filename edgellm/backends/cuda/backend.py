@@ -41,6 +41,7 @@ from ...graph.shapes import shape_function
 from ..cpu import _rope, plan_offsets
 from ..info import CudaInfo
 from . import precompile as _precompile
+from .graphs import captured
 
 
 class DeviceMemoryError(EdgeLLMError):
@@ -66,9 +67,9 @@ def _device() -> torch.device:
 
 def _kernels():
     # compiled kernels live in the engine's cache (`edgellm cache info|clear` covers them)
-    from ...cache import cache_root
+    from ...cache import triton_cache_dir
 
-    os.environ.setdefault("TRITON_CACHE_DIR", str(cache_root() / "triton"))
+    os.environ["TRITON_CACHE_DIR"] = triton_cache_dir()
     try:
         from . import kernels
     except ImportError as e:  # triton missing
@@ -1236,7 +1237,7 @@ class CudaProgram:
 
         def choose(env):  # the token into _next and the loop's inputs for the next step
             chooser(env["logits"], self.start, out=self._next, step=(self.tokens[:1], self.start, self.seq_len))
-        if self.dev.type != "cuda" or self._host_positions:
+        if self.dev.type != "cuda" or self._host_positions or _precompile.collecting():  # (no capture while collecting)
             for i in range(n):
                 self._set_context(start + 1 + i)
                 env = self._env(1, ctx)
@@ -1253,10 +1254,15 @@ class CudaProgram:
                 # this bucket's step captured (see _EAGER_BEFORE_CAPTURE), then replayed below:
                 # the replay is the step (same token, same cache row as any eager run before it)
                 t0 = time.perf_counter()
+                if _precompile.expect_compiles() and self.dev.type == "cuda":
+                    # a first run on this device: the step's kernels (a new token choice's) compiled
+                    # side by side first, rather than one by one inside the capture
+                    _precompile.precompile(lambda: (self._launch_all(self._loop_env, 1, ctx), choose(self._loop_env)),
+                                           device=self.dev)
                 if self._eager_first:
                     self._launch_all(self._loop_env, 1, ctx)
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
+                with captured(g):
                     self._launch_all(self._loop_env, 1, ctx)
                     choose(self._loop_env)
                 torch.cuda.synchronize(self.dev)
@@ -1299,13 +1305,13 @@ class CudaProgram:
                 if env is None:
                     env = self._graph_envs[padded] = self._env(padded, ctx)
                 io.update(last_index=self.last_index, logits=env["logits"])
-                with torch.cuda.graph(g):
+                with captured(g):
                     self._launch_all(env, padded, ctx)
             else:
                 chooser = self._loop_chooser(loop_draw, ctx)
                 torch.cuda.synchronize(self.dev)  # its parameters' copies are done before the capture
                 io.update(next=self._next, **{f"draw.{k}": v for k, v in self._loop_draw.items()})
-                with torch.cuda.graph(g):
+                with captured(g):
                     self._launch_all(self._loop_env, 1, ctx)
                     chooser(self._loop_env["logits"], self.start, out=self._next,
                             step=(self.tokens[:1], self.start, self.seq_len))
@@ -1339,7 +1345,7 @@ class CudaProgram:
                 if self._eager_first:
                     self._launch_all(env, padded, ctx)
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
+                with captured(g):
                     self._launch_all(env, padded, ctx)
                 torch.cuda.synchronize(self.dev)
                 self.one_time_s += time.perf_counter() - t0
@@ -1498,6 +1504,18 @@ class CudaBackend(CudaInfo):
             warnings.warn(f"cuda: no kernel compiled ahead ({len(report.failed)} failed; they compile at their "
                           f"first launch): {report.failed[0][:300]}", RuntimeWarning, stacklevel=2)
         return report
+
+    def expect_compiles(self) -> None:
+        """The load compiles its programs (the program cache missed), so kernels compile too: the
+        compile workers start now, beside the graph compile (precompile.start_pool)."""
+        if self.device.type == "cuda":
+            _precompile.start_pool()
+
+    def compiles_done(self) -> None:
+        """The load's warm-up is over: the compile workers go once idle for a while (the first
+        request's new steps may still compile; a later compile starts them again)."""
+        if self.device.type == "cuda":
+            _precompile.stop_pool_when_idle()
 
     @staticmethod
     def available() -> bool:

@@ -295,12 +295,16 @@ def _precompile_cases(cases, workers: int) -> list[str]:
                 call()
             except Exception:  # noqa: BLE001 - reported by the case's own run below
                 pass
+    precompile.start_pool()  # as a first load does (EDGELLM_COMPILE_POOL=thread: a no-op)
     specs, collect_s = precompile.collect(launch_all)
     report = precompile.compile_all(specs, workers=workers, load=False)
     print(f"parallel compile: {report.kernels} kernels on {workers} threads in {report.compile_s:.2f} s "
-          f"(collected in {collect_s:.2f} s; {len(report.failed)} failed)")
+          f"(collected in {collect_s:.2f} s; {len(report.failed)} failed; {report.in_workers} compiled by "
+          f"worker processes)")
     for err in report.failed:
         print(f"  failed: {err}")
+    if precompile.pool_error() is not None:
+        print(f"  no worker processes: {precompile.pool_error()}")
     at_launch: list[str] = []
 
     def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noqa: A002 - Triton's names
