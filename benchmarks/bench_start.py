@@ -24,6 +24,8 @@ variant's), then each variant's warm loads from that cache, interleaved round by
 the warm runs of the variants interleaved round by round; the key TREE runs the CLI from another
 source tree (e.g. one made by `git archive`), other keys are environment variables:
     --cli-variant new: --cli-variant base:TREE=/tmp/base --cli-variant late-ctx:EDGELLM_EARLY_CONTEXT=0
+--cold-repeat N gives every variant N cold samples, each from an empty cache of its own, in
+interleaved rounds (an A/B of first-run work, e.g. EDGELLM_COMPILE_POOL=process against thread).
 A sample's numbers: import (the engine's Python modules), load (edgellm.load / Llama()), TTFT
 (a 37-token chat prompt's prefill and its first token, after load), 8 tokens (TTFT + 7 decode
 steps), process (the child's wall time from exec to exit). Prints a Markdown table; -o writes JSON.
@@ -203,12 +205,18 @@ def main() -> int:
                     help="edgellm load rows per variant (environment settings), interleaved (see above)")
     ap.add_argument("--cli-variant", action="append", default=[], metavar="LABEL:K=V,...",
                     help="measure the `edgellm run` rows per variant, interleaved (see above)")
+    ap.add_argument("--cold-repeat", type=int, default=1, metavar="N",
+                    help="with --variant or --cli-variant: N cold samples of every variant, each from an "
+                         "empty cache of its own, interleaved round by round (default 1; --variant's "
+                         "later variants get cold samples only when N > 1)")
     ap.add_argument("-o", "--output", default=None, help="write the results as JSON here")
     ap.add_argument("--no-bytecode-cache", action="store_true",
                     help="run the children without a bytecode cache of their own (see above)")
     args = ap.parse_args()
     if args.repeat < 1:
         ap.error("-r must be at least 1")
+    if args.cold_repeat < 1:
+        ap.error("--cold-repeat must be at least 1")
 
     from edgellm.default_model import default_model_path
 
@@ -254,13 +262,24 @@ def main() -> int:
                 variants = [_variant(v) for v in args.variant]
                 cold = _child(engine, args.backend, path, ids, args.ctx, {**env, **variants[0][1]})
                 print(f"{Path(path).name} {engine} cold [{variants[0][0]}]: {cold}", file=sys.stderr, flush=True)
+                colds = {label: [] for label, _ in variants}
+                colds[variants[0][0]].append(cold)
+                for i in range(args.cold_repeat if args.cold_repeat > 1 else 0):  # more cold samples
+                    for v, (label, settings) in enumerate(variants):
+                        if i == 0 and v == 0:
+                            continue  # the one above, whose cache the warm runs below use
+                        fresh = {**env, "EDGELLM_CACHE_DIR": tempfile.mkdtemp(prefix="edgellm-cache-"), **settings}
+                        s = _child(engine, args.backend, path, ids, args.ctx, fresh)
+                        print(f"{Path(path).name} {engine} cold [{label}] #{i}: {s}", file=sys.stderr, flush=True)
+                        colds[label].append(s)
                 warm = {label: [] for label, _ in variants}
                 for i in range(args.repeat):
                     for label, settings in variants:
                         s = _child(engine, args.backend, path, ids, args.ctx, {**env, **settings})
                         print(f"{Path(path).name} {engine} warm [{label}] #{i}: {s}", file=sys.stderr, flush=True)
                         warm[label].append(s)
-                rows = [(f"edgellm cold [{variants[0][0]}]", [cold])] + [(f"edgellm warm [{k}]", v) for k, v in warm.items()]
+                rows = ([(f"edgellm cold [{k}]", v) for k, v in colds.items() if v]
+                        + [(f"edgellm warm [{k}]", v) for k, v in warm.items()])
             elif engine in ("edgellm", "edgellm-image"):
                 for i in range(args.repeat + 1):
                     s = _child(engine, args.backend, path, ids, args.ctx, env)
@@ -295,6 +314,11 @@ def main() -> int:
                 envs.append(env)
                 cwds.append(tree or str(ROOT))
             runs = [[_cli(cli_path, args.backend, env, cwd)] for env, cwd in zip(envs, cwds)]  # cold runs
+            for _ in range(args.cold_repeat - 1):  # more cold runs, each from an empty cache of its own
+                for v, env in enumerate(envs):
+                    fresh = {**env, "EDGELLM_CACHE_DIR": tempfile.mkdtemp(prefix="edgellm-cache-")}
+                    runs[v].append(_cli(cli_path, args.backend, fresh, cwds[v]))
+            n_cold = max(1, args.cold_repeat)
             for _ in range(args.repeat):  # then the warm ones, a round of every variant at a time
                 for v, env in enumerate(envs):
                     runs[v].append(_cli(cli_path, args.backend, env, cwds[v]))
@@ -302,7 +326,7 @@ def main() -> int:
                 tag = f" [{name}]" if name else ""
                 for s in rs:
                     print(f"{Path(path).name} edgellm run{tag}: {s}", file=sys.stderr, flush=True)
-                for label, ss in ((f"`edgellm run` cold{tag}", rs[:1]), (f"`edgellm run` warm{tag}", rs[1:])):
+                for label, ss in ((f"`edgellm run` cold{tag}", rs[:n_cold]), (f"`edgellm run` warm{tag}", rs[n_cold:])):
                     results["rows"].append({"model": Path(path).name, "what": label, "samples": ss,
                                             "process_s": _median(ss, "process_s")})
 
