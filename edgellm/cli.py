@@ -79,7 +79,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                         print(text, file=sys.stderr)
                 m, placed = load_placed(args.model, args.gpu_memory, ctx=args.ctx, log=note)
             else:
-                m = load(args.model, backend=args.backend, ctx=args.ctx)
+                m = load(args.model, backend=args.backend, ctx=args.ctx, sampling=params)  # its draw warmed too
     stream = m.generate(prompt, max_tokens=args.max_tokens, chat=chat, system=args.system, stop=args.stop or (),
                         **sampling)
     for piece in stream:

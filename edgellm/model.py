@@ -217,12 +217,14 @@ class Model:
             parts.append(self.backend.to_numpy(out["logits"]))
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
-    def warmup(self, *, full: bool = False) -> float:
+    def warmup(self, *, full: bool = False, sampling: SamplingParams | None = None) -> float:
         """Run the programs once on placeholder tokens, so that what a backend does on a shape's
         first run (compile kernels or load them from the kernel cache, capture CUDA graphs) is done
         before the first request: a short prompt's prefill and the first decode buckets; with
         full, every prefill size and every decode bucket up to the context (`edgellm warmup`, which
-        fills the persistent kernel cache). Backends without first-run work skip it. Returns the
+        fills the persistent kernel cache). sampling: the token choice the first requests make
+        (default the argmax): a device decode loop's step is warmed drawing as they will (its
+        kernels compiled with the rest). Backends without first-run work skip it. Returns the
         seconds spent. The placeholder rows written into the KV cache are overwritten by the
         next sequence before anything reads them."""
         sizes = getattr(self.backend, "warmup_sizes", None)
@@ -234,12 +236,16 @@ class Model:
         t0 = time.perf_counter()
 
         loop = getattr(self.programs["decode"], "loop_tokens", None)
+        draw = None  # the argmax, or the first requests' draw where the loop makes it on the device
+        on_device = getattr(self.programs["decode"], "draws_on_device", None)
+        if sampling is not None and not sampling.greedy and on_device is not None and on_device(sampling):
+            draw = Sampler(sampling).device_draw()
 
         def run_steps():
             for stage, seq, start in steps:
                 self.programs[stage].run({"tokens": np.zeros(seq, dtype=np.int32), "start_pos": start})
-            if loop is not None and self.ctx > 2:  # the decode loop's step with its argmax
-                for _ in loop(0, 1, 1):
+            if loop is not None and self.ctx > 2:  # the decode loop's step with its token choice
+                for _ in loop(0, 1, 1, draw):
                     pass
         precompile = getattr(self.backend, "precompile", None)
         # their kernels compiled side by side first (cuda: precompile.py), unless the programs came
@@ -409,7 +415,7 @@ class Model:
 
 def load(path: str | os.PathLike | None = None, backend: str = "cpu", ctx: int | None = None, *,
          fuse: bool = True, prefill_chunk: int = 512, cache: bool | None = None, warmup: bool = True,
-         shard: tuple[int, int] = (0, 1)) -> Model:
+         shard: tuple[int, int] = (0, 1), sampling: SamplingParams | None = None) -> Model:
     """Load a GGUF model (default: the embedded SmolLM2-135M-Instruct Q4_1) on a backend.
     ctx: the KV-cache capacity in tokens (default: min(model's context, 4096)).
     fuse: run the fusion passes (off: the builder's graph as is, for checking the passes).
@@ -418,7 +424,8 @@ def load(path: str | os.PathLike | None = None, backend: str = "cpu", ctx: int |
     cache: read and write the program cache (edgellm.cache: compiled graphs, memory plans, the
     tokenizer); default on unless EDGELLM_CACHE=0.
     warmup: do the backend's first-run work (kernel loads, graph captures) for a short prompt now,
-    counted in load time, rather than in the first request (Model.warmup).
+    counted in load time, rather than in the first request (Model.warmup); sampling: the token
+    choice the first requests will make, warmed with the rest (default: the argmax).
     shard: (rank, world) of tensor parallelism, inside an initialised torch.distributed process
     group (edgellm.hetero.distributed.load_rank): this process holds its share of every layer."""
     if path is not None and str(path).lower().endswith(".onnx"):  # a network, not a language model
@@ -458,7 +465,7 @@ def load(path: str | os.PathLike | None = None, backend: str = "cpu", ctx: int |
               load_phases={"start": t_start - t0, "open": t1 - t_start, "tokenizer": t2 - t1},
               cache_hits=["tokenizer"] if tok_cached else [])
     if warmup:
-        m.warmup()
+        m.warmup(sampling=sampling)
     m.load_s = time.perf_counter() - t0
     return m
 

@@ -153,6 +153,27 @@ def test_cuda_sampled_generation_draws_on_the_device(tmp_path):
     assert list(m.generate_tokens(ids, 4, SamplingParams(temperature=0.8, top_k=1, seed=3))) == greedy
 
 
+@pytest.mark.skipif(not ON_GPU, reason="the warm-up's first-run work is the GPU's (compiles, captures)")
+def test_load_warms_the_requests_draw(tmp_path):
+    """load(sampling=...) warms the decode loop's step drawing as the requests will (`edgellm run`
+    passes its sampling): the first such request has no first-run work left (compile_s 0), and
+    draws the same tokens as a model whose warm-up took the argmax."""
+    spec = MODELS["llama-q4_0-gqa2"]
+    path = write_synthetic_gguf(tmp_path / "m.gguf", spec)
+    ids = [3, 17, 99, 5, 42]
+    p = SamplingParams(temperature=0.8, top_k=40, seed=11)
+    from edgellm.model import GenerationStats
+
+    warm = edgellm.load(path, backend="cuda", ctx=32, sampling=p)
+    stats = GenerationStats(prompt_tokens=len(ids))
+    got = list(warm.generate_tokens(ids, 6, p, stats))  # the first request
+    assert len(got) == 6 and stats.compile_s == 0.0, stats
+    plain = edgellm.load(path, backend="cuda", ctx=32)
+    stats = GenerationStats(prompt_tokens=len(ids))
+    assert list(plain.generate_tokens(ids, 6, p, stats)) == got
+    assert stats.compile_s > 0.0  # its first sampled request captured the loop's step itself
+
+
 def test_cuda_unavailable_is_a_clear_error(tmp_path, monkeypatch):
     if ON_GPU:
         pytest.skip("a GPU is present")

@@ -180,6 +180,27 @@ def test_compile_pool_setting(monkeypatch):
     assert precompile.pool_mode() == "process"
 
 
+def test_early_compile_server_only_with_an_empty_kernel_cache_and_a_gpu(tmp_path, monkeypatch):
+    """`edgellm run` starts the compile server while it imports only when Triton's cache is empty
+    and the early context found a GPU: with kernels cached it does nothing; with none and no GPU
+    its thread ends without a server."""
+    import threading
+
+    from edgellm.backends.cuda import early, precompile
+    monkeypatch.setattr(early, "outcome", lambda timeout=None: {})  # as where the early context found no GPU
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "kernel").mkdir()
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(full))
+    assert precompile.start_pool_if_cold() is False
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "empty"))
+    assert precompile.start_pool_if_cold() is True
+    for t in threading.enumerate():
+        if t.name == "edgellm-compile-pool-early":
+            t.join(20)
+    assert precompile._pool is None and precompile._pool_thread is None
+
+
 COMPILE_SERVER_SCRIPT = """
 import os, signal, sys
 print("script body ran", flush=True)  # no main guard: a worker must not run this again

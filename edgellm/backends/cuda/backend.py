@@ -1254,7 +1254,7 @@ class CudaProgram:
                 # this bucket's step captured (see _EAGER_BEFORE_CAPTURE), then replayed below:
                 # the replay is the step (same token, same cache row as any eager run before it)
                 t0 = time.perf_counter()
-                if _precompile.expect_compiles() and self.dev.type == "cuda":
+                if _precompile.has_compiled() and self.dev.type == "cuda":
                     # a first run on this device: the step's kernels (a new token choice's) compiled
                     # side by side first, rather than one by one inside the capture
                     _precompile.precompile(lambda: (self._launch_all(self._loop_env, 1, ctx), choose(self._loop_env)),

@@ -510,7 +510,7 @@ _misses = 0  # specializations this process found missing from Triton's cache (c
 _uses = 0  # batches sent to the compile server (stop_pool_when_idle looks for new ones)
 
 
-def expect_compiles() -> bool:
+def has_compiled() -> bool:
     """Whether this process has compiled kernels (not only read them from Triton's cache): then a
     shape met for the first time likely compiles too, and is worth collecting first (precompile)."""
     return _misses > 0
