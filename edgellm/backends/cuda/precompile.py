@@ -462,13 +462,12 @@ def _source(fn, data: str, target: tuple):
     return ASTSource(fn, signature, constexprs, attrs), gpu, backend, backend.parse_options(options)
 
 
-def _cache_entry(fn, data: str, target: tuple) -> tuple[str, bool]:
-    """(the digest of the key triton.compile files this specialization under, whether Triton's
-    on-disk cache holds it)."""
+def _cache_entry(src, backend, options) -> tuple[str, bool]:
+    """(the digest of the key triton.compile files a specialization (_source's src, backend and
+    options) under, whether Triton's on-disk cache holds it)."""
     from triton._C.libtriton import get_cache_invalidating_env_vars
     from triton.runtime.cache import get_cache_key, get_cache_manager
 
-    src, _, backend, options = _source(fn, data, target)
     options = backend.parse_options(dict(options.__dict__, **src.parse_options()))
     key = get_cache_key(src, backend, options, env_vars=get_cache_invalidating_env_vars())
     digest = hashlib.sha256(key.encode("utf-8")).hexdigest()
@@ -490,9 +489,9 @@ def compile_in_worker(module: str, qualname: str, fn_key: str, data: str, target
 
         if os.path.realpath(knobs.cache.dir) != os.path.realpath(cache_dir):
             raise LookupError(f"the compile server's Triton cache is {knobs.cache.dir}, not {cache_dir}")
-    if digest is not None and _cache_entry(fn, data, tuple(target))[0] != digest:
+    src, gpu, backend, options = _source(fn, data, tuple(target))
+    if digest is not None and _cache_entry(src, backend, options)[0] != digest:
         raise LookupError(f"{module}.{qualname}: another Triton cache key in the compile server")
-    src, gpu, _, options = _source(fn, data, tuple(target))
     from triton.compiler import compile as triton_compile
 
     kernel = triton_compile(src, target=gpu, options=options.__dict__)
@@ -527,7 +526,8 @@ def _submit_to_workers(specs: list[Spec]) -> dict[str, Future]:
         target = (t.backend, t.arch, t.warp_size)
         todo = []
         for s in specs:
-            digest, cached = _cache_entry(s.fn, s.data, target)
+            src, _, backend, options = _source(s.fn, s.data, target)
+            digest, cached = _cache_entry(src, backend, options)
             if not cached:
                 todo.append((s, s.fn.__module__, s.fn.__qualname__, digest))
     except Exception:  # noqa: BLE001 - the in-process compile handles whatever this could not read
