@@ -1,6 +1,6 @@
 """Where a load's first-run work goes on the GPU: a timeline of one load in this process.
 
-    python benchmarks/profile_warmup.py --backend cuda FILE.gguf [--runs 2]
+    python benchmarks/profile_warmup.py --backend cuda FILE.gguf [--runs 2] [--sampled]
 
 Each run is a fresh process (the engine cache as found: run once to fill it, or pass --runs 2 and
 read the second). The child times, around the real calls:
@@ -71,12 +71,17 @@ if backend == "cuda":
     from edgellm.backends.cuda import precompile as pc, tuning as tu
     timed(pc, "collect", "precompile.collect (the launches compile-only)")
     timed(pc, "compile_all", "precompile.compile_all (compile, read back, load)", lambda a, k: f"{len(a[0])} specs")
-    timed(pc, "_get_pool", "waiting for the compile server")
+    timed(pc, "_get_pool", "waiting for the compile server (or its thread)")
+    timed(pc, "ahead", "precompile.ahead (collect; sent, not waited for)")
     timed(tu.Tuner, "prepare", "Tuner.prepare (its compiles)", lambda a, k: a[1])
     timed(tu.Tuner, "pick", "Tuner.pick (timing, or the cache)")
     timed(tu, "cuda_event_timer", "tuning's timer (a candidate's graphs)")
+sampling = None
+if len(sys.argv) > 3 and sys.argv[3] == "sampled":  # the CLI's default draw (edgellm run passes it to load)
+    from edgellm.sampling import SamplingParams
+    sampling = SamplingParams(seed=1)
 t0 = time.perf_counter()
-m = edgellm.load(path, backend=backend)
+m = edgellm.load(path, backend=backend, sampling=sampling)
 t1 = time.perf_counter()
 print(json.dumps({"import_s": round(t_imported - t_import, 3), "load_s": round(t1 - t0, 3),
                   "phases": {k: round(v, 3) for k, v in m.load_phases.items()}, "hits": m.cache_hits}))
@@ -84,7 +89,8 @@ if backend == "cuda":
     for r in pc.reports:
         ws = sorted(r.worker_s)
         print(f"  compile_all: {r.kernels} kernels in {r.compile_s:.2f} s (collected in {r.collect_s:.2f} s); "
-              f"{r.in_workers} by workers" + (f": sum {sum(ws):.2f} s, longest {ws[-1]:.2f} s" if ws else ""))
+              f"{r.in_workers} by workers" + (f": sum {sum(ws):.2f} s, longest {ws[-1]:.2f} s, launchers "
+                                             f"{sum(r.launcher_s):.2f} s" if ws else ""))
     if pc._pool is not None or getattr(pc, "_last_start_s", None) is not None:
         print(f"  compile server start: {getattr(pc, '_last_start_s', None)}")
 for label in sorted(tot, key=lambda l: -tot[l]):
@@ -99,10 +105,13 @@ def main() -> int:
     ap.add_argument("files", nargs="+")
     ap.add_argument("--backend", default="cuda")
     ap.add_argument("--runs", type=int, default=2, help="fresh processes per file (the first may fill the cache)")
+    ap.add_argument("--sampled", action="store_true",
+                    help="load for the CLI's default sampling (its warm-up draws as `edgellm run` does)")
     a = ap.parse_args()
     for f in a.files:
         for i in range(a.runs):
-            r = subprocess.run([sys.executable, "-c", CHILD, a.backend, f], capture_output=True, text=True,
+            r = subprocess.run([sys.executable, "-c", CHILD, a.backend, f] + (["sampled"] if a.sampled else []),
+                               capture_output=True, text=True,
                                timeout=900, env=dict(os.environ))
             print(f"== {os.path.basename(f)} run {i + 1} (exit {r.returncode})")
             print(r.stdout.strip() or r.stderr.strip()[-3000:])

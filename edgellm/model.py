@@ -70,6 +70,7 @@ class Model:
     fingerprint: str | None = None  # the model file's content fingerprint (the cache key's part)
     load_phases: dict = field(default_factory=dict)  # seconds per phase of load()
     cache_hits: list = field(default_factory=list)  # artifacts load() read from the program cache
+    first_sampling: SamplingParams | None = field(default=None, repr=False)  # the first requests' (load's sampling)
 
     def __post_init__(self):
         t0 = time.perf_counter()
@@ -136,7 +137,7 @@ class Model:
         if cache is not None:  # a first load of these programs: it will compile kernels too (cuda: in workers)
             expect = getattr(self.backend, "expect_compiles", None)
             if expect is not None:
-                expect()
+                expect(vocab=self.config.vocab_size, draw=self._first_draw())
         graphs = self.graphs
         out = {name: compile_graph(graphs[g], supported_ops=supported, backend=self.backend.name, seq=seq,
                                    ctx=self.ctx, fuse=self.fuse, planner="greedy_by_size", skip_passes=skip)
@@ -236,10 +237,9 @@ class Model:
         t0 = time.perf_counter()
 
         loop = getattr(self.programs["decode"], "loop_tokens", None)
-        draw = None  # the argmax, or the first requests' draw where the loop makes it on the device
         on_device = getattr(self.programs["decode"], "draws_on_device", None)
-        if sampling is not None and not sampling.greedy and on_device is not None and on_device(sampling):
-            draw = Sampler(sampling).device_draw()
+        # the argmax, or the first requests' draw where the loop makes it on the device
+        draw = self._first_draw(sampling) if on_device is not None and on_device(sampling) else None
 
         def run_steps():
             for stage, seq, start in steps:
@@ -260,6 +260,15 @@ class Model:
         dt = time.perf_counter() - t0
         self.load_phases["warmup"] = self.load_phases.get("warmup", 0.0) + dt
         return dt
+
+    def _first_draw(self, sampling: SamplingParams | None = None):
+        """The first requests' token choice as a device loop draws it (an edgellm.sampling
+        DeviceDraw; None for the argmax, or a draw that needs the host): of `sampling`, default
+        the one load() was given."""
+        sampling = sampling if sampling is not None else self.first_sampling
+        if sampling is None or sampling.greedy:
+            return None
+        return Sampler(sampling).device_draw()
 
     def _one_time_s(self) -> float:
         """Seconds the programs have spent on one-time work so far (backends that compile or
@@ -463,7 +472,7 @@ def load(path: str | os.PathLike | None = None, backend: str = "cpu", ctx: int |
     m = Model(path=path, backend_name=backend, ctx=ctx, file=f, config=cfg, tokenizer=tok, fuse=fuse,
               prefill_chunk=prefill_chunk, program_cache=pc, fingerprint=fingerprint,
               load_phases={"start": t_start - t0, "open": t1 - t_start, "tokenizer": t2 - t1},
-              cache_hits=["tokenizer"] if tok_cached else [])
+              cache_hits=["tokenizer"] if tok_cached else [], first_sampling=sampling)
     if warmup:
         m.warmup(sampling=sampling)
     m.load_s = time.perf_counter() - t0

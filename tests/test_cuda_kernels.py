@@ -918,6 +918,35 @@ def test_parallel_compile_gives_the_kernels_the_launches_use(tmp_path, pool):
     assert n >= 5  # one specialization per distinct kernel launch of the cases
 
 
+def test_kernels_sent_ahead_compile_once_and_are_found_by_the_launches(tmp_path):
+    """precompile.ahead (a load sends its token choice's kernels to the compile workers as soon as
+    it knows the vocabulary) returns without waiting; a later parallel compile of the same kernels
+    and others must wait for those in flight rather than send them again (each specialization sent
+    to the workers at most once), and the launches afterwards must find every kernel compiled.
+    sm_90 through Triton's own ptxas, an empty Triton cache."""
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path / "triton"), EDGELLM_CACHE_DIR=str(tmp_path / "engine"),
+               EDGELLM_COMPILE_POOL="process")
+    r = subprocess.run([sys.executable, "-m", "edgellm.backends.cuda.kernels.compile_check", "--arch", "90",
+                        "--only", "rms_norm,attn-decode,argmax", "--parallel", "2", "--ahead", "attn-decode,argmax"],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout.splitlines()
+
+    def number(prefix: str) -> int:
+        return int(next(line for line in out if line.startswith(prefix)).split(prefix)[1].split()[0])
+    ahead = number("sent ahead:")
+    head = next(line for line in out if line.startswith("parallel compile:"))
+    n = int(head.split()[2])
+    sent = number("sent to the compile workers:")
+    assert "; 0 failed;" in head, head
+    assert ahead >= 4 and n > ahead, r.stdout  # the attention and argmax kernels ahead, rms_norm after
+    assert ahead <= sent <= n, r.stdout  # nothing sent twice
+    assert "compiled at launch after the parallel compile: 0" in out, r.stdout
+
+
 # ------------------------------------------------------------------------- six-bit layouts (Q6, Q6M)
 
 def make_q6(rng, n_out, n_in, with_min):

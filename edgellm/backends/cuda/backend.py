@@ -1505,11 +1505,26 @@ class CudaBackend(CudaInfo):
                           f"first launch): {report.failed[0][:300]}", RuntimeWarning, stacklevel=2)
         return report
 
-    def expect_compiles(self) -> None:
+    def expect_compiles(self, vocab: int | None = None, draw=None) -> None:
         """The load compiles its programs (the program cache missed), so kernels compile too: the
-        compile workers start now, beside the graph compile (precompile.start_pool)."""
-        if self.device.type == "cuda":
-            _precompile.start_pool()
+        compile workers start now, beside the graph compile (precompile.start_pool). Given the
+        vocabulary, the decode loop's token choice (the argmax, or `draw`, an
+        edgellm.sampling.DeviceDraw) is sent to them at once (precompile.ahead): its kernels
+        depend on the vocabulary alone, and sampling's are a load's slowest to compile (the
+        ranked prefix's top-k, ~2.5 s on the H200's host), so they compile beside the graph
+        compile and the tuner rather than in the warm-up's batch."""
+        if self.device.type != "cuda":
+            return
+        _precompile.start_pool()
+        if vocab:
+            if draw is not None and not device_sampling_enabled():  # the loop takes the argmax only
+                draw = None
+            chooser = DeviceChooser(self.K, [draw], self.device, int(vocab))
+            logits = torch.empty((1, int(vocab)), dtype=torch.float32, device=self.device)
+            # the loop's own buffers' kinds (CudaProgram: tokens, start, seq_len int32; the token int64)
+            tokens, start, seq_len = (torch.zeros(1, dtype=torch.int32, device=self.device) for _ in range(3))
+            nxt = torch.zeros(1, dtype=torch.int64, device=self.device)
+            _precompile.ahead(lambda: chooser(logits, start, out=nxt, step=(tokens, start, seq_len)))
 
     def compiles_done(self) -> None:
         """The load's warm-up is over: the compile workers go once idle for a while (the first

@@ -8,8 +8,8 @@ never touches a GPU), prints `{"ready": true}` and then reads one JSON request a
 `{"id": N, "args": [module, qualname, fn_cache_key, specialization_data, target]}`. Each is
 compiled by a worker (precompile.compile_in_worker: into Triton's on-disk cache, under the key the
 loading process computes, with the launcher built beside it), and answered on stdout as
-`{"id": N, "ok": true, "seconds": S}` or `{"id": N, "ok": false, "error": "..."}`, in the order
-they finish. End of stdin (the loading process closed it, or exited) lets the workers go.
+`{"id": N, "ok": true, "seconds": S, "launcher_s": L}` (L: the launcher's part of S) or
+`{"id": N, "ok": false, "error": "..."}`, in the order they finish. End of stdin (the loading process closed it, or exited) lets the workers go.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
 
             def done(f, ident=ident):
                 try:
-                    answer({"id": ident, "ok": True, "seconds": f.result()})
+                    answer({"id": ident, "ok": True, **f.result()})
                 except BaseException as e:  # noqa: BLE001 - reported to the loading process, which compiles it itself
                     answer({"id": ident, "ok": False, "error": f"{type(e).__name__}: {str(e)[:2000]}"})
 

@@ -41,6 +41,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -93,6 +94,7 @@ class Report:
     compile_s: float = 0.0
     in_workers: int = 0  # of kernels: compiled by the worker processes (the rest were cache reads or in-process)
     worker_s: list[float] = field(default_factory=list)  # each worker compile's seconds (in its process)
+    launcher_s: list[float] = field(default_factory=list)  # of which building (or waiting for) its launcher
 
 
 reports: list[Report] = []  # this process's compile_all reports, latest last (at most 64; profiling reads them)
@@ -179,8 +181,11 @@ def compile_all(specs: list[Spec], *, device=None, workers: int | None = None, l
                 report.kernels += 1
             else:
                 report.failed.append(err)
-    report.worker_s = [f.result() for f in remote.values() if f.done() and not f.cancelled() and f.exception() is None]
-    report.in_workers = len(report.worker_s)
+    answers = [a for f in remote.values() if f.done() and not f.cancelled() and f.exception() is None
+               for a in [f.result()] if isinstance(a, dict)]
+    report.worker_s = [a["seconds"] for a in answers]
+    report.launcher_s = [a["launcher_s"] for a in answers]
+    report.in_workers = len(answers)
     report.compile_s = time.perf_counter() - t0
     reports.append(report)
     del reports[:-64]
@@ -271,7 +276,8 @@ class _Server:
             if future is None:
                 continue
             if msg.get("ok"):
-                future.set_result(msg.get("seconds", 0.0))
+                future.set_result({"seconds": float(msg.get("seconds", 0.0)),
+                                   "launcher_s": float(msg.get("launcher_s", 0.0))})
             else:
                 future.set_exception(RuntimeError(msg.get("error", "compile failed")))
         try:
@@ -495,18 +501,46 @@ def compile_in_worker(module: str, qualname: str, fn_key: str, data: str, target
     from triton.compiler import compile as triton_compile
 
     kernel = triton_compile(src, target=gpu, options=options.__dict__)
+    t1 = time.perf_counter()
     if gpu.backend == "cuda":
         try:  # the launcher's C stub (gcc), cached by its source: the loading process then imports it
             from triton.backends.nvidia.driver import CudaLauncher
 
-            CudaLauncher(kernel.src, kernel.metadata)
+            # one build per kernel at a time: a kernel's tiles share one stub, which workers
+            # compiling several of its tiles at once would otherwise each build with gcc
+            with _launcher_lock(module, qualname):
+                CudaLauncher(kernel.src, kernel.metadata)
         except Exception:  # noqa: BLE001 - no CUDA library here: the loading process builds it
             pass
-    return time.perf_counter() - t0
+    t2 = time.perf_counter()
+    return {"seconds": t2 - t0, "launcher_s": t2 - t1}
+
+
+@contextmanager
+def _launcher_lock(module: str, qualname: str):
+    """An exclusive lock, across the compile workers, on building a kernel's launcher (a file lock
+    in Triton's cache folder; none where that cannot be made)."""
+    from triton import knobs
+
+    try:
+        import fcntl
+
+        name = hashlib.sha256(f"{module}.{qualname}".encode()).hexdigest()[:24]
+        os.makedirs(knobs.cache.dir, exist_ok=True)
+        fd = os.open(os.path.join(knobs.cache.dir, f".edgellm-launcher-{name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
 
 
 _misses = 0  # specializations this process found missing from Triton's cache (compiled, not read)
 _uses = 0  # batches sent to the compile server (stop_pool_when_idle looks for new ones)
+_sent = 0  # specializations sent to the compile server
 
 
 def has_compiled() -> bool:
@@ -515,10 +549,56 @@ def has_compiled() -> bool:
     return _misses > 0
 
 
-def _submit_to_workers(specs: list[Spec]) -> dict[str, Future]:
-    """Send the specializations Triton's cache does not hold to the workers; {spec key: future}.
-    Empty where compiles stay in this process, or fewer than two need a compiler."""
-    global _misses, _uses
+_inflight_lock = threading.Lock()
+_inflight: dict[str, Future] = {}  # spec key -> its compile sent ahead (ahead()), until answered
+
+
+def ahead(launch: Callable[[], object]) -> int:
+    """Send the kernels launch() would compile to the compile workers and return without waiting
+    (the server started if need be, on a thread): for kernels a load knows it will launch long
+    before it does (the decode loop's token choice depends on the vocabulary alone). Their
+    launches' compile_all later waits for these compiles rather than sending them again. Returns
+    how many specializations were sent; 0 where compiles stay in this process or launch() raised."""
+    if not enabled() or collecting() or pool_mode() != "process":
+        return 0
+    try:
+        specs, _ = collect(launch)
+    except Exception:  # noqa: BLE001 - the real launch meets the same error and reports it
+        return 0
+    with _inflight_lock:
+        mine = {s.key: Future() for s in specs if s.key not in _inflight}
+        _inflight.update(mine)
+    if not mine:
+        return 0
+
+    def settle(key: str, placeholder: Future, answer: Future | None) -> None:
+        with _inflight_lock:
+            if _inflight.get(key) is placeholder:
+                del _inflight[key]
+        ok = answer is not None and not answer.cancelled() and answer.exception() is None
+        placeholder.set_result(answer.result() if ok else None)  # None: compiled where it launches
+
+    def send() -> None:
+        try:
+            remote = _submit_to_workers([s for s in specs if s.key in mine], least=1, reuse=False)
+        except Exception:  # noqa: BLE001 - compiled where they launch
+            remote = {}
+        for key, placeholder in mine.items():
+            answer = remote.get(key)
+            if answer is None:
+                settle(key, placeholder, None)
+            else:
+                answer.add_done_callback(lambda f, key=key, ph=placeholder: settle(key, ph, f))
+    threading.Thread(target=send, name="edgellm-compile-ahead", daemon=True).start()
+    return len(mine)
+
+
+def _submit_to_workers(specs: list[Spec], *, least: int | None = None, reuse: bool = True) -> dict[str, Future]:
+    """Send the specializations Triton's cache does not hold to the workers; {spec key: future}
+    (with reuse, those sent ahead and not yet answered are waited for, not sent again). Empty
+    where compiles stay in this process, or fewer than `least` need a compiler (default: two,
+    or LAZY_START_MIN where the server has not been started)."""
+    global _misses, _uses, _sent
     try:
         from triton.runtime.driver import driver
 
@@ -532,24 +612,32 @@ def _submit_to_workers(specs: list[Spec]) -> dict[str, Future]:
                 todo.append((s, s.fn.__module__, s.fn.__qualname__, digest))
     except Exception:  # noqa: BLE001 - the in-process compile handles whatever this could not read
         return {}
-    _misses += len(todo)
+    sent: dict[str, Future] = {}
+    if reuse:
+        with _inflight_lock:
+            sent = {job[0].key: _inflight[job[0].key] for job in todo if job[0].key in _inflight}
+        todo = [job for job in todo if job[0].key not in sent]
+    _misses += len(todo)  # (those sent ahead were counted there)
     todo = [job for job in todo if _resolve(job[1], job[2]) is job[0].fn]
     if pool_mode() != "process":
-        return {}
+        return sent
     starting = _pool is not None or (_pool_thread is not None and _pool_thread.is_alive())
-    if len(todo) < (2 if starting else LAZY_START_MIN):  # a few compiles: threads, rather than wait for a server
-        return {}
+    if least is None:
+        least = 2 if starting else LAZY_START_MIN
+    if len(todo) < least:  # a few compiles: threads, rather than wait for a server
+        return sent
     pool = _get_pool()
     if pool is None:
-        return {}
+        return sent
     _uses += 1
-    out: dict[str, Future] = {}
+    out: dict[str, Future] = dict(sent)
     try:
         from triton import knobs
 
         here = knobs.cache.dir
         for s, module, qualname, digest in todo:
             out[s.key] = pool.submit(module, qualname, s.fn.cache_key, s.data, list(target), digest, here)
+            _sent += 1
     except Exception:  # noqa: BLE001 - a broken pool: what was not submitted compiles here
         pass
     return out

@@ -221,6 +221,10 @@ def main(argv=None) -> int:
     ap.add_argument("--parallel", type=int, default=0, metavar="N",
                     help="first compile every case's kernels on N threads, as a first load does "
                          "(precompile.py), then check that the cases' launches find them compiled")
+    ap.add_argument("--ahead", default="", metavar="PREFIXES",
+                    help="with --parallel: the cases named (comma-separated prefixes) are first sent to the "
+                         "compile workers without waiting (precompile.ahead, as a load does for its token "
+                         "choice), and the parallel compile must not send them again")
     ap.add_argument("--pdl", action="store_true",
                     help="the kernels as a Hopper load launches them: programmatic dependent launch on, and "
                          "the decode GEMVs' L2 weight prefetch (4 MB a launch)")
@@ -244,7 +248,8 @@ def main(argv=None) -> int:
     _common.sm_count = lambda index: 132
     only = [s for s in a.only.split(",") if s]
     cases = [(name, call) for name, call in _cases() if not only or any(name.startswith(o) for o in only)]
-    at_launch = _precompile_cases(cases, a.parallel) if a.parallel > 1 else None
+    ahead = [c for c in cases if any(c[0].startswith(o) for o in a.ahead.split(",") if o)]
+    at_launch = _precompile_cases(cases, a.parallel, ahead) if a.parallel > 1 else None
     compiled: list = []
     original_run = JITFunction.run
 
@@ -281,26 +286,32 @@ def main(argv=None) -> int:
     return 1 if failures else 0
 
 
-def _precompile_cases(cases, workers: int) -> list[str]:
+def _precompile_cases(cases, workers: int, ahead=()) -> list[str]:
     """Compile the cases' kernels on `workers` threads (precompile.collect + compile_all, without
-    loading them: there is no GPU), print what it did, and return a list that collects every
-    kernel compiled at launch afterwards (Triton's jit_cache_hook sees each compile)."""
+    loading them: there is no GPU), those of `ahead` first sent to the workers without waiting
+    (precompile.ahead); print what it did, and return a list that collects every kernel compiled
+    at launch afterwards (Triton's jit_cache_hook sees each compile)."""
     from triton import knobs
 
     from .. import precompile
 
-    def launch_all():
-        for _, call in cases:
-            try:
-                call()
-            except Exception:  # noqa: BLE001 - reported by the case's own run below
-                pass
+    def launcher(some):
+        def launch():
+            for _, call in some:
+                try:
+                    call()
+                except Exception:  # noqa: BLE001 - reported by the case's own run below
+                    pass
+        return launch
     precompile.start_pool()  # as a first load does (EDGELLM_COMPILE_POOL=thread: a no-op)
-    specs, collect_s = precompile.collect(launch_all)
+    if ahead:
+        print(f"sent ahead: {precompile.ahead(launcher(ahead))}")
+    specs, collect_s = precompile.collect(launcher(cases))
     report = precompile.compile_all(specs, workers=workers, load=False)
     print(f"parallel compile: {report.kernels} kernels on {workers} threads in {report.compile_s:.2f} s "
           f"(collected in {collect_s:.2f} s; {len(report.failed)} failed; {report.in_workers} compiled by "
           f"worker processes)")
+    print(f"sent to the compile workers: {precompile._sent}")
     for err in report.failed:
         print(f"  failed: {err}")
     if precompile.pool_error() is not None:
