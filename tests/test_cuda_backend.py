@@ -174,6 +174,35 @@ def test_load_warms_the_requests_draw(tmp_path):
     assert stats.compile_s > 0.0  # its first sampled request captured the loop's step itself
 
 
+@pytest.mark.skipif(not ON_GPU, reason="the tuner times kernels on a GPU (the cpu device has none)")
+def test_decode_gemvs_are_tuned_past_the_size_floor_only(tmp_path, monkeypatch):
+    """With tuning on, the decode GEMVs whose weights reach configs.GEMV_TUNE_MIN_BYTES are timed
+    (here the floor is lowered so that only the output projection, 8192 x 256 Q4_0, reaches it) and
+    the smaller ones keep the default tile untimed; the tuned model's logits are the untuned one's."""
+    spec = SyntheticSpec(n_layers=2, d_model=256, n_heads=4, n_kv_heads=2, ffn_dim=512, vocab_size=8192,
+                         weight_type="Q4_0", std=0.05, seed=35)
+    path = write_synthetic_gguf(tmp_path / "m.gguf", spec)
+    from edgellm.backends.cuda.backend import _kernels
+
+    monkeypatch.setattr(_kernels().configs, "GEMV_TUNE_MIN_BYTES", 512 << 10)  # output 1.1 MiB, blocks <= 0.3
+    monkeypatch.setenv("EDGELLM_CACHE_DIR", str(tmp_path / "cache"))
+    ids = [3, 17, 99, 5, 42]
+    logits = {}
+    for tune in ("1", "0"):
+        monkeypatch.setenv("EDGELLM_TUNE", tune)
+        m = edgellm.load(path, backend="cuda", ctx=32)
+        picks = [p for p in m.backend.tuner.report() if p["kernel"] == "gemv"]
+        if tune == "1":
+            assert picks and {p["key"][1] for p in picks} == {spec.vocab_size}, picks
+            assert all(p["source"] in ("tuned", "cached") for p in picks), picks
+        else:
+            assert all(p["source"] == "default" for p in picks), picks
+        m.forward(ids, 0, all_logits=False)
+        logits[tune] = m.forward([7], len(ids), all_logits=False)
+    assert np.isfinite(logits["1"]).all()
+    assert np.abs(logits["1"] - logits["0"]).max() <= 5e-3 * np.abs(logits["0"]).max()
+
+
 def test_cuda_unavailable_is_a_clear_error(tmp_path, monkeypatch):
     if ON_GPU:
         pytest.skip("a GPU is present")

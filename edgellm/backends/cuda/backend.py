@@ -89,7 +89,8 @@ def prefetch() -> None:
     remembered between processes by triton_key.py (then a few milliseconds of file stats), and
     otherwise file reads and hashing that run outside the GIL while the loading thread reads the
     model file and builds the tokenizer. `edgellm.load` calls it first; CudaBackend waits for it.
-    Errors are left to the loading thread, which meets them again. EDGELLM_PREFETCH=0 turns it off."""
+    Errors are left to the loading thread, which meets them again. EDGELLM_PREFETCH=0 turns it off.
+    Where Triton's cache is empty, the compile workers start too (precompile.start_pool_if_cold)."""
     global _prefetch_thread
     if _prefetch_thread is not None or os.environ.get("EDGELLM_PREFETCH", "1") == "0":
         return
@@ -113,6 +114,9 @@ def prefetch() -> None:
     if not interpreted:  # the interpreter compiles nothing and needs no key
         _prefetch_thread = threading.Thread(target=work, name="edgellm-triton-key", daemon=True)
         _prefetch_thread.start()
+        # a first load on this machine (Triton's cache empty): the compile workers start now, not
+        # where the program cache misses (their start, ~2-2.5 s, outlasted the graph compile there)
+        _precompile.start_pool_if_cold()
 
 
 def _wait_prefetch() -> None:
@@ -1022,9 +1026,10 @@ class CudaProgram:
         return jobs
 
     def _gemv_tuning(self, op: Op, w, i8: bool) -> tuple | None:
-        """(key, candidates, default, run) of this GEMV for Tuner.pick; None with tuning off."""
+        """(key, candidates, default, run) of this GEMV for Tuner.pick; None with tuning off, or for
+        a weight under configs.GEMV_TUNE_MIN_BYTES (a launch-bound GEMV: the default tile)."""
         tuner = self.backend.tuner
-        if tuner is None or not tuner.enabled:
+        if tuner is None or not tuner.enabled or w.nbytes < self.K.configs.GEMV_TUNE_MIN_BYTES:
             return None
         K = self.K
         glu = op.kind == "linear_swiglu"

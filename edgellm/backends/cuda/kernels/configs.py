@@ -135,6 +135,14 @@ def gemv_interpreter_config(fmt: str, act_int8: bool = False, glu: bool = False,
     return _fit_k(cfg, fmt, K)
 
 
+# Decode GEMVs with fewer weight bytes than this are not tuned (the default tile runs): they take
+# 3-5 us, launch and latency, whatever the tile. Measured on the H200 (benchmarks/tune_gain.py,
+# 2026-11-29): the SmolLM2-135M shape's GEMVs (0.3-1.0 MB) gained 0-0.25 us a launch from their
+# tuned tiles and the Llama-3.2-1B shape's 2.4-3.5 MB ones nothing, while their 24 candidates took
+# ~3 s of a first load's compile; the 9.4 MB ones gained 0.8-1.3 us (8B's 0.5-1.5).
+GEMV_TUNE_MIN_BYTES = 4 << 20
+
+
 def gemv_tune_candidates(fmt: str, act_int8: bool = False, glu: bool = False) -> list[dict]:
     """What the backend times at first load for one decode GEMV (tuning.py), besides the default.
     Each distinct tile compiles once per Triton cache (about a second), so the list keeps to the
