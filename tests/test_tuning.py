@@ -367,3 +367,44 @@ def test_cuda_event_timer():
     big = torch.randn(4096, 4096, device="cuda")
     us_big = cuda_event_timer(lambda: big @ big[:, :1024])
     assert us_big > 4 * us, (us, us_big)
+
+
+def test_kernels_sent_ahead_are_settled_whatever_the_workers_answer(monkeypatch):
+    """precompile.ahead leaves a placeholder per specialization for later batches to wait on: each
+    must end with its worker's answer (the worker's seconds), or None where the worker failed or
+    nothing was sent (the launch then compiles it in-process); none may stay pending, which would
+    hold a load's batch for WORKER_TIMEOUT_S."""
+    import threading
+    from concurrent.futures import Future
+
+    from edgellm.backends.cuda import precompile as p
+
+    specs = [p.Spec(fn=None, data="{}", key=f"ahead-test-{i}") for i in range(3)]
+    monkeypatch.setattr(p, "enabled", lambda: True)
+    monkeypatch.setattr(p, "pool_mode", lambda: "process")
+    monkeypatch.setattr(p, "collect", lambda launch: (specs, 0.0))
+    answers = {s.key: Future() for s in specs[:2]}  # the third is not sent (say, found in Triton's cache)
+    sent = []
+    go = threading.Event()
+
+    def submit(some, least=None, reuse=True):  # on ahead's thread, once the test has looked
+        go.wait(10)
+        sent.append(([s.key for s in some], least, reuse))
+        return dict(answers)
+    monkeypatch.setattr(p, "_submit_to_workers", submit)
+    assert p.ahead(lambda: None) == 3
+    with p._inflight_lock:
+        placeholders = {s.key: p._inflight[s.key] for s in specs}
+    assert p.ahead(lambda: None) == 0  # in flight already: not sent again
+    go.set()
+    for t in threading.enumerate():
+        if t.name == "edgellm-compile-ahead":
+            t.join(10)
+    assert sent == [([s.key for s in specs], 1, False)]
+    assert placeholders["ahead-test-2"].result(timeout=1) is None
+    answers["ahead-test-0"].set_result({"seconds": 1.5, "launcher_s": 0.25})
+    answers["ahead-test-1"].set_exception(RuntimeError("the worker could not compile it"))
+    assert placeholders["ahead-test-0"].result(timeout=1) == {"seconds": 1.5, "launcher_s": 0.25}
+    assert placeholders["ahead-test-1"].result(timeout=1) is None
+    with p._inflight_lock:
+        assert not any(k.startswith("ahead-test-") for k in p._inflight)
