@@ -9,7 +9,8 @@ never touches a GPU), prints `{"ready": true}` and then reads one JSON request a
 compiled by a worker (precompile.compile_in_worker: into Triton's on-disk cache, under the key the
 loading process computes, with the launcher built beside it), and answered on stdout as
 `{"id": N, "ok": true, "seconds": S, "launcher_s": L}` (L: the launcher's part of S) or
-`{"id": N, "ok": false, "error": "..."}`, in the order they finish. End of stdin (the loading process closed it, or exited) lets the workers go.
+`{"id": N, "ok": false, "error": "..."}`, in the order they finish. End of stdin (the loading
+process closed it, or exited) lets the workers go.
 """
 
 from __future__ import annotations
