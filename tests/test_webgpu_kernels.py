@@ -10,6 +10,7 @@ skips with the reason where there is none.
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 import pytest
@@ -103,6 +104,30 @@ def _linear_case(dev, rng, fmt, rows, n_out, k, *, glu=False, bias=False, residu
     return w, bufs, want
 
 
+def test_timing_after_an_idle_gap_raises_the_clock_first(dev, rng, monkeypatch):
+    """Launch.time on a hardware adapter: after the GPU idled past CLOCK_IDLE_S it dispatches the
+    kernel back to back for CLOCK_WARMUP_S before the timed pass (GPUs run idle clocks until
+    loaded), and not again right after; the timing still comes back positive."""
+    from edgellm.backends.webgpu import launch
+
+    monkeypatch.setattr(type(dev.info), "software", property(lambda self: False))
+    monkeypatch.setattr(launch, "CLOCK_WARMUP_S", 0.05)
+    w, bufs, _ = _linear_case(dev, rng, "Q8_0", 1, 16, 64)
+    L = Launch(dev, kernels.gemv(w.desc(), 16, "step.seq", rows_per_wg=16, wg=64), bufs)
+    L.set_step(seq=1)
+    passes = []
+    real = Launch._encode
+    monkeypatch.setattr(Launch, "_encode",
+                        lambda self, cpass, grid, repeat: (passes.append(repeat), real(self, cpass, grid, repeat)))
+    monkeypatch.setattr(dev, "_timed_at", 0.0, raising=False)
+    t0 = time.perf_counter()
+    assert L.time((1, 1, 1), repeat=3) > 0
+    assert time.perf_counter() - t0 >= 0.05 and passes.count(16) >= 1 and passes[-1] == 3
+    passes.clear()
+    assert L.time((1, 1, 1), repeat=3) > 0
+    assert 16 not in passes
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("subgroup,nr", [(False, 1), (True, 1), (False, 3)])
 def test_gemv(dev, rng, fmt, subgroup, nr):
@@ -123,28 +148,34 @@ def test_gemv(dev, rng, fmt, subgroup, nr):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("subgroup,rows_per_warp,stage", [(False, 1, False), (True, 1, False), (True, 3, True),
-                                                          (False, 2, True)])
-def test_gemv_warp(dev, rng, fmt, subgroup, rows_per_warp, stage):
+@pytest.mark.parametrize("subgroup,rows_per_warp,stage,pipeline,unroll,split", [
+    (False, 1, False, False, 4, 1), (True, 1, False, False, 4, 1), (True, 3, True, False, 4, 1),
+    (False, 2, True, False, 4, 1), (True, 3, True, True, 2, 1), (False, 2, False, True, 1, 1),
+    (True, 2, False, False, 1, 4), (False, 3, False, True, 2, 2)])
+def test_gemv_warp(dev, rng, fmt, subgroup, rows_per_warp, stage, pipeline, unroll, split):
     """The subgroup-per-rows GEMV: 77 features are not a multiple of any workgroup's rows (the
     last warps compute rows past the end and must not store them); 1,056 inputs are 33 blocks,
-    so the lanes' last stride along a row is partial."""
+    so the lanes' last stride along a row is partial (pipeline: the step after the last loads
+    clamped units it never uses; split: several subgroups share a row group)."""
     if subgroup and not dev.has_subgroups:
         pytest.skip("the adapter has no subgroups")
     rows, n_out, k = 3, 77, 1056
     w, bufs, want = _linear_case(dev, rng, fmt, rows, n_out, k, bias=True, residual=True)
     sg = min(32, dev.info.subgroup_min) if subgroup else 8
     kern = kernels.gemv_warp(w.desc(), n_out, "step.seq", bias=True, residual=True, rows_per_warp=rows_per_warp,
-                             wg=4 * sg, sg=sg, subgroup=subgroup, stage=stage)
+                             wg=4 * sg, sg=sg, subgroup=subgroup, stage=stage, pipeline=pipeline, unroll=unroll,
+                             split=split)
     L = Launch(dev, kern, bufs)
     L.set_step(seq=rows)
     L.run((-(-n_out // kern.rows_per_group), 1, rows))
     check(read_f32(dev, bufs["Y"], rows * n_out), want)
 
 
-@pytest.mark.parametrize("fmt,norm,glu,stage", [("Q8_0", "rms", False, False), ("Q4_0", "add_rms", False, True),
-                                                ("F16", "add_rms", True, False), ("Q4_1", "rms", True, True)])
-def test_gemv_warp_folded_norm(dev, rng, fmt, norm, glu, stage):
+@pytest.mark.parametrize("fmt,norm,glu,stage,pipeline,split", [
+    ("Q8_0", "rms", False, False, False, 1), ("Q4_0", "add_rms", False, True, False, 1),
+    ("F16", "add_rms", True, False, False, 1), ("Q4_1", "rms", True, True, False, 1),
+    ("Q8_0", "add_rms", True, True, True, 1), ("F16", "rms", False, False, True, 4), ("Q4_0", "add_rms", True, False, False, 2)])
+def test_gemv_warp_folded_norm(dev, rng, fmt, norm, glu, stage, pipeline, split):
     """RMSNorm (of A, or of A + B with the sum written to S) folded into the GEMV's prologue,
     against the cpu backend's rms_norm then linear on the same values."""
     if not dev.subgroup_size:
@@ -165,7 +196,7 @@ def test_gemv_warp_folded_norm(dev, rng, fmt, norm, glu, stage):
     want = ref("linear_swiglu", [normed, D[:n_out], D[n_out:]]) if glu else ref("linear", [normed, D])
     sg = min(32, dev.subgroup_size)
     kern = kernels.gemv_warp(w.desc(), n_out, "step.seq", rows_per_warp=2, wg=4 * sg, sg=sg, unroll=2, glu=glu,
-                             norm=norm, eps=1e-5, stage=stage)
+                             norm=norm, eps=1e-5, stage=stage, pipeline=pipeline, split=split)
     L = Launch(dev, kern, bufs)
     L.set_step(seq=rows)
     L.run((-(-n_out // kern.rows_per_group), 1, rows))
@@ -396,20 +427,22 @@ def test_rope_qkv_store(dev, rng, style, rope_dim, freqs, kv):
     check(_read_cache(dev, bufs["VC"], ctx * g * d, kv), vc_ref, 0)
 
 
-@pytest.mark.parametrize("fmt,rows_per_warp,rope_dim,freqs,kv,bias,norm,stage,style",
-                         [("Q8_0", 2, 16, False, "f32", False, None, False, "norm"),
-                          ("Q4_0", 4, 12, True, "f16", False, "rms", True, "norm"),
-                          ("F16", 2, 16, True, "f32", True, None, True, "norm"),
-                          ("Q4_1", 2, 8, False, "f16", False, "rms", False, "norm"),
-                          ("Q8_0", 2, 16, False, "f32", True, "rms", True, "norm"),
-                          ("Q8_0", 2, 16, False, "f32", True, "rms", True, "neox"),
-                          ("Q4_0", 4, 12, True, "f16", False, None, False, "neox")])
-def test_gemv_warp_rope_epilogue(dev, rng, fmt, rows_per_warp, rope_dim, freqs, kv, bias, norm, stage, style):
+@pytest.mark.parametrize("fmt,rows_per_warp,rope_dim,freqs,kv,bias,norm,stage,style,split",
+                         [("Q8_0", 2, 16, False, "f32", False, None, False, "norm", 1),
+                          ("Q4_0", 4, 12, True, "f16", False, "rms", True, "norm", 1),
+                          ("F16", 2, 16, True, "f32", True, None, True, "norm", 1),
+                          ("Q4_1", 2, 8, False, "f16", False, "rms", False, "norm", 1),
+                          ("Q8_0", 2, 16, False, "f32", True, "rms", True, "norm", 1),
+                          ("Q8_0", 2, 16, False, "f32", True, "rms", True, "neox", 1),
+                          ("Q4_0", 4, 12, True, "f16", False, None, False, "neox", 1),
+                          ("Q8_0", 2, 16, False, "f32", True, "rms", False, "neox", 4),
+                          ("F16", 2, 16, True, "f16", False, None, False, "norm", 2)])
+def test_gemv_warp_rope_epilogue(dev, rng, fmt, rows_per_warp, rope_dim, freqs, kv, bias, norm, stage, style, split):
     """The q|k|v GEMV with rope_qkv_store's work in its epilogue (kernels.RopeFold): q rotated into
     Y, k rotated and v copied into the cache rows of their positions (rows outside them survive),
     against the cpu backend's (rms_norm,) linear then rope_qkv_store on the same values; partial
     rotary dimensions, frequency factors, a bias, a folded norm, a float32 or fp16 cache, adjacent
-    or neox pairs."""
+    or neox pairs; split: several subgroups per row group."""
     from edgellm.backends.webgpu.backend import WebgpuBackend
 
     if not dev.subgroup_size:
@@ -448,7 +481,7 @@ def test_gemv_warp_rope_epilogue(dev, rng, fmt, rows_per_warp, rope_dim, freqs, 
     q, _, _ = ref("rope_qkv_store", [qkv, start, kc_ref, vc_ref] + ([torch.from_numpy(ff)] if freqs else []), **attrs)
     sg = min(32, dev.subgroup_size)
     kern = kernels.gemv_warp(w.desc(), n_out, "step.seq", rows_per_warp=rows_per_warp, wg=4 * sg, sg=sg, unroll=2,
-                             bias=bias, norm=norm, eps=1e-5, stage=stage,
+                             bias=bias, norm=norm, eps=1e-5, stage=stage, split=split,
                              rope=kernels.RopeFold(h * d, g * d, d, rope_dim, style == "neox"),
                              dtypes={"KC": kv, "VC": kv})
     L = Launch(dev, kern, bufs)
@@ -579,6 +612,55 @@ def test_attention(dev, rng, rows, start, splits, kv):
     want = ref("attention", [torch.from_numpy(q), torch.from_numpy(kc), torch.from_numpy(vc), start],
                n_heads=h, n_kv_heads=g, head_dim=d, scale=scale)
     check(read_f32(dev, bufs["O"], rows * h * d), want, 1e-5)
+
+
+@pytest.mark.parametrize("rows,start,splits,kv,d,ahead", [(1, 70, 1, "f32", 64, 2), (1, 300, 3, "f32", 128, 2),
+                                                           (3, 40, 1, "f16", 64, 3), (1, 300, 4, "f16", 128, 1),
+                                                           (2, 5, 1, "f32", 256, 2), (1, 33, 5, "f32", 64, 2),
+                                                           (2, 100, 2, "f32", 16, 2)])
+def test_attention_warp(dev, rng, rows, start, splits, kv, d, ahead):
+    """The lane-group decode attention against the cpu reference: whole and split over the
+    context (a split past the keys a row sees is empty: 34 keys in 5 splits of 7), a few rows,
+    GQA with 3 query heads per KV head, head sizes whose key rows a group of D / 4 lanes reads
+    (several keys per subgroup at once: 64 on 32 lanes, 16 on 8) or a whole subgroup reads in
+    two or more 16-byte steps (128 on a subgroup of 8 or 16, 256), float32 or fp16 cache,
+    outputs poisoned first."""
+    if not dev.subgroup_size:
+        pytest.skip("the adapter's subgroup size is unknown")
+    if kv == "f16" and not dev.has_f16:
+        pytest.skip("the adapter has no shader-f16")
+    sg = min(32, dev.subgroup_size)
+    h, g, ctx = 6, 2, 320
+    q = rng.standard_normal((rows, h * d)).astype(np.float32)
+    kc, vc = rng.standard_normal((2, ctx, g * d)).astype(np.float32)
+    if kv == "f16":
+        kc, vc = kc.astype(np.float16).astype(np.float32), vc.astype(np.float16).astype(np.float32)
+    scale = 1 / math.sqrt(d)
+    n = start + rows
+    bufs = dict(Q=upload_f32(dev, q), KC=_cache(dev, kc, kv), VC=_cache(dev, vc, kv), O=nan_buffer(dev, rows * h * d))
+    opts = dict(cache_dtype=kv, sg=sg, keys_ahead=ahead)
+    if splits == 1:
+        L = Launch(dev, kernels.attention_warp(h, g, d, scale, "step.seq", partial=False, **opts), bufs)
+        L.set_step(seq=rows, start=start)
+        L.run((h, rows, 1))
+    else:
+        bufs["WS"] = nan_buffer(dev, rows * h * splits * (d + 2))
+        split_len = -(-n // splits)
+        P = Launch(dev, kernels.attention_warp(h, g, d, scale, "step.seq", partial=True, **opts), bufs)
+        P.set_step(seq=rows, start=start, split_len=split_len, n_splits=splits)
+        P.run((h, rows, splits))
+        C = Launch(dev, kernels.attention_combine(h, d, "step.seq"), bufs)
+        C.set_step(seq=rows, start=start, split_len=split_len, n_splits=splits)
+        C.run((h, rows, 1))
+    want = ref("attention", [torch.from_numpy(q), torch.from_numpy(kc), torch.from_numpy(vc), start],
+               n_heads=h, n_kv_heads=g, head_dim=d, scale=scale)
+    check(read_f32(dev, bufs["O"], rows * h * d), want, 1e-5)
+
+
+def test_attention_warp_refuses_head_sizes_it_cannot_split():
+    assert not kernels.attention_warp_fits(80, 32) and kernels.attention_warp_fits(128, 32)
+    with pytest.raises(ValueError, match="head_dim 80"):
+        kernels.attention_warp(4, 2, 80, 0.1, "1u", partial=False)
 
 
 # -- storage descriptors ---------------------------------------------------------------------------

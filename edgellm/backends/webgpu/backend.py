@@ -25,6 +25,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Callable, Iterator
@@ -43,7 +44,7 @@ from .launch import grid2 as _grid2
 from .launch import encode_dispatch, raw_pass_functions
 
 GEMV_MAX_ROWS = 4  # steps of at most this many tokens use the matrix-vector kernel
-SPLIT_KEYS = 256  # decode attention: one split per this many cached keys ...
+SPLIT_KEYS = 64  # decode attention: one split per this many cached keys ...
 MAX_SPLITS = 32  # ... up to this many
 # steps of at most this many splits merge them in the output projection's GEMV (the "combine"
 # fold); steps of more run attention_combine as a dispatch of its own
@@ -714,13 +715,25 @@ class WebgpuProgram:
         n_heads = sum(s.n for s in segs)
         return _Dispatch(self, k, res, lambda s, n: (n_heads, rows(s), 1))
 
+    def _decode_attention_kernel(self, head_dim: int):
+        """The attention template of steps of a few rows: kernels.attention_warp (lane groups per
+        key, no barrier per key) where the adapter's subgroup size is known and the head size
+        splits over it; else kernels.attention (a thread per key). EDGELLM_WEBGPU_ATTN=thread
+        keeps the latter (benchmarks compare them)."""
+        sub = self.dev.subgroup_size
+        if sub and os.environ.get("EDGELLM_WEBGPU_ATTN", "warp") != "thread":
+            sg = min(32, sub)
+            if kernels.attention_warp_fits(head_dim, sg):
+                return functools.partial(kernels.attention_warp, sg=sg)
+        return kernels.attention
+
     def _lower_attention(self, op: Op) -> list:
         a, ins, outs, R = op.attrs, op.inputs, op.outputs, self._res
         h, g, d = a["n_heads"], a["n_kv_heads"], a["head_dim"]
         rows_expr, rows = self._rows_expr(ins[0]), self._rows(ins[0])
         res = {"Q": R(ins[0]), "KC": R(ins[1]), "VC": R(ins[2]), "O": R(outs[0])}
-        direct = _Dispatch(self, kernels.attention(h, g, d, a["scale"], rows_expr, partial=False,
-                                                       dtypes=_dtypes(res)), res,
+        attention = self._decode_attention_kernel(d)
+        direct = _Dispatch(self, attention(h, g, d, a["scale"], rows_expr, partial=False, dtypes=_dtypes(res)), res,
                            lambda s, n: (h, rows(s), 1))
         if self.max_seq != 1:
             if not self.backend.prefill_tiled or self.max_seq <= GEMV_MAX_ROWS:
@@ -732,8 +745,7 @@ class WebgpuProgram:
             return [_Choice(lambda s, n: (direct,) if s <= GEMV_MAX_ROWS else (tiled,), direct, tiled)]
         ws = self.backend.workspace(h * MAX_SPLITS * (d + 2) * 4)
         wres = {**res, "WS": lambda: (ws, 0, ws.size)}
-        part = _Dispatch(self, kernels.attention(h, g, d, a["scale"], rows_expr, partial=True,
-                                                     dtypes=_dtypes(wres)), wres,
+        part = _Dispatch(self, attention(h, g, d, a["scale"], rows_expr, partial=True, dtypes=_dtypes(wres)), wres,
                          lambda s, n: (h, rows(s), n))
         comb = _Dispatch(self, kernels.attention_combine(h, d, rows_expr, dtypes=_dtypes(wres)), wres, lambda s, n: (h, rows(s), 1))
         if any(a is op for a in self._combines.values()):  # the output projection merges the splits

@@ -175,7 +175,8 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
               unroll: int = 4, subgroup: bool = True, bias: bool = False, residual: bool = False, glu: bool = False,
               norm: str | None = None, eps: float = 1e-6, stage: bool = False, rows_per_wg: int | None = None,
               rope: "RopeFold | None" = None, combine: tuple[int, int, int] | None = None,
-              embed: WeightDesc | None = None, dtypes: dict | None = None) -> WarpKernel:
+              embed: WeightDesc | None = None, pipeline: bool = False, split: int = 1,
+              dtypes: dict | None = None) -> WarpKernel:
     """The decode GEMV as one subgroup (sg lanes, a GPU's warp) per `rows_per_warp` output features:
     the lanes stride along the rows in 16-byte units of quants (a warp reads 16 * sg contiguous
     bytes per row per unit: coalesced), each lane issuing the loads of `unroll` units (and their
@@ -214,10 +215,22 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
     workgroup memory (4 * K bytes; K a multiple of 32), and the lanes read x from there instead
     of from the storage buffer: a 4-bit weight's x traffic is 8 times its own bytes. Positions are
     XOR-swizzled (vec4 index c at c ^ ((c >> 3) & 7)) so that the 8 lanes of a 128-byte
-    shared-memory phase, each reading the same element of consecutive units, hit distinct banks."""
-    R, U = rows_per_warp, unroll
-    if wg % sg or (rows_per_wg is not None and rows_per_wg != wg // sg * R):
-        raise ValueError(f"gemv_warp: workgroup {wg}, subgroup {sg}, {R} rows per warp, rows_per_wg {rows_per_wg}")
+    shared-memory phase, each reading the same element of consecutive units, hit distinct banks.
+
+    pipeline: the loop runs a constant number of steps (the driver's compiler sees its trip count)
+    and each step issues the next step's weight loads before its own arithmetic, the first
+    step's before the prologue (x staging, a folded norm's reduction): the weights stream while
+    the workgroup stages x and while it multiplies, instead of the loads of a step waiting for
+    the previous step's arithmetic.
+
+    split: `split` subgroups share each group of rows_per_warp rows, striding it together (sg *
+    split lanes per row; their sums meet in workgroup memory after the subgroup reductions): as
+    many warps as a GPU holds in flight, where one warp per few rows would leave most of it idle
+    (4,096 rows at 2 per warp are 2,048 warps; an H200 holds 8,448)."""
+    R, U, LN = rows_per_warp, unroll, sg * split  # LN lanes per group of R rows
+    if split < 1 or wg % LN or (rows_per_wg is not None and rows_per_wg != wg // LN * R):
+        raise ValueError(f"gemv_warp: workgroup {wg}, subgroup {sg}, {split} subgroups per {R} rows, "
+                         f"rows_per_wg {rows_per_wg}")
     if norm not in (None, "rms", "add_rms"):
         raise ValueError(f"gemv_warp: norm {norm!r}")
     if embed is not None and (norm != "rms" or embed.cols != w.cols or embed.name != "E"):
@@ -313,24 +326,40 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
     if glu:
         rws += [(f"g{r}", f"min(row0 + {r}u, N - 1u) + N") for r in range(R)]
     accs = [a for a, _ in rws]
-    body_l = [f"            let rw{j} = {e};" for j, (_, e) in enumerate(rws)]
-    for u in range(U):  # loads first
-        body_l.append(f"            let v{u} = min(v + {u * sg}u, UNITS - 1u);")
-        for j in range(len(rws)):
-            body_l.append(f"            let q{j}_{u} = W_qs(rw{j}, v{u});")
-            if fmt == "Q8_0":
-                body_l.append(f"            let d{j}_{u} = W_d(rw{j}, v{u} >> 1u);")
-            elif fmt in ("Q6", "Q6M"):
-                body_l.append(f"            let q{j}_{u}a = W_top(rw{j}, v{u}, 0u); let q{j}_{u}b = W_top(rw{j}, v{u}, 1u);")
-                body_l.append(f"            let d{j}_{u} = W_dpair(rw{j}, v{u});")
-                if fmt == "Q6M":
-                    body_l.append(f"            let m{j}_{u} = W_mpair(rw{j}, v{u});")
-            elif fmt in ("Q4_0", "Q4_1"):
-                body_l.append(f"            let d{j}_{u} = W_d(rw{j}, v{u});")
-            if fmt == "Q4_1":
-                body_l.append(f"            let m{j}_{u} = W_m(rw{j}, v{u});")
+    rw_l = [f"    let rw{j} = {e};" for j, (_, e) in enumerate(rws)]
+
+    def loads(base: str) -> list[tuple[str, str]]:
+        """(name, expression) of the weight values a step starting at unit `base` reads."""
+        out = []
+        for u in range(U):
+            vu = f"min({base} + {u * LN}u, UNITS - 1u)"
+            for j in range(len(rws)):
+                out.append((f"q{j}_{u}", f"W_qs(rw{j}, {vu})"))
+                if fmt == "Q8_0":
+                    out.append((f"d{j}_{u}", f"W_d(rw{j}, {vu} >> 1u)"))
+                elif fmt in ("Q6", "Q6M"):
+                    out += [(f"q{j}_{u}a", f"W_top(rw{j}, {vu}, 0u)"), (f"q{j}_{u}b", f"W_top(rw{j}, {vu}, 1u)"),
+                            (f"d{j}_{u}", f"W_dpair(rw{j}, {vu})")]
+                    if fmt == "Q6M":
+                        out.append((f"m{j}_{u}", f"W_mpair(rw{j}, {vu})"))
+                elif fmt in ("Q4_0", "Q4_1"):
+                    out.append((f"d{j}_{u}", f"W_d(rw{j}, {vu})"))
+                if fmt == "Q4_1":
+                    out.append((f"m{j}_{u}", f"W_m(rw{j}, {vu})"))
+        return out
+
+    body_l = [f"            let v{u} = min(v + {u * LN}u, UNITS - 1u);" for u in range(U)]
+    if pipeline:  # this step's values from the registers, the next step's loads issued now
+        first = loads("sl")
+        pre = rw_l + [f"    var n_{n} = {e};" for n, e in first]
+        body_l += [f"            let {n} = n_{n};" for n, _ in first]
+        body_l += [f"            n_{n} = {e};" for n, e in loads(f"v + {LN * U}u")]
+    else:
+        pre = []
+        body_l = [r.replace("    let", "            let", 1) for r in rw_l] + body_l
+        body_l += [f"            let {n} = {e};" for n, e in loads("v")]
     for u in range(U):  # then the arithmetic, unit by unit
-        body_l.append(f"            if (v + {u * sg}u < UNITS) {{")
+        body_l.append(f"            if (v + {u * LN}u < UNITS) {{")
         body_l += ["                " + xfn.format(n=f"{u}_{i}", c=f"v{u} * {per}u + {i}u") for i in range(per)]
         if fmt == "Q4_1":
             body_l.append(f"                let x{u}_v = " + " + ".join(f"x{u}_{i}" for i in range(per)) + ";")
@@ -357,6 +386,14 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
         red += [f"    {a} = red[{j}u * WG + lid];" for j, a in enumerate(accs)]
         red = "\n".join(red)
         decl = f"var<workgroup> red: array<f32, {wg * len(accs)}>;"
+    if split > 1:  # each subgroup's sums into workgroup memory; the group's first lane adds them
+        na = len(accs)
+        red += "\n    if (lane == 0u) { " + " ".join(f"sred[(lid / SG) * {na}u + {j}u] = {a};"
+                                                for j, a in enumerate(accs)) + " }"
+        red += "\n    workgroupBarrier();\n    if (sl == 0u) { " + " ".join(
+            f"{a} = " + " + ".join(f"sred[(lid / SG + {i}u) * {na}u + {j}u]" for i in range(split)) + ";"
+            for j, a in enumerate(accs)) + " }"
+        decl += f"\nvar<workgroup> sred: array<f32, {wg // sg * na}>;"
     stores = []
     if rope is None:
         for r in range(R):
@@ -379,34 +416,39 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
         @builtin(num_workgroups) nwg: vec3<u32>) {
     let t = wid.z;
     let lane = lid % SG;
-    let row0 = ((wid.x + wid.y * nwg.x) * WARPS + lid / SG) * ${R}u;
+    let sl = lid % ${LN}u;
+    let row0 = ((wid.x + wid.y * nwg.x) * (WG / ${LN}u) + lid / ${LN}u) * ${R}u;
+${PRE}
 ${PROLOGUE}
     ${ACCS}
     if (row0 < N && t < ${ROWS_EXPR}) {
         let xb = t * (K / 4u);
-        for (var v = lane; v < UNITS; v += ${STEP}u) {
+        ${LOOP} {
 ${BODY}
         }
     }
 ${RED}
-    if (lane == 0u && t < ${ROWS_EXPR}) {
+    if (sl == 0u && t < ${ROWS_EXPR}) {
 ${STORES}
     }
 }
 """
-    body = body.replace("${PROLOGUE}", prologue)
+    steps = -(-w.units // (LN * U))
+    loop = (f"for (var i = 0u; i < {steps}u; i++) {{ let v = sl + i * {LN * U}u;" if pipeline
+            else f"for (var v = sl; v < UNITS; v += {LN * U}u) {{")
+    body = body.replace("${PROLOGUE}", prologue).replace("${PRE}", "\n".join(pre)).replace("${LOOP} {", loop)
     tok = ""
     if embed is not None:  # TOK after the parts' bindings (and the Step uniform)
         tok = f"@group(0) @binding({1 + sum(len(p.bindings()) for p, _ in parts)}) var<storage, read_write> TOK: array<u32>;"
-    k = _render("gemv_warp", parts, body, wg, N=n_out, K=w.cols, UNITS=w.units, SG=sg, R=R, ROWS_EXPR=rows,
-                ACCS=" ".join(f"var {a} = 0.0;" for a in accs), BODY="\n".join(body_l), STEP=sg * U, RED=red,
+    k = _render("gemv_warp", parts, body, wg, N=n_out, K=w.cols, UNITS=w.units, SG=sg, LN=LN, R=R, ROWS_EXPR=rows,
+                ACCS=" ".join(f"var {a} = 0.0;" for a in accs), BODY="\n".join(body_l), RED=red,
                 DECL=decl, STORES="\n".join(stores), EPS=_f(eps),
                 NDECL=(f"var<workgroup> nred: array<f32, {wg}>;" if norm else "")
                 + (f"\nvar<workgroup> xs: array<vec4<f32>, {w.cols // 4}>;" if stage else ""),
                 ROPE=(rope.wgsl() if rope is not None else "") + (_combine_wgsl(*combine) if combine else "") + tok,
                 NEG=NEG, dtypes=dtypes)
     extra = (Binding("TOK", "array<u32>"),) if embed is not None else ()
-    return WarpKernel(k.name, k.source, k.bindings + extra, wg, rows_per_group=wg // sg * R)
+    return WarpKernel(k.name, k.source, k.bindings + extra, wg, rows_per_group=wg // LN * R)
 
 
 def _combine_wgsl(n_heads: int, head_dim: int, max_splits: int) -> str:
@@ -1058,6 +1100,113 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     return _render("attention_partial" if partial else "attention", parts, body, wg, H=n_heads, G=n_kv, D=head_dim,
                    DPT=dpt, SCALE=_f(scale), NEG=NEG, OUT=out,
                    TREE_MAX=_tree("s", "lid", "WG", "max"), TREE_SUM=_tree("e", "lid", "WG"), dtypes=dtypes)
+
+
+def attention_warp_fits(head_dim: int, sg: int) -> bool:
+    """Whether attention_warp takes this head size on subgroups of sg lanes: D / 4 lanes (or a
+    whole subgroup) per key, a power of two that divides the subgroup and D / 4."""
+    if head_dim % 4 or sg < 1:
+        return False
+    lk = min(sg, head_dim // 4)
+    return lk & (lk - 1) == 0 and sg % lk == 0 and (head_dim // 4) % lk == 0
+
+
+def attention_warp(n_heads: int, n_kv: int, head_dim: int, scale: float, rows: str, *, partial: bool,
+                   cache_dtype: str = "f32", sg: int = 32, warps: int = 4, keys_ahead: int = 2,
+                   dtypes: dict | None = None) -> Kernel:
+    """Decode attention with the keys spread over lane groups (attention's drop-in: the same
+    grid (heads, rows, splits), Step fields and outputs, partial included). A group of LK =
+    min(sg, D / 4) lanes takes one key at a time: each lane reads 16 bytes of the key's K and V
+    rows (a group reads a row whole, coalesced, where attention's threads read one key each, a
+    row's length apart), the score is reduced across the group by subgroup shuffles, and each
+    group keeps its own online softmax (running max, sum and its lanes' share of the output) over
+    the keys it takes, `keys_ahead` at a time with their loads issued first: no workgroup
+    barrier inside the loop. The groups' states meet in workgroup memory at the end. Needs
+    subgroups (sg lanes) and attention_warp_fits(head_dim, sg)."""
+    D = head_dim
+    if not attention_warp_fits(D, sg):
+        raise ValueError(f"attention_warp: head_dim {D} on subgroups of {sg} lanes (needs D / 4 lanes, or a whole "
+                         f"subgroup, per key: a power of two dividing both)")
+    D4 = D // 4
+    LK = min(sg, D4)
+    VPL, NG, KU = D4 // LK, warps * (sg // LK), keys_ahead
+    wg = sg * warps
+    parts = [(ActDesc("Q", vec=4), None), (ActDesc("KC", dtype=cache_dtype, vec=4), None),
+             (ActDesc("VC", dtype=cache_dtype, vec=4), None), (ActDesc("WS" if partial else "O"), None)]
+    qs = "\n".join(f"    let q{c} = Q_ld4((t * H + h) * D4 + gl + {LK * c}u) * ${{SCALE}};" for c in range(VPL))
+    accs = " ".join(f"var a{c} = vec4<f32>(0.0);" for c in range(VPL))
+    loop = []
+    for u in range(KU):
+        loop.append(f"        let j{u} = kb + {u}u * NG; let ok{u} = j{u} < k_end;")
+        loop.append(f"        let r{u} = (min(j{u}, k_end - 1u) * G + kvh) * D4 + gl;")
+        for c in range(VPL):
+            loop.append(f"        let k{u}_{c} = KC_ld4(r{u} + {LK * c}u); let v{u}_{c} = VC_ld4(r{u} + {LK * c}u);")
+    for u in range(KU):
+        loop.append(f"        var s{u} = " + " + ".join(f"dot(q{c}, k{u}_{c})" for c in range(VPL)) + ";")
+        if LK > 1:
+            loop.append(f"        for (var o = {LK // 2}u; o > 0u; o = o >> 1u) "
+                        f"{{ s{u} += subgroupShuffleXor(s{u}, o); }}")
+        loop.append(f"        s{u} = select(${{NEG}}, s{u}, ok{u});")
+    mx = f"max(m, {'max(' * (KU - 1)}s0{''.join(f', s{u})' for u in range(1, KU))})"
+    loop.append(f"        let mn = {mx};")
+    loop.append("        let al = exp(m - mn);")
+    for u in range(KU):
+        loop.append(f"        let p{u} = select(0.0, exp(s{u} - mn), ok{u});")
+    loop.append("        l = l * al + " + " + ".join(f"p{u}" for u in range(KU)) + ";")
+    for c in range(VPL):
+        loop.append(f"        a{c} = a{c} * al + " + " + ".join(f"v{u}_{c} * p{u}" for u in range(KU)) + ";")
+    loop.append("        m = mn;")
+    store = "\n".join(f"    {{ let o4 = grp * D + 4u * (gl + {LK * c}u); ga[o4] = a{c}.x; ga[o4 + 1u] = a{c}.y; "
+                      f"ga[o4 + 2u] = a{c}.z; ga[o4 + 3u] = a{c}.w; }}" for c in range(VPL))
+    if partial:
+        out = """WS_st(base + d, o);
+        if (d == 0u) { WS_st(base + D, M); WS_st(base + D + 1u, L); }"""
+    else:
+        out = "O_st(t * H * D + h * D + d, o / L);"
+    body = """
+const H: u32 = ${H}u; const G: u32 = ${G}u; const D: u32 = ${D}u; const D4: u32 = ${D4}u; const REP: u32 = ${H}u / ${G}u;
+const NG: u32 = ${NG}u; const KU: u32 = ${KU}u;
+var<workgroup> gm: array<f32, ${NG}>;
+var<workgroup> gl_: array<f32, ${NG}>;
+var<workgroup> ga: array<f32, ${NGD}>;
+@compute @workgroup_size(${WG})
+fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {
+    let h = wid.x; let t = wid.y; let sp = wid.z;
+    let kvh = h / REP;
+    let grp = lid / ${LK}u; let gl = lid % ${LK}u;
+    let rows_ok = t < ${ROWS_EXPR};
+    let last = step.start + t;
+    let k_begin = sp * step.split_len;
+    let k_end = select(k_begin, min(last + 1u, k_begin + step.split_len), rows_ok);
+    let base = ((t * H + h) * step.n_splits + sp) * (D + 2u);
+${QS}
+    var m = ${NEG}; var l = 0.0;
+    ${ACCS}
+    let span = select(0u, k_end - k_begin, k_end > k_begin);
+    let iters = (span + NG * KU - 1u) / (NG * KU);
+    for (var i = 0u; i < iters; i++) {
+        let kb = k_begin + grp + i * NG * KU;
+${LOOP}
+    }
+    if (gl == 0u) { gm[grp] = m; gl_[grp] = l; }
+${STORE}
+    workgroupBarrier();
+    if (!rows_ok) { return; }
+    var M = ${NEG};
+    for (var g = 0u; g < NG; g++) { M = max(M, gm[g]); }
+    var L = 0.0;
+    for (var g = 0u; g < NG; g++) { L += gl_[g] * exp(gm[g] - M); }
+    for (var d = lid; d < D; d += ${WG}u) {
+        var o = 0.0;
+        for (var g = 0u; g < NG; g++) { o += ga[g * D + d] * exp(gm[g] - M); }
+        ${OUT}
+    }
+}
+"""
+    body = body.replace("${QS}", qs).replace("${LOOP}", "\n".join(loop)).replace("${STORE}", store)
+    return _render("attention_warp_partial" if partial else "attention_warp", parts, body, wg, H=n_heads, G=n_kv,
+                   D=D, D4=D4, NG=NG, NGD=NG * D, KU=KU, LK=LK, SCALE=_f(scale), NEG=NEG, OUT=out, ACCS=accs,
+                   ROWS_EXPR=rows, dtypes=dtypes)
 
 
 def attention_tiled(n_heads: int, n_kv: int, head_dim: int, scale: float, rows: str, *, cache_dtype: str = "f32",

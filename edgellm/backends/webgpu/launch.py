@@ -13,6 +13,10 @@ from . import kernels
 from .device import Device
 
 
+CLOCK_IDLE_S = 0.5  # Launch.time: an idle gap longer than this, and
+CLOCK_WARMUP_S = 0.4  # this much sustained load before timing (Launch._clock_up)
+
+
 class Launch:
     """A kernel bound once to buffers: `run(grid)` dispatches it; `time(grid)` times it.
 
@@ -53,11 +57,39 @@ class Launch:
         cpass.end()
         self.dev.queue.submit([enc.finish()])
 
+    def _clock_up(self, grid: tuple[int, int, int]) -> None:
+        """Dispatch this kernel back to back for CLOCK_WARMUP_S where the GPU has idled longer
+        than CLOCK_IDLE_S since the last timing: GPUs lower their clock when idle and raise it
+        only under sustained load (an H200 through the NVIDIA Vulkan driver 580: 1,980 -> 345 MHz
+        after about a second idle, back after 0.3-0.4 s of load; a read kernel ran at 1.8 TB/s
+        instead of 4.4 there), so a timing after a pause on the host (weights generated,
+        pipelines compiled) would measure the idle clock. Not on software adapters."""
+        dev = self.dev
+        if dev.info.software or time.perf_counter() - getattr(dev, "_timed_at", 0.0) < CLOCK_IDLE_S:
+            return
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < CLOCK_WARMUP_S:
+            enc = dev.device.create_command_encoder()
+            cpass = enc.begin_compute_pass()
+            self._encode(cpass, grid, 16)
+            cpass.end()
+            dev.queue.submit([enc.finish()])
+            dev.read(self.step_buf, 0, 4)
+
     def time(self, grid: tuple[int, int, int], repeat: int = 20) -> float:
-        """Seconds per dispatch, over `repeat` dispatches in one pass (after one warm-up)."""
+        """Seconds per dispatch, over `repeat` dispatches in one pass (after one warm-up, and
+        after _clock_up where the GPU idled)."""
         dev = self.dev
         self.run(grid)
         dev.read(self.step_buf, 0, 4)
+        self._clock_up(grid)
+        try:
+            return self._time(grid, repeat)
+        finally:
+            dev._timed_at = time.perf_counter()
+
+    def _time(self, grid: tuple[int, int, int], repeat: int) -> float:
+        dev = self.dev
         if dev.has_timestamps:
             wgpu = dev.wgpu
             qs = dev.device.create_query_set(type=wgpu.QueryType.timestamp, count=2)

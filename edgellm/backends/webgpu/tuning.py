@@ -14,13 +14,19 @@ def can_stage(dev: Device, cols: int | None) -> bool:
     return cols is not None and cols % 32 == 0 and 4 * cols + 4096 <= dev.max_workgroup_memory
 
 
-def warp_config(dev: Device, rows_per_warp: int = 1, wg: int = 256, unroll: int = 2, stage: bool = False) -> dict:
+def warp_config(dev: Device, rows_per_warp: int = 1, wg: int = 256, unroll: int = 2, stage: bool = False,
+                pipeline: bool = False, split: int = 1) -> dict:
     """kernels.gemv_warp's configuration: one subgroup per `rows_per_warp` features (32 lanes
     reducing in workgroup memory where the adapter's subgroup size is unknown)."""
     sub = dev.subgroup_size
     sg = min(32, sub) if sub else 32
-    return {"kind": "warp", "wg": wg, "sg": sg, "rows_per_warp": rows_per_warp, "subgroup": bool(sub),
-            "rows_per_wg": wg // sg * rows_per_warp, "unroll": unroll, "stage": stage}
+    cfg = {"kind": "warp", "wg": wg, "sg": sg, "rows_per_warp": rows_per_warp, "subgroup": bool(sub),
+           "rows_per_wg": wg // (sg * split) * rows_per_warp, "unroll": unroll, "stage": stage}
+    if pipeline:  # absent otherwise: tuning entries cached before these options keep their meaning
+        cfg["pipeline"] = True
+    if split > 1:
+        cfg["split"] = split
+    return cfg
 
 
 def default_gemv_config(dev: Device, cols: int | None = None, fmt: str | None = None) -> dict:
@@ -29,7 +35,7 @@ def default_gemv_config(dev: Device, cols: int | None = None, fmt: str | None = 
     the largest), 2 for the others (the tuner's picks on the H100, 2026-11-24:
     benchmarks/bench_webgpu.py gemv section), x staged in workgroup memory where it fits
     (EDGELLM_WEBGPU_STAGE=0: read from the storage buffer). EDGELLM_WEBGPU_GEMV=block or
-    warp:ROWS:WG:UNROLL[:stage] overrides (benchmarks compare them).
+    warp:ROWS:WG:UNROLL[:stage][:pipe][:splitS] overrides (benchmarks compare them).
     On a software adapter, kernels.gemv with 2 threads per feature: lavapipe runs a workgroup
     barrier as a switch between all its SIMD batches, and fewer threads per feature mean fewer
     reduction steps (1536x576 Q8_0 GEMV, 2 cores: 32 threads per feature with barriers 14.8 ms,
@@ -39,8 +45,9 @@ def default_gemv_config(dev: Device, cols: int | None = None, fmt: str | None = 
     if dev.info.software and not want:
         return {"wg": 64, "rows_per_wg": 32, "subgroup": bool(dev.subgroup_size)}
     if want.startswith("warp:") and (cols is None or cols % 4 == 0):
-        _, r, wg, u, *st = want.split(":")
-        return warp_config(dev, int(r), int(wg), int(u), bool(st and st[0] == "stage" and can_stage(dev, cols)))
+        _, r, wg, u, *flags = want.split(":")
+        split = next((int(f[5:]) for f in flags if f.startswith("split")), 1)
+        return warp_config(dev, int(r), int(wg), int(u), "stage" in flags and can_stage(dev, cols), "pipe" in flags, split)
     if want != "block" and (cols is None or cols % 4 == 0):
         four_bit = fmt in ("Q4_0", "Q4_1")
         stage = os.environ.get("EDGELLM_WEBGPU_STAGE", "1") == "1" and can_stage(dev, cols)
@@ -53,10 +60,12 @@ def default_gemv_config(dev: Device, cols: int | None = None, fmt: str | None = 
 
 
 def gemv_candidates(dev: Device) -> list[dict]:
-    """kernels.gemv_warp with 1, 2 or 4 rows per subgroup and 1, 2 or 4 units loaded ahead, then
-    kernels.gemv: workgroup size x threads per feature group (TPR) x features per thread (each
-    thread reads a block of x once for that many features), x staged or not: 48 configurations."""
+    """kernels.gemv_warp with 1, 2 or 4 rows per subgroup and 1, 2 or 4 units loaded ahead, x
+    staged or not; with 2, 4 or 8 subgroups per row group, 1 or 2 units ahead; then kernels.gemv:
+    workgroup size x threads per feature group (TPR) x features per thread (each thread reads a
+    block of x once for that many features): 66 configurations."""
     out = [warp_config(dev, r, 256, u, st) for r in (1, 2, 4) for u in (1, 2, 4) for st in (False, True)]
+    out += [warp_config(dev, r, 256, u, split=sp) for sp in (2, 4, 8) for r in (1, 2, 4) for u in (1, 2)]
     for wg in (64, 128, 256):
         for tpr in (4, 8, 16, 32, 64):
             for nr in (1, 2, 4):
@@ -81,7 +90,7 @@ def gemv_config(dev: Device, w, n_out: int, glu: bool = False) -> dict:
     key = (w.fmt, n_out, w.cols, "glu" if glu else "plain")
     tuner = _tuner(dev)
     cands = [c for c in gemv_candidates(dev) if c.get("kind") != "warp" or (w.cols % 4 == 0 and (not c["stage"] or can_stage(dev, w.cols)))]
-    return tuner.pick("webgpu_gemv_v2", key, cands, default, lambda cfg: _time_gemv(dev, w, n_out, glu, cfg))
+    return tuner.pick("webgpu_gemv_v3", key, cands, default, lambda cfg: _time_gemv(dev, w, n_out, glu, cfg))
 
 
 def _time_gemv(dev: Device, w, n_out: int, glu: bool, cfg: dict) -> float:
