@@ -29,6 +29,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
     ap.add_argument("-n", type=int, default=64)
+    ap.add_argument("--steps", action="store_true", help="also each dispatch of a token timed alone (step_profile)")
     args = ap.parse_args()
 
     import edgellm
@@ -78,6 +79,9 @@ def main() -> None:
             gpu.append(float(ts[1] - ts[0]) * 1e-6)
         print(f"GPU per token (one pass): median {statistics.median(gpu):.3f} ms, min {min(gpu):.3f} ms")
 
+    if dev.has_timestamps and args.steps:
+        step_profile(dec, dev, args.n)
+
     walls = []
     for _ in range(3):
         gen = dec.loop_tokens(1, 0, args.n)
@@ -87,6 +91,67 @@ def main() -> None:
         walls.append((time.perf_counter() - t0) / got)
     print(f"greedy wall per token: median {1e3 * statistics.median(walls):.3f} ms ({1 / statistics.median(walls):.0f} tok/s); "
           f"weights {dec.matrix_bytes / 1e6:.0f} MB per token")
+
+
+def step_profile(dec, dev, n: int, tokens: int = 6) -> None:
+    """Each recorded dispatch of a decode token in a compute pass of its own between two
+    timestamps, for `tokens` tokens recorded into one submit (the GPU kept busy, so that its
+    clock stays up: the NVIDIA driver lowers it after about a second idle and raises it after
+    a few tenths of a second of load), right after a sustained greedy loop; per step the
+    median, then the sums by kernel and the steps that took longest (with the weight bytes a
+    GEMV reads, where the step's resources name a weight)."""
+    wgpu = dev.wgpu
+    steps = dec._steps
+    qs = dev.device.create_query_set(type=wgpu.QueryType.timestamp, count=2 * len(steps) * tokens)
+    res = dev.device.create_buffer(size=16 * len(steps) * tokens,
+                                   usage=wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC)
+    gen = dec.loop_tokens(1, 0, n)  # the clock up
+    for _ in gen:
+        pass
+    enc = dev.device.create_command_encoder()
+    picked = []
+    for j in range(tokens):
+        splits = dec._write_step(1, n + j, hist=j)
+        for i, st in enumerate(steps):
+            st.prepare()
+            q = 2 * (j * len(steps) + i)
+            cpass = enc.begin_compute_pass(timestamp_writes={"query_set": qs, "beginning_of_pass_write_index": q,
+                                                             "end_of_pass_write_index": q + 1})
+            st.encode(cpass, 1, splits)
+            cpass.end()
+            if j == 0:
+                picked.append(st)
+    enc.resolve_query_set(qs, 0, 2 * len(steps) * tokens, res, 0)
+    dev.queue.submit([enc.finish()])
+    raw = np.frombuffer(dev.read(res, 0, 16 * len(steps) * tokens), np.uint64)
+    ts = raw.astype(np.float64).reshape(tokens, len(steps), 2)
+    us = np.median(ts[:, :, 1] - ts[:, :, 0], axis=0) * 1e-3
+    by_kind = collections.defaultdict(float)
+    rows = []
+    for st, t in zip(picked, us):
+        k = getattr(st, "kernel", None)
+        if k is None and hasattr(st, "variants"):
+            k = st.pick(1, 1)[0].kernel
+        name = k.name if k is not None else type(st).__name__
+        nbytes = 0
+        for key, fn in getattr(st, "resources", {}).items():
+            if key.startswith(("W_", "E_")):
+                try:
+                    nbytes += fn()[2]
+                except Exception:  # noqa: BLE001
+                    pass
+        by_kind[name] += t
+        rows.append((t, name, nbytes))
+    print(f"steps timed alone: {us.sum() / 1e3:.3f} ms per token (median per step over {tokens} tokens)")
+    for name, t in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        print(f"  {name}: {t / 1e3:.3f} ms")
+    gemv = [(t, b) for t, name, b in rows if b]
+    if gemv:
+        tb = sum(t for t, _ in gemv)
+        bb = sum(b for _, b in gemv)
+        print(f"  weight-reading steps: {len(gemv)}, {bb / 1e6:.0f} MB in {tb / 1e3:.3f} ms = {bb / tb / 1e3:.0f} GB/s")
+    for t, name, b in sorted(rows, key=lambda r: -r[0])[:12]:
+        print(f"  {t:8.1f} us  {name}  {b / 1e6:.1f} MB" + (f"  {b / t / 1e3:.0f} GB/s" if b else ""))
 
 
 if __name__ == "__main__":
