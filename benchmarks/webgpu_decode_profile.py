@@ -129,13 +129,12 @@ def step_profile(dec, dev, n: int, tokens: int = 6) -> None:
     by_kind = collections.defaultdict(float)
     rows = []
     for st, t in zip(picked, us):
-        k = getattr(st, "kernel", None)
-        if k is None and hasattr(st, "variants"):
-            k = st.pick(1, 1)[0].kernel
+        one = st.pick(1, splits)[0] if hasattr(st, "variants") else st  # a choice: the dispatch this step made
+        k = getattr(one, "kernel", None)
         name = k.name if k is not None else type(st).__name__
         nbytes = 0
-        for key, fn in getattr(st, "resources", {}).items():
-            if key.startswith(("W_", "E_")):
+        for key, fn in getattr(one, "resources", {}).items():
+            if key.startswith("W_"):  # a streamed weight (an embedding, E_, is gathered: a row a token)
                 try:
                     nbytes += fn()[2]
                 except Exception:  # noqa: BLE001
