@@ -35,9 +35,27 @@ sys.path.insert(0, ROOT)
 from benchmarks.bench_webgpu import _grid2, _random_packed  # noqa: E402
 
 
-def read_bandwidth(dev, nbytes: int = 256 << 20, buffers: int = 1) -> dict:
+def read_kernel(kind: str = "read"):
+    """The read kernel: a fixed grid of threads strides a buffer A in vec4<u32> loads (bound
+    read-only, or read-write with kind "storage"), XOR-ing them; O is written only on a value
+    no buffer holds."""
     from edgellm.backends.webgpu import kernels
     from edgellm.backends.webgpu.codegen import Binding
+
+    src = (f"{kernels.STEP_STRUCT}\n"
+           "@group(0) @binding(0) var<uniform> step: Step;\n"
+           f"@group(0) @binding(1) var<storage, {'read' if kind == 'read' else 'read_write'}> A: array<vec4<u32>>;\n"
+           "@group(0) @binding(2) var<storage, read_write> O: array<u32>;\n"
+           "@compute @workgroup_size(256)\n"
+           "fn main(@builtin(global_invocation_id) g: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {\n"
+           "    let n = arrayLength(&A); let stride = nwg.x * 256u;\n"
+           "    var acc = vec4<u32>(0u);\n"
+           "    for (var i = g.x; i < n; i += stride) { acc = acc ^ A[i]; }\n"
+           "    if (acc.x == 0x12345678u) { O[g.x] = acc.y; }\n}\n")
+    return kernels.Kernel("read", src, (kernels.STEP, Binding("A", "array<vec4<u32>>", kind), Binding("O", "array<u32>")), 256)
+
+
+def read_bandwidth(dev, nbytes: int = 256 << 20, buffers: int = 1) -> dict:
     from edgellm.backends.webgpu.launch import Launch
 
     out = {}
@@ -45,17 +63,7 @@ def read_bandwidth(dev, nbytes: int = 256 << 20, buffers: int = 1) -> dict:
     o = dev.buffer(4 * 1024 * 1024)
     groups = 132 * 16
     for kind in ("read", "storage"):
-        src = (f"{kernels.STEP_STRUCT}\n"
-               "@group(0) @binding(0) var<uniform> step: Step;\n"
-               f"@group(0) @binding(1) var<storage, {'read' if kind == 'read' else 'read_write'}> A: array<vec4<u32>>;\n"
-               "@group(0) @binding(2) var<storage, read_write> O: array<u32>;\n"
-               "@compute @workgroup_size(256)\n"
-               "fn main(@builtin(global_invocation_id) g: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {\n"
-               "    let n = arrayLength(&A); let stride = nwg.x * 256u;\n"
-               "    var acc = vec4<u32>(0u);\n"
-               "    for (var i = g.x; i < n; i += stride) { acc = acc ^ A[i]; }\n"
-               "    if (acc.x == 0x12345678u) { O[g.x] = acc.y; }\n}\n")
-        k = kernels.Kernel("read", src, (kernels.STEP, Binding("A", "array<vec4<u32>>", kind), Binding("O", "array<u32>")), 256)
+        k = read_kernel(kind)
         L = Launch(dev, k, [{"A": b, "O": o} for b in a])
         t = L.time((groups, 1, 1), repeat=10 * buffers)
         out[kind] = nbytes / t / 1e9
@@ -68,23 +76,13 @@ def read_ranges(dev, nbytes: int, parts: int) -> float:
     import wgpu
 
     from edgellm.backends.webgpu import kernels
-    from edgellm.backends.webgpu.codegen import Binding
 
     a = dev.upload(np.random.default_rng(0).integers(0, 2**32, nbytes // 4, dtype=np.uint32))
     o = dev.buffer(4 * 1024 * 1024)
     st = dev.buffer(kernels.STEP_BYTES, uniform=True)
-    src = (f"{kernels.STEP_STRUCT}\n@group(0) @binding(0) var<uniform> step: Step;\n"
-           "@group(0) @binding(1) var<storage, read> A: array<vec4<u32>>;\n"
-           "@group(0) @binding(2) var<storage, read_write> O: array<u32>;\n"
-           "@compute @workgroup_size(256)\n"
-           "fn main(@builtin(global_invocation_id) g: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {\n"
-           "    let n = arrayLength(&A); let stride = nwg.x * 256u;\n"
-           "    var acc = vec4<u32>(0u);\n"
-           "    for (var i = g.x; i < n; i += stride) { acc = acc ^ A[i]; }\n"
-           "    if (acc.x == 0x12345678u) { O[g.x] = acc.y; }\n}\n")
-    kinds = (kernels.STEP, Binding("A", "array<vec4<u32>>", "read"), Binding("O", "array<u32>"))
-    layout = dev.layout(tuple(b.kind for b in kinds))
-    pipe = dev.pipeline(src, layout)
+    k = read_kernel()
+    layout = dev.layout(k.kinds)
+    pipe = dev.pipeline(k.source, layout)
     size = nbytes // parts
     bgs = [dev.device.create_bind_group(layout=layout, entries=[
         {"binding": 0, "resource": {"buffer": st, "offset": 0, "size": kernels.STEP_BYTES}},
@@ -114,22 +112,15 @@ def read_ranges(dev, nbytes: int, parts: int) -> float:
 def alloc_probe(dev, sustain: float = 8.0) -> None:
     """Read bandwidth of buffers by the order and the way they were made: a first 1 GB buffer,
     four 256 MB ones read alone and in turn, the first again, a second 1 GB one, one made empty
-    then written (queue.write_buffer instead of create_buffer_with_data)."""
-    from edgellm.backends.webgpu import kernels
-    from edgellm.backends.webgpu.codegen import Binding
+    then written (queue.write_buffer instead of create_buffer_with_data); then the first read
+    again and again for `sustain` seconds. Timed without Launch.time's clock warm-up (as on
+    2026-11-29, when the readings fell from 4.4 to 1.8 TB/s after pauses on the host, then rose
+    back under the sustained reads: the GPU's idle clock, not the buffers)."""
+    from edgellm.backends.webgpu import launch
     from edgellm.backends.webgpu.launch import Launch
 
-    src = (f"{kernels.STEP_STRUCT}\n@group(0) @binding(0) var<uniform> step: Step;\n"
-           "@group(0) @binding(1) var<storage, read> A: array<vec4<u32>>;\n"
-           "@group(0) @binding(2) var<storage, read_write> O: array<u32>;\n"
-           "@compute @workgroup_size(256)\n"
-           "fn main(@builtin(global_invocation_id) g: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {\n"
-           "    let n = arrayLength(&A); let stride = nwg.x * 256u;\n"
-           "    var acc = vec4<u32>(0u);\n"
-           "    for (var i = g.x; i < n; i += stride) { acc = acc ^ A[i]; }\n"
-           "    if (acc.x == 0x12345678u) { O[g.x] = acc.y; }\n}\n")
-    binds = (kernels.STEP, Binding("A", "array<vec4<u32>>", "read"), Binding("O", "array<u32>"))
-    k = kernels.Kernel("read", src, binds, 256)
+    launch.CLOCK_WARMUP_S = 0.0
+    k = read_kernel()
     o = dev.buffer(4 * 1024 * 1024)
     rng = np.random.default_rng(0)
 

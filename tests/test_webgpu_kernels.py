@@ -586,9 +586,16 @@ def test_attention(dev, rng, rows, start, splits, kv):
     """Causal prefill (from an empty and a filled cache) and decode, whole and split over the context;
     GQA with 3 query heads per KV head; head_dim 80 (not a multiple of the 64 threads); float32 or
     fp16 cache (the reference reads the same fp16-rounded values)."""
+    _check_attention(dev, rng, kernels.attention, rows, start, splits, kv, 80)
+
+
+def _check_attention(dev, rng, template, rows: int, start: int, splits: int, kv: str, d: int, **opts) -> None:
+    """A decode/prefill attention template (kernels.attention or attention_warp) on 6 query heads
+    over 2 KV heads and a 320-row cache, whole (splits 1) or split over the context and merged by
+    attention_combine, against the cpu reference; outputs poisoned first."""
     if kv == "f16" and not dev.has_f16:
         pytest.skip("the adapter has no shader-f16")
-    h, g, d, ctx = 6, 2, 80, 320
+    h, g, ctx = 6, 2, 320
     q = rng.standard_normal((rows, h * d)).astype(np.float32)
     kc, vc = rng.standard_normal((2, ctx, g * d)).astype(np.float32)
     if kv == "f16":
@@ -597,13 +604,13 @@ def test_attention(dev, rng, rows, start, splits, kv):
     n = start + rows
     bufs = dict(Q=upload_f32(dev, q), KC=_cache(dev, kc, kv), VC=_cache(dev, vc, kv), O=nan_buffer(dev, rows * h * d))
     if splits == 1:
-        L = Launch(dev, kernels.attention(h, g, d, scale, "step.seq", partial=False, cache_dtype=kv), bufs)
+        L = Launch(dev, template(h, g, d, scale, "step.seq", partial=False, cache_dtype=kv, **opts), bufs)
         L.set_step(seq=rows, start=start)
         L.run((h, rows, 1))
     else:
         bufs["WS"] = nan_buffer(dev, rows * h * splits * (d + 2))
         split_len = -(-n // splits)
-        P = Launch(dev, kernels.attention(h, g, d, scale, "step.seq", partial=True, cache_dtype=kv), bufs)
+        P = Launch(dev, template(h, g, d, scale, "step.seq", partial=True, cache_dtype=kv, **opts), bufs)
         P.set_step(seq=rows, start=start, split_len=split_len, n_splits=splits)
         P.run((h, rows, splits))
         C = Launch(dev, kernels.attention_combine(h, d, "step.seq"), bufs)
@@ -627,34 +634,8 @@ def test_attention_warp(dev, rng, rows, start, splits, kv, d, ahead):
     outputs poisoned first."""
     if not dev.subgroup_size:
         pytest.skip("the adapter's subgroup size is unknown")
-    if kv == "f16" and not dev.has_f16:
-        pytest.skip("the adapter has no shader-f16")
-    sg = min(32, dev.subgroup_size)
-    h, g, ctx = 6, 2, 320
-    q = rng.standard_normal((rows, h * d)).astype(np.float32)
-    kc, vc = rng.standard_normal((2, ctx, g * d)).astype(np.float32)
-    if kv == "f16":
-        kc, vc = kc.astype(np.float16).astype(np.float32), vc.astype(np.float16).astype(np.float32)
-    scale = 1 / math.sqrt(d)
-    n = start + rows
-    bufs = dict(Q=upload_f32(dev, q), KC=_cache(dev, kc, kv), VC=_cache(dev, vc, kv), O=nan_buffer(dev, rows * h * d))
-    opts = dict(cache_dtype=kv, sg=sg, keys_ahead=ahead)
-    if splits == 1:
-        L = Launch(dev, kernels.attention_warp(h, g, d, scale, "step.seq", partial=False, **opts), bufs)
-        L.set_step(seq=rows, start=start)
-        L.run((h, rows, 1))
-    else:
-        bufs["WS"] = nan_buffer(dev, rows * h * splits * (d + 2))
-        split_len = -(-n // splits)
-        P = Launch(dev, kernels.attention_warp(h, g, d, scale, "step.seq", partial=True, **opts), bufs)
-        P.set_step(seq=rows, start=start, split_len=split_len, n_splits=splits)
-        P.run((h, rows, splits))
-        C = Launch(dev, kernels.attention_combine(h, d, "step.seq"), bufs)
-        C.set_step(seq=rows, start=start, split_len=split_len, n_splits=splits)
-        C.run((h, rows, 1))
-    want = ref("attention", [torch.from_numpy(q), torch.from_numpy(kc), torch.from_numpy(vc), start],
-               n_heads=h, n_kv_heads=g, head_dim=d, scale=scale)
-    check(read_f32(dev, bufs["O"], rows * h * d), want, 1e-5)
+    _check_attention(dev, rng, kernels.attention_warp, rows, start, splits, kv, d,
+                     sg=min(32, dev.subgroup_size), keys_ahead=ahead)
 
 
 def test_attention_warp_refuses_head_sizes_it_cannot_split():
