@@ -285,6 +285,7 @@ def main() -> None:
     ap.add_argument("--stages", default="0", help="gemv_warp x staged in workgroup memory: 0, 1 or 0,1")
     ap.add_argument("--pipes", default="0", help="gemv_warp software-pipelined loads: 0, 1 or 0,1")
     ap.add_argument("--splits", default="1", help="gemv_warp subgroups per row group")
+    ap.add_argument("--int8", action="store_true", help="Q8_0: each staged variant also with int8 activations")
     ap.add_argument("--no-block", action="store_true", help="leave out kernels.gemv (cur, cur_rw)")
     ap.add_argument("--alloc", action="store_true", help="only read bandwidth by buffer order and making (alloc_probe)")
     ap.add_argument("--pattern", action="store_true", help="only the access-pattern kernels (pattern_probe), per shape")
@@ -348,8 +349,14 @@ def main() -> None:
                                                subgroup=dev.has_subgroups, sg=args.sg, stage=bool(st), pipeline=bool(pp),
                                                split=sp)
                         g = (*_grid2(-(-n_out // kw.rows_per_group), dev.max_groups), 1)
-                        variants.append((f"warp_r{r}_wg{wg}_u{u}" + ("_stage" if st else "") + ("_pipe" if pp else "")
-                                         + (f"_split{sp}" if sp > 1 else ""), kw, g))
+                        name = (f"warp_r{r}_wg{wg}_u{u}" + ("_stage" if st else "") + ("_pipe" if pp else "")
+                                + (f"_split{sp}" if sp > 1 else ""))
+                        variants.append((name, kw, g))
+                        if args.int8 and st and fmt == "Q8_0":
+                            ki = kernels.gemv_warp(ws[0].desc(), n_out, "step.seq", rows_per_warp=r, wg=wg, unroll=u,
+                                                   subgroup=dev.has_subgroups, sg=args.sg, stage=True, pipeline=bool(pp),
+                                                   split=sp, int8=True)
+                            variants.append((name + "_int8", ki, g))
                         if wg == args.wgs[0] and u == args.unrolls[0] and r in args.diag_rows:
                             variants += [(f"warp_r{r}_{v}", _variant(kw, v), g) for v in args.diags]
             for name, k, grid in variants:

@@ -164,6 +164,16 @@ def test_attention_splits_merged_in_output_gemv(models, monkeypatch, name, gemv)
     assert _recorded(g.programs["decode"], monkeypatch).count("attention_combine") == n_attn
 
 
+@pytest.mark.parametrize("name", ["Q8_0", "qwen2"])
+def test_int8_activations_for_q8_0(models, monkeypatch, name):
+    """EDGELLM_WEBGPU_GEMV=...:int8: the Q8_0 decode GEMVs stage x as int8 blocks (their kernels
+    use dot4I8Packed) and the logits stay within 1% of the cpu backend's, with the folds on."""
+    monkeypatch.setenv("EDGELLM_WEBGPU_GEMV", "warp:2:64:1:stage:int8")
+    dec = _compare(models[name], steps=3, tol=1e-2).programs["decode"]
+    kinds = [getattr(st, "kernel", None) or st.pick(1, 1)[0].kernel for st in dec._steps]
+    assert sum("dot4I8Packed" in k.source for k in kinds) >= 4
+
+
 def test_rope_fold_without_norm_fold(models, monkeypatch):
     """Only the rope fold (EDGELLM_WEBGPU_FOLD=rope): the GEMV reads the normed x from the arena,
     where the memory plan also put the rotated q (it was written after the projection): q gets a

@@ -205,6 +205,56 @@ def test_gemv_warp_folded_norm(dev, rng, fmt, norm, glu, stage, pipeline, split)
         check(read_f32(dev, bufs["S"], rows * k), a + b)
 
 
+@pytest.mark.parametrize("norm,rows_per_warp,split,unroll", [(None, 2, 1, 1), ("add_rms", 3, 1, 2), (None, 1, 4, 2),
+                                                             ("rms", 2, 2, 1)])
+def test_gemv_warp_int8_activations(dev, rng, norm, rows_per_warp, split, unroll):
+    """Q8_0 with x staged as int8 blocks (gemv_warp's int8): against numpy computing the same
+    thing (x, or its RMSNorm, rounded per 32-block to amax / 127 steps as pack4x8snorm does,
+    times the dequantized weight, in float64), much closer to that than to the float product,
+    which it must still approximate; 77 features, 1,056 inputs (33 blocks), 3 rows."""
+    if not dev.subgroup_size:
+        pytest.skip("the adapter's subgroup size is unknown")
+    rows, n_out, k = 3, 77, 1056
+    raw, dense = quantized(rng, n_out, k, "Q8_0")
+    w = DeviceWeight(codegen.repack(raw, "Q8_0", dense.shape), dev)
+    a = rng.standard_normal((rows, k)).astype(np.float32)
+    b = rng.standard_normal((rows, k)).astype(np.float32)
+    g = (1.0 + 0.3 * rng.standard_normal(k)).astype(np.float32)
+    bufs = {kk: bb for kk, (bb, _, _) in w.resources().items()}
+    bufs["Y"] = nan_buffer(dev, rows * n_out)
+    if norm:
+        bufs.update(A=upload_f32(dev, a), G=upload_f32(dev, g))
+        x = (a + b).astype(np.float64) if norm == "add_rms" else a.astype(np.float64)
+        if norm == "add_rms":
+            bufs.update(B=upload_f32(dev, b), S=nan_buffer(dev, rows * k))
+        x = x / np.sqrt((x * x).mean(axis=1, keepdims=True) + 1e-5) * g
+    else:
+        bufs["X"] = upload_f32(dev, a)
+        x = a.astype(np.float64)
+    blocks = x.reshape(rows, k // 32, 32)
+    amax = np.abs(blocks).max(axis=2, keepdims=True)
+    xq = np.floor(0.5 + 127 * np.clip(blocks / amax, -1, 1)) * (amax / 127)
+    emu = xq.reshape(rows, k) @ dense.astype(np.float64).T
+    exact = x @ dense.astype(np.float64).T
+    sg = min(32, dev.subgroup_size)
+    kern = kernels.gemv_warp(w.desc(), n_out, "step.seq", rows_per_warp=rows_per_warp, wg=4 * sg * split, sg=sg,
+                             unroll=unroll, stage=True, int8=True, norm=norm, eps=1e-5, split=split)
+    L = Launch(dev, kern, bufs)
+    L.set_step(seq=rows)
+    L.run((-(-n_out // kern.rows_per_group), 1, rows))
+    got = read_f32(dev, bufs["Y"], rows * n_out).reshape(rows, n_out)
+    assert np.isfinite(got).all()
+    quant_err = np.abs(emu - exact).max()
+    assert np.abs(got - emu).max() <= 0.1 * quant_err, (np.abs(got - emu).max(), quant_err)
+    assert quant_err <= 0.02 * np.abs(exact).max()
+
+
+def test_gemv_warp_int8_needs_q8_0_staged():
+    w = codegen.WeightDesc("W", "Q4_0", 64, 64, (64,))
+    with pytest.raises(ValueError, match="int8 activations need a Q8_0 weight"):
+        kernels.gemv_warp(w, 64, "1u", stage=True, int8=True)
+
+
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q4_1"])
 def test_gemv_warp_swiglu_split_weight(dev, rng, fmt):
     """glu through decode_gemv's warp configuration, the weight split over binding parts."""

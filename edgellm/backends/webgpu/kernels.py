@@ -175,7 +175,7 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
               unroll: int = 4, subgroup: bool = True, bias: bool = False, residual: bool = False, glu: bool = False,
               norm: str | None = None, eps: float = 1e-6, stage: bool = False, rows_per_wg: int | None = None,
               rope: "RopeFold | None" = None, combine: tuple[int, int, int] | None = None,
-              embed: WeightDesc | None = None, pipeline: bool = False, split: int = 1,
+              embed: WeightDesc | None = None, pipeline: bool = False, split: int = 1, int8: bool = False,
               dtypes: dict | None = None) -> WarpKernel:
     """The decode GEMV as one subgroup (sg lanes, a GPU's warp) per `rows_per_warp` output features:
     the lanes stride along the rows in 16-byte units of quants (a warp reads 16 * sg contiguous
@@ -226,7 +226,13 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
     split: `split` subgroups share each group of rows_per_warp rows, striding it together (sg *
     split lanes per row; their sums meet in workgroup memory after the subgroup reductions): as
     many warps as a GPU holds in flight, where one warp per few rows would leave most of it idle
-    (4,096 rows at 2 per warp are 2,048 warps; an H200 holds 8,448)."""
+    (4,096 rows at 2 per warp are 2,048 warps; an H200 holds 8,448).
+
+    int8 (Q8_0, x staged): x is staged as int8 per 32-element block with one float scale
+    (amax / 127, pack4x8snorm), as llama.cpp's Q8_1 activations, and each unit's 16 products are
+    four dot4I8Packed: a quarter of the f32 staging's workgroup-memory traffic and a quarter of
+    its bytes (rows up to 4x longer stage), the float work one multiply a unit. Activations are
+    rounded to 8 bits: results differ from the float path by that rounding."""
     R, U, LN = rows_per_warp, unroll, sg * split  # LN lanes per group of R rows
     if split < 1 or wg % LN or (rows_per_wg is not None and rows_per_wg != wg // LN * R):
         raise ValueError(f"gemv_warp: workgroup {wg}, subgroup {sg}, {split} subgroups per {R} rows, "
@@ -245,6 +251,8 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
                          f"features (got {n_out} for {rope})")
     if stage and w.cols % 32:
         raise ValueError(f"gemv_warp: staging x needs rows of a multiple of 32 elements, not {w.cols}")
+    if int8 and (w.fmt != "Q8_0" or not stage):
+        raise ValueError(f"gemv_warp: int8 activations need a Q8_0 weight and x staged (got {w.fmt}, stage {stage})")
     if combine is not None:
         parts = [(w, "WS"), (ActDesc("WS"), None), (ActDesc("Y"), None)]
     elif embed is not None:  # the weights' x-dot helpers are never called: G stands in for x
@@ -310,7 +318,24 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
     else:
         xfn = "let x{n} = X_ld4(xb + {c});"
         prologue = ""
-    if stage:  # x into workgroup memory once; the lanes read it from there
+    if int8:  # x into workgroup memory as int8 blocks of 32 with a scale each
+        vals = " ".join(xfn.format(n=f"v_{i}", c=f"8u * b + {i}u").replace("let x", "let ", 1) for i in range(8))
+        amax = "max(" * 7 + "amax4(v_0)" + "".join(f", amax4(v_{i}))" for i in range(1, 8))
+        packs = ", ".join(f"pack4x8snorm(v_{i} * inv_d)" for i in range(8))
+        prologue += f"""
+    if (t < ${{ROWS_EXPR}}) {{
+        let xb = t * (K / 4u);
+        for (var b = lid; b < K / 32u; b += WG) {{
+            {vals}
+            let m_ = {amax};
+            let inv_d = select(0.0, 1.0 / m_, m_ > 0.0);
+            xd[b] = m_ / 127.0;
+            let p_ = array<u32, 8>({packs});
+            xq[2u * b] = vec4<u32>(p_[0], p_[1], p_[2], p_[3]); xq[2u * b + 1u] = vec4<u32>(p_[4], p_[5], p_[6], p_[7]);
+        }}
+    }}
+    workgroupBarrier();"""
+    elif stage:  # x into workgroup memory once; the lanes read it from there
         value = xfn.format(n="v_", c="c").replace("let x", "let ", 1)  # "let v_ = <x at c>;"
         prologue += f"""
     if (t < ${{ROWS_EXPR}}) {{
@@ -360,6 +385,14 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
         body_l += [f"            let {n} = {e};" for n, e in loads("v")]
     for u in range(U):  # then the arithmetic, unit by unit
         body_l.append(f"            if (v + {u * LN}u < UNITS) {{")
+        if int8:
+            body_l.append(f"                let x{u}_q = xq[v{u}]; let x{u}_d = xd[v{u} >> 1u];")
+            for j, (acc, _) in enumerate(rws):
+                q = f"q{j}_{u}"
+                dots = " + ".join(f"dot4I8Packed({q}.{c}, x{u}_q.{c})" for c in "xyzw")
+                body_l.append(f"                {acc} += f32({dots}) * (d{j}_{u} * x{u}_d);")
+            body_l.append("            }")
+            continue
         body_l += ["                " + xfn.format(n=f"{u}_{i}", c=f"v{u} * {per}u + {i}u") for i in range(per)]
         if fmt == "Q4_1":
             body_l.append(f"                let x{u}_v = " + " + ".join(f"x{u}_{i}" for i in range(per)) + ";")
@@ -444,7 +477,9 @@ ${STORES}
                 ACCS=" ".join(f"var {a} = 0.0;" for a in accs), BODY="\n".join(body_l), RED=red,
                 DECL=decl, STORES="\n".join(stores), EPS=_f(eps),
                 NDECL=(f"var<workgroup> nred: array<f32, {wg}>;" if norm else "")
-                + (f"\nvar<workgroup> xs: array<vec4<f32>, {w.cols // 4}>;" if stage else ""),
+                + (f"\nvar<workgroup> xq: array<vec4<u32>, {w.cols // 16}>;\nvar<workgroup> xd: array<f32, {w.cols // 32}>;\n"
+                   "fn amax4(v: vec4<f32>) -> f32 { let a = abs(v); return max(max(a.x, a.y), max(a.z, a.w)); }"
+                   if int8 else f"\nvar<workgroup> xs: array<vec4<f32>, {w.cols // 4}>;" if stage else ""),
                 ROPE=(rope.wgsl() if rope is not None else "") + (_combine_wgsl(*combine) if combine else "") + tok,
                 NEG=NEG, dtypes=dtypes)
     extra = (Binding("TOK", "array<u32>"),) if embed is not None else ()

@@ -9,13 +9,15 @@ import os
 from .device import Device
 
 
-def can_stage(dev: Device, cols: int | None) -> bool:
-    """Whether a GEMV over rows of `cols` can stage x in workgroup memory (gemv_warp's stage)."""
-    return cols is not None and cols % 32 == 0 and 4 * cols + 4096 <= dev.max_workgroup_memory
+def can_stage(dev: Device, cols: int | None, int8: bool = False) -> bool:
+    """Whether a GEMV over rows of `cols` can stage x in workgroup memory (gemv_warp's stage;
+    int8: as int8 blocks, 9 bytes per 8 elements instead of 32)."""
+    need = 9 * cols // 8 if int8 and cols else 4 * (cols or 0)
+    return cols is not None and cols % 32 == 0 and need + 4096 <= dev.max_workgroup_memory
 
 
 def warp_config(dev: Device, rows_per_warp: int = 1, wg: int = 256, unroll: int = 2, stage: bool = False,
-                pipeline: bool = False, split: int = 1) -> dict:
+                pipeline: bool = False, split: int = 1, int8: bool = False) -> dict:
     """kernels.gemv_warp's configuration: one subgroup per `rows_per_warp` features (32 lanes
     reducing in workgroup memory where the adapter's subgroup size is unknown)."""
     sub = dev.subgroup_size
@@ -26,6 +28,8 @@ def warp_config(dev: Device, rows_per_warp: int = 1, wg: int = 256, unroll: int 
         cfg["pipeline"] = True
     if split > 1:
         cfg["split"] = split
+    if int8:
+        cfg["int8"] = True
     return cfg
 
 
@@ -35,7 +39,8 @@ def default_gemv_config(dev: Device, cols: int | None = None, fmt: str | None = 
     the largest), 2 for the others (the tuner's picks on the H100, 2026-11-24:
     benchmarks/bench_webgpu.py gemv section), x staged in workgroup memory where it fits
     (EDGELLM_WEBGPU_STAGE=0: read from the storage buffer). EDGELLM_WEBGPU_GEMV=block or
-    warp:ROWS:WG:UNROLL[:stage][:pipe][:splitS] overrides (benchmarks compare them).
+    warp:ROWS:WG:UNROLL[:stage][:pipe][:splitS][:int8] overrides (benchmarks compare them; int8:
+    Q8_0 weights with x staged take int8 activations, gemv_warp's int8, the others ignore it).
     On a software adapter, kernels.gemv with 2 threads per feature: lavapipe runs a workgroup
     barrier as a switch between all its SIMD batches, and fewer threads per feature mean fewer
     reduction steps (1536x576 Q8_0 GEMV, 2 cores: 32 threads per feature with barriers 14.8 ms,
@@ -47,7 +52,9 @@ def default_gemv_config(dev: Device, cols: int | None = None, fmt: str | None = 
     if want.startswith("warp:") and (cols is None or cols % 4 == 0):
         _, r, wg, u, *flags = want.split(":")
         split = next((int(f[5:]) for f in flags if f.startswith("split")), 1)
-        return warp_config(dev, int(r), int(wg), int(u), "stage" in flags and can_stage(dev, cols), "pipe" in flags, split)
+        int8 = "int8" in flags and fmt == "Q8_0" and can_stage(dev, cols, int8=True)
+        stage = int8 or ("stage" in flags and can_stage(dev, cols))
+        return warp_config(dev, int(r), int(wg), int(u), stage, "pipe" in flags, split, int8)
     if want != "block" and (cols is None or cols % 4 == 0):
         four_bit = fmt in ("Q4_0", "Q4_1")
         stage = os.environ.get("EDGELLM_WEBGPU_STAGE", "1") == "1" and can_stage(dev, cols)
