@@ -58,6 +58,33 @@ def test_default_model_logits_and_greedy_answer(default_model, fast_default):
     assert a == b and "Paris" in b
 
 
+def test_rope_tables_match_libm_and_another_process():
+    """RopeTables against Python's math.cos/sin on float64 angles (an independent libm), to one
+    float32 rounding at positions across the whole table (both halves: the table once came out
+    different in ~6% of its first half's values in some processes), scaled positions and a
+    long-RoPE factor included; and the same bytes when a second process builds it."""
+    import hashlib
+    import math
+    import subprocess
+    import sys
+
+    from edgellm.backends.cpu_fast import RopeTables
+
+    a = {"theta": 100000.0, "head_dim": 64, "rope_dim": 48, "pos_scale": 0.5, "mscale": 1.25}
+    cos, sin = RopeTables(4096)._table(None, a)
+    assert cos.shape == sin.shape == (4096, 24)
+    for p in (1, 7, 1000, 2047, 2048, 4095):
+        for i in (0, 5, 23):
+            ang = p * 0.5 * 100000.0 ** (-2 * i / 48)
+            for got, want in ((cos[p, i], 1.25 * math.cos(ang)), (sin[p, i], 1.25 * math.sin(ang))):
+                assert abs(float(got) - want) <= np.spacing(np.float32(abs(want))) + 1e-12, (p, i, float(got), want)
+    code = ("import hashlib; from edgellm.backends.cpu_fast import RopeTables; "
+            f"c, s = RopeTables(4096)._table(None, {a!r}); "
+            "print(hashlib.md5(c.numpy().tobytes() + s.numpy().tobytes()).hexdigest())")
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert other == hashlib.md5(cos.numpy().tobytes() + sin.numpy().tobytes()).hexdigest()
+
+
 def test_default_model_holds_packed_weights(default_model_path, fast_default):
     """What `edgellm plan` predicts the backend holds is what it holds; far below float32."""
     f = open_gguf(default_model_path)

@@ -537,9 +537,9 @@ def decode_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, start:
 
 
 class RopeTables:
-    """cos/sin of every position up to the context, computed once per rope configuration the way
-    the reference computes them per call (angles in float64, rounded once to float32), so the
-    rotation is bitwise the reference's."""
+    """cos/sin of every position up to the context, computed once per rope configuration as the
+    reference computes them per call (angles in float64, rounded once to float32), with numpy's
+    cos and sin (the reference's torch ones agree to within a float32 rounding), on one thread."""
 
     def __init__(self, ctx: int):
         self.ctx = ctx
@@ -551,12 +551,16 @@ class RopeTables:
         key = (a["theta"], r, a.get("pos_scale", 1.0), m, id(freqs))
         t = self._tables.get(key)
         if t is None:
-            inv = a["theta"] ** (-torch.arange(0, r, 2, dtype=torch.float64) / r)
+            inv = a["theta"] ** (-np.arange(0, r, 2, dtype=np.float64) / r)
             if freqs is not None:
-                inv = inv / freqs.to(torch.float64)
-            pos = torch.arange(0, self.ctx, dtype=torch.float64) * a.get("pos_scale", 1.0)
+                inv = inv / freqs.to(torch.float64).numpy()
+            pos = np.arange(0, self.ctx, dtype=np.float64) * a.get("pos_scale", 1.0)
             ang = pos[:, None] * inv[None, :]
-            t = self._tables[key] = ((ang.cos() * m).float(), (ang.sin() * m).float())
+            # numpy, not torch: built with torch's cos/sin, the table differed between processes in
+            # ~6% of its first half's values (2 threads, 2026-11-29), and the default question's
+            # greedy answer, a near tie (0.08 logits in float32), changed from run to run
+            t = self._tables[key] = (torch.from_numpy((np.cos(ang) * m).astype(np.float32)),
+                                     torch.from_numpy((np.sin(ang) * m).astype(np.float32)))
         return t
 
     def _full_table(self, freqs, a: dict):
