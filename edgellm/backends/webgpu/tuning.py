@@ -12,8 +12,9 @@ from .device import Device
 def can_stage(dev: Device, cols: int | None, int8: bool = False) -> bool:
     """Whether a GEMV over rows of `cols` can stage x in workgroup memory (gemv_warp's stage;
     int8: as int8 blocks, 9 bytes per 8 elements instead of 32)."""
-    need = 9 * cols // 8 if int8 and cols else 4 * (cols or 0)
-    return cols is not None and cols % 32 == 0 and need + 4096 <= dev.max_workgroup_memory
+    if cols is None or cols % 32:
+        return False
+    return (9 * cols // 8 if int8 else 4 * cols) + 4096 <= dev.max_workgroup_memory
 
 
 def warp_config(dev: Device, rows_per_warp: int = 1, wg: int = 256, unroll: int = 2, stage: bool = False,
