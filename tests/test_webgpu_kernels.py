@@ -205,18 +205,21 @@ def test_gemv_warp_folded_norm(dev, rng, fmt, norm, glu, stage, pipeline, split)
         check(read_f32(dev, bufs["S"], rows * k), a + b)
 
 
-@pytest.mark.parametrize("norm,rows_per_warp,split,unroll", [(None, 2, 1, 1), ("add_rms", 3, 1, 2), (None, 1, 4, 2),
-                                                             ("rms", 2, 2, 1)])
-def test_gemv_warp_int8_activations(dev, rng, norm, rows_per_warp, split, unroll):
-    """Q8_0 with x staged as int8 blocks (gemv_warp's int8): against numpy computing the same
-    thing (x, or its RMSNorm, rounded per 32-block to amax / 127 steps as pack4x8snorm does,
-    times the dequantized weight, in float64), much closer to that than to the float product,
-    which it must still approximate; 77 features, 1,056 inputs (33 blocks), 3 rows."""
+@pytest.mark.parametrize("fmt,norm,rows_per_warp,split,unroll", [
+    ("Q8_0", None, 2, 1, 1), ("Q8_0", "add_rms", 3, 1, 2), ("Q8_0", None, 1, 4, 2), ("Q8_0", "rms", 2, 2, 1),
+    ("Q4_0", None, 4, 1, 2), ("Q4_0", "add_rms", 2, 2, 1), ("Q4_1", "rms", 3, 1, 2), ("Q6_K", None, 2, 1, 1),
+    ("Q5_1", "add_rms", 2, 2, 2)])
+def test_gemv_warp_int8_activations(dev, rng, fmt, norm, rows_per_warp, split, unroll):
+    """x staged as int8 blocks (gemv_warp's int8; Q6_K as the Q6 layout, Q5_1 as Q6M): against
+    numpy computing the same thing (x, or its RMSNorm, rounded per 32-block to amax / 127 steps
+    as pack4x8snorm does, times the dequantized weight, in float64), much closer to that than to
+    the float product, which it must still approximate; 77 features, 1,056 inputs (33 blocks;
+    1,280 for Q6_K's super-blocks), 3 rows."""
     if not dev.subgroup_size:
         pytest.skip("the adapter's subgroup size is unknown")
-    rows, n_out, k = 3, 77, 1056
-    raw, dense = quantized(rng, n_out, k, "Q8_0")
-    w = DeviceWeight(codegen.repack(raw, "Q8_0", dense.shape), dev)
+    rows, n_out, k = 3, 77, cols_for(fmt, 1056)
+    raw, dense = quantized(rng, n_out, k, fmt)
+    w = DeviceWeight(codegen.repack(raw, fmt, dense.shape), dev)
     a = rng.standard_normal((rows, k)).astype(np.float32)
     b = rng.standard_normal((rows, k)).astype(np.float32)
     g = (1.0 + 0.3 * rng.standard_normal(k)).astype(np.float32)
@@ -249,10 +252,13 @@ def test_gemv_warp_int8_activations(dev, rng, norm, rows_per_warp, split, unroll
     assert quant_err <= 0.02 * np.abs(exact).max()
 
 
-def test_gemv_warp_int8_needs_q8_0_staged():
-    w = codegen.WeightDesc("W", "Q4_0", 64, 64, (64,))
-    with pytest.raises(ValueError, match="int8 activations need a Q8_0 weight"):
+def test_gemv_warp_int8_needs_an_integer_format_staged():
+    w = codegen.WeightDesc("W", "F16", 64, 64, (64,))
+    with pytest.raises(ValueError, match="int8 activations need a weight in Q8_0, Q4_0"):
         kernels.gemv_warp(w, 64, "1u", stage=True, int8=True)
+    w = codegen.WeightDesc("W", "Q4_0", 64, 64, (64,))
+    with pytest.raises(ValueError, match="got Q4_0, stage False"):
+        kernels.gemv_warp(w, 64, "1u", stage=False, int8=True)
 
 
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q4_1"])

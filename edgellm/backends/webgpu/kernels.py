@@ -171,6 +171,31 @@ def _unit_dot(fmt: str, q: str, x: str, d: str, m: str) -> str:
     return f"({s}) * {d}" if fmt == "Q4_0" else f"({s}) * {d} + {x}s * {m}"
 
 
+INT8_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q6", "Q6M")  # gemv_warp's int8 activations
+
+
+def _unit_dot_int8(fmt: str, q: str, x: str, d: str, m: str) -> str:
+    """WGSL expression: one 16-byte unit `q` of quants dotted with int8 x by packed dot products
+    (x + "q" the unit's 16 codes for Q8_0, whose unit is half a block; else x + "l", x + "h" the
+    block's first and second 16, x + "s" their integer sums), times x's block scale x + "d". A
+    4-bit or 6-bit code (0..15, 0..63) is a non-negative int8 as it stands; its offset (8, 32)
+    and a minimum (Q4_1, Q6M) multiply the codes' sums, so the only float work is per block."""
+    def dots(words: list[str], xs: str) -> str:
+        return " + ".join(f"dot4I8Packed({wd}, {xs}.{c})" for wd, c in zip(words, "xyzw"))
+    if fmt == "Q8_0":
+        return f"f32({dots([f'{q}.{c}' for c in 'xyzw'], x + 'q')}) * ({d} * {x}d)"
+    if fmt in ("Q4_0", "Q4_1"):
+        lo = dots([f"({q}.{c} & 0x0F0F0F0Fu)" for c in "xyzw"], x + "l")
+        hi = dots([f"(({q}.{c} >> 4u) & 0x0F0F0F0Fu)" for c in "xyzw"], x + "h")
+        if fmt == "Q4_0":
+            return f"f32({lo} + {hi} - 8 * ({x}s.x + {x}s.y)) * ({d} * {x}d)"
+        return f"f32({lo} + {hi}) * ({d} * {x}d) + {m} * ({x}d * f32({x}s.x + {x}s.y))"
+    lo = dots([f"q6lo({q}.{c}, {q}a, {i}u)" for i, c in enumerate("xyzw")], x + "l")
+    hi = dots([f"q6hi({q}.{c}, {q}b, {i}u)" for i, c in enumerate("xyzw")], x + "h")
+    e = f"(f32({lo} - 32 * {x}s.x) * {d}.x + f32({hi} - 32 * {x}s.y) * {d}.y) * {x}d"
+    return e + (f" + ({m}.x * f32({x}s.x) + {m}.y * f32({x}s.y)) * {x}d" if fmt == "Q6M" else "")
+
+
 def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, wg: int = 256, sg: int = 32,
               unroll: int = 4, subgroup: bool = True, bias: bool = False, residual: bool = False, glu: bool = False,
               norm: str | None = None, eps: float = 1e-6, stage: bool = False, rows_per_wg: int | None = None,
@@ -228,11 +253,14 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
     many warps as a GPU holds in flight, where one warp per few rows would leave most of it idle
     (4,096 rows at 2 per warp are 2,048 warps; an H200 holds 8,448).
 
-    int8 (Q8_0, x staged): x is staged as int8 per 32-element block with one float scale
-    (amax / 127, pack4x8snorm), as llama.cpp's Q8_1 activations, and each unit's 16 products are
-    four dot4I8Packed: a quarter of the f32 staging's workgroup-memory traffic and a quarter of
-    its bytes (rows up to 4x longer stage), the float work one multiply a unit. Activations are
-    rounded to 8 bits: results differ from the float path by that rounding."""
+    int8 (INT8_FORMATS, x staged): x is staged as int8 per 32-element block with one float scale
+    (amax / 127, pack4x8snorm) and, for the formats with offsets or minimums, the integer sums of
+    each half block's codes, as llama.cpp's Q8_1 activations; a unit's products are packed dot
+    products (four dot4I8Packed for Q8_0's 16 bytes, eight for a 4-bit or 6-bit block's 32 codes,
+    taken from the quants by masks and shifts): a quarter of the f32 staging's workgroup-memory
+    traffic and of its bytes, and no per-element float conversion (4 instructions per weight
+    byte for Q8_0's float path, 8 for Q4_0's; the integer path's about 0.5 and 0.6). Activations
+    are rounded to 8 bits: results differ from the float path by that rounding."""
     R, U, LN = rows_per_warp, unroll, sg * split  # LN lanes per group of R rows
     if split < 1 or wg % LN or (rows_per_wg is not None and rows_per_wg != wg // LN * R):
         raise ValueError(f"gemv_warp: workgroup {wg}, subgroup {sg}, {split} subgroups per {R} rows, "
@@ -251,8 +279,9 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
                          f"features (got {n_out} for {rope})")
     if stage and w.cols % 32:
         raise ValueError(f"gemv_warp: staging x needs rows of a multiple of 32 elements, not {w.cols}")
-    if int8 and (w.fmt != "Q8_0" or not stage):
-        raise ValueError(f"gemv_warp: int8 activations need a Q8_0 weight and x staged (got {w.fmt}, stage {stage})")
+    if int8 and (w.fmt not in INT8_FORMATS or not stage):
+        raise ValueError(f"gemv_warp: int8 activations need a weight in {', '.join(INT8_FORMATS)} and x staged "
+                         f"(got {w.fmt}, stage {stage})")
     if combine is not None:
         parts = [(w, "WS"), (ActDesc("WS"), None), (ActDesc("Y"), None)]
     elif embed is not None:  # the weights' x-dot helpers are never called: G stands in for x
@@ -322,6 +351,11 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
         vals = " ".join(xfn.format(n=f"v_{i}", c=f"8u * b + {i}u").replace("let x", "let ", 1) for i in range(8))
         amax = "max(" * 7 + "amax4(v_0)" + "".join(f", amax4(v_{i}))" for i in range(1, 8))
         packs = ", ".join(f"pack4x8snorm(v_{i} * inv_d)" for i in range(8))
+        sums = ""
+        if fmt != "Q8_0":  # the integer sums of each half block's codes (the formats' offsets and minimums)
+            half = ["dot4I8Packed(p_[{}], 0x01010101u)".format(i) for i in range(8)]
+            sums = (f"\n            xsum[b] = vec2<i32>({' + '.join(half[:4])},\n"
+                    f"                                {' + '.join(half[4:])});")
         prologue += f"""
     if (t < ${{ROWS_EXPR}}) {{
         let xb = t * (K / 4u);
@@ -331,7 +365,7 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
             let inv_d = select(0.0, 1.0 / m_, m_ > 0.0);
             xd[b] = m_ / 127.0;
             let p_ = array<u32, 8>({packs});
-            xq[2u * b] = vec4<u32>(p_[0], p_[1], p_[2], p_[3]); xq[2u * b + 1u] = vec4<u32>(p_[4], p_[5], p_[6], p_[7]);
+            xq[2u * b] = vec4<u32>(p_[0], p_[1], p_[2], p_[3]); xq[2u * b + 1u] = vec4<u32>(p_[4], p_[5], p_[6], p_[7]);{sums}
         }}
     }}
     workgroupBarrier();"""
@@ -386,11 +420,13 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
     for u in range(U):  # then the arithmetic, unit by unit
         body_l.append(f"            if (v + {u * LN}u < UNITS) {{")
         if int8:
-            body_l.append(f"                let x{u}_q = xq[v{u}]; let x{u}_d = xd[v{u} >> 1u];")
+            if fmt == "Q8_0":  # a unit is half a block
+                body_l.append(f"                let x{u}_q = xq[v{u}]; let x{u}_d = xd[v{u} >> 1u];")
+            else:  # a unit is a block: its first and second 16 x codes, their scale and sums
+                body_l.append(f"                let x{u}_l = xq[2u * v{u}]; let x{u}_h = xq[2u * v{u} + 1u]; "
+                              f"let x{u}_d = xd[v{u}]; let x{u}_s = xsum[v{u}];")
             for j, (acc, _) in enumerate(rws):
-                q = f"q{j}_{u}"
-                dots = " + ".join(f"dot4I8Packed({q}.{c}, x{u}_q.{c})" for c in "xyzw")
-                body_l.append(f"                {acc} += f32({dots}) * (d{j}_{u} * x{u}_d);")
+                body_l.append(f"                {acc} += {_unit_dot_int8(fmt, f'q{j}_{u}', f'x{u}_', f'd{j}_{u}', f'm{j}_{u}')};")
             body_l.append("            }")
             continue
         body_l += ["                " + xfn.format(n=f"{u}_{i}", c=f"v{u} * {per}u + {i}u") for i in range(per)]
@@ -478,7 +514,8 @@ ${STORES}
                 DECL=decl, STORES="\n".join(stores), EPS=_f(eps),
                 NDECL=(f"var<workgroup> nred: array<f32, {wg}>;" if norm else "")
                 + (f"\nvar<workgroup> xq: array<vec4<u32>, {w.cols // 16}>;\nvar<workgroup> xd: array<f32, {w.cols // 32}>;\n"
-                   "fn amax4(v: vec4<f32>) -> f32 { let a = abs(v); return max(max(a.x, a.y), max(a.z, a.w)); }"
+                   + (f"var<workgroup> xsum: array<vec2<i32>, {w.cols // 32}>;\n" if fmt != "Q8_0" else "")
+                   + "fn amax4(v: vec4<f32>) -> f32 { let a = abs(v); return max(max(a.x, a.y), max(a.z, a.w)); }"
                    if int8 else f"\nvar<workgroup> xs: array<vec4<f32>, {w.cols // 4}>;" if stage else ""),
                 ROPE=(rope.wgsl() if rope is not None else "") + (_combine_wgsl(*combine) if combine else "") + tok,
                 NEG=NEG, dtypes=dtypes)

@@ -7,14 +7,22 @@ from __future__ import annotations
 import os
 
 from .device import Device
+from .kernels import INT8_FORMATS
 
 
 def can_stage(dev: Device, cols: int | None, int8: bool = False) -> bool:
     """Whether a GEMV over rows of `cols` can stage x in workgroup memory (gemv_warp's stage;
-    int8: as int8 blocks, 9 bytes per 8 elements instead of 32)."""
+    int8: as int8 blocks with a scale and two sums each, 11 bytes per 8 elements instead of 32)."""
     if cols is None or cols % 32:
         return False
-    return (9 * cols // 8 if int8 else 4 * cols) + 4096 <= dev.max_workgroup_memory
+    return (11 * cols // 8 if int8 else 4 * cols) + 4096 <= dev.max_workgroup_memory
+
+
+def use_int8(dev: Device, cols: int | None, fmt: str | None) -> bool:
+    """Whether the default decode GEMV of a weight takes int8 activations (gemv_warp's int8):
+    EDGELLM_WEBGPU_INT8=1 for the formats of kernels.INT8_FORMATS whose x fits staged as int8."""
+    return (os.environ.get("EDGELLM_WEBGPU_INT8", "0") == "1" and fmt in INT8_FORMATS
+            and can_stage(dev, cols, int8=True))
 
 
 def warp_config(dev: Device, rows_per_warp: int = 1, wg: int = 256, unroll: int = 2, stage: bool = False,
@@ -41,7 +49,8 @@ def default_gemv_config(dev: Device, cols: int | None = None, fmt: str | None = 
     benchmarks/bench_webgpu.py gemv section), x staged in workgroup memory where it fits
     (EDGELLM_WEBGPU_STAGE=0: read from the storage buffer). EDGELLM_WEBGPU_GEMV=block or
     warp:ROWS:WG:UNROLL[:stage][:pipe][:splitS][:int8] overrides (benchmarks compare them; int8:
-    Q8_0 weights with x staged take int8 activations, gemv_warp's int8, the others ignore it).
+    the formats of kernels.INT8_FORMATS take int8 activations, gemv_warp's int8, x staged; F16
+    ignores it).
     On a software adapter, kernels.gemv with 2 threads per feature: lavapipe runs a workgroup
     barrier as a switch between all its SIMD batches, and fewer threads per feature mean fewer
     reduction steps (1536x576 Q8_0 GEMV, 2 cores: 32 threads per feature with barriers 14.8 ms,
@@ -53,13 +62,14 @@ def default_gemv_config(dev: Device, cols: int | None = None, fmt: str | None = 
     if want.startswith("warp:") and (cols is None or cols % 4 == 0):
         _, r, wg, u, *flags = want.split(":")
         split = next((int(f[5:]) for f in flags if f.startswith("split")), 1)
-        int8 = "int8" in flags and fmt == "Q8_0" and can_stage(dev, cols, int8=True)
+        int8 = "int8" in flags and fmt in INT8_FORMATS and can_stage(dev, cols, int8=True)
         stage = int8 or ("stage" in flags and can_stage(dev, cols))
         return warp_config(dev, int(r), int(wg), int(u), stage, "pipe" in flags, split, int8)
     if want != "block" and (cols is None or cols % 4 == 0):
         four_bit = fmt in ("Q4_0", "Q4_1")
-        stage = os.environ.get("EDGELLM_WEBGPU_STAGE", "1") == "1" and can_stage(dev, cols)
-        return warp_config(dev, 4 if four_bit else 2, 256, 2 if four_bit else 1, stage)
+        int8 = use_int8(dev, cols, fmt)
+        stage = int8 or (os.environ.get("EDGELLM_WEBGPU_STAGE", "1") == "1" and can_stage(dev, cols))
+        return warp_config(dev, 4 if four_bit else 2, 256, 2 if four_bit else 1, stage, int8=int8)
     wg = 128
     if dev.subgroup_size:
         tpr = min(32, dev.subgroup_size)
