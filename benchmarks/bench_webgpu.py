@@ -137,8 +137,9 @@ def gemv_section(formats: list[str], shapes: list[tuple[int, int]], bw: float, t
     dev = get_device()
     rng = np.random.default_rng(0)
     rows_out = []
-    cands = tuning.gemv_candidates(dev) if tune else []
     for fmt in formats:
+        int8 = bool(tuning.default_gemv_config(dev, 4096, fmt).get("int8"))  # EDGELLM_WEBGPU_INT8=1
+        cands = tuning.gemv_candidates(dev, int8=int8) if tune else []
         for n_out, n_in in shapes:
             row = {"fmt": fmt, "shape": f"{n_out}x{n_in}"}
             try:
@@ -160,12 +161,15 @@ def gemv_section(formats: list[str], shapes: list[tuple[int, int]], bw: float, t
                 row.update(bytes=p.nbytes, default=default, us=t * 1e6, GBps=p.nbytes / t / 1e9,
                            pct=100 * p.nbytes / t / bw)
                 best = (t, default)
+                every = []
                 for cfg in cands:
                     try:
                         tc = timed(cfg)
                     except Exception:  # noqa: BLE001 - a candidate the adapter rejects
                         continue
+                    every.append([cfg, round(tc * 1e6, 2)])
                     best = min(best, (tc, cfg), key=lambda b: b[0])
+                row["candidates_us"] = every
                 if cands:
                     row.update(best=best[1], best_us=best[0] * 1e6, best_GBps=p.nbytes / best[0] / 1e9,
                                best_pct=100 * p.nbytes / best[0] / bw)

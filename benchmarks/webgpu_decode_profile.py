@@ -56,6 +56,7 @@ def main() -> None:
         t.append(time.perf_counter() - t0)
     dev.read(dec.hist_buf, 0, 4)
     print(f"host record+submit per token: median {1e3 * statistics.median(t):.3f} ms, min {1e3 * min(t):.3f} ms")
+    host_breakdown(dec, dev, args.n)
 
     # GPU: one token's pass between two timestamps
     if dev.has_timestamps:
@@ -91,6 +92,45 @@ def main() -> None:
         walls.append((time.perf_counter() - t0) / got)
     print(f"greedy wall per token: median {1e3 * statistics.median(walls):.3f} ms ({1 / statistics.median(walls):.0f} tok/s); "
           f"weights {dec.matrix_bytes / 1e6:.0f} MB per token")
+
+
+def host_breakdown(dec, dev, n: int, tokens: int = 32) -> None:
+    """The host's parts of recording one token through the replayed dispatch list (the backend's
+    _flat, when it applies): the Python loop of wgpu-native calls, the pass's end, the command
+    buffer's finish (wgpu-core's validation, resource tracking and barriers, and the driver's
+    recording), the submit; medians over `tokens` tokens, per token and per dispatch."""
+    from edgellm.backends.webgpu import backend as B
+
+    flat = dec._flat(1, dec._write_step(1, n, hist=0), True, None)
+    if flat is None:
+        print("host breakdown: no replayed dispatch list (host ops, or EDGELLM_WEBGPU_RAW=0)")
+        return
+    sp, sb, dw, null = B._RAW
+    parts = []
+    for j in range(tokens):
+        dec._write_step(1, n + j, hist=j)
+        t0 = time.perf_counter()
+        enc = dev.device.create_command_encoder()
+        cpass = enc.begin_compute_pass()
+        c = cpass._internal
+        t1 = time.perf_counter()
+        for p, b, x, y, z in flat:
+            sp(c, p)
+            sb(c, 0, b, 0, null)
+            dw(c, x, y, z)
+        t2 = time.perf_counter()
+        cpass.end()
+        t3 = time.perf_counter()
+        cb = enc.finish()
+        t4 = time.perf_counter()
+        dev.queue.submit([cb])
+        t5 = time.perf_counter()
+        parts.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4))
+    dev.read(dec.hist_buf, 0, 4)
+    med = [statistics.median(p[i] for p in parts) for i in range(5)]
+    names = ("begin", "loop", "end", "finish", "submit")
+    print(f"host per token, {len(flat)} dispatches replayed: " + ", ".join(
+        f"{k} {1e6 * v:.0f} us ({1e6 * v / len(flat):.2f}/dispatch)" for k, v in zip(names, med)))
 
 
 def step_profile(dec, dev, n: int, tokens: int = 6) -> None:
@@ -149,8 +189,13 @@ def step_profile(dec, dev, n: int, tokens: int = 6) -> None:
         tb = sum(t for t, _ in gemv)
         bb = sum(b for _, b in gemv)
         print(f"  weight-reading steps: {len(gemv)}, {bb / 1e6:.0f} MB in {tb / 1e3:.3f} ms = {bb / tb / 1e3:.0f} GB/s")
-    for t, name, b in sorted(rows, key=lambda r: -r[0])[:12]:
-        print(f"  {t:8.1f} us  {name}  {b / 1e6:.1f} MB" + (f"  {b / t / 1e3:.0f} GB/s" if b else ""))
+    groups = collections.defaultdict(list)  # the steps of one kernel over weights of one size (a layer's projection)
+    for t, name, b in rows:
+        groups[name, b].append(t)
+    print("  per kernel and weight size: count, median us, GB/s")
+    for (name, b), ts_ in sorted(groups.items(), key=lambda kv: -sum(kv[1])):
+        med = statistics.median(ts_)
+        print(f"  {len(ts_):4d} x {med:8.1f} us  {name}  {b / 1e6:.1f} MB" + (f"  {b / med / 1e3:.0f} GB/s" if b else ""))
 
 
 if __name__ == "__main__":

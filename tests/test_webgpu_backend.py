@@ -102,9 +102,11 @@ def test_norm_folded_into_decode_gemv(models, monkeypatch, name, gemv):
 
 
 def _recorded(prog, monkeypatch) -> list[str]:
-    """The kernels one decode step of `prog` dispatches, as the backend records them."""
+    """The kernels one decode step of `prog` dispatches, as the backend records them (through the
+    steps' objects: the replayed list of handles, _flat, is made from the same steps)."""
     from edgellm.backends.webgpu import backend
 
+    monkeypatch.setattr(backend, "_RAW", None)
     names: list[str] = []
     orig = backend._Dispatch.encode
 
@@ -251,6 +253,35 @@ def test_delegation_to_cpu(models, monkeypatch):
                                                                                       "linear_swiglu"})
     g = _compare(models["Q8_0"])
     assert any("+norm" in n for n in g.programs["decode"].delegated)
+
+
+def test_replayed_dispatches_follow_a_new_arena(models, monkeypatch):
+    """Decode steps replay a list of wgpu-native handles made at the first step (_flat): it is
+    used, and remade when the arena (and so every bind group) is replaced; the logits stay the
+    cpu backend's before and after, and equal to those of the public path."""
+    from edgellm.backends.webgpu import backend
+
+    monkeypatch.setenv("EDGELLM_WEBGPU_GEMV", "warp:2:64:1")
+    cpu = edgellm.load(models["Q8_0"], backend="cpu", ctx=64)
+    gpu = edgellm.load(models["Q8_0"], backend="webgpu", ctx=64)
+    dec = gpu.programs["decode"]
+    cpu.logits(PROMPT)
+    gpu.logits(PROMPT)
+    pos = len(PROMPT)
+    want = [cpu.forward([t], pos + i, all_logits=False) for i, t in enumerate((5, 9, 17))]
+    got = [gpu.forward([5], pos, all_logits=False)]
+    flat = dec._flat_cache[(1, 1, False)]
+    assert len(flat) >= len(dec._steps) and dec._flat_key[0] == gpu.backend.arena_gen
+    gen = gpu.backend.arena_gen
+    gpu.backend.reserve_arena(gpu.backend.arena_buffer.size + 4096)  # a new arena buffer: new bind groups
+    assert gpu.backend.arena_gen == gen + 1
+    got.append(gpu.forward([9], pos + 1, all_logits=False))
+    assert dec._flat_key[0] == gen + 1 and dec._flat_cache[(1, 1, False)] is not flat
+    monkeypatch.setattr(backend, "_RAW", None)  # the public path, same values
+    got.append(gpu.forward([17], pos + 2, all_logits=False))
+    scale = float(np.abs(want[0]).max())
+    for w, g in zip(want, got):
+        assert float(np.abs(g - w).max()) <= 3e-3 * scale
 
 
 def test_greedy_on_device_matches_cpu(models):

@@ -221,14 +221,20 @@ class _Dispatch:
             self.bind_group = dev.device.create_bind_group(layout=dev.layout(self.kernel.kinds), entries=entries)
             self.arena_gen = be.arena_gen
 
-    def encode(self, cpass, seq: int, splits: int) -> None:
+    def grid_of(self, seq: int, splits: int) -> tuple[int, int, int]:
         g = self._grids.get((seq, splits))
         if g is None:  # the grid functions evaluate symbolic shapes: once per step shape, not per token
             g = self._grids[seq, splits] = tuple(int(v) for v in self.grid(seq, splits))
-        x, y, z = g
-        if x * y * z == 0:
+        return g
+
+    def encode(self, cpass, seq: int, splits: int) -> None:
+        g = self.grid_of(seq, splits)
+        if g[0] * g[1] * g[2] == 0:
             return
         encode_dispatch(cpass, self.pipeline, self.bind_group, g, _RAW)
+
+    def dispatches(self, seq: int, splits: int) -> list["_Dispatch"]:
+        return [self]
 
 
 # wgpu-native's compute-pass functions without wgpu-py's wrapper (launch.raw_pass_functions);
@@ -261,6 +267,8 @@ class WebgpuProgram:
         self.delegated: list[str] = []
         self.matrix_bytes = 0  # bytes of the weight matrices one step reads (a decode token's traffic)
         self._steps: list = []
+        self._flat_cache: dict = {}
+        self._flat_key: tuple | None = None
         self._alias: dict[str, str] = {}  # tensor -> the tensor whose storage it is (an absorbed copy)
         self._private: dict[str, object] = {}  # tensor -> a buffer of its own, outside the memory plan
         self._folds: dict[str, Op] = {}  # linear op name -> the RMSNorm op folded into its GEMV (prologue)
@@ -271,6 +279,7 @@ class WebgpuProgram:
         for op in graph.ops:
             if op.name not in absorbed:
                 self._steps.extend(self._lower(op))
+        self._has_host_ops = any(isinstance(st, _HostOp) for st in self._steps)
         self._argmax = None
         self._samplers: dict[str, _Dispatch] = {}  # kernels.sample_kernels' dispatches, made at first use
         if self.max_seq == 1 and "logits" in graph.outputs:
@@ -773,10 +782,48 @@ class WebgpuProgram:
         self.dev.write(self.step_buf, np.array([seq, start, kv_len, split_len, splits, hist, 0, 0], np.uint32))
         return splits
 
+    def _flat(self, seq: int, splits: int, with_argmax: bool, chooser: list | None) -> list | None:
+        """A step's dispatches as (pipeline, bind group, x, y, z) of wgpu-native handles, made once
+        per step shape (tokens, splits, token choice) and arena binding, then replayed by _record
+        with wgpu-native's own calls: a decode token's few hundred dispatches cost the Python
+        loop's ~1.5 us each instead of ~6 us through the steps' objects (lavapipe machine,
+        2026-11-29). None where a step runs on the host or the raw calls are unavailable."""
+        if _RAW is None or self._has_host_ops:
+            return None
+        gen = self.backend.arena_gen
+        if self._flat_key != (gen, chooser):  # (the chooser compared by identity: it is held here)
+            self._flat_cache, self._flat_key = {}, (gen, chooser)
+        key = (seq, splits, with_argmax)
+        flat = self._flat_cache.get(key)
+        if flat is None:
+            steps = list(self._steps) + (list(chooser or [self._argmax]) if with_argmax else [])
+            flat = []
+            for st in steps:
+                st.prepare()
+                for d in st.dispatches(seq, splits):
+                    x, y, z = d.grid_of(seq, splits)
+                    if x * y * z:
+                        flat.append((d.pipeline._internal, d.bind_group._internal, x, y, z))
+            self._flat_cache[key] = flat
+        return flat
+
     def _record(self, seq: int, splits: int, with_argmax: bool = False, chooser: list | None = None) -> None:
         """Encode and submit one step; with_argmax: then the token choice (the dispatches of
         chooser, default the argmax) into the token buffer and the history."""
         dev = self.dev
+        flat = self._flat(seq, splits, with_argmax, chooser)
+        if flat is not None:
+            enc = dev.device.create_command_encoder()
+            cpass = enc.begin_compute_pass()
+            c = cpass._internal
+            sp, sb, dw, null = _RAW
+            for p, b, x, y, z in flat:
+                sp(c, p)
+                sb(c, 0, b, 0, null)
+                dw(c, x, y, z)
+            cpass.end()
+            dev.queue.submit([enc.finish()])
+            return
         for st in self._steps:
             st.prepare()
         enc = dev.device.create_command_encoder()
@@ -886,6 +933,9 @@ class _Choice:
     def encode(self, cpass, seq: int, splits: int) -> None:
         for v in self.pick(seq, splits):
             v.encode(cpass, seq, splits)
+
+    def dispatches(self, seq: int, splits: int) -> list[_Dispatch]:
+        return list(self.pick(seq, splits))
 
 
 class _HostOp:

@@ -77,11 +77,15 @@ def default_gemv_config(dev: Device, cols: int | None = None, fmt: str | None = 
     return {"wg": wg, "rows_per_wg": 4, "subgroup": False}
 
 
-def gemv_candidates(dev: Device) -> list[dict]:
+def gemv_candidates(dev: Device, int8: bool = False) -> list[dict]:
     """kernels.gemv_warp with 1, 2 or 4 rows per subgroup and 1, 2 or 4 units loaded ahead, x
     staged or not; with 2, 4 or 8 subgroups per row group, 1 or 2 units ahead; then kernels.gemv:
     workgroup size x threads per feature group (TPR) x features per thread (each thread reads a
-    block of x once for that many features): 66 configurations."""
+    block of x once for that many features): 66 configurations. int8: gemv_warp with int8
+    activations alone (the same numerics whichever wins), 1, 2 or 4 rows per subgroup, 1, 2 or 4
+    units ahead, 1 or 2 subgroups per row group: 18."""
+    if int8:
+        return [warp_config(dev, r, 256, u, True, split=sp, int8=True) for r in (1, 2, 4) for u in (1, 2, 4) for sp in (1, 2)]
     out = [warp_config(dev, r, 256, u, st) for r in (1, 2, 4) for u in (1, 2, 4) for st in (False, True)]
     out += [warp_config(dev, r, 256, u, split=sp) for sp in (2, 4, 8) for r in (1, 2, 4) for u in (1, 2)]
     for wg in (64, 128, 256):
@@ -107,7 +111,11 @@ def gemv_config(dev: Device, w, n_out: int, glu: bool = False) -> dict:
         return default
     key = (w.fmt, n_out, w.cols, "glu" if glu else "plain")
     tuner = _tuner(dev)
-    cands = [c for c in gemv_candidates(dev) if c.get("kind") != "warp" or (w.cols % 4 == 0 and (not c["stage"] or can_stage(dev, w.cols)))]
+    if default.get("int8"):  # int8 activations: their variants alone
+        key += ("int8",)
+        cands = gemv_candidates(dev, int8=True)
+    else:
+        cands = [c for c in gemv_candidates(dev) if c.get("kind") != "warp" or (w.cols % 4 == 0 and (not c["stage"] or can_stage(dev, w.cols)))]
     return tuner.pick("webgpu_gemv_v3", key, cands, default, lambda cfg: _time_gemv(dev, w, n_out, glu, cfg))
 
 
