@@ -442,3 +442,25 @@ def test_fp16_activations(models, adapter, monkeypatch):
     sources = [v.kernel.source for st in g.programs["decode"]._steps for v in getattr(st, "variants", (st,))]
     gemvs = [src for src in sources if "fn W_dotv" in src and "TOK" not in src]
     assert gemvs and all("var<storage, read_write> X: array<f16>" in src for src in gemvs)
+
+
+def test_int8_default_configuration(monkeypatch):
+    """EDGELLM_WEBGPU_INT8=1 turns int8 activations on in a GPU adapter's default GEMV for the
+    formats that have them and whose x fits staged as int8 (not F16, not rows too long for the
+    workgroup memory), with x staged; off by default; the tuner's int8 candidates are int8 alone."""
+    from types import SimpleNamespace
+
+    from edgellm.backends.webgpu import tuning
+
+    gpu = SimpleNamespace(info=SimpleNamespace(software=False), subgroup_size=32, max_workgroup_memory=48 * 1024)
+    monkeypatch.delenv("EDGELLM_WEBGPU_GEMV", raising=False)
+    monkeypatch.delenv("EDGELLM_WEBGPU_INT8", raising=False)
+    assert not tuning.default_gemv_config(gpu, 4096, "Q8_0").get("int8")
+    monkeypatch.setenv("EDGELLM_WEBGPU_INT8", "1")
+    for fmt in ("Q8_0", "Q4_0", "Q4_1", "Q6", "Q6M"):
+        cfg = tuning.default_gemv_config(gpu, 14336, fmt)
+        assert cfg["int8"] and cfg["stage"] and cfg["kind"] == "warp", fmt
+    assert not tuning.default_gemv_config(gpu, 4096, "F16").get("int8")
+    assert not tuning.default_gemv_config(gpu, 40000, "Q8_0").get("int8")  # 55 KB of int8 x: does not fit
+    cands = tuning.gemv_candidates(gpu, int8=True)
+    assert len(cands) == 18 and all(c["int8"] and c["stage"] for c in cands)
