@@ -284,6 +284,22 @@ def test_replayed_dispatches_follow_a_new_arena(models, monkeypatch):
         assert float(np.abs(g - w).max()) <= 3e-3 * scale
 
 
+def test_split_merge_unrolled(models, monkeypatch):
+    """EDGELLM_WEBGPU_COMBINE_UNROLL=4: the output projection merges four splits per step of its
+    loop (4 to 5 splits here, one per 4 keys): logits match the cpu backend's; a value that is not
+    a split count is refused by name."""
+    from edgellm.backends.webgpu import backend
+
+    monkeypatch.setenv("EDGELLM_WEBGPU_GEMV", "warp:2:64:1")
+    monkeypatch.setattr(backend, "SPLIT_KEYS", 4)
+    monkeypatch.setenv("EDGELLM_WEBGPU_COMBINE_UNROLL", "4")
+    dec = _compare(models["Q8_0"], steps=4).programs["decode"]
+    assert dec._combines
+    monkeypatch.setenv("EDGELLM_WEBGPU_COMBINE_UNROLL", "four")
+    with pytest.raises(edgellm.errors.GraphError, match="EDGELLM_WEBGPU_COMBINE_UNROLL='four'"):
+        edgellm.load(models["Q8_0"], backend="webgpu", ctx=64)
+
+
 def test_greedy_on_device_matches_cpu(models):
     cpu = edgellm.load(models["Q8_0"], backend="cpu", ctx=64)
     gpu = edgellm.load(models["Q8_0"], backend="webgpu", ctx=64)

@@ -551,11 +551,14 @@ def test_gemv_warp_rope_epilogue(dev, rng, fmt, rows_per_warp, rope_dim, freqs, 
     check(_read_cache(dev, bufs["VC"], ctx * g * d, kv), vc_ref, tol)
 
 
-@pytest.mark.parametrize("fmt,rows_per_warp,splits,rows", [("Q8_0", 2, 3, 1), ("Q4_0", 4, 8, 2), ("F16", 1, 1, 1)])
-def test_gemv_warp_combines_attention_splits(dev, rng, fmt, rows_per_warp, splits, rows):
+@pytest.mark.parametrize("fmt,rows_per_warp,splits,rows,unroll", [
+    ("Q8_0", 2, 3, 1, 1), ("Q4_0", 4, 8, 2, 1), ("F16", 1, 1, 1, 1), ("Q8_0", 2, 3, 1, 4), ("Q4_0", 4, 8, 2, 4),
+    ("F16", 1, 1, 1, 4), ("Q8_0", 2, 7, 2, 2)])
+def test_gemv_warp_combines_attention_splits(dev, rng, fmt, rows_per_warp, splits, rows, unroll):
     """The output projection's GEMV reading the attention output still split over the context
     (gemv_warp's combine): the splits merged as softmax partials, then the projection and the
-    residual, against float64 numpy on the same partial values."""
+    residual, against float64 numpy on the same partial values; unroll: that many splits loaded
+    per step of the merge (split counts not a multiple of it)."""
     if not dev.subgroup_size:
         pytest.skip("the adapter's subgroup size is unknown")
     h, d, n_out, max_splits = 6, 16, 40, 8
@@ -574,7 +577,7 @@ def test_gemv_warp_combines_attention_splits(dev, rng, fmt, rows_per_warp, split
     bufs.update(WS=upload_f32(dev, ws), R=upload_f32(dev, res), Y=nan_buffer(dev, rows * n_out))
     sg = min(32, dev.subgroup_size)
     kern = kernels.gemv_warp(w.desc(), n_out, "step.seq", rows_per_warp=rows_per_warp, wg=4 * sg, sg=sg, unroll=2,
-                             residual=True, stage=True, combine=(h, d, max_splits))
+                             residual=True, stage=True, combine=(h, d, max_splits, unroll))
     L = Launch(dev, kern, bufs)
     L.set_step(seq=rows, n_splits=splits)
     L.run((-(-n_out // kern.rows_per_group), 1, rows))

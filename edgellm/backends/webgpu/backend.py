@@ -51,6 +51,16 @@ MAX_SPLITS = 32  # ... up to this many
 COMBINE_IN_GEMV_SPLITS = MAX_SPLITS
 
 
+def combine_unroll() -> int:
+    """Splits the output projection's merge loads at once (kernels._combine_wgsl's unroll): 1, as
+    measured; EDGELLM_WEBGPU_COMBINE_UNROLL=4 issues four splits' loads together (built on
+    2026-11-29 against the 1B and 8B profiles' slow merge, not yet timed on a GPU)."""
+    v = os.environ.get("EDGELLM_WEBGPU_COMBINE_UNROLL", "1")
+    if not v.isdigit() or not 1 <= int(v) <= MAX_SPLITS:
+        raise GraphError(f"EDGELLM_WEBGPU_COMBINE_UNROLL={v!r}: expected an integer from 1 to {MAX_SPLITS}")
+    return int(v)
+
+
 FOLDS = ("last_row", "norm", "rope", "combine", "embed")  # the kinds of WebgpuProgram._plan_folds
 
 
@@ -679,7 +689,8 @@ class WebgpuProgram:
             cres["WS"] = lambda: (ws, 0, ws.size)
             ccfg = {**cfg, "stage": True}
             gc = _Dispatch(self, kernels.decode_gemv(w.desc(), n_out, rows_expr, ccfg, **opts, dtypes=_dtypes(cres),
-                                                     combine=(attn.attrs["n_heads"], attn.attrs["head_dim"], MAX_SPLITS)),
+                                                     combine=(attn.attrs["n_heads"], attn.attrs["head_dim"], MAX_SPLITS,
+                                                              combine_unroll())),
                            cres, lambda s, n: (*_grid2(-(-n_out // ccfg["rows_per_wg"]), self.dev.max_groups), rows(s)))
             return _Choice(lambda s, n: (gc,) if self._combined_in_gemv(n) else (gv,), gv, gc)
         if (self.max_seq <= GEMV_MAX_ROWS or self.graph.tensors[outs[0]].shape[0] != SEQ

@@ -199,7 +199,7 @@ def _unit_dot_int8(fmt: str, q: str, x: str, d: str, m: str) -> str:
 def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, wg: int = 256, sg: int = 32,
               unroll: int = 4, subgroup: bool = True, bias: bool = False, residual: bool = False, glu: bool = False,
               norm: str | None = None, eps: float = 1e-6, stage: bool = False, rows_per_wg: int | None = None,
-              rope: "RopeFold | None" = None, combine: tuple[int, int, int] | None = None,
+              rope: "RopeFold | None" = None, combine: tuple[int, ...] | None = None,
               embed: WeightDesc | None = None, pipeline: bool = False, split: int = 1, int8: bool = False,
               dtypes: dict | None = None) -> WarpKernel:
     """The decode GEMV as one subgroup (sg lanes, a GPU's warp) per `rows_per_warp` output features:
@@ -229,7 +229,7 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
     apart: there the lanes' features 2i, 2i+1 of a head are its weight rows i and i + n_rot / 2
     (RopeFold.neox; rope_row maps them), stored back to those columns.
 
-    combine (n_heads, head_dim, max_splits): x is the attention output still split over the
+    combine (n_heads, head_dim, max_splits[, unroll]): x is the attention output still split over the
     context (attention(partial=True)'s WS: per row, head and split the unnormalised output, its
     maximum and sum), merged here as attention_combine does, once per workgroup into the staged x
     (stage required): one dispatch fewer per layer where decode attention is split. Binding WS
@@ -523,8 +523,25 @@ ${STORES}
     return WarpKernel(k.name, k.source, k.bindings + extra, wg, rows_per_group=wg // LN * R)
 
 
-def _combine_wgsl(n_heads: int, head_dim: int, max_splits: int) -> str:
-    """gemv_warp's combine: the per-(head, split) weights and x's vec4 c of row t merged from them."""
+def _combine_wgsl(n_heads: int, head_dim: int, max_splits: int, unroll: int = 1) -> str:
+    """gemv_warp's combine: the per-(head, split) weights and x's vec4 c of row t merged from them.
+    unroll > 1: that many splits' loads issued together per step of the loop (the last step's
+    extra splits clamped to the last and weighted 0), a round trip to the cache per `unroll`
+    splits instead of per split (the loop's count is the step's, unknown to the compiler)."""
+    if unroll > 1:
+        loads = "\n".join(f"        let s{i} = min(s + {i}u, S - 1u); let b{i} = hb + s{i} * (CD + 2u);\n"
+                          f"        let a{i} = vec4<f32>(WS_ld(b{i}), WS_ld(b{i} + 1u), WS_ld(b{i} + 2u), WS_ld(b{i} + 3u));"
+                          for i in range(unroll))
+        adds = " + ".join(f"select(0.0, cw[h * CMAX + s{i}], s + {i}u < S) * a{i}" for i in range(unroll))
+        loop = f"""    for (var s = 0u; s < S; s += {unroll}u) {{
+{loads}
+        v += {adds};
+    }}"""
+    else:
+        loop = """    for (var s = 0u; s < S; s++) {
+        let b = hb + s * (CD + 2u);
+        v += cw[h * CMAX + s] * vec4<f32>(WS_ld(b), WS_ld(b + 1u), WS_ld(b + 2u), WS_ld(b + 3u));
+    }"""
     return f"""
 const CH: u32 = {n_heads}u; const CD: u32 = {head_dim}u; const CMAX: u32 = {max_splits}u;
 var<workgroup> cw: array<f32, {n_heads * max_splits}>;  // per (head, split): the maximum, then the weight
@@ -534,10 +551,7 @@ fn combined4(t: u32, c: u32) -> vec4<f32> {{
     let S = step.n_splits;
     let hb = (t * CH + h) * S * (CD + 2u) + k % CD;
     var v = vec4<f32>(0.0);
-    for (var s = 0u; s < S; s++) {{
-        let b = hb + s * (CD + 2u);
-        v += cw[h * CMAX + s] * vec4<f32>(WS_ld(b), WS_ld(b + 1u), WS_ld(b + 2u), WS_ld(b + 3u));
-    }}
+{loop}
     return v;
 }}"""
 
