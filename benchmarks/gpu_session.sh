@@ -22,7 +22,7 @@
 #                         libllama.so; the Python bindings of the same sdist load that library (run
 #                         it under setsid: about 5 min)
 #   wait_llama [SECONDS]  wait for build_llama
-#   build_llama_vk        llama.cpp Vulkan (GGML_VULKAN=ON, GGML_CUDA=OFF): llama-bench alone, static
+#   build_llama_vk        llama.cpp Vulkan (GGML_VULKAN=ON, GGML_CUDA=OFF): llama-bench and llama-quantize, static
 #                         but for the loader, into $W/lbvk, make -j$JOBS (16); prints which shader
 #                         extensions glslc supports (GL_NV_cooperative_matrix2 expected). Run it under
 #                         setsid: 10.5 min at -j2 on 2 CPU cores, so a few minutes on 16
@@ -40,6 +40,10 @@
 #   models NAME:FMT,...   write synthetic models (edgellm.synthetic presets) into the session folder
 #   tests                 the cuda backend's kernel and whole-model tests on the GPU
 #   vs NAME:FMT,... [bench_vs_llamacpp options]   edgellm cuda vs llama-bench on those models
+#   table13 [bench_webgpu options]  issue 13's table in one run (after build_llama_vk): webgpu, edgellm
+#                         cuda and llama.cpp Vulkan on the nine synthetic files and 1B/8B Q4_K_M (made
+#                         by the Vulkan build's llama-quantize); $OUT/table13*. 15-25 min on an H200:
+#                         run it under setsid and poll
 #   table17 [bench_vs_llamacpp options]  issue 17's table in one run (after build_llama): the nine
 #                         synthetic files (135M, 1B, 8B x F16, Q8_0, Q4_0), then 1B and 8B Q4_K_M
 #                         made by the build's llama-quantize from the F16 files; JSON in
@@ -146,7 +150,7 @@ build_llama_vk)
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF >"$W/cmake_vk.log" 2>&1 || { tail -20 "$W/cmake_vk.log"; exit 1; }
   grep 'by glslc' "$W/cmake_vk.log"
-  cmake --build "$W/lbvk" -j"${JOBS:-16}" --target llama-bench >"$W/build_vk.log" 2>&1 || { tail -30 "$W/build_vk.log"; exit 1; }
+  cmake --build "$W/lbvk" -j"${JOBS:-16}" --target llama-bench llama-quantize >"$W/build_vk.log" 2>&1 || { tail -30 "$W/build_vk.log"; exit 1; }
   touch "$W/llama_vk.done"
   ;;
 wait_llama_vk)
@@ -219,6 +223,27 @@ vs)
   for item in ${1//,/ }; do models+=("$(model_path "$item")"); done
   shift
   python3 "$ROOT/benchmarks/bench_vs_llamacpp.py" --llama-bench "$W/lb/bin/llama-bench" "${models[@]}" "$@"
+  ;;
+table13)
+  # issue 13's table in one run (after build_llama_vk; the .gl/ debs unpacked into / and
+  # VK_DRIVER_FILES set, as for the webgpu backend): webgpu, edgellm cuda and llama.cpp's Vulkan
+  # build on the nine synthetic files (135M, 1B, 8B x Q4_0, Q8_0, F16), then 1B and 8B Q4_K_M made by
+  # the Vulkan build's llama-quantize from the F16 files; the default model's check first. Extra
+  # arguments go to bench_webgpu.py (e.g. --set EDGELLM_WEBGPU_INT8=1). JSON and text in $OUT/table13*;
+  # 15-25 min on an H200: run it under setsid and poll
+  lbvk=$W/lbvk/bin
+  python3 "$ROOT/benchmarks/bench_webgpu.py" --models smollm2-135m,llama-3.2-1b,llama-3.1-8b --formats Q4_0,Q8_0,F16 \
+    --skip gemv,gemm -p 512 -n 128 -r 3 --bandwidth "${BANDWIDTH:-4.4e12}" --cuda --llama-bench "$lbvk/llama-bench" \
+    --model-dir "$W/models" --json "$OUT/table13_plain.json" "$@" 2>&1 | tee "$OUT/table13_plain.txt"
+  kq=()
+  for name in llama-3.2-1b llama-3.1-8b; do
+    f16=$W/models/$name-F16.gguf q=$W/models/$name-Q4_K_M.gguf
+    [ -e "$q" ] || "$lbvk/llama-quantize" "$f16" "$q" Q4_K_M >"$OUT/quantize_$name.txt" 2>&1 || { tail -3 "$OUT/quantize_$name.txt"; continue; }
+    kq+=(--file "$q")
+  done
+  python3 "$ROOT/benchmarks/bench_webgpu.py" --models "" --skip check,gemv,gemm -p 512 -n 128 -r 3 \
+    --bandwidth "${BANDWIDTH:-4.4e12}" --cuda --llama-bench "$lbvk/llama-bench" "${kq[@]}" \
+    --json "$OUT/table13_kquants.json" "$@" 2>&1 | tee "$OUT/table13_kquants.txt"
   ;;
 table17)
   for part in "smollm2-135m,llama-3.2-1b,llama-3.1-8b F16,Q8_0,Q4_0 plain" "llama-3.2-1b,llama-3.1-8b Q4_K_M kquants"; do
