@@ -138,8 +138,8 @@ def gemv_section(formats: list[str], shapes: list[tuple[int, int]], bw: float, t
     rng = np.random.default_rng(0)
     rows_out = []
     for fmt in formats:
-        int8 = bool(tuning.default_gemv_config(dev, 4096, fmt).get("int8"))  # EDGELLM_WEBGPU_INT8=1
-        cands = tuning.gemv_candidates(dev, int8=int8) if tune else []
+        d = tuning.default_gemv_config(dev, 4096, fmt)  # int8 with EDGELLM_WEBGPU_INT8=1 or 2
+        cands = tuning.gemv_candidates(dev, int8=bool(d.get("int8")), planes=d.get("planes", 1)) if tune else []
         for n_out, n_in in shapes:
             row = {"fmt": fmt, "shape": f"{n_out}x{n_in}"}
             try:

@@ -174,14 +174,19 @@ def _unit_dot(fmt: str, q: str, x: str, d: str, m: str) -> str:
 INT8_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q6", "Q6M")  # gemv_warp's int8 activations
 
 
-def _unit_dot_int8(fmt: str, q: str, x: str, d: str, m: str) -> str:
+def _unit_dot_int8(fmt: str, q: str, x: str, d: str, m: str, planes: int = 1) -> str:
     """WGSL expression: one 16-byte unit `q` of quants dotted with int8 x by packed dot products
     (x + "q" the unit's 16 codes for Q8_0, whose unit is half a block; else x + "l", x + "h" the
     block's first and second 16, x + "s" their integer sums), times x's block scale x + "d". A
     4-bit or 6-bit code (0..15, 0..63) is a non-negative int8 as it stands; its offset (8, 32)
-    and a minimum (Q4_1, Q6M) multiply the codes' sums, so the only float work is per block."""
+    and a minimum (Q4_1, Q6M) multiply the codes' sums, so the only float work is per block.
+    planes 2: x is 254 * (its first plane's codes) + (the second's, x + "q2" etc.), each dot
+    product taken over both planes and combined in 32-bit integers."""
     def dots(words: list[str], xs: str) -> str:
-        return " + ".join(f"dot4I8Packed({wd}, {xs}.{c})" for wd, c in zip(words, "xyzw"))
+        one = " + ".join(f"dot4I8Packed({wd}, {xs}.{c})" for wd, c in zip(words, "xyzw"))
+        if planes == 1:
+            return one
+        return f"254 * ({one}) + " + " + ".join(f"dot4I8Packed({wd}, {xs}2.{c})" for wd, c in zip(words, "xyzw"))
     if fmt == "Q8_0":
         return f"f32({dots([f'{q}.{c}' for c in 'xyzw'], x + 'q')}) * ({d} * {x}d)"
     if fmt in ("Q4_0", "Q4_1"):
@@ -201,7 +206,7 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
               norm: str | None = None, eps: float = 1e-6, stage: bool = False, rows_per_wg: int | None = None,
               rope: "RopeFold | None" = None, combine: tuple[int, ...] | None = None,
               embed: WeightDesc | None = None, pipeline: bool = False, split: int = 1, int8: bool = False,
-              dtypes: dict | None = None) -> WarpKernel:
+              planes: int = 1, dtypes: dict | None = None) -> WarpKernel:
     """The decode GEMV as one subgroup (sg lanes, a GPU's warp) per `rows_per_warp` output features:
     the lanes stride along the rows in 16-byte units of quants (a warp reads 16 * sg contiguous
     bytes per row per unit: coalesced), each lane issuing the loads of `unroll` units (and their
@@ -260,7 +265,9 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
     taken from the quants by masks and shifts): a quarter of the f32 staging's workgroup-memory
     traffic and of its bytes, and no per-element float conversion (4 instructions per weight
     byte for Q8_0's float path, 8 for Q4_0's; the integer path's about 0.5 and 0.6). Activations
-    are rounded to 8 bits: results differ from the float path by that rounding."""
+    are rounded to 8 bits: results differ from the float path by that rounding. planes 2: a
+    second int8 plane holds each block's rounding residual (x = d / 254 * (254 q1 + q2), the
+    residual's step 1/254 of the first's), twice the dot products for about 16-bit activations."""
     R, U, LN = rows_per_warp, unroll, sg * split  # LN lanes per group of R rows
     if split < 1 or wg % LN or (rows_per_wg is not None and rows_per_wg != wg // LN * R):
         raise ValueError(f"gemv_warp: workgroup {wg}, subgroup {sg}, {split} subgroups per {R} rows, "
@@ -279,6 +286,8 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
                          f"features (got {n_out} for {rope})")
     if stage and w.cols % 32:
         raise ValueError(f"gemv_warp: staging x needs rows of a multiple of 32 elements, not {w.cols}")
+    if planes not in (1, 2) or (planes == 2 and not int8):
+        raise ValueError(f"gemv_warp: int8 activations in 1 or 2 planes, not {planes} (int8 {int8})")
     if int8 and (w.fmt not in INT8_FORMATS or not stage):
         raise ValueError(f"gemv_warp: int8 activations need a weight in {', '.join(INT8_FORMATS)} and x staged "
                          f"(got {w.fmt}, stage {stage})")
@@ -351,9 +360,16 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
         vals = " ".join(xfn.format(n=f"v_{i}", c=f"8u * b + {i}u").replace("let x", "let ", 1) for i in range(8))
         amax = "max(" * 7 + "amax4(v_0)" + "".join(f", amax4(v_{i}))" for i in range(1, 8))
         packs = ", ".join(f"pack4x8snorm(v_{i} * inv_d)" for i in range(8))
-        sums = ""
+        sums = second = ""
+        if planes == 2:  # the residual of each element's rounding, in steps of 1/254 of the first's
+            res = ", ".join(f"pack4x8snorm((v_{i} - d1_ * vec4<f32>(unpack4xI8(p_[{i}]))) * (254.0 * inv_d))" for i in range(8))
+            second = (f"\n            let r_ = array<u32, 8>({res});\n"
+                      "            xq2[2u * b] = vec4<u32>(r_[0], r_[1], r_[2], r_[3]); "
+                      "xq2[2u * b + 1u] = vec4<u32>(r_[4], r_[5], r_[6], r_[7]);")
         if fmt != "Q8_0":  # the integer sums of each half block's codes (the formats' offsets and minimums)
             half = ["dot4I8Packed(p_[{}], 0x01010101u)".format(i) for i in range(8)]
+            if planes == 2:
+                half = [f"254 * {h} + dot4I8Packed(r_[{i}], 0x01010101u)" for i, h in enumerate(half)]
             sums = (f"\n            xsum[b] = vec2<i32>({' + '.join(half[:4])},\n"
                     f"                                {' + '.join(half[4:])});")
         prologue += f"""
@@ -363,9 +379,10 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
             {vals}
             let m_ = {amax};
             let inv_d = select(0.0, 1.0 / m_, m_ > 0.0);
-            xd[b] = m_ / 127.0;
+            let d1_ = m_ / 127.0;
+            xd[b] = d1_{"" if planes == 1 else " / 254.0"};
             let p_ = array<u32, 8>({packs});
-            xq[2u * b] = vec4<u32>(p_[0], p_[1], p_[2], p_[3]); xq[2u * b + 1u] = vec4<u32>(p_[4], p_[5], p_[6], p_[7]);{sums}
+            xq[2u * b] = vec4<u32>(p_[0], p_[1], p_[2], p_[3]); xq[2u * b + 1u] = vec4<u32>(p_[4], p_[5], p_[6], p_[7]);{second}{sums}
         }}
     }}
     workgroupBarrier();"""
@@ -421,12 +438,14 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
         body_l.append(f"            if (v + {u * LN}u < UNITS) {{")
         if int8:
             if fmt == "Q8_0":  # a unit is half a block
-                body_l.append(f"                let x{u}_q = xq[v{u}]; let x{u}_d = xd[v{u} >> 1u];")
+                body_l.append(f"                let x{u}_q = xq[v{u}]; let x{u}_d = xd[v{u} >> 1u];"
+                              + (f" let x{u}_q2 = xq2[v{u}];" if planes == 2 else ""))
             else:  # a unit is a block: its first and second 16 x codes, their scale and sums
                 body_l.append(f"                let x{u}_l = xq[2u * v{u}]; let x{u}_h = xq[2u * v{u} + 1u]; "
-                              f"let x{u}_d = xd[v{u}]; let x{u}_s = xsum[v{u}];")
+                              f"let x{u}_d = xd[v{u}]; let x{u}_s = xsum[v{u}];"
+                              + (f" let x{u}_l2 = xq2[2u * v{u}]; let x{u}_h2 = xq2[2u * v{u} + 1u];" if planes == 2 else ""))
             for j, (acc, _) in enumerate(rws):
-                body_l.append(f"                {acc} += {_unit_dot_int8(fmt, f'q{j}_{u}', f'x{u}_', f'd{j}_{u}', f'm{j}_{u}')};")
+                body_l.append(f"                {acc} += {_unit_dot_int8(fmt, f'q{j}_{u}', f'x{u}_', f'd{j}_{u}', f'm{j}_{u}', planes)};")
             body_l.append("            }")
             continue
         body_l += ["                " + xfn.format(n=f"{u}_{i}", c=f"v{u} * {per}u + {i}u") for i in range(per)]
@@ -515,6 +534,7 @@ ${STORES}
                 NDECL=(f"var<workgroup> nred: array<f32, {wg}>;" if norm else "")
                 + (f"\nvar<workgroup> xq: array<vec4<u32>, {w.cols // 16}>;\nvar<workgroup> xd: array<f32, {w.cols // 32}>;\n"
                    + (f"var<workgroup> xsum: array<vec2<i32>, {w.cols // 32}>;\n" if fmt != "Q8_0" else "")
+                   + (f"var<workgroup> xq2: array<vec4<u32>, {w.cols // 16}>;\n" if planes == 2 else "")
                    + "fn amax4(v: vec4<f32>) -> f32 { let a = abs(v); return max(max(a.x, a.y), max(a.z, a.w)); }"
                    if int8 else f"\nvar<workgroup> xs: array<vec4<f32>, {w.cols // 4}>;" if stage else ""),
                 ROPE=(rope.wgsl() if rope is not None else "") + (_combine_wgsl(*combine) if combine else "") + tok,

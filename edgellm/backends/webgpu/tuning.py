@@ -6,27 +6,34 @@ from __future__ import annotations
 
 import os
 
+from ...errors import EdgeLLMError
 from .device import Device
 from .kernels import INT8_FORMATS
 
 
-def can_stage(dev: Device, cols: int | None, int8: bool = False) -> bool:
+def can_stage(dev: Device, cols: int | None, int8: bool = False, planes: int = 1) -> bool:
     """Whether a GEMV over rows of `cols` can stage x in workgroup memory (gemv_warp's stage;
-    int8: as int8 blocks with a scale and two sums each, 11 bytes per 8 elements instead of 32)."""
+    int8: as int8 blocks with a scale and two sums each, 11 bytes per 8 elements instead of 32,
+    8 more per 8 for a second plane)."""
     if cols is None or cols % 32:
         return False
-    return (11 * cols // 8 if int8 else 4 * cols) + 4096 <= dev.max_workgroup_memory
+    return ((3 + 8 * planes) * cols // 8 if int8 else 4 * cols) + 4096 <= dev.max_workgroup_memory
 
 
-def use_int8(dev: Device, cols: int | None, fmt: str | None) -> bool:
-    """Whether the default decode GEMV of a weight takes int8 activations (gemv_warp's int8):
-    EDGELLM_WEBGPU_INT8=1 for the formats of kernels.INT8_FORMATS whose x fits staged as int8."""
-    return (os.environ.get("EDGELLM_WEBGPU_INT8", "0") == "1" and fmt in INT8_FORMATS
-            and can_stage(dev, cols, int8=True))
+def int8_planes(dev: Device, cols: int | None, fmt: str | None) -> int:
+    """How many int8 planes of activations the default decode GEMV of a weight takes (gemv_warp's
+    int8 and planes; 0: float x): EDGELLM_WEBGPU_INT8=1 or 2 for the formats of
+    kernels.INT8_FORMATS whose x fits staged so (2: about 16-bit activations, twice the dot
+    products); 0, the default, float."""
+    v = os.environ.get("EDGELLM_WEBGPU_INT8", "0")
+    if v not in ("0", "1", "2"):
+        raise EdgeLLMError(f"EDGELLM_WEBGPU_INT8={v!r}: expected 0 (float activations), 1 or 2 (int8 planes)")
+    n = int(v)
+    return n if n and fmt in INT8_FORMATS and can_stage(dev, cols, int8=True, planes=n) else 0
 
 
 def warp_config(dev: Device, rows_per_warp: int = 1, wg: int = 256, unroll: int = 2, stage: bool = False,
-                pipeline: bool = False, split: int = 1, int8: bool = False) -> dict:
+                pipeline: bool = False, split: int = 1, int8: bool = False, planes: int = 1) -> dict:
     """kernels.gemv_warp's configuration: one subgroup per `rows_per_warp` features (32 lanes
     reducing in workgroup memory where the adapter's subgroup size is unknown)."""
     sub = dev.subgroup_size
@@ -39,6 +46,8 @@ def warp_config(dev: Device, rows_per_warp: int = 1, wg: int = 256, unroll: int 
         cfg["split"] = split
     if int8:
         cfg["int8"] = True
+        if planes > 1:
+            cfg["planes"] = planes
     return cfg
 
 
@@ -48,9 +57,9 @@ def default_gemv_config(dev: Device, cols: int | None = None, fmt: str | None = 
     the largest), 2 for the others (the tuner's picks on the H100, 2026-11-24:
     benchmarks/bench_webgpu.py gemv section), x staged in workgroup memory where it fits
     (EDGELLM_WEBGPU_STAGE=0: read from the storage buffer). EDGELLM_WEBGPU_GEMV=block or
-    warp:ROWS:WG:UNROLL[:stage][:pipe][:splitS][:int8] overrides (benchmarks compare them; int8:
-    the formats of kernels.INT8_FORMATS take int8 activations, gemv_warp's int8, x staged; F16
-    ignores it).
+    warp:ROWS:WG:UNROLL[:stage][:pipe][:splitS][:int8|:int8x2] overrides (benchmarks compare them;
+    int8: the formats of kernels.INT8_FORMATS take int8 activations, gemv_warp's int8, x staged, in
+    two planes with int8x2; F16 ignores it).
     On a software adapter, kernels.gemv with 2 threads per feature: lavapipe runs a workgroup
     barrier as a switch between all its SIMD batches, and fewer threads per feature mean fewer
     reduction steps (1536x576 Q8_0 GEMV, 2 cores: 32 threads per feature with barriers 14.8 ms,
@@ -62,14 +71,16 @@ def default_gemv_config(dev: Device, cols: int | None = None, fmt: str | None = 
     if want.startswith("warp:") and (cols is None or cols % 4 == 0):
         _, r, wg, u, *flags = want.split(":")
         split = next((int(f[5:]) for f in flags if f.startswith("split")), 1)
-        int8 = "int8" in flags and fmt in INT8_FORMATS and can_stage(dev, cols, int8=True)
+        planes = 2 if "int8x2" in flags else 1
+        int8 = bool({"int8", "int8x2"} & set(flags)) and fmt in INT8_FORMATS and can_stage(dev, cols, True, planes)
         stage = int8 or ("stage" in flags and can_stage(dev, cols))
-        return warp_config(dev, int(r), int(wg), int(u), stage, "pipe" in flags, split, int8)
+        return warp_config(dev, int(r), int(wg), int(u), stage, "pipe" in flags, split, int8, planes)
     if want != "block" and (cols is None or cols % 4 == 0):
         four_bit = fmt in ("Q4_0", "Q4_1")
-        int8 = use_int8(dev, cols, fmt)
-        stage = int8 or (os.environ.get("EDGELLM_WEBGPU_STAGE", "1") == "1" and can_stage(dev, cols))
-        return warp_config(dev, 4 if four_bit else 2, 256, 2 if four_bit else 1, stage, int8=int8)
+        planes = int8_planes(dev, cols, fmt)
+        stage = bool(planes) or (os.environ.get("EDGELLM_WEBGPU_STAGE", "1") == "1" and can_stage(dev, cols))
+        return warp_config(dev, 4 if four_bit else 2, 256, 2 if four_bit else 1, stage, int8=bool(planes),
+                           planes=max(planes, 1))
     wg = 128
     if dev.subgroup_size:
         tpr = min(32, dev.subgroup_size)
@@ -77,15 +88,16 @@ def default_gemv_config(dev: Device, cols: int | None = None, fmt: str | None = 
     return {"wg": wg, "rows_per_wg": 4, "subgroup": False}
 
 
-def gemv_candidates(dev: Device, int8: bool = False) -> list[dict]:
+def gemv_candidates(dev: Device, int8: bool = False, planes: int = 1) -> list[dict]:
     """kernels.gemv_warp with 1, 2 or 4 rows per subgroup and 1, 2 or 4 units loaded ahead, x
     staged or not; with 2, 4 or 8 subgroups per row group, 1 or 2 units ahead; then kernels.gemv:
     workgroup size x threads per feature group (TPR) x features per thread (each thread reads a
     block of x once for that many features): 66 configurations. int8: gemv_warp with int8
-    activations alone (the same numerics whichever wins), 1, 2 or 4 rows per subgroup, 1, 2 or 4
-    units ahead, 1 or 2 subgroups per row group: 18."""
+    activations alone in `planes` planes (the same numerics whichever wins), 1, 2 or 4 rows per
+    subgroup, 1, 2 or 4 units ahead, 1 or 2 subgroups per row group: 18."""
     if int8:
-        return [warp_config(dev, r, 256, u, True, split=sp, int8=True) for r in (1, 2, 4) for u in (1, 2, 4) for sp in (1, 2)]
+        return [warp_config(dev, r, 256, u, True, split=sp, int8=True, planes=planes)
+                for r in (1, 2, 4) for u in (1, 2, 4) for sp in (1, 2)]
     out = [warp_config(dev, r, 256, u, st) for r in (1, 2, 4) for u in (1, 2, 4) for st in (False, True)]
     out += [warp_config(dev, r, 256, u, split=sp) for sp in (2, 4, 8) for r in (1, 2, 4) for u in (1, 2)]
     for wg in (64, 128, 256):
@@ -112,8 +124,9 @@ def gemv_config(dev: Device, w, n_out: int, glu: bool = False) -> dict:
     key = (w.fmt, n_out, w.cols, "glu" if glu else "plain")
     tuner = _tuner(dev)
     if default.get("int8"):  # int8 activations: their variants alone
-        key += ("int8",)
-        cands = gemv_candidates(dev, int8=True)
+        planes = default.get("planes", 1)
+        key += ("int8",) if planes == 1 else (f"int8x{planes}",)
+        cands = gemv_candidates(dev, int8=True, planes=planes)
     else:
         cands = [c for c in gemv_candidates(dev) if c.get("kind") != "warp" or (w.cols % 4 == 0 and (not c["stage"] or can_stage(dev, w.cols)))]
     return tuner.pick("webgpu_gemv_v3", key, cands, default, lambda cfg: _time_gemv(dev, w, n_out, glu, cfg))
