@@ -209,16 +209,21 @@ def test_gemv_warp_folded_norm(dev, rng, fmt, norm, glu, stage, pipeline, split)
     ("Q8_0", None, 2, 1, 1, 1), ("Q8_0", "add_rms", 3, 1, 2, 1), ("Q8_0", None, 1, 4, 2, 1), ("Q8_0", "rms", 2, 2, 1, 1),
     ("Q4_0", None, 4, 1, 2, 1), ("Q4_0", "add_rms", 2, 2, 1, 1), ("Q4_1", "rms", 3, 1, 2, 1), ("Q6_K", None, 2, 1, 1, 1),
     ("Q5_1", "add_rms", 2, 2, 2, 1), ("Q8_0", "add_rms", 2, 1, 2, 2), ("Q4_0", None, 4, 2, 1, 2),
-    ("Q4_1", "rms", 3, 1, 2, 2), ("Q6_K", None, 2, 1, 1, 2), ("Q5_1", None, 1, 1, 2, 2)])
+    ("Q4_1", "rms", 3, 1, 2, 2), ("Q6_K", None, 2, 1, 1, 2), ("Q5_1", None, 1, 1, 2, 2),
+    ("Q4_0", "add_rms", 2, 1, 1, -1), ("Q8_0", None, 2, 1, 2, -2)])
 def test_gemv_warp_int8_activations(dev, rng, fmt, norm, rows_per_warp, split, unroll, planes):
     """x staged as int8 blocks (gemv_warp's int8; Q6_K as the Q6 layout, Q5_1 as Q6M): against
     numpy computing the same thing (x, or its RMSNorm, rounded per 32-block to amax / 127 steps
     as pack4x8snorm does, and with planes 2 the residual rounded to steps 254 times finer, times
     the dequantized weight, in float64), much closer to that than to the float product, which
     it must still approximate (two planes: within 1/100 of one plane's error of it); 77
-    features, 1,056 inputs (33 blocks; 1,280 for Q6_K's super-blocks), 3 rows."""
+    features, 1,056 inputs (33 blocks; 1,280 for Q6_K's super-blocks), 3 rows. x is staged a vec4
+    a thread with the block's maximum and sums shuffled between its 8 lanes; planes -1, -2: one
+    or two planes without subgroups (a block a thread, sums in workgroup memory)."""
     if not dev.subgroup_size:
         pytest.skip("the adapter's subgroup size is unknown")
+    subgroup = planes > 0
+    planes = abs(planes)
     rows, n_out, k = 3, 77, cols_for(fmt, 1056)
     raw, dense = quantized(rng, n_out, k, fmt)
     packed = codegen.repack(raw, fmt, dense.shape)
@@ -249,7 +254,8 @@ def test_gemv_warp_int8_activations(dev, rng, fmt, norm, rows_per_warp, split, u
     exact = x @ dense.astype(np.float64).T
     sg = min(32, dev.subgroup_size)
     kern = kernels.gemv_warp(w.desc(), n_out, "step.seq", rows_per_warp=rows_per_warp, wg=4 * sg * split, sg=sg,
-                             unroll=unroll, stage=True, int8=True, norm=norm, eps=1e-5, split=split, planes=planes)
+                             unroll=unroll, stage=True, int8=True, norm=norm, eps=1e-5, split=split, planes=planes,
+                             subgroup=subgroup)
     L = Launch(dev, kern, bufs)
     L.set_step(seq=rows)
     L.run((-(-n_out // kern.rows_per_group), 1, rows))

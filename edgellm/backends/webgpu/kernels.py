@@ -267,7 +267,10 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
     byte for Q8_0's float path, 8 for Q4_0's; the integer path's about 0.5 and 0.6). Activations
     are rounded to 8 bits: results differ from the float path by that rounding. planes 2: a
     second int8 plane holds each block's rounding residual (x = d / 254 * (254 q1 + q2), the
-    residual's step 1/254 of the first's), twice the dot products for about 16-bit activations."""
+    residual's step 1/254 of the first's), twice the dot products for about 16-bit activations.
+    With subgroups of 8 lanes or more, x is staged a vec4 a thread, a block's maximum and code
+    sums shuffled between its 8 lanes (every thread busy, where a block a thread keeps K / 32 of
+    them: the folded split merge's and norm's loads then run on a quarter of the threads)."""
     R, U, LN = rows_per_warp, unroll, sg * split  # LN lanes per group of R rows
     if split < 1 or wg % LN or (rows_per_wg is not None and rows_per_wg != wg // LN * R):
         raise ValueError(f"gemv_warp: workgroup {wg}, subgroup {sg}, {split} subgroups per {R} rows, "
@@ -356,7 +359,40 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
     else:
         xfn = "let x{n} = X_ld4(xb + {c});"
         prologue = ""
-    if int8:  # x into workgroup memory as int8 blocks of 32 with a scale each
+    if int8 and subgroup and sg >= 8:  # int8 blocks staged a vec4 a thread, 8 lanes a block
+        value = xfn.format(n="v_", c="cc").replace("let x", "let ", 1)  # "let v_ = <x at cc>;"
+        resid = sum2 = store2 = ""
+        if planes == 2:
+            resid = "\n            let r_ = pack4x8snorm((v_ - (m_ / 127.0) * vec4<f32>(unpack4xI8(p_))) * (254.0 * inv_d));"
+            sum2 = " * 254 + dot4I8Packed(r_, 0x01010101u)"
+            store2 = " xq2[2u * b + j / 4u][j % 4u] = r_;"
+        sums = ""
+        if fmt != "Q8_0":  # each half block's code sum: its 4 lanes' sums added by shuffles
+            sums = f"""
+            var s_ = dot4I8Packed(p_, 0x01010101u){sum2};
+            s_ += subgroupShuffleXor(s_, 1u); s_ += subgroupShuffleXor(s_, 2u);"""
+        prologue += f"""
+    if (t < ${{ROWS_EXPR}}) {{
+        let xb = t * (K / 4u);
+        for (var i = 0u; i < {-(-(w.cols // 4) // wg)}u; i++) {{  // a constant count: the shuffles in uniform control flow
+            let c = lid + i * WG;
+            let cc = min(c, K / 4u - 1u);  // lanes past K / 4 (whole groups of 8: K is a multiple of 32) compute, not store
+            {value}
+            var m_ = amax4(v_);
+            m_ = max(m_, subgroupShuffleXor(m_, 1u)); m_ = max(m_, subgroupShuffleXor(m_, 2u));
+            m_ = max(m_, subgroupShuffleXor(m_, 4u));
+            let inv_d = select(0.0, 1.0 / m_, m_ > 0.0);
+            let p_ = pack4x8snorm(v_ * inv_d);{resid}{sums}
+            let b = cc / 8u; let j = cc % 8u;
+            if (c < K / 4u) {{
+                xq[2u * b + j / 4u][j % 4u] = p_;{store2}
+                if (j == 0u) {{ xd[b] = m_ / {"127.0" if planes == 1 else "32258.0"}; }}
+                {"if (j % 4u == 0u) { xsum[b][j / 4u] = s_; }" if fmt != "Q8_0" else ""}
+            }}
+        }}
+    }}
+    workgroupBarrier();"""
+    elif int8:  # x into workgroup memory as int8 blocks of 32 with a scale each, a block a thread
         vals = " ".join(xfn.format(n=f"v_{i}", c=f"8u * b + {i}u").replace("let x", "let ", 1) for i in range(8))
         amax = "max(" * 7 + "amax4(v_0)" + "".join(f", amax4(v_{i}))" for i in range(1, 8))
         packs = ", ".join(f"pack4x8snorm(v_{i} * inv_d)" for i in range(8))
