@@ -16,26 +16,26 @@ pytestmark = pytest.mark.skipif(cpu_native.library() is None,
                                 reason=f"native kernels not built here: {cpu_native.unavailable()}")
 
 
-def _offsets(raw: np.ndarray, fmt: str, n: int, k: int) -> np.ndarray:
-    """Each block's offset m (w = d q + m): 0 for Q8_0, -8 d for Q4_0, the stored m for Q4_1."""
-    blocks = np.ascontiguousarray(raw).reshape(n, k // 32, -1)
-    if fmt == "Q8_0":
-        return np.zeros((n, k // 32))
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
-    return -8 * d if fmt == "Q4_0" else blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
-
-
-def _native_bound(x: np.ndarray, wq: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+def _native_bound(x: np.ndarray, wq: np.ndarray) -> np.ndarray:
     """The input is quantized per block of 32 to int8 with step amax/127: each element moves by at
-    most amax/254, and only the scaled codes d q (w less the block's offset, which multiplies the
-    exact float sum of the block's inputs) meet the rounded input, so a product moves by at most
-    sum over blocks of amax_b/254 * sum_b |w - m_b| (the integer block sums are exact; float32
-    accumulation adds ~1e-6 relative)."""
+    most amax/254, and the rounded input meets the whole weight (its block offsets take the rounded
+    block sums), so a product moves by at most sum over blocks of amax_b/254 * sum_b |w| (the
+    integer block sums are exact; float32 accumulation adds ~1e-6 relative)."""
     m, k = x.shape
     n = wq.shape[0]
     step = np.abs(x).reshape(m, k // 32, 32).max(-1) / 254
-    scaled = np.abs(wq.reshape(n, k // 32, 32) - offsets[..., None]).sum(-1)
-    return step @ scaled.T + 1e-5 * (np.abs(x) @ np.abs(wq).T) + 1e-5 * (np.abs(x) @ np.abs(wq - np.repeat(offsets, 32, 1)).T) + 1e-7
+    scaled = np.abs(wq.reshape(n, k // 32, 32)).sum(-1)
+    return step @ scaled.T + 1e-5 * (np.abs(x) @ np.abs(wq).T) + 1e-7
+
+
+def _rounded_input(x: np.ndarray) -> np.ndarray:
+    """x as the native kernels round it (float32: step amax/127, lrintf of x * 127/amax), in float64."""
+    m, k = x.shape
+    xb = x.reshape(m, k // 32, 32)
+    amax = np.abs(xb).max(-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127.0) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.rint((xb * inv).astype(np.float32))
+    return (q.astype(np.float64) * (amax / np.float32(127.0)).astype(np.float32)).reshape(m, k)
 
 
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1"])
@@ -64,8 +64,11 @@ def test_native_product_matches_dequantized_float64(fmt, n, k, cuts):
         y = prod(torch.from_numpy(x), out=out).numpy()
         assert np.isfinite(y).all()
         ref = x.astype(np.float64) @ wq.T
-        bound = _native_bound(x, wq, _offsets(raw, fmt, n, k))
+        bound = _native_bound(x, wq)
         assert (np.abs(y - ref) <= bound).all(), float((np.abs(y - ref) / bound).max())
+        # exactly the rounded input times the whole weight (the offsets on the rounded sums)
+        emu = _rounded_input(x) @ wq.T
+        assert (np.abs(y - emu) <= 2e-6 * (np.abs(x) @ np.abs(wq).T) + 1e-6).all(), float(np.abs(y - emu).max())
 
 
 def test_native_product_rejects_wrong_shapes():

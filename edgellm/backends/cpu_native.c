@@ -63,7 +63,11 @@ static inline float f16_to_f32(uint16_t h) {
 }
 
 /* x [m][k] float32 -> q [m][k] int8 and d [m][k/32] float32 (k a multiple of 32); with sums not
- * NULL also each block's float sum of x [m][k/32] (the 4-bit formats' offset term). */
+ * NULL also each block's sum [m][k/32] of its rounded values, d times the codes' sum (the 4-bit
+ * formats' offset term). The rounded sum, not x's own: a product then takes the rounded x times the
+ * whole weight w = d_w q + offset, whose values center near zero, where x's own sum would leave the
+ * rounding errors on d_w q alone (codes 0..15, all of one sign): about twice the error, on the
+ * default model's Q4_1 projections and in its logits (teacher-forced top-1 91% against 96%). */
 void edgellm_quantize_q8(const float *x, int64_t m, int64_t k, int8_t *q, float *d, float *sums) {
     const int64_t nb = k / QK;
     for (int64_t t = 0; t < m; t++) {
@@ -76,15 +80,14 @@ void edgellm_quantize_q8(const float *x, int64_t m, int64_t k, int8_t *q, float 
             }
             const float s = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
             d[t * nb + b] = s;
-            if (sums) {
-                float acc = 0.0f;
-                for (int i = 0; i < QK; i++)
-                    acc += xs[i];
-                sums[t * nb + b] = acc;
-            }
             int8_t *qs = q + t * k + b * QK;
-            for (int i = 0; i < QK; i++)
+            int32_t codes = 0;
+            for (int i = 0; i < QK; i++) {
                 qs[i] = (int8_t)lrintf(xs[i] * inv);
+                codes += qs[i];
+            }
+            if (sums)
+                sums[t * nb + b] = s * (float)codes;
         }
     }
 }
