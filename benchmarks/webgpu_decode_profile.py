@@ -105,19 +105,16 @@ def host_breakdown(dec, dev, n: int, tokens: int = 32) -> None:
     if flat is None:
         print("host breakdown: no replayed dispatch list (host ops, or EDGELLM_WEBGPU_RAW=0)")
         return
-    sp, sb, dw, null = B._RAW
+    from edgellm.backends.webgpu.launch import replay_dispatches
+
     parts = []
     for j in range(tokens):
         dec._write_step(1, n + j, hist=j)
         t0 = time.perf_counter()
         enc = dev.device.create_command_encoder()
         cpass = enc.begin_compute_pass()
-        c = cpass._internal
         t1 = time.perf_counter()
-        for p, b, x, y, z in flat:
-            sp(c, p)
-            sb(c, 0, b, 0, null)
-            dw(c, x, y, z)
+        replay_dispatches(cpass, flat, B._RAW)
         t2 = time.perf_counter()
         cpass.end()
         t3 = time.perf_counter()

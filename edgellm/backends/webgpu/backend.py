@@ -41,7 +41,7 @@ from ..info import WebgpuInfo
 from . import codegen, kernels
 from .device import Device, get_device
 from .launch import grid2 as _grid2
-from .launch import encode_dispatch, raw_pass_functions
+from .launch import encode_dispatch, raw_pass_functions, replay_dispatches
 
 GEMV_MAX_ROWS = 4  # steps of at most this many tokens use the matrix-vector kernel
 SPLIT_KEYS = 64  # decode attention: one split per this many cached keys ...
@@ -802,7 +802,7 @@ class WebgpuProgram:
         if _RAW is None or self._has_host_ops:
             return None
         gen = self.backend.arena_gen
-        if self._flat_key != (gen, chooser):  # (the chooser compared by identity: it is held here)
+        if self._flat_key != (gen, chooser):  # a new arena, or another chooser (held here, so its id stays its own)
             self._flat_cache, self._flat_key = {}, (gen, chooser)
         key = (seq, splits, with_argmax)
         flat = self._flat_cache.get(key)
@@ -826,12 +826,7 @@ class WebgpuProgram:
         if flat is not None:
             enc = dev.device.create_command_encoder()
             cpass = enc.begin_compute_pass()
-            c = cpass._internal
-            sp, sb, dw, null = _RAW
-            for p, b, x, y, z in flat:
-                sp(c, p)
-                sb(c, 0, b, 0, null)
-                dw(c, x, y, z)
+            replay_dispatches(cpass, flat, _RAW)
             cpass.end()
             dev.queue.submit([enc.finish()])
             return

@@ -161,6 +161,17 @@ def encode_dispatch(cpass, pipeline, bind_group, grid: tuple[int, int, int], raw
     cpass.dispatch_workgroups(x, y, z)
 
 
+def replay_dispatches(cpass, flat: list, raw) -> None:
+    """Dispatches given as (pipeline, bind group, x, y, z) of wgpu-native handles into a compute
+    pass, through raw_pass_functions' calls (a decode step's replayed list)."""
+    sp, sb, dw, null = raw
+    c = cpass._internal
+    for p, b, x, y, z in flat:
+        sp(c, p)
+        sb(c, 0, b, 0, null)
+        dw(c, x, y, z)
+
+
 def grid2(n: int, limit: int) -> tuple[int, int]:
     """n workgroups as (x, y) within the per-dimension limit (kernels flatten wid.x + wid.y * nwg.x)."""
     if n <= limit:
