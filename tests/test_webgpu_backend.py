@@ -464,9 +464,9 @@ def test_fp16_activations(models, adapter, monkeypatch):
 
 
 def test_int8_default_configuration(monkeypatch):
-    """EDGELLM_WEBGPU_INT8=1 turns int8 activations on in a GPU adapter's default GEMV for the
-    formats that have them and whose x fits staged as int8 (not F16, not rows too long for the
-    workgroup memory), with x staged; off by default; the tuner's int8 candidates are int8 alone."""
+    """A GPU adapter's default GEMV takes int8 activations in two planes for the formats that have
+    them and whose x fits staged so (not F16, not rows too long for the workgroup memory), with x
+    staged; EDGELLM_WEBGPU_INT8=1 one plane, 0 float x; the tuner's int8 candidates are int8 alone."""
     from types import SimpleNamespace
 
     from edgellm.backends.webgpu import tuning
@@ -474,6 +474,9 @@ def test_int8_default_configuration(monkeypatch):
     gpu = SimpleNamespace(info=SimpleNamespace(software=False), subgroup_size=32, max_workgroup_memory=48 * 1024)
     monkeypatch.delenv("EDGELLM_WEBGPU_GEMV", raising=False)
     monkeypatch.delenv("EDGELLM_WEBGPU_INT8", raising=False)
+    assert tuning.default_gemv_config(gpu, 4096, "Q8_0")["planes"] == 2
+    assert not tuning.default_gemv_config(gpu, 4096, "F16").get("int8")
+    monkeypatch.setenv("EDGELLM_WEBGPU_INT8", "0")
     assert not tuning.default_gemv_config(gpu, 4096, "Q8_0").get("int8")
     monkeypatch.setenv("EDGELLM_WEBGPU_INT8", "1")
     for fmt in ("Q8_0", "Q4_0", "Q4_1", "Q6", "Q6M"):

@@ -22,10 +22,13 @@ def can_stage(dev: Device, cols: int | None, int8: bool = False, planes: int = 1
 
 def int8_planes(dev: Device, cols: int | None, fmt: str | None) -> int:
     """How many int8 planes of activations the default decode GEMV of a weight takes (gemv_warp's
-    int8 and planes; 0: float x): EDGELLM_WEBGPU_INT8=1 or 2 for the formats of
-    kernels.INT8_FORMATS whose x fits staged so (2: about 16-bit activations, twice the dot
-    products); 0, the default, float."""
-    v = os.environ.get("EDGELLM_WEBGPU_INT8", "0")
+    int8 and planes; 0: float x) for the formats of kernels.INT8_FORMATS whose x fits staged so:
+    2 by default (about 16-bit activations, twice the dot products of one plane: the float path's
+    accuracy, 99.8% teacher-forced top-1 on the default model on lavapipe; on the H200 through
+    Vulkan, 2026-11-30, tg128 1B Q4_0 910.8 tok/s against 681.9 with float x and 947.7 with one
+    plane, 8B Q8_0 214.6 against 202.9 and 258.4), EDGELLM_WEBGPU_INT8=1 for one plane (faster,
+    95.7%: the default model's capital answer tips), 0 for float x."""
+    v = os.environ.get("EDGELLM_WEBGPU_INT8", "2")
     if v not in ("0", "1", "2"):
         raise EdgeLLMError(f"EDGELLM_WEBGPU_INT8={v!r}: expected 0 (float activations), 1 or 2 (int8 planes)")
     n = int(v)
