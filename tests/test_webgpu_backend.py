@@ -493,3 +493,49 @@ def test_int8_default_configuration(monkeypatch):
     monkeypatch.setenv("EDGELLM_WEBGPU_INT8", "yes")
     with pytest.raises(edgellm.errors.EdgeLLMError, match="EDGELLM_WEBGPU_INT8='yes'"):
         tuning.default_gemv_config(gpu, 4096, "Q8_0")
+
+
+@pytest.mark.parametrize("damage", [None, "flip", "truncate"])
+def test_converted_weights_are_cached_and_rebuilt_when_damaged(adapter, models, tmp_path, monkeypatch, damage):
+    """A K-quant file's converted weights (Q4_K as Q4_1, the mixed q|k|v stack in a six-bit layout)
+    go into the program cache at the first load; the next load uploads them without converting any
+    (codegen.repack is not called for a converted format) and gives the same logits as a load without
+    the cache; a damaged entry is detected, converted anew with the same logits, and rewritten. A file
+    whose weights are only sliced from its blocks (Q8_0) writes no entry."""
+    from edgellm.backends.webgpu import codegen
+
+    monkeypatch.setenv("EDGELLM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("EDGELLM_CACHE", raising=False)
+    path = models["mixed"]
+    ref = edgellm.load(path, backend="webgpu", ctx=64, cache=False).logits(PROMPT)
+    first = edgellm.load(path, backend="webgpu", ctx=64)
+    assert "weights" not in first.cache_hits
+    (entry,) = list((tmp_path / "cache" / "programs").rglob("weights.bin"))
+    if damage == "flip":
+        data = bytearray(entry.read_bytes())
+        data[len(data) - 100] ^= 0x01
+        entry.write_bytes(bytes(data))
+    elif damage == "truncate":
+        entry.write_bytes(entry.read_bytes()[: entry.stat().st_size // 2])
+    converted = []
+    real = codegen.repack
+
+    def counting(raw, fmt, shape):
+        if fmt.upper() not in ("F16", "Q8_0", "Q4_0", "Q4_1"):
+            converted.append(fmt)
+        return real(raw, fmt, shape)
+
+    monkeypatch.setattr(codegen, "repack", counting)
+    second = edgellm.load(path, backend="webgpu", ctx=64)
+    np.testing.assert_array_equal(second.logits(PROMPT), ref)
+    if damage is None:
+        assert "weights" in second.cache_hits and converted == []
+    else:
+        assert "weights" not in second.cache_hits and "Q4_K" in converted
+        converted.clear()
+        third = edgellm.load(path, backend="webgpu", ctx=64)  # the entry the second load rewrote
+        assert "weights" in third.cache_hits and converted == []
+        np.testing.assert_array_equal(third.logits(PROMPT), ref)
+    q8 = edgellm.load(models["Q8_0"], backend="webgpu", ctx=64)
+    assert "weights" not in q8.cache_hits
+    assert len(list((tmp_path / "cache" / "programs").rglob("weights.bin"))) == 1

@@ -153,35 +153,109 @@ class DeviceWeight:
 
 
 class WebgpuWeights:
-    """Weights on the device in descriptor layouts, converted on first use, shared by all programs."""
+    """Weights on the device in descriptor layouts, converted on first use, shared by all programs.
+
+    Weights whose layout is not the file's own (K-quants, Q5_0/Q5_1, F32/BF16, stacks of mixed
+    formats: conversions in numpy and torch that take most of an 8B K-quant file's load) are kept
+    as host arrays until save() hands them to the program cache; restore() adopts a cached set
+    (memory-mapped), so a later load of the same file uploads them without converting."""
 
     def __init__(self, f: GGUFFile, dev: Device):
         self.file, self.dev = f, dev
         self._mats: dict[tuple[str, ...], DeviceWeight] = {}
         self._vectors: dict[tuple[str, ...], object] = {}
+        self._cached: dict[tuple[str, ...], codegen.PackedArrays] = {}  # from the program cache
+        self._built: dict[tuple[str, ...], codegen.PackedArrays] = {}  # converted by this load
+        self.keep_converted = False  # hold converted weights for save() (set when a cache is attached)
+        self._pending: dict[tuple[str, ...], object] = {}  # conversions running in threads (prefetch)
 
     def matrix(self, *names: str) -> DeviceWeight:
         w = self._mats.get(names)
         if w is None:
-            parts = []
-            for n in names:
-                t = self.file.tensors[n]
-                if len(t.shape) != 2:
-                    raise GraphError(f"webgpu: weight '{n}' has shape {t.shape}, expected 2-D")
-                parts.append(codegen.repack(np.asarray(t.data), t.type_name, tuple(t.shape)))
-            if len({p.fmt for p in parts}) > 1:
-                # mixed formats (Q4_K_M files: q, k Q4_K as Q4_1, v Q6_K as Q6): one six-bit layout
-                # that holds each part's values exactly
-                parts = codegen.unify_six_bit(parts) or parts
-            if len({p.fmt for p in parts}) > 1 and all(p.cols % 8 == 0 for p in parts):
-                # else as F16 from the file's own values (not from a Q8_0 requantization of them)
-                from ...quant import dequantize
-
-                parts = [codegen.pack_float(np.asarray(dequantize(self.file.tensors[n].data, self.file.tensors[n].type_name,
-                                                                  self.file.tensors[n].shape), np.float32), "F16")
-                         for n in names]
-            w = self._mats[names] = DeviceWeight(codegen.stack(parts), self.dev)
+            p = self._cached.get(names)
+            if p is None:
+                fut = self._pending.pop(names, None)
+                p, converted = fut.result() if fut is not None else self._pack(names)
+                if converted and self.keep_converted:
+                    self._built[names] = p
+            w = self._mats[names] = DeviceWeight(p, self.dev)
         return w
+
+    def prefetch(self, sets: list[tuple[str, ...]]) -> None:
+        """Start converting these weight sets in threads, ahead of the matrix() calls that take
+        them (numpy and torch release the GIL in their loops: an 8B K-quant file's conversions on
+        the host's cores at once, not one after another). Sets already held, or in the file's own
+        layouts (sliced, not converted), are left to matrix()."""
+        own = ("F16", "Q8_0", "Q4_0", "Q4_1")
+        todo = [n for n in dict.fromkeys(sets)
+                if n not in self._mats and n not in self._cached and n not in self._pending
+                and all(x in self.file.tensors for x in n)
+                and any(self.file.tensors[x].type_name.upper() not in own for x in n)]
+        workers = min(8, os.cpu_count() or 1)
+        if len(todo) < 2 or workers < 2:
+            return
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="edgellm-convert")
+        for n in todo:
+            self._pending[n] = pool.submit(self._pack, n)
+        pool.shutdown(wait=False)
+
+    def _pack(self, names: tuple[str, ...]) -> tuple[codegen.PackedArrays, bool]:
+        """The named weights stacked by rows in one descriptor layout, and whether any was converted
+        from its file format (not only sliced out of the file's blocks)."""
+        parts = []
+        for n in names:
+            t = self.file.tensors[n]
+            if len(t.shape) != 2:
+                raise GraphError(f"webgpu: weight '{n}' has shape {t.shape}, expected 2-D")
+            parts.append(codegen.repack(np.asarray(t.data), t.type_name, tuple(t.shape)))
+        converted = any(p.source_fmt.upper() != p.fmt for p in parts)
+        if len({p.fmt for p in parts}) > 1:
+            # mixed formats (Q4_K_M files: q, k Q4_K as Q4_1, v Q6_K as Q6): one six-bit layout
+            # that holds each part's values exactly
+            parts, converted = codegen.unify_six_bit(parts) or parts, True
+        if len({p.fmt for p in parts}) > 1 and all(p.cols % 8 == 0 for p in parts):
+            # else as F16 from the file's own values (not from a Q8_0 requantization of them)
+            from ...quant import dequantize
+
+            parts = [codegen.pack_float(np.asarray(dequantize(self.file.tensors[n].data, self.file.tensors[n].type_name,
+                                                              self.file.tensors[n].shape), np.float32), "F16")
+                     for n in names]
+        return codegen.stack(parts), converted
+
+    # -- the program cache (WebgpuBackend.load_weight_cache / save_weight_cache) -------------------
+    def restore(self, meta: dict, arrays: dict[str, np.ndarray]) -> int:
+        """Adopt converted weights from a cache artifact (save's form); returns how many. A malformed
+        entry raises (KeyError, ValueError, TypeError) and nothing is adopted."""
+        cached = {}
+        for i, e in enumerate(meta["weights"]):
+            names = tuple(str(n) for n in e["names"])
+            rows, cols = int(e["rows"]), int(e["cols"])
+            shapes = [tuple(self.file.tensors[n].shape) for n in names]
+            if any(len(s) != 2 or s[1] != cols for s in shapes) or sum(s[0] for s in shapes) != rows:
+                raise ValueError(f"cached weight {names}: ({rows}, {cols}) is not the file's {shapes}")
+            mine = {k: arrays[f"{i}.{k}"] for k in e["arrays"]}
+            if any(a.ndim != 2 or a.shape[0] != rows for a in mine.values()) or "qs" not in mine:
+                raise ValueError(f"cached weight {names}: arrays of the wrong shape")
+            cached[names] = codegen.PackedArrays(str(e["fmt"]), rows, cols, mine, str(e["source_fmt"]))
+        self._cached.update(cached)
+        return len(cached)
+
+    def save(self) -> tuple[dict, dict[str, np.ndarray]]:
+        """Every converted weight this load holds (adopted or built) as (meta, arrays)."""
+        entries, arrays = [], {}
+        for i, (names, p) in enumerate({**self._cached, **self._built}.items()):
+            entries.append({"names": list(names), "fmt": p.fmt, "rows": p.rows, "cols": p.cols,
+                            "source_fmt": p.source_fmt, "arrays": sorted(p.arrays)})
+            arrays.update({f"{i}.{k}": a for k, a in p.arrays.items()})
+        return {"weights": entries}, arrays
+
+    def release_host(self) -> None:
+        """Drop the host copies once the device holds them (after save)."""
+        self._cached.clear()
+        self._built.clear()
+        self.keep_converted = False
 
     def vector(self, *names: str):
         """1-D tensors (norm weights, biases, rope factors) as float32, concatenated."""
@@ -1084,7 +1158,50 @@ class WebgpuBackend(WebgpuInfo):
             out[t.name] = WebgpuTensor(self.dev, self.dev.buffer(nbytes), 0, shape, self.kv_dtype)
         return out
 
+    # -- the program cache (Model calls these around compiling its programs) ---------------------
+    def load_weight_cache(self, cache, fingerprint: str) -> bool:
+        """Adopt the converted weights a previous load of this file left in the program cache
+        (WebgpuWeights.restore); True when an intact entry was found. The conversions depend on the
+        file and the engine only, not on the adapter."""
+        from ...cache import program_key
+
+        key = program_key(model=fingerprint, artifact="webgpu-weights")
+        self._weight_cache = (cache, key)
+        self.weights.keep_converted = True
+        found = cache.get_arrays(key, "weights.bin")
+        if found is None:
+            return False
+        try:
+            return self.weights.restore(*found) > 0
+        except (ValueError, KeyError, TypeError, AttributeError):  # another layout: converted anew, rewritten
+            self.weights._cached.clear()
+            return False
+
+    def save_weight_cache(self) -> None:
+        """Write the converted weights when this load converted any, then drop the host copies."""
+        wc = getattr(self, "_weight_cache", None)
+        if wc is not None and self.weights._built:
+            cache, key = wc
+            meta, arrays = self.weights.save()
+            cache.put_arrays(key, "weights.bin", arrays, meta)
+        self.weights.release_host()
+
+    def _weight_sets(self, graph: Graph) -> list[tuple[str, ...]]:
+        """The weight sets (file tensor names, stacked) a program of this graph will upload, in the
+        order WebgpuProgram takes them: embeddings and the projections it runs itself."""
+        sets = []
+        for op in graph.ops:
+            if op.kind not in self.SUPPORTED_OPS:
+                continue
+            ins = op.inputs
+            sel = (ins[:1] if op.kind == "embedding" else ins[1:4] if op.kind == "linear_qkv" else
+                   ins[1:3] if op.kind == "linear_swiglu" else ins[1:2] if op.kind == "linear" else ())
+            if sel:
+                sets.append(tuple(graph.tensors[t].source or t for t in sel))
+        return sets
+
     def compile(self, graph: Graph, states: dict, plan=None, max_seq: int | None = None) -> WebgpuProgram:
+        self.weights.prefetch(self._weight_sets(graph))
         with _device_errors(f"uploading {self.file.path.name}'s weights and compiling '{graph.name}'"):
             return WebgpuProgram(self, graph, states, plan, max_seq or 512)
 
