@@ -201,7 +201,7 @@ def gemm_section(formats: list[str], shapes: list[tuple[int, int]], rows: int, t
                         "Y": dev.buffer(4 * rows * n_out)}
                 flop = 2.0 * rows * n_out * n_in
                 results = []
-                default = tuning.gemm_config(dev, w, n_out, False, rows)  # EDGELLM_TUNE unset: the default
+                default = tuning.default_gemm_config(dev, False)
                 for cfg in [default] + ([c for c in tuning.GEMM_CANDIDATES if c != default] if tune else []):
                     try:
                         L = Launch(dev, kernels.gemm(w.desc(), n_out, "step.seq", **cfg), bufs)
@@ -323,7 +323,8 @@ def models_section(args, bw: float) -> list[dict]:
                 continue
         for be in backends:
             row = {"model": name, "fmt": fmt, "backend": be}
-            env = {**os.environ, "EDGELLM_TUNE": "1" if args.tune else os.environ.get("EDGELLM_TUNE", "0")}
+            # each backend as its users get it (both tune at first load on a GPU) unless told otherwise
+            env = {**os.environ, **({"EDGELLM_TUNE": "1"} if args.tune else {})}
             env.update(kv.split("=", 1) for kv in args.set or ())
             cmd = [sys.executable, os.path.abspath(__file__), "--one", path, be, "-p", str(args.p), "-n", str(args.n),
                    "-r", str(args.r), "--bandwidth", str(bw)]
@@ -392,8 +393,9 @@ def main() -> None:
     ap.add_argument("--formats", default=None, help=f"weight formats (default {ALL_FORMATS})")
     ap.add_argument("--file", action="append", metavar="GGUF",
                     help="also this model file (e.g. a Q4_K_M made by llama-quantize; repeatable)")
-    ap.add_argument("--tune", action="store_true", help="models: EDGELLM_TUNE=1 (GEMV and GEMM configurations "
-                    "timed at load and cached per adapter)")
+    ap.add_argument("--tune", action="store_true", help="models: EDGELLM_TUNE=1 (configurations timed at load and "
+                    "cached per adapter; the default on a GPU since 2026-11-30, EDGELLM_TUNE=0 in the environment "
+                    "or --set EDGELLM_TUNE=0 for the built-in defaults)")
     ap.add_argument("--model-dir", default="/tmp/edgellm-bench-models")
     ap.add_argument("-p", type=int, default=512)
     ap.add_argument("-n", type=int, default=None)

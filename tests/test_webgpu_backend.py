@@ -409,6 +409,27 @@ def test_tuning_cached_per_adapter(models, monkeypatch, tmp_path):
     assert not timed  # every pick came from the cache
 
 
+def test_tuning_is_on_by_default_on_a_gpu_only(monkeypatch):
+    """Unset EDGELLM_TUNE tunes on a GPU adapter and not on a software one; 0 and 1 decide for both;
+    with tuning off a weight's configuration is the default and nothing is timed."""
+    from types import SimpleNamespace
+
+    from edgellm.backends.webgpu import tuning
+
+    gpu = SimpleNamespace(info=SimpleNamespace(software=False), subgroup_size=32, max_workgroup_memory=48 * 1024)
+    cpu = SimpleNamespace(info=SimpleNamespace(software=True), subgroup_size=8, max_workgroup_memory=32 * 1024)
+    monkeypatch.delenv("EDGELLM_TUNE", raising=False)
+    assert tuning.tuning_on(gpu) and not tuning.tuning_on(cpu)
+    monkeypatch.setenv("EDGELLM_TUNE", "0")
+    assert not tuning.tuning_on(gpu) and not tuning.tuning_on(cpu)
+    w = SimpleNamespace(cols=4096, fmt="Q8_0")
+    monkeypatch.setattr(tuning, "_time_gemv", lambda *a: pytest.fail("timed with tuning off"))
+    assert tuning.gemv_config(gpu, w, 4096) == tuning.default_gemv_config(gpu, 4096, "Q8_0")
+    assert tuning.gemm_config(gpu, w, 4096, False, 512) == tuning.default_gemm_config(gpu, False)
+    monkeypatch.setenv("EDGELLM_TUNE", "1")
+    assert tuning.tuning_on(gpu) and tuning.tuning_on(cpu)
+
+
 def test_float32_kv_cache(models, monkeypatch):
     """EDGELLM_WEBGPU_KV=f32: the cache in float32 (the default is fp16 where the adapter has shader-f16)."""
     monkeypatch.setenv("EDGELLM_WEBGPU_KV", "f32")

@@ -1127,14 +1127,15 @@ class WebgpuBackend(WebgpuInfo):
 
     def gemv_config(self, w: DeviceWeight, n_out: int, glu: bool) -> dict:
         """The decode GEMV's kernel and launch configuration (kernels.decode_gemv): the adapter's
-        default, or with EDGELLM_TUNE=1 the fastest candidate timed here and cached (tuning.py)."""
+        default, or (tuning.tuning_on: on a GPU unless EDGELLM_TUNE=0) the fastest candidate timed here
+        and cached."""
         from .tuning import gemv_config
 
         return gemv_config(self.dev, w, n_out, glu)
 
     def gemm_config(self, w: DeviceWeight, n_out: int, glu: bool, rows: int) -> dict:
-        """Tile sizes of the prefill GEMM: the default, or with EDGELLM_TUNE=1 the fastest candidate
-        at this program's token count, timed here and cached (tuning.py)."""
+        """Tile sizes of the prefill GEMM: the default, or (tuning.tuning_on) the fastest candidate at
+        this program's token count, timed here and cached."""
         from .tuning import gemm_config
 
         return gemm_config(self.dev, w, n_out, glu, rows)
