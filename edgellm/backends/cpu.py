@@ -17,7 +17,8 @@ import torch
 
 from ..errors import GraphError
 from ..gguf_file import GGUFFile
-from ..compiler.memory import MemoryPlan
+from ..compiler.memory import MemoryPlan, plan_offsets  # noqa: F401 - plan_offsets: the backends' import
+from ..compiler.passes import rope_qkv_extras  # noqa: F401 - also the fused backends' import
 from .cpu_nd import ND_KERNELS
 from .info import CpuInfo
 from ..graph.ir import Graph, Op
@@ -146,13 +147,6 @@ def _linear(op: Op, i: list) -> torch.Tensor:
 def _add_rms_norm(op: Op, i: list) -> tuple[torch.Tensor, torch.Tensor]:
     s = i[0] + i[1]
     return s, _rms_norm(s, i[2], op.attrs["eps"])
-
-def rope_qkv_extras(op: Op, ins: list) -> tuple:
-    """(freqs or None, (q norm weight, k norm weight) or None) of a rope_qkv_store's inputs."""
-    norms = tuple(ins[-2:]) if "qk_norm_eps" in op.attrs else None
-    rest = ins[4:len(ins) - (2 if norms else 0)]
-    return (rest[0] if rest else None), norms
-
 
 def _rope_qkv_store(op: Op, i: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     qkv, start, kc, vc = i[0], int(i[1]), i[2], i[3]
@@ -338,19 +332,6 @@ class CpuBackend(CpuInfo):
 
     def describe(self) -> str:
         return f"cpu (torch {torch.__version__}, {torch.get_num_threads()} threads, float32)"
-
-
-def plan_offsets(plan: MemoryPlan) -> dict[str, int]:
-    """Byte offsets in one arena for an arena plan, or for a shared-objects plan (objects laid end to end)."""
-    if plan.offsets is not None:
-        return dict(plan.offsets)
-    if plan.objects is None or plan.assignment is None:
-        return {}
-    base, acc = [], 0
-    for size in plan.objects:
-        base.append(acc)
-        acc += size
-    return {t: base[k] for t, k in plan.assignment.items()}
 
 
 def state_bytes(graph: Graph, ctx: int) -> int:

@@ -99,6 +99,19 @@ MCF_CANDIDATES_PER_SIDE = 3
 MCF_MAX_RECORDS = 20000
 
 
+def plan_offsets(plan: "MemoryPlan") -> dict[str, int]:
+    """Byte offsets in one arena for an arena plan, or for a shared-objects plan (objects laid end to end)."""
+    if plan.offsets is not None:
+        return dict(plan.offsets)
+    if plan.objects is None or plan.assignment is None:
+        return {}
+    base, acc = [], 0
+    for size in plan.objects:
+        base.append(acc)
+        acc += size
+    return {t: base[k] for t, k in plan.assignment.items()}
+
+
 class PlanError(GraphError):
     """Usage records or a memory plan are malformed, or a plan lets live tensors share bytes."""
 

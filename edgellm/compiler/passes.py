@@ -682,6 +682,14 @@ def fuse_mul_add(g: Graph) -> Graph:
     return g
 
 
+def rope_qkv_extras(op: Op, ins: list) -> tuple:
+    """(freqs or None, (q norm weight, k norm weight) or None) of a rope_qkv_store's inputs (the
+    layout the fusion gives it: qkv, start, kc, vc, freqs?, qnorm?, knorm?)."""
+    norms = tuple(ins[-2:]) if "qk_norm_eps" in op.attrs else None
+    rest = ins[4:len(ins) - (2 if norms else 0)]
+    return (rest[0] if rest else None), norms
+
+
 @dataclass
 class PassReport:
     name: str

@@ -34,9 +34,11 @@ import numpy as np
 
 from ...errors import BackendUnavailableError, EdgeLLMError, GraphError
 from ...gguf_file import GGUFFile
-from ...graph.ir import CTX, SEQ, Graph, Op
+from ...graph.ir import Graph, Op
+from ...graph.shapes import shape_function
 from ...sampling import device_sampling_enabled
-from ..cpu import plan_offsets
+from ...compiler.memory import plan_offsets
+from ...compiler.passes import rope_qkv_extras
 from ..info import WebgpuInfo
 from . import codegen, kernels
 from .device import Device, get_device
@@ -330,15 +332,14 @@ class WebgpuProgram:
     """A compiled graph bound to device weights, caches and the arena; one dispatch per op."""
 
     def __init__(self, backend: "WebgpuBackend", graph: Graph, states: dict[str, WebgpuTensor], plan, max_seq: int):
-        import sympy
-
         self.backend, self.graph, self.states, self.max_seq = backend, graph, states, int(max_seq)
         self.dev: Device = backend.dev
         self.offsets = plan_offsets(plan) if plan is not None else {}
         backend.reserve_arena(plan.total_bytes if plan is not None else 0)
         self.ctx = next(iter(states.values())).shape[0] if states else 1
-        self._shape = {n: sympy.lambdify([SEQ, CTX], list(t.shape), "math") for n, t in graph.tensors.items()
-                       if t.kind == "activation"}
+        # shape functions compiled once per distinct shape (graph.shapes), without sympy: a program
+        # read back from the cache then runs without importing it
+        self._shape = {n: shape_function(t.shape) for n, t in graph.tensors.items() if t.kind == "activation"}
         self.step_buf = self.dev.buffer(kernels.STEP_BYTES, uniform=True)
         self.tok_buf = self.dev.buffer(4 * max(self.max_seq, 1))
         self._outputs = {}
@@ -373,11 +374,11 @@ class WebgpuProgram:
 
     # -- tensors ------------------------------------------------------------------------------
     def shape(self, name: str, seq: int) -> tuple[int, ...]:
-        return tuple(int(d) for d in self._shape[name](seq, self.ctx))
+        return self._shape[name]({"seq": seq, "ctx": self.ctx})
 
     def _rows_expr(self, name: str) -> str:
         d = self.graph.tensors[name].shape[0]
-        if d == SEQ:
+        if _is_seq(d):
             return "step.seq"
         try:
             return f"{int(d)}u"
@@ -619,8 +620,6 @@ class WebgpuProgram:
         in one lane: adjacent features for style 'norm'; for 'neox' the lane's two features are
         the head's rows i and i + n_rot / 2). The rotated q, written while other workgroups still
         read the GEMV's input, gets a buffer of its own where the plan put it over that input."""
-        from ..cpu import rope_qkv_extras
-
         rd = readers.get(lin.outputs[0], [])
         if len(rd) != 1 or rd[0].kind != "rope_qkv_store" or rd[0].inputs[0] != lin.outputs[0]:
             return None
@@ -741,8 +740,6 @@ class WebgpuProgram:
             opts["embed"] = e.desc("E")
         rope_op = self._ropes.get(op.name)
         if rope_op is not None:  # q rotated into the rope's output, k and v into the caches (_fold_rope)
-            from ..cpu import rope_qkv_extras
-
             ra = rope_op.attrs
             d, n_rot = ra["head_dim"], ra.get("rope_dim", ra["head_dim"])
             freqs, _ = rope_qkv_extras(rope_op, list(rope_op.inputs))
@@ -767,7 +764,7 @@ class WebgpuProgram:
                                                               combine_unroll())),
                            cres, lambda s, n: (*_grid2(-(-n_out // ccfg["rows_per_wg"]), self.dev.max_groups), rows(s)))
             return _Choice(lambda s, n: (gc,) if self._combined_in_gemv(n) else (gv,), gv, gc)
-        if (self.max_seq <= GEMV_MAX_ROWS or self.graph.tensors[outs[0]].shape[0] != SEQ
+        if (self.max_seq <= GEMV_MAX_ROWS or not _is_seq(self.graph.tensors[outs[0]].shape[0])
                 or not self.backend.prefill_tiled):
             return gv
         gcfg = self.backend.gemm_config(w, n_out, glu, self.max_seq)
@@ -1050,6 +1047,11 @@ class _HostOp:
 def _dtypes(res: dict) -> dict:
     """Binding name -> element type of the tensor each resource holds (kernels.py's `dtypes`)."""
     return {k: getattr(v, "dtype", "f32") for k, v in res.items()}
+
+
+def _is_seq(d) -> bool:
+    """Whether a dimension (int, sympy expression, or a cached graph's SymDim) is the token count."""
+    return not isinstance(d, int) and str(d) == "seq"
 
 
 def _const(res: dict) -> dict:
