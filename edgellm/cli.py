@@ -64,11 +64,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
             from .backends.cuda.precompile import start_pool_if_cold
 
             start_pool_if_cold()  # a first run here: the compile workers start while torch imports
-        import torch
-
         from .progress import slow_notice
 
-        torch.set_num_threads(args.threads or A.physical_cores())  # the cpu backend's matrix code
+        if args.backend != "webgpu":  # (webgpu's kernels run on the adapter: torch only where an op is delegated)
+            import torch
+
+            torch.set_num_threads(args.threads or A.physical_cores())  # the cpu backend's matrix code
         with slow_notice("loading the model (the first load on this device compiles kernels; later ones read "
                          "them from ~/.cache/edgellm)", after=1.5):
             if args.gpu_memory:  # placed over the GPU (within the budget) and the CPU by the solver
@@ -80,6 +81,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 m, placed = load_placed(args.model, args.gpu_memory, ctx=args.ctx, log=note)
             else:
                 m = load(args.model, backend=args.backend, ctx=args.ctx, sampling=params)  # its draw warmed too
+        if args.backend == "webgpu" and "torch" in sys.modules:  # the load delegated ops to the cpu backend
+            sys.modules["torch"].set_num_threads(args.threads or A.physical_cores())
     stream = m.generate(prompt, max_tokens=args.max_tokens, chat=chat, system=args.system, stop=args.stop or (),
                         **sampling)
     for piece in stream:
