@@ -92,6 +92,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     if not args.quiet:
         cached = f" (cached: {', '.join(m.cache_hits)})" if m.cache_hits else ""
+        tuned = m.load_phases.get("tuning")
+        if tuned:  # a first load on this device: kernel configurations timed, cached for the next
+            cached += f" (of which tuning kernels {tuned:.2f} s, once)"
         print(f"[{m.backend.describe()}; load {m.load_s:.2f} s{cached}; {m.last_stats.summary()}]", file=sys.stderr)
     if placed is None and m.backend_name == "cuda" and "start-up image" not in m.cache_hits:
         _record_image(args, m, params)

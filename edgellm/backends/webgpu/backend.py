@@ -1063,6 +1063,7 @@ class WebgpuBackend(WebgpuInfo):
         self.dev = get_device()
         self.file = f
         self.weights = WebgpuWeights(f, self.dev)
+        self.tune_s = 0.0  # seconds spent timing launch configurations (a first load on this adapter; then cached)
         self.arena_buffer = None
         self.arena_gen = 0
         self._arena_need = 256
@@ -1131,16 +1132,24 @@ class WebgpuBackend(WebgpuInfo):
         """The decode GEMV's kernel and launch configuration (kernels.decode_gemv): the adapter's
         default, or (tuning.tuning_on: on a GPU unless EDGELLM_TUNE=0) the fastest candidate timed here
         and cached."""
-        from .tuning import gemv_config
+        from .tuning import gemv_config, timing_s
 
-        return gemv_config(self.dev, w, n_out, glu)
+        t0 = timing_s()
+        try:
+            return gemv_config(self.dev, w, n_out, glu)
+        finally:
+            self.tune_s += timing_s() - t0
 
     def gemm_config(self, w: DeviceWeight, n_out: int, glu: bool, rows: int) -> dict:
         """Tile sizes of the prefill GEMM: the default, or (tuning.tuning_on) the fastest candidate at
         this program's token count, timed here and cached."""
-        from .tuning import gemm_config
+        from .tuning import gemm_config, timing_s
 
-        return gemm_config(self.dev, w, n_out, glu, rows)
+        t0 = timing_s()
+        try:
+            return gemm_config(self.dev, w, n_out, glu, rows)
+        finally:
+            self.tune_s += timing_s() - t0
 
     def cpu_weights(self):
         if self._cpu_weights is None:

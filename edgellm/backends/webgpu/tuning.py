@@ -145,7 +145,25 @@ def gemv_config(dev: Device, w, n_out: int, glu: bool = False) -> dict:
         cands = gemv_candidates(dev, int8=True, planes=planes)
     else:
         cands = [c for c in gemv_candidates(dev) if c.get("kind") != "warp" or (w.cols % 4 == 0 and (not c["stage"] or can_stage(dev, w.cols)))]
-    return tuner.pick("webgpu_gemv_v3", key, cands, default, lambda cfg: _time_gemv(dev, w, n_out, glu, cfg))
+    return tuner.pick("webgpu_gemv_v3", key, cands, default, lambda cfg: _timed(_time_gemv, dev, w, n_out, glu, cfg))
+
+
+_TIMING_S = [0.0]  # seconds spent timing candidates in this process (cached picks time nothing)
+
+
+def timing_s() -> float:
+    """Seconds this process has spent timing launch configurations (the one-time part of a load)."""
+    return _TIMING_S[0]
+
+
+def _timed(fn, *args):
+    import time
+
+    t0 = time.perf_counter()
+    try:
+        return fn(*args)
+    finally:
+        _TIMING_S[0] += time.perf_counter() - t0
 
 
 def _time_gemv(dev: Device, w, n_out: int, glu: bool, cfg: dict) -> float:
@@ -203,7 +221,8 @@ def gemm_config(dev: Device, w, n_out: int, glu: bool, rows: int) -> dict:
         return dict(default)
     key = (w.fmt, n_out, w.cols, rows, "glu" if glu else "plain")
     cands = [c for c in GEMM_CANDIDATES if gemm_fits(dev, c, glu)]
-    return _tuner(dev).pick("webgpu_gemm_v2", key, cands, default, lambda cfg: _time_gemm(dev, w, n_out, glu, rows, cfg))
+    return _tuner(dev).pick("webgpu_gemm_v2", key, cands, default,
+                            lambda cfg: _timed(_time_gemm, dev, w, n_out, glu, rows, cfg))
 
 
 def _time_gemm(dev: Device, w, n_out: int, glu: bool, rows: int, cfg: dict) -> float:
