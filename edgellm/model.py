@@ -97,8 +97,8 @@ class Model:
             self.backend.save_weight_cache()
         t3 = time.perf_counter()
         self.load_phases.update({"backend": t1 - t0, "compile": t2 - t1, "weights": t3 - t2})
-        tune_s = float(getattr(self.backend, "tune_s", 0.0))
-        if tune_s >= 0.05:  # configurations timed on the device inside the weights phase (once: cached)
+        tune_s = getattr(self.backend, "tune_s", 0.0)
+        if tune_s:  # configurations timed on the device inside the weights phase (once: cached)
             self.load_phases["tuning"] = tune_s
 
     @property

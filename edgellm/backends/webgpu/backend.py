@@ -43,6 +43,7 @@ from ..info import WebgpuInfo
 from . import codegen, kernels
 from .device import Device, get_device
 from .launch import grid2 as _grid2
+from .tuning import timing_s as tuning_timing_s
 from .launch import encode_dispatch, raw_pass_functions, replay_dispatches
 
 GEMV_MAX_ROWS = 4  # steps of at most this many tokens use the matrix-vector kernel
@@ -1063,7 +1064,7 @@ class WebgpuBackend(WebgpuInfo):
         self.dev = get_device()
         self.file = f
         self.weights = WebgpuWeights(f, self.dev)
-        self.tune_s = 0.0  # seconds spent timing launch configurations (a first load on this adapter; then cached)
+        self._timing_at_start = tuning_timing_s()
         self.arena_buffer = None
         self.arena_gen = 0
         self._arena_need = 256
@@ -1082,6 +1083,12 @@ class WebgpuBackend(WebgpuInfo):
         # an adapter with shader-f16 (half the activation traffic; the storage descriptors change,
         # the kernels' float32 maths does not)
         self.act_dtype = "f16" if self.dev.has_f16 and os.environ.get("EDGELLM_WEBGPU_ACT", "f32") == "f16" else "f32"
+
+    @property
+    def tune_s(self) -> float:
+        """Seconds spent timing launch configurations since this backend was made (a first load
+        on this adapter; cached picks time nothing)."""
+        return tuning_timing_s() - self._timing_at_start
 
     @staticmethod
     def available() -> bool:
@@ -1132,24 +1139,16 @@ class WebgpuBackend(WebgpuInfo):
         """The decode GEMV's kernel and launch configuration (kernels.decode_gemv): the adapter's
         default, or (tuning.tuning_on: on a GPU unless EDGELLM_TUNE=0) the fastest candidate timed here
         and cached."""
-        from .tuning import gemv_config, timing_s
+        from .tuning import gemv_config
 
-        t0 = timing_s()
-        try:
-            return gemv_config(self.dev, w, n_out, glu)
-        finally:
-            self.tune_s += timing_s() - t0
+        return gemv_config(self.dev, w, n_out, glu)
 
     def gemm_config(self, w: DeviceWeight, n_out: int, glu: bool, rows: int) -> dict:
         """Tile sizes of the prefill GEMM: the default, or (tuning.tuning_on) the fastest candidate at
         this program's token count, timed here and cached."""
-        from .tuning import gemm_config, timing_s
+        from .tuning import gemm_config
 
-        t0 = timing_s()
-        try:
-            return gemm_config(self.dev, w, n_out, glu, rows)
-        finally:
-            self.tune_s += timing_s() - t0
+        return gemm_config(self.dev, w, n_out, glu, rows)
 
     def cpu_weights(self):
         if self._cpu_weights is None:

@@ -218,7 +218,7 @@ def gemm_config(dev: Device, w, n_out: int, glu: bool, rows: int) -> dict:
     like the GEMV's."""
     default = default_gemm_config(dev, glu)
     if not tuning_on(dev) or dev.info.software:
-        return dict(default)
+        return default
     key = (w.fmt, n_out, w.cols, rows, "glu" if glu else "plain")
     cands = [c for c in GEMM_CANDIDATES if gemm_fits(dev, c, glu)]
     return _tuner(dev).pick("webgpu_gemm_v2", key, cands, default,
