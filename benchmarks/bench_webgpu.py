@@ -213,11 +213,46 @@ def gemm_section(formats: list[str], shapes: list[tuple[int, int]], rows: int, t
                 t0 = results[0][0] if results and results[0][1] == default else float("nan")
                 best = min(results, key=lambda r: r[0])
                 row.update(ms=t0 * 1e3, TFLOPs=flop / t0 / 1e12, best=best[1], best_ms=best[0] * 1e3,
-                           best_TFLOPs=flop / best[0] / 1e12)
+                           best_TFLOPs=flop / best[0] / 1e12,
+                           each=[{**cfg, "TFLOPs": round(flop / t / 1e12, 2)} for t, cfg in results])
+                if fmt in kernels.INT8_GEMM_FORMATS or w.fmt in kernels.INT8_GEMM_FORMATS:
+                    row.update(_int8_gemm_times(dev, w, bufs, n_out, rows, flop, tune))
             except Exception as e:  # noqa: BLE001
                 row["error"] = _err(e)
             print(f"gemm {json.dumps(row)}", flush=True)
             out.append(row)
+    return out
+
+
+def _int8_gemm_times(dev, w, bufs: dict, n_out: int, rows: int, flop: float, tune: bool) -> dict:
+    """The int8 prefill product (quantize_x, then gemm_int8) in one and two planes: TFLOP/s of
+    the default tiles and the best candidate, x's quantization included (ms of it apart)."""
+    from edgellm.backends.webgpu import kernels, tuning
+    from edgellm.backends.webgpu.launch import Launch
+
+    out = {}
+    sums = kernels.int8_x_sums(w.fmt)
+    for planes in (1, 2):
+        b = {**bufs, **tuning.int8_x_buffers(dev, rows, w.cols, planes, sums)}
+        q = Launch(dev, kernels.quantize_x(w.cols, "step.seq", planes=planes, sums=sums), b)
+        q.set_step(seq=rows)
+        tq = q.time((-(-(w.cols // 32) // 64), rows, 1), repeat=3)
+        each = []
+        cands = tuning.GEMM_INT8_CANDIDATES[planes][:None if tune else 1]
+        launches = []
+        for cfg in cands:
+            L = Launch(dev, kernels.gemm_int8(w.desc(), n_out, "step.seq", planes=planes, **cfg), b)
+            L.set_step(seq=rows)
+            launches.append((cfg, L))
+        best = {}
+        for _ in range(2):  # every candidate timed twice, in turn: the faster of its two
+            for cfg, L in launches:
+                t = L.time((-(-n_out // cfg["tn"]), -(-rows // cfg["tm"]), 1), repeat=5) + tq
+                best[id(L)] = min(best.get(id(L), t), t)
+        for cfg, L in launches:
+            each.append({**cfg, "TFLOPs": round(flop / best[id(L)] / 1e12, 2)})
+        out[f"int8x{planes}"] = {"quantize_ms": tq * 1e3, "TFLOPs": each[0]["TFLOPs"],
+                                 "best_TFLOPs": max(e["TFLOPs"] for e in each), "each": each}
     return out
 
 
@@ -361,14 +396,16 @@ def print_tables(res: dict, p: int, n: int) -> None:
               f"{r.get('best_us', float('nan')):.1f} | {r.get('best_GBps', float('nan')):.0f} | "
               f"{r.get('best_pct', float('nan')):.0f}% | {r.get('best', '')} |")
     print(f"\n## GEMM alone (prefill, {p} tokens)")
-    print("| format | out x in | default ms | TFLOP/s | best ms | best TFLOP/s | best tiles |")
-    print("|---|---|---|---|---|---|---|")
+    print("| format | out x in | default ms | TFLOP/s | best ms | best TFLOP/s | best tiles | int8 x1 TFLOP/s (best) "
+          "| int8 x2 TFLOP/s (best) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in res.get("gemm", []):
         if "error" in r:
-            print(f"| {r['fmt']} | {r['shape']} | error: {r['error']} ||||")
+            print(f"| {r['fmt']} | {r['shape']} | error: {r['error']} ||||||")
             continue
+        i8 = [f"{r[k]['TFLOPs']:.2f} ({r[k]['best_TFLOPs']:.2f})" if k in r else "" for k in ("int8x1", "int8x2")]
         print(f"| {r['fmt']} | {r['shape']} | {r['ms']:.2f} | {r['TFLOPs']:.2f} | {r['best_ms']:.2f} | "
-              f"{r['best_TFLOPs']:.2f} | {r['best']} |")
+              f"{r['best_TFLOPs']:.2f} | {r['best']} | {i8[0]} | {i8[1]} |")
     print(f"\n## Models (synthetic files; prefill pp{p}, decode tg{n} greedy on the device)")
     print(f"| model | format | backend | pp{p} tok/s | tg{n} tok/s | MB/token | decode GB/s | % of copy bw | load s |")
     print("|---|---|---|---|---|---|---|---|---|")

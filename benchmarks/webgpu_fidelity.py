@@ -1,7 +1,7 @@
 """How closely the webgpu backend's decode kernels follow the cpu backend on the default model:
 greedy continuations of six chat prompts and top-1 agreement over 512 teacher-forced positions
 of README text, the positions run in chunks of GEMV_MAX_ROWS tokens so that the decode GEMVs
-(not the prefill's tiled products) compute every one of them.
+(not the prefill's tiled products) compute every one of them (--chunk 512: the prefill's products).
 
     EDGELLM_WEBGPU_GEMV=warp:2:64:1:stage:int8x2 python benchmarks/webgpu_fidelity.py [--tokens 64]
 
@@ -29,6 +29,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt")
     ap.add_argument("--positions", type=int, default=512, help="teacher-forced positions")
     ap.add_argument("--backend", default="webgpu", help="the backend compared with cpu (e.g. cpu-fast)")
+    ap.add_argument("--chunk", type=int, default=0, help="webgpu prefill chunk (default GEMV_MAX_ROWS: the decode "
+                    "GEMVs compute every position; e.g. 512 for the prefill's tiled products)")
     args = ap.parse_args()
 
     import edgellm
@@ -39,9 +41,9 @@ def main() -> None:
 
     ctx = args.positions + args.tokens + 64
     cpu = edgellm.load(backend="cpu", ctx=ctx, prefill_chunk=GEMV_MAX_ROWS)
-    gpu = edgellm.load(backend=args.backend, ctx=ctx, prefill_chunk=GEMV_MAX_ROWS)
+    gpu = edgellm.load(backend=args.backend, ctx=ctx, prefill_chunk=args.chunk or GEMV_MAX_ROWS)
     env = {k: v for k, v in os.environ.items() if k.startswith("EDGELLM_WEBGPU")}
-    print(f"{args.backend}: {gpu.backend.describe()}; {env}", flush=True)
+    print(f"{args.backend}: {gpu.backend.describe()}; prefill chunk {args.chunk or GEMV_MAX_ROWS}; {env}", flush=True)
     same = 0
     prompts = list(dict.fromkeys([*CHAT_PROMPTS, *FIDELITY_PROMPTS]))
     greedy = SamplingParams(temperature=0)

@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("wgpu", reason="the webgpu backend needs the wgpu package (pip install 'edgellm[webgpu]')")
 
 import edgellm  # noqa: E402
-from edgellm.errors import BackendUnavailableError  # noqa: E402
+from edgellm.errors import BackendUnavailableError, EdgeLLMError  # noqa: E402
 from edgellm.sampling import SamplingParams  # noqa: E402
 from edgellm.synthetic import SyntheticSpec, write_synthetic_gguf  # noqa: E402
 
@@ -244,6 +244,28 @@ def test_tiled_prefill(models, monkeypatch):
                                            for v in getattr(st, "variants", ())}
 
 
+@pytest.mark.parametrize("name,planes", [("Q8_0", "2"), ("Q4_0", "1"), ("mixed", "2"), ("qwen2", "1"), ("Q4_1", "2")])
+def test_int8_prefill(models, monkeypatch, name, planes):
+    """EDGELLM_WEBGPU_PREFILL_INT8 (the default on a GPU: 2) with the tiled prefill: each
+    product of an int8-capable format quantizes its x (quantize_x) and multiplies on packed dot
+    products (gemm_int8); the logits of every prompt position stay within the float path's 0.3%
+    of the cpu backend's with two planes, 1% with one (2% for mixed's 4-bit weights throughout).
+    Each kernel's own rounding is checked exactly in test_webgpu_kernels."""
+    monkeypatch.setenv("EDGELLM_WEBGPU_TILED", "1")
+    monkeypatch.setenv("EDGELLM_WEBGPU_PREFILL_INT8", planes)
+    tol = 3e-3 if planes == "2" else 2e-2 if name == "mixed" else 1e-2
+    g = _compare(models[name], chunk=40, steps=1, tol=tol)
+    names = [v.kernel.name for st in g.programs["all"]._steps for v in getattr(st, "variants", ())]
+    assert names.count("gemm_int8") >= 4 and names.count("quantize_x") == names.count("gemm_int8")
+
+
+def test_bad_prefill_int8_switch(models, monkeypatch):
+    monkeypatch.setenv("EDGELLM_WEBGPU_TILED", "1")
+    monkeypatch.setenv("EDGELLM_WEBGPU_PREFILL_INT8", "3")
+    with pytest.raises(EdgeLLMError, match="EDGELLM_WEBGPU_PREFILL_INT8='3'"):
+        edgellm.load(models["Q8_0"], backend="webgpu", ctx=64, prefill_chunk=40).logits(PROMPT)
+
+
 def test_delegation_to_cpu(models, monkeypatch):
     """Ops the backend lacks run on the cpu reference kernels between device passes (recorded
     through wgpu-py's public API here, the fast path's fallback)."""
@@ -410,6 +432,33 @@ def test_tuning_cached_per_adapter(models, monkeypatch, tmp_path):
     again = edgellm.load(models["Q8_0"], backend="webgpu", ctx=64)
     assert not timed  # every pick came from the cache
     assert "tuning" not in again.load_phases
+
+
+@pytest.mark.parametrize("winner", ["int8", "float", "timed"])
+def test_prefill_product_tuned_between_int8_and_float(models, monkeypatch, tmp_path, adapter, winner):
+    """On a GPU with tuning on, each int8-capable prefill product is timed as int8 tiles (with x's
+    quantization) and as the float product's tiles, the fastest cached per adapter and lowered:
+    gemm_int8 after quantize_x, or gemm; either way the logits match the cpu backend's within the
+    float path's tolerance. ("timed": the real timings on this adapter, whichever wins.)"""
+    from edgellm.backends.webgpu import tuning
+
+    monkeypatch.setattr(type(adapter.info), "software", property(lambda self: False))
+    monkeypatch.setenv("EDGELLM_TUNE", "1")
+    monkeypatch.setenv("EDGELLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tuning, "_TUNERS", {})
+    one_gemv = {"wg": 64, "rows_per_wg": 16, "subgroup": False}
+    monkeypatch.setattr(tuning, "gemv_candidates", lambda dev, **kw: [one_gemv])
+    monkeypatch.setattr(tuning, "default_gemv_config", lambda dev, cols=None, fmt=None: one_gemv)
+    monkeypatch.setattr(tuning, "GEMM_INT8_CANDIDATES", {2: [{"tm": 64, "tn": 64}]})
+    if winner != "timed":
+        monkeypatch.setattr(tuning, "_time_prefill", lambda dev, w, n, glu, rows, cfg: 1.0 if ("int8" in cfg) == (winner == "int8") else 2.0)
+    g = _compare(models["Q8_0"], chunk=40, steps=1)
+    assert "webgpu_prefill_v1|Q8_0" in next((tmp_path / "tune").glob("webgpu_*.json")).read_text()
+    names = [v.kernel.name for st in g.programs["all"]._steps for v in getattr(st, "variants", ())]
+    if winner == "int8":
+        assert names.count("gemm_int8") >= 4 and "gemm" not in names
+    elif winner == "float":
+        assert names.count("gemm") >= 4 and "gemm_int8" not in names and "quantize_x" not in names
 
 
 def test_tuning_is_on_by_default_on_a_gpu_only(monkeypatch):

@@ -310,18 +310,112 @@ def test_gemv_swiglu_split_weight(dev, rng, fmt):
 
 
 @pytest.mark.parametrize("fmt,tiles", [(f, (64, 64, 32)) for f in FORMATS] + [("Q4_1", (128, 64, 16)), ("F16", (128, 128, 4)),
-                                                                              ("Q8_0", (64, 128, 8))])
+                                                                              ("Q8_0", (64, 128, 8))]
+                         + [(f, (128, 64, 32, "pre")) for f in FORMATS] + [("Q8_0", (128, 128, 16, "pre")),
+                                                                          ("Q4_0", (64, 64, 16, "pre"))])
 @pytest.mark.parametrize("glu", [False, True])
 def test_gemm(dev, rng, fmt, tiles, glu):
-    """Rows and features off the tiles, k = 96 (several k-steps; with tk 32, three)."""
-    tm, tn, tk = tiles
+    """Rows and features off the tiles, k = 96 (several k-steps; with tk 32, three; with the
+    register prefetch, "pre", the last tile's loads skipped)."""
+    tm, tn, tk, *pre = tiles
     rows, n_out, k = 71, 70, 96
     w, bufs, want = _linear_case(dev, rng, fmt, rows, n_out, k, glu=glu, bias=not glu, residual=not glu)
-    kern = kernels.gemm(w.desc(), n_out, "step.seq", glu=glu, bias=not glu, residual=not glu, tm=tm, tn=tn, tk=tk)
+    kern = kernels.gemm(w.desc(), n_out, "step.seq", glu=glu, bias=not glu, residual=not glu, tm=tm, tn=tn, tk=tk,
+                        pre=bool(pre))
     L = Launch(dev, kern, bufs)
     L.set_step(seq=rows)
     L.run((-(-n_out // tn), -(-rows // tm), 1))
     check(read_f32(dev, bufs["Y"], rows * n_out), want)
+
+
+def _int8_emulation(x: np.ndarray, planes: int) -> tuple[np.ndarray, np.ndarray]:
+    """x rounded as the int8 activations are, in float64 (amax / 127 steps per 32-block,
+    pack4x8snorm's rounding; planes 2: the residual in steps 254 times finer); and the block
+    codes' half sums (the second plane's weighted by 1/254), for the quantizer's own check."""
+    rows, k = x.shape
+    blocks = x.astype(np.float64).reshape(rows, k // 32, 32)
+    amax = np.abs(blocks).max(axis=2, keepdims=True)
+    q1 = np.floor(0.5 + 127 * np.clip(blocks / amax, -1, 1))
+    xq = q1 * (amax / 127)
+    codes = q1 * 254
+    if planes == 2:
+        q2 = np.floor(0.5 + 127 * np.clip((blocks - xq) * 254 / amax, -1, 1))
+        xq = xq + q2 * (amax / 127 / 254)
+        codes = codes + q2
+    return xq.reshape(rows, k), codes
+
+
+@pytest.mark.parametrize("fmt,tiles,planes,glu", [
+    ("Q8_0", (64, 64), 1, False), ("Q4_0", (128, 64), 1, False), ("Q4_1", (64, 128), 1, True), ("Q6_K", (64, 64), 1, False),
+    ("Q5_1", (128, 128), 1, True), ("Q8_0", (128, 64), 2, True), ("Q4_0", (64, 64), 2, False), ("Q6_K", (64, 128), 2, True),
+    ("Q5_1", (64, 64), 2, False), ("Q4_K", (64, 64), 1, False)])
+def test_gemm_int8(dev, rng, fmt, tiles, planes, glu):
+    """quantize_x then gemm_int8 (Q6_K as the Q6 layout, Q5_1 and Q4_K as Q6M): the quantizer's
+    codes, scales and sums against numpy's rounding of the same x, and the product against numpy
+    computing the same thing in float64 (x so rounded, times the dequantized weight, plus bias
+    and residual, or swiglu), much closer to that than to the float product, which it must still
+    approximate; rows and features off the tiles (71 x 70 or 35 x 45, 352 inputs: 11 k-steps)."""
+    tm, tn = tiles
+    (rows, n_out), k = (35, 45) if glu else (71, 70), cols_for(fmt, 352)
+    raw, dense = quantized(rng, 2 * n_out if glu else n_out, k, fmt)
+    packed = codegen.repack(raw, fmt, dense.shape)
+    dense = codegen.dequantize_packed(packed).astype(np.float64)
+    w = DeviceWeight(packed, dev)
+    x = (rng.standard_normal((rows, k)) * np.exp(rng.uniform(-2, 2, (rows, 1)))).astype(np.float32)
+    nb = k // 32
+    sums = kernels.int8_x_sums(packed.fmt)
+    bufs = {kk: bb for kk, (bb, _, _) in w.resources().items()}
+    bufs.update(X=upload_f32(dev, x), XQ=nan_buffer(dev, rows * k // 4), XD=nan_buffer(dev, rows * nb),
+                Y=nan_buffer(dev, rows * n_out))
+    if sums:
+        bufs["XS"] = nan_buffer(dev, 2 * rows * nb)
+    if planes == 2:
+        bufs["XQ2"] = nan_buffer(dev, rows * k // 4)
+    q = Launch(dev, kernels.quantize_x(k, "step.seq", planes=planes, sums=sums), bufs)
+    q.set_step(seq=rows)
+    q.run((-(-nb // 64), rows, 1))
+    xq, codes = _int8_emulation(x, planes)
+    amax = np.abs(x.astype(np.float64).reshape(rows, nb, 32)).max(axis=2)
+    got_d = np.frombuffer(dev.read(bufs["XD"], 0, 4 * rows * nb), np.float32).reshape(rows, nb)
+    np.testing.assert_allclose(got_d, amax / (127 if planes == 1 else 127 * 254), rtol=1e-6)
+    got_q = np.frombuffer(dev.read(bufs["XQ"], 0, rows * k), np.int8).reshape(rows, nb, 32).astype(np.float64)
+    if planes == 1:
+        np.testing.assert_array_equal(got_q * 254, codes)
+    if sums:
+        got_s = np.frombuffer(dev.read(bufs["XS"], 0, 8 * rows * nb), np.int32).reshape(rows, nb, 2)
+        want_s = codes.reshape(rows, nb, 2, 16).sum(axis=3) / (254 if planes == 1 else 1)
+        if planes == 1:
+            np.testing.assert_array_equal(got_s, want_s)
+        else:  # a residual at a rounding tie in float32 (the kernel) against float64 (numpy): one code apart
+            assert np.abs(got_s - want_s).max() <= 2 and (got_s == want_s).mean() > 0.97
+    b = r = None
+    if not glu:
+        b, r = rng.standard_normal(n_out).astype(np.float32), rng.standard_normal((rows, n_out)).astype(np.float32)
+        bufs.update(B=upload_f32(dev, b), R=upload_f32(dev, r))
+
+    def product(xx):
+        y = xx @ dense.T
+        if glu:
+            g, u = y[:, :n_out], y[:, n_out:]
+            return g / (1 + np.exp(-g)) * u
+        return y + b + r
+    emu, exact = product(xq), product(x.astype(np.float64))
+    kern = kernels.gemm_int8(w.desc(), n_out, "step.seq", glu=glu, bias=not glu, residual=not glu, tm=tm, tn=tn, planes=planes)
+    L = Launch(dev, kern, bufs)
+    L.set_step(seq=rows)
+    L.run((-(-n_out // tn), -(-rows // tm), 1))
+    got = read_f32(dev, bufs["Y"], rows * n_out).reshape(rows, n_out)
+    assert np.isfinite(got).all()
+    scale = np.abs(exact).max()
+    quant_err = np.abs(emu - exact).max()
+    assert np.abs(got - emu).max() <= 2e-5 * scale + (0.05 * quant_err if planes == 1 else 0), (np.abs(got - emu).max(), quant_err)
+    assert quant_err <= (0.02 if planes == 1 else 1e-4) * scale, (quant_err, scale)
+
+
+def test_gemm_int8_refuses_float_weights(dev, rng):
+    w, _, _ = _linear_case(dev, rng, "F16", 1, 16, 64)
+    with pytest.raises(ValueError, match="int8 products need a weight in Q8_0"):
+        kernels.gemm_int8(w.desc(), 16, "step.seq")
 
 
 # -- row-wise kernels -----------------------------------------------------------------------------

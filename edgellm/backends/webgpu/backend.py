@@ -43,7 +43,7 @@ from ..info import WebgpuInfo
 from . import codegen, kernels
 from .device import Device, get_device
 from .launch import grid2 as _grid2
-from .tuning import timing_s as tuning_timing_s
+from .tuning import prefill_int8_planes, timing_s as tuning_timing_s
 from .launch import encode_dispatch, raw_pass_functions, replay_dispatches
 
 GEMV_MAX_ROWS = 4  # steps of at most this many tokens use the matrix-vector kernel
@@ -768,10 +768,41 @@ class WebgpuProgram:
         if (self.max_seq <= GEMV_MAX_ROWS or not _is_seq(self.graph.tensors[outs[0]].shape[0])
                 or not self.backend.prefill_tiled):
             return gv
-        gcfg = self.backend.gemm_config(w, n_out, glu, self.max_seq)
+        planes = prefill_int8_planes(self.dev, w.fmt, w.cols)
+        pcfg = self.backend.prefill_config(w, n_out, glu, self.max_seq, planes) if planes else {}
+        if "int8" in pcfg:  # x quantized to int8 blocks, then packed dot products (kernels.gemm_int8)
+            planes, icfg = pcfg["int8"], {k: v for k, v in pcfg.items() if k != "int8"}
+            sums, nb = kernels.int8_x_sums(w.fmt), w.cols // 32
+            xres = self._int8_x(w.cols, planes, sums)
+            qres = {"X": res["X"], **xres}
+            gq = _Dispatch(self, kernels.quantize_x(w.cols, rows_expr, planes=planes, sums=sums, dtypes=_dtypes(qres)),
+                           qres, lambda s, n: (-(-nb // 64), rows(s), 1))
+            mres = {**{k: v for k, v in res.items() if k != "X"}, **xres}
+            gm = _Dispatch(self, kernels.gemm_int8(w.desc(), n_out, rows_expr, **icfg, planes=planes, **opts,
+                                                   dtypes=_dtypes(mres)),
+                           mres, lambda s, n: (-(-n_out // icfg["tn"]), -(-rows(s) // icfg["tm"]), 1))
+            return _Choice(lambda s, n: (gv,) if s <= GEMV_MAX_ROWS else (gq, gm), gv, gq, gm)
+        gcfg = pcfg or self.backend.gemm_config(w, n_out, glu, self.max_seq)
         gm = _Dispatch(self, kernels.gemm(w.desc(), n_out, rows_expr, **gcfg, **opts, dtypes=_dtypes(res)), res,
                        lambda s, n: (-(-n_out // gcfg["tn"]), -(-rows(s) // gcfg["tm"]), 1))
         return _Choice(lambda s, n: (gv,) if s <= GEMV_MAX_ROWS else (gm,), gv, gm)
+
+    def _int8_x(self, cols: int, planes: int, sums: bool) -> dict:
+        """Resources of x quantized for an int8 prefill product (kernels.quantize_x's XQ, XD, XS,
+        XQ2): regions of the backend's "int8_x" workspace, sized here for this program's rows
+        (the largest request sizes it before anything is bound), looked up again at each bind."""
+        rows, nb = self.max_seq, cols // 32
+        sizes = {"XQ": rows * cols, "XD": 4 * rows * nb}
+        if sums:
+            sizes["XS"] = 8 * rows * nb
+        if planes == 2:
+            sizes["XQ2"] = rows * cols
+        offs, end = {}, 0
+        for k, n in sizes.items():
+            offs[k] = end
+            end += -(-n // 256) * 256  # bindings start at multiples of 256 bytes
+        self.backend.workspace(end, "int8_x")
+        return {k: (lambda k=k: (self.backend.workspace(end, "int8_x"), offs[k], sizes[k])) for k in sizes}
 
     def _lower_rope(self, op: Op):
         a, ins, outs, R = op.attrs, op.inputs, op.outputs, self._res
@@ -1069,7 +1100,7 @@ class WebgpuBackend(WebgpuInfo):
         self.arena_gen = 0
         self._arena_need = 256
         self._tables: dict[tuple, tuple] = {}
-        self._workspace = None
+        self._workspaces: dict = {}
         self._cpu_weights = None
         # tiled GEMM for prefill on GPUs; a software adapter runs prefill as GEMVs, which need no
         # workgroup barriers (lavapipe, SmolLM2 prompt of 37 tokens: 80 s with the GEMM). Override
@@ -1111,11 +1142,14 @@ class WebgpuBackend(WebgpuInfo):
             self.arena_buffer = self.dev.buffer(self._arena_need)
             self.arena_gen += 1
 
-    def workspace(self, nbytes: int):
-        if self._workspace is None or self._workspace.size < nbytes:
-            self._workspace = self.dev.buffer(nbytes)
+    def workspace(self, nbytes: int, key: str = "attention"):
+        """A scratch buffer of at least nbytes per use (`key`: the split attention's partials, the
+        int8 prefill's quantized x), grown as asked (every program's dispatches then rebind)."""
+        b = self._workspaces.get(key)
+        if b is None or b.size < nbytes:
+            b = self._workspaces[key] = self.dev.buffer(nbytes)
             self.arena_gen += 1  # rebinds every program's dispatches
-        return self._workspace
+        return b
 
     def rope_tables(self, a: dict, n_rot: int, freqs: str | None, ctx: int):
         """cos and sin of every position's angles [ctx, n_rot / 2], in float64 then float32 (the
@@ -1142,6 +1176,13 @@ class WebgpuBackend(WebgpuInfo):
         from .tuning import gemv_config
 
         return gemv_config(self.dev, w, n_out, glu)
+
+    def prefill_config(self, w: DeviceWeight, n_out: int, glu: bool, rows: int, planes: int) -> dict:
+        """The prefill product of a weight that can take int8 activations: int8 and its tiles, or
+        (tuned) the float product's tiles where those time faster (tuning.prefill_config)."""
+        from .tuning import prefill_config
+
+        return prefill_config(self.dev, w, n_out, glu, rows, planes)
 
     def gemm_config(self, w: DeviceWeight, n_out: int, glu: bool, rows: int) -> dict:
         """Tile sizes of the prefill GEMM: the default, or (tuning.tuning_on) the fastest candidate at

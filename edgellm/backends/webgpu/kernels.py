@@ -647,8 +647,30 @@ def _stage_4x4(count: str, index: str, row_ok: str, load: str, store: str) -> li
     return lines + ["        }"]
 
 
+def _prefetch_4x4(tag: str, count: int, index: str, row_ok: str, load: str, store: str) -> tuple[list[str], list[str], list[str]]:
+    """_stage_4x4 split in two for a register prefetch: (declarations, loads, stores). The loads
+    read the 4x4 blocks of the k-tile at `kt` (a WGSL expression set by the caller) into registers
+    p<tag><slot>_<r>, each thread its ceil(count / 256) slots (unrolled: count is a constant);
+    the stores write them to workgroup memory later, so that a tile's global loads are in flight
+    while the workgroup multiplies the previous one."""
+    decl, loads, stores = [], [], []
+    for s in range(-(-count // 256)):
+        v = [f"p{tag}{s}_{r}" for r in range(4)]
+        decl.append("    " + " ".join(f"var {x} = vec4<f32>(0.0);" for x in v))
+        head = f"{{ let i = lid + {256 * s}u; if (i < {count}u) {{ {index}"
+        loads.append(f"        {head} let k = kt + 4u * kq;")
+        loads += [f"            {v[r]} = vec4<f32>(0.0); if ({row_ok.format(r=r)} && k < K) {{ {v[r]} = {load.format(r=r)}; }}"
+                  for r in range(4)]
+        loads.append("        } }")
+        stores.append(f"        {head}")
+        stores += [f"            {store.format(e=e)} = vec4<f32>({', '.join(f'{x}.{c}' for x in v)});"
+                   for e, c in enumerate("xyzw")]
+        stores.append("        } }")
+    return decl, loads, stores
+
+
 def gemm(w: WeightDesc, n_out: int, rows: str, *, bias: bool = False, residual: bool = False, glu: bool = False,
-         tm: int = 64, tn: int = 64, tk: int = 32, dtypes: dict | None = None) -> Kernel:
+         tm: int = 64, tn: int = 64, tk: int = 32, pre: bool = False, dtypes: dict | None = None) -> Kernel:
     """The prefill matrix product: a TM x TN tile of y per workgroup of 256 threads (16 x 16), each
     thread a contiguous (TM/16) x (TN/16) block of it held in vec4 registers; x and dequantized W
     tiles staged in workgroup memory TK at a time, k-major, as vec4s, so that each step of k is
@@ -656,7 +678,11 @@ def gemm(w: WeightDesc, n_out: int, rows: str, *, bias: bool = False, residual: 
     the W reads and FMAs). Staging moves 4 x 4 blocks (four rows' W_get4 / X_ld4, transposed in
     registers). Generated unrolled: no arrays in function scope, which the driver's compiler may
     put in local memory. tm, tn in (64, 128); tk a multiple of 4.
-    W is read four elements at a time through W_get4, so every format is this one template."""
+    W is read four elements at a time through W_get4, so every format is this one template.
+    pre: the next k-tile's global loads (and W's dequantization) go to registers before the
+    workgroup multiplies the current one, and to workgroup memory after it (one barrier pair per
+    tile as without it): the loads' latency hidden behind the products, where otherwise every
+    tile waits for its loads with the multipliers idle."""
     if tm not in (64, 128) or tn not in (64, 128) or tk % 4 or tk <= 0:
         raise ValueError(f"gemm tiles {tm}x{tn}x{tk}: tm and tn must be 64 or 128, tk a multiple of 4")
     parts = [(w, "X"), (ActDesc("X", vec=4), None), (ActDesc("Y"), None)]
@@ -667,13 +693,26 @@ def gemm(w: WeightDesc, n_out: int, rows: str, *, bias: bool = False, residual: 
     nw = 2 if glu else 1
     pm, pn = tm // 16, tn // 16
     # staging: 4x4 blocks of x (rows x k) and of each W half (features x k)
-    stage = _stage_4x4("(TM / 4u) * (TK / 4u)", "let mq = i / (TK / 4u); let kq = i % (TK / 4u); let m = m0 + 4u * mq;",
-                       "m + {r}u < rows", "X_ld4(((m + {r}u) * K + k) >> 2u)", "xs[(4u * kq + {e}u) * (TM / 4u) + mq]")
-    stage += _stage_4x4("NW * (TN / 4u) * (TK / 4u)",
-                        "let half = i / ((TN / 4u) * (TK / 4u)); let j = i % ((TN / 4u) * (TK / 4u)); "
-                        "let nq = j / (TK / 4u); let kq = j % (TK / 4u); let n = n0 + 4u * nq;",
-                        "n + {r}u < N", "W_get4(n + {r}u + half * N, k)",
-                        "ws[half * TK * (TN / 4u) + (4u * kq + {e}u) * (TN / 4u) + nq]")
+    specs = [("x", tm * tk // 16, "(TM / 4u) * (TK / 4u)",
+              "let mq = i / (TK / 4u); let kq = i % (TK / 4u); let m = m0 + 4u * mq;",
+              "m + {r}u < rows", "X_ld4(((m + {r}u) * K + k) >> 2u)", "xs[(4u * kq + {e}u) * (TM / 4u) + mq]"),
+             ("w", nw * tn * tk // 16, "NW * (TN / 4u) * (TK / 4u)",
+              "let half = i / ((TN / 4u) * (TK / 4u)); let j = i % ((TN / 4u) * (TK / 4u)); "
+              "let nq = j / (TK / 4u); let kq = j % (TK / 4u); let n = n0 + 4u * nq;",
+              "n + {r}u < N", "W_get4(n + {r}u + half * N, k)",
+              "ws[half * TK * (TN / 4u) + (4u * kq + {e}u) * (TN / 4u) + nq]")]
+    if pre:
+        decl, loads, stores = [], [], []
+        for tag, count, _, index, ok, ld, st in specs:
+            d_, l_, s_ = _prefetch_4x4(tag, count, index, ok, ld, st)
+            decl += d_; loads += l_; stores += s_
+        first = ["    { let kt = 0u;"] + loads + ["    }"]
+        stage = stores + ["        workgroupBarrier();", "        let kt = k0 + TK;", "        if (kt < K) {"] + loads + ["        }"]
+        prologue = "\n".join(decl + first)
+        sync = ""
+    else:
+        stage = [ln for _, _, count, index, ok, ld, st in specs for ln in _stage_4x4(count, index, ok, ld, st)]
+        prologue, sync = "", "        workgroupBarrier();"
     # the k loop: this thread's rows ty*PM.., columns tx*PN..
     inner = []
     for q in range(pm // 4):
@@ -709,9 +748,10 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     let m0 = wid.y * TM; let n0 = wid.x * TN;
     let ty = lid / 16u; let tx = lid % 16u;
     ${ACCS}
+${PROLOGUE}
     for (var k0 = 0u; k0 < K; k0 += TK) {
 ${STAGE}
-        workgroupBarrier();
+${SYNC}
         for (var k = 0u; k < TK; k++) {
 ${INNER}
         }
@@ -721,8 +761,234 @@ ${STORES}
 }
 """
     return _render("gemm", parts, body, 256, N=n_out, K=w.cols, TM=tm, TN=tn, TK=tk, NW=nw, XS=tm * tk // 4,
-                   WS=nw * tn * tk // 4, ROWS_EXPR=rows, ACCS=accs, STAGE="\n".join(stage), INNER="\n".join(inner),
+                   WS=nw * tn * tk // 4, ROWS_EXPR=rows, ACCS=accs, PROLOGUE=prologue, STAGE="\n".join(stage), SYNC=sync, INNER="\n".join(inner),
                    STORES="\n".join(stores), dtypes=dtypes)
+
+
+# -- int8 prefill: x quantized once per product, packed dot products -----------------------------
+@dataclass(frozen=True)
+class RawDesc:
+    """A binding of a type of its own (the int8 activations' arrays), with no accessors."""
+
+    name: str
+    wgsl_type: str
+    kind: str = "storage"
+
+    def bindings(self) -> list[Binding]:
+        return [Binding(self.name, self.wgsl_type, self.kind)]
+
+    def accessors(self) -> str:
+        return ""
+
+
+def int8_x_parts(planes: int, sums: bool, kind: str = "read") -> list:
+    """The quantized x's bindings: XQ (a row's blocks, two vec4<u32> of codes each), XD (a float
+    scale per block), XS (per block the integer sums of its two halves' codes) and, planes 2, XQ2
+    (the residual plane)."""
+    parts = [(RawDesc("XQ", "array<vec4<u32>>", kind), None), (RawDesc("XD", "array<f32>", kind), None)]
+    if sums:
+        parts.append((RawDesc("XS", "array<vec2<i32>>", kind), None))
+    if planes == 2:
+        parts.append((RawDesc("XQ2", "array<vec4<u32>>", kind), None))
+    return parts
+
+
+def quantize_x(cols: int, rows: str, *, planes: int = 1, sums: bool = True, dtypes: dict | None = None) -> Kernel:
+    """x [rows, cols] (X, f32 or f16) as int8 blocks of 32 with a float scale each, for
+    gemm_int8: codes round(127 * x / amax) (pack4x8snorm), scale amax / 127, the integer sums of
+    each half block's codes (the weight formats' offsets and minimums multiply them). planes 2: a
+    second plane holds each element's rounding residual in steps 254 times finer (x = scale / 254
+    * (254 q1 + q2), the scale stored so), as gemv_warp's int8 staging. A thread per block; grid
+    (ceil(blocks / 64), rows)."""
+    if cols % 32:
+        raise ValueError(f"quantize_x: rows of a multiple of 32 elements, not {cols}")
+    parts = [(ActDesc("X", vec=4), None)] + int8_x_parts(planes, sums, "storage")
+    vals = " ".join(f"let v{i} = X_ld4(xb + {i}u);" for i in range(8))
+    amax = "max(" * 7 + "am(v0)" + "".join(f", am(v{i}))" for i in range(1, 8))
+    packs = ", ".join(f"pack4x8snorm(v{i} * inv)" for i in range(8))
+    half = ["dot4I8Packed(p[{}], 0x01010101u)".format(i) for i in range(8)]
+    plane2 = ""
+    if planes == 2:
+        res = ", ".join(f"pack4x8snorm((v{i} - d1 * vec4<f32>(unpack4xI8(p[{i}]))) * (254.0 * inv))" for i in range(8))
+        plane2 = (f"    let r = array<u32, 8>({res});\n"
+                  "    XQ2[2u * o] = vec4<u32>(r[0], r[1], r[2], r[3]); XQ2[2u * o + 1u] = vec4<u32>(r[4], r[5], r[6], r[7]);\n")
+        half = [f"254 * {h} + dot4I8Packed(r[{i}], 0x01010101u)" for i, h in enumerate(half)]
+    store_sums = f"    XS[o] = vec2<i32>({' + '.join(half[:4])}, {' + '.join(half[4:])});\n" if sums else ""
+    body = f"""
+const NB: u32 = {cols // 32}u;
+fn am(v: vec4<f32>) -> f32 {{ let a = abs(v); return max(max(a.x, a.y), max(a.z, a.w)); }}
+@compute @workgroup_size(64)
+fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {{
+    let t = wid.y; let b = wid.x * 64u + lid;
+    if (t >= ${{ROWS_EXPR}} || b >= NB) {{ return; }}
+    let o = t * NB + b; let xb = o * 8u;
+    {vals}
+    let m = {amax};
+    let inv = select(0.0, 1.0 / m, m > 0.0);
+    let d1 = m / 127.0;
+    let p = array<u32, 8>({packs});
+    XQ[2u * o] = vec4<u32>(p[0], p[1], p[2], p[3]); XQ[2u * o + 1u] = vec4<u32>(p[4], p[5], p[6], p[7]);
+{plane2}    XD[o] = {"d1" if planes == 1 else "d1 / 254.0"};
+{store_sums}}}
+"""
+    return _render("quantize_x", parts, body, 64, ROWS_EXPR=rows, dtypes=dtypes)
+
+
+INT8_GEMM_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q6", "Q6M")
+
+
+def int8_x_sums(fmt: str) -> bool:
+    """Whether a format's int8 products need x's half-block code sums (offsets and minimums)."""
+    return fmt != "Q8_0"
+
+
+def gemm_int8(w: WeightDesc, n_out: int, rows: str, *, bias: bool = False, residual: bool = False, glu: bool = False,
+              tm: int = 64, tn: int = 64, planes: int = 1, dtypes: dict | None = None) -> Kernel:
+    """The prefill matrix product on int8: x quantized per 32-block (quantize_x's XQ, XD, XS), W's
+    codes as they are stored (Q8_0's bytes; the 4-bit and 6-bit layouts' codes unpacked by masks
+    and shifts, their offsets and minimums applied to x's code sums), each 32-element block of
+    a product one sum of eight packed dot products (dot4I8Packed; NVIDIA's DP4A, four
+    multiply-adds, at 2.2 times the f32 FMA rate on the H200 through Vulkan:
+    benchmarks/webgpu_alu_probe.py), exact in 32-bit integers, then scaled into a float
+    accumulator once per block. A TM x TN tile of y per workgroup of 256 threads (16 x 16), each
+    thread (TM/16) x (TN/16) outputs; a k-step is one block: its x codes (TM rows x 8 words) and
+    W codes (TN rows x 8 words) staged in workgroup memory word-major, read as vec4s, a quarter
+    of the float product's workgroup-memory bytes per multiply-add; the next block's global loads
+    in registers while the workgroup multiplies (gemm's pre). planes 2: x's residual plane
+    too (about 16-bit activations; twice the dot products)."""
+    if w.fmt not in INT8_GEMM_FORMATS:
+        raise ValueError(f"gemm_int8: int8 products need a weight in {', '.join(INT8_GEMM_FORMATS)}, not {w.fmt}")
+    if tm not in (64, 128) or tn not in (64, 128) or planes not in (1, 2):
+        raise ValueError(f"gemm_int8 tiles {tm}x{tn}, planes {planes}: tm and tn must be 64 or 128, planes 1 or 2")
+    fmt, nw = w.fmt, 2 if glu else 1
+    six = fmt in ("Q6", "Q6M")
+    sums = int8_x_sums(fmt)
+    parts = [(w, "Y")] + int8_x_parts(planes, sums) + [(ActDesc("Y"), None)]  # (W_xblock, never called, reads Y)
+    if bias:
+        parts.append((ActDesc("B"), None))
+    if residual:
+        parts.append((ActDesc("R"), None))
+    pm, pn = tm // 16, tn // 16
+    WR = nw * tn  # W rows staged per step
+    # -- staging: loads into registers (block kb), stores into workgroup memory -----------------
+    decl, loads, stores = [], [], []
+    xslots = -(-(2 * tm * planes) // 256)  # a thread loads one vec4 (4 words) of a row's block per slot
+    for sl in range(xslots):
+        decl.append(f"    var px{sl} = vec4<u32>(0u); var pxd{sl} = 0.0;" + (f" var pxs{sl} = vec2<i32>(0);" if sums else ""))
+        head = (f"{{ let e = lid + {256 * sl}u; let pl = e / {2 * tm}u; let r = e % {2 * tm}u; "
+                f"let m = r >> 1u; let h = r & 1u; if (e < {2 * tm * planes}u) {{")
+        src = "select(XQ2[i], XQ[i], pl == 0u)" if planes == 2 else "XQ[i]"
+        loads.append(f"        {head} if (m0 + m < rows) {{ let o = (m0 + m) * NB + kb; let i = 2u * o + h; "
+                     f"px{sl} = {src}; pxd{sl} = XD[o];" + (f" pxs{sl} = XS[o];" if sums else "") +
+                     f" }} else {{ px{sl} = vec4<u32>(0u); pxd{sl} = 0.0;" + (f" pxs{sl} = vec2<i32>(0);" if sums else "")
+                     + " } } }")
+        st = " ".join(f"xq[(pl * 8u + 4u * h + {j}u) * (TM / 4u) + (m >> 2u)][m & 3u] = px{sl}.{c};" for j, c in enumerate("xyzw"))
+        st += f" if (pl == 0u && h == 0u) {{ xdv[m] = pxd{sl};" + (f" xsv[m] = pxs{sl};" if sums else "") + " }"
+        stores.append(f"        {head} {st} }} }}")
+    wslots = -(-WR // 256)
+    for sl in range(wslots):
+        words = [f"pw{sl}_{j}" for j in range(8)]
+        decl.append("    " + " ".join(f"var {v} = 0u;" for v in words) + f" var pwd{sl} = {'vec2<f32>(0.0)' if six else '0.0'};"
+                    + (f" var pwm{sl} = {'vec2<f32>(0.0)' if six else '0.0'};" if fmt in ("Q4_1", "Q6M") else ""))
+        head = f"{{ let e = lid + {256 * sl}u; if (e < {WR}u) {{ let n = n0 + e % TN; let row = min(n, N - 1u) + (e / TN) * N;"
+        if fmt == "Q8_0":
+            ld = (f"let q0 = W_qs(row, 2u * kb); let q1 = W_qs(row, 2u * kb + 1u); "
+                  + " ".join(f"{words[j]} = q0.{c}; {words[4 + j]} = q1.{c};" for j, c in enumerate("xyzw"))
+                  + f" pwd{sl} = W_d(row, kb);")
+        elif fmt in ("Q4_0", "Q4_1"):
+            ld = ("let q = W_qs(row, kb); "
+                  + " ".join(f"{words[j]} = q.{c} & 0x0F0F0F0Fu; {words[4 + j]} = (q.{c} >> 4u) & 0x0F0F0F0Fu;"
+                             for j, c in enumerate("xyzw"))
+                  + f" pwd{sl} = W_d(row, kb);" + (f" pwm{sl} = W_m(row, kb);" if fmt == "Q4_1" else ""))
+        else:
+            ld = ("let q = W_qs(row, kb); let ta = W_top(row, kb, 0u); let tb = W_top(row, kb, 1u); "
+                  + " ".join(f"{words[j]} = q6lo(q.{c}, ta, {j}u); {words[4 + j]} = q6hi(q.{c}, tb, {j}u);"
+                             for j, c in enumerate("xyzw"))
+                  + f" pwd{sl} = W_dpair(row, kb);" + (f" pwm{sl} = W_mpair(row, kb);" if fmt == "Q6M" else ""))
+        # rows past N load row N - 1 (min above): finite values, their outputs never stored
+        loads.append(f"        {head} {ld} }} }}")
+        st = " ".join(f"wq[({j}u * NW + e / TN) * (TN / 4u) + ((e % TN) >> 2u)][e & 3u] = {words[j]};" for j in range(8))
+        st += f" wdv[e] = pwd{sl};" + (f" wmv[e] = pwm{sl};" if fmt in ("Q4_1", "Q6M") else "")
+        stores.append(f"        {{ let e = lid + {256 * sl}u; if (e < {WR}u) {{ {st} }} }}")
+    # -- a k-step: integer sums per output, then scaled into the float accumulators --------------
+    inner = [f"        let xd{i} = xdv[ty * {pm}u + {i}u];" for i in range(pm)]
+    if sums:
+        inner += [f"        let xs{i} = xsv[ty * {pm}u + {i}u];" for i in range(pm)]
+    halves = ("l", "h") if six else ("",)
+    outs = [(i, q, e, g) for g in range(nw) for i in range(pm) for q in range(pn // 4) for e in range(4)]
+    for i, q, e, g in outs:
+        inner.append("        " + " ".join(f"var s{h}{g}_{i}_{q}_{e} = 0;" for h in halves))
+    for wd in range(8):
+        h = halves[wd // 4] if six else ""
+        for pl in range(planes):
+            inner += [f"        let a{pl}_{wd}_{q} = xq[({pl * 8 + wd}u) * (TM / 4u) + ty * {pm // 4}u + {q}u];" for q in range(pm // 4)]
+        for g in range(nw):
+            inner += [f"        let b{g}_{wd}_{q} = wq[({wd}u * NW + {g}u) * (TN / 4u) + tx * {pn // 4}u + {q}u];" for q in range(pn // 4)]
+        for i, q, e, g in outs:
+            a = lambda pl: f"a{pl}_{wd}_{i // 4}.{'xyzw'[i % 4]}"
+            b = f"b{g}_{wd}_{q}.{'xyzw'[e]}"
+            dp = f"dot4I8Packed({a(0)}, {b})"
+            if planes == 2:
+                dp = f"254 * {dp} + dot4I8Packed({a(1)}, {b})"
+            inner.append(f"        s{h}{g}_{i}_{q}_{e} += {dp};")
+    for i, q, e, g in outs:
+        col = f"{g} * TN + tx * {pn}u + {4 * q + e}u"
+        acc, sfx = ("c" if g == 0 else "u") + f"{i}_{q}.{'xyzw'[e]}", f"{g}_{i}_{q}_{e}"
+        if fmt == "Q8_0":
+            upd = f"f32(s{sfx}) * (xd{i} * wdv[{col}])"
+        elif fmt == "Q4_0":
+            upd = f"f32(s{sfx} - 8 * (xs{i}.x + xs{i}.y)) * (xd{i} * wdv[{col}])"
+        elif fmt == "Q4_1":
+            upd = f"(f32(s{sfx}) * wdv[{col}] + wmv[{col}] * f32(xs{i}.x + xs{i}.y)) * xd{i}"
+        else:
+            upd = f"(f32(sl{sfx} - 32 * xs{i}.x) * wdv[{col}].x + f32(sh{sfx} - 32 * xs{i}.y) * wdv[{col}].y"
+            upd += (f" + wmv[{col}].x * f32(xs{i}.x) + wmv[{col}].y * f32(xs{i}.y)) * xd{i}" if fmt == "Q6M" else ") * xd" + str(i))
+        inner.append(f"        {acc} += {upd};")
+    accs = " ".join(f"var c{i}_{q} = vec4<f32>(0.0);" + (f" var u{i}_{q} = vec4<f32>(0.0);" if glu else "")
+                    for i in range(pm) for q in range(pn // 4))
+    st_lines = []
+    for i in range(pm):
+        st_lines.append(f"    {{ let m = m0 + ty * {pm}u + {i}u; if (m < rows) {{")
+        for q in range(pn // 4):
+            for e, c in enumerate("xyzw"):
+                y = _epilogue(f"c{i}_{q}.{c}", f"u{i}_{q}.{c}" if glu else None, bias, residual, "n", "m * N + n")
+                st_lines.append(f"        {{ let n = n0 + tx * {pn}u + {4 * q + e}u; if (n < N) {{ {y} Y_st(m * N + n, y); }} }}")
+        st_lines.append("    } }")
+    sc = "vec2<f32>" if six else "f32"
+    body = f"""
+const N: u32 = ${{N}}u; const NB: u32 = ${{NB}}u; const TM: u32 = ${{TM}}u; const TN: u32 = ${{TN}}u; const NW: u32 = ${{NW}}u;
+var<workgroup> xq: array<vec4<u32>, {planes * 8 * tm // 4}>;  // [plane][word][TM / 4]
+var<workgroup> wq: array<vec4<u32>, {8 * WR // 4}>;  // [word][NW][TN / 4]
+var<workgroup> xdv: array<f32, {tm}>;
+var<workgroup> wdv: array<{sc}, {WR}>;
+{f"var<workgroup> xsv: array<vec2<i32>, {tm}>;" if sums else ""}
+{f"var<workgroup> wmv: array<{sc}, {WR}>;" if fmt in ("Q4_1", "Q6M") else ""}
+@compute @workgroup_size(256)
+fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {{
+    let rows = ${{ROWS_EXPR}};
+    let m0 = wid.y * TM; let n0 = wid.x * TN;
+    let ty = lid / 16u; let tx = lid % 16u;
+    ${{ACCS}}
+${{DECL}}
+    {{ let kb = 0u;
+${{LOADS}}
+    }}
+    for (var k0 = 0u; k0 < NB; k0++) {{
+${{STORES}}
+        workgroupBarrier();
+        let kb = k0 + 1u;
+        if (kb < NB) {{
+${{LOADS}}
+        }}
+${{INNER}}
+        workgroupBarrier();
+    }}
+${{ST}}
+}}
+"""
+    return _render("gemm_int8", parts, body, 256, N=n_out, NB=w.cols // 32, TM=tm, TN=tn, NW=nw, ROWS_EXPR=rows,
+                   ACCS=accs, DECL="\n".join(decl), LOADS="\n".join(loads), STORES="\n".join(stores),
+                   INNER="\n".join(inner), ST="\n".join(st_lines), dtypes=dtypes)
 
 
 # -- row-wise kernels -----------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import os
 
 from ...errors import EdgeLLMError
 from .device import Device
-from .kernels import INT8_FORMATS
+from .kernels import INT8_FORMATS, INT8_GEMM_FORMATS
 
 
 def can_stage(dev: Device, cols: int | None, int8: bool = False, planes: int = 1) -> bool:
@@ -200,6 +200,10 @@ DEFAULT_GEMM = DEFAULT_GEMMS[-1]  # fits WebGPU's default 16 KiB of workgroup me
 GEMM_CANDIDATES = [{"tm": 64, "tn": 64, "tk": 32}, {"tm": 128, "tn": 64, "tk": 16}, {"tm": 64, "tn": 128, "tk": 16},
                    {"tm": 128, "tn": 128, "tk": 16}, {"tm": 128, "tn": 128, "tk": 8}, {"tm": 128, "tn": 64, "tk": 32},
                    {"tm": 64, "tn": 64, "tk": 16}]
+# kernels.gemm's register prefetch: on the H200 through Vulkan (2026-11-30, 512 tokens) the best of
+# the float tiles for 14336x4096 Q4_0 (21.2 against 18.8 TFLOP/s) and 4096x14336 Q8_0, slower elsewhere
+GEMM_CANDIDATES += [{"tm": 128, "tn": 128, "tk": 16, "pre": True}, {"tm": 128, "tn": 64, "tk": 32, "pre": True},
+                    {"tm": 128, "tn": 64, "tk": 16, "pre": True}]
 
 
 def gemm_fits(dev: Device, cfg: dict, glu: bool) -> bool:
@@ -221,7 +225,7 @@ def gemm_config(dev: Device, w, n_out: int, glu: bool, rows: int) -> dict:
         return default
     key = (w.fmt, n_out, w.cols, rows, "glu" if glu else "plain")
     cands = [c for c in GEMM_CANDIDATES if gemm_fits(dev, c, glu)]
-    return _tuner(dev).pick("webgpu_gemm_v2", key, cands, default,
+    return _tuner(dev).pick("webgpu_gemm_v3", key, cands, default,
                             lambda cfg: _timed(_time_gemm, dev, w, n_out, glu, rows, cfg))
 
 
@@ -236,4 +240,86 @@ def _time_gemm(dev: Device, w, n_out: int, glu: bool, rows: int, cfg: dict) -> f
     bufs["Y"] = dev.buffer(4 * n_out * rows)
     L = Launch(dev, kernels.gemm(w.desc(), n_out, "step.seq", glu=glu, **cfg), bufs)
     L.set_step(seq=rows)
-    return 1e6 * L.time((-(-n_out // cfg["tn"]), -(-rows // cfg["tm"]), 1), repeat=3)
+    return 1e6 * _faster_of_two(L, (-(-n_out // cfg["tn"]), -(-rows // cfg["tm"]), 1))
+
+
+def _faster_of_two(L, grid) -> float:
+    """Seconds per dispatch, the faster of two timed passes: a pipeline's first pass after its
+    compile timed up to 5 times slower than its second on the H200 through Vulkan (2026-11-30)."""
+    return min(L.time(grid, repeat=3), L.time(grid, repeat=3))
+
+
+# the int8 prefill product (kernels.gemm_int8): tiles (tokens x features) of 256 threads, per
+# plane count; the first is the default. On the H200 through Vulkan (2026-11-30, 512 tokens, the
+# 8B projections in Q4_0 and Q8_0; benchmarks/bench_webgpu.py gemm section) one plane ran 50-63
+# TFLOP/s at 128 x 64 (x's quantization included), two 22-31 at 128 x 128 (64 x 64 the best on
+# 6144 and 14336 features), the float product 14-21 (its best tiles 19-21)
+GEMM_INT8_CANDIDATES = {1: [{"tm": 128, "tn": 64}, {"tm": 64, "tn": 64}, {"tm": 64, "tn": 128}, {"tm": 128, "tn": 128}],
+                        2: [{"tm": 128, "tn": 128}, {"tm": 64, "tn": 64}, {"tm": 128, "tn": 64}]}
+
+
+def prefill_int8_planes(dev: Device, fmt: str | None, cols: int | None) -> int:
+    """How many int8 planes of activations the prefill product of a weight takes (kernels.gemm_int8
+    after kernels.quantize_x; 0: the float product, kernels.gemm): EDGELLM_WEBGPU_PREFILL_INT8=0, 1
+    or 2; unset, 2 on a GPU for the formats of kernels.INT8_GEMM_FORMATS, 0 on a software adapter
+    (whose prefill runs as GEMVs). Two planes keep the float product's accuracy (the default model
+    on lavapipe, 512-token chunks: greedy text identical to the cpu backend's on five prompts,
+    teacher-forced top-1 100% over 256 positions; one plane: 2 of 5, 97.3%, and the capital
+    question answered wrong)."""
+    v = os.environ.get("EDGELLM_WEBGPU_PREFILL_INT8", "").strip()
+    if v not in ("", "0", "1", "2"):
+        raise EdgeLLMError(f"EDGELLM_WEBGPU_PREFILL_INT8={v!r}: expected 0 (float products), 1 or 2 (int8 planes)")
+    n = int(v) if v else (0 if dev.info.software else 2)
+    return n if n and fmt in INT8_GEMM_FORMATS and cols is not None and cols % 32 == 0 else 0
+
+
+def prefill_config(dev: Device, w, n_out: int, glu: bool, rows: int, planes: int) -> dict:
+    """The prefill product of a weight that can take int8 activations (prefill_int8_planes > 0):
+    {"int8": planes, "tm", "tn"} (kernels.quantize_x then kernels.gemm_int8) by default, or with
+    tuning on (tuning_on) the fastest of the int8 tiles (x's quantization timed with them) and the
+    float product's default and largest tiles ({"tm", "tn", "tk"}, kernels.gemm; with two planes
+    the results agree to float rounding, so either may win), timed at `rows` tokens and cached."""
+    default = {"int8": planes, **GEMM_INT8_CANDIDATES[planes][0]}
+    if not tuning_on(dev) or dev.info.software:
+        return default
+    key = (w.fmt, n_out, w.cols, rows, "glu" if glu else "plain", planes)
+    cands = [{"int8": planes, **c} for c in GEMM_INT8_CANDIDATES[planes]]
+    if planes == 2:
+        cands += [c for c in (default_gemm_config(dev, glu), {"tm": 128, "tn": 128, "tk": 16, "pre": True})
+                  if gemm_fits(dev, c, glu)]
+    return _tuner(dev).pick("webgpu_prefill_v1", key, cands, default,
+                            lambda cfg: _timed(_time_prefill, dev, w, n_out, glu, rows, cfg))
+
+
+def int8_x_buffers(dev: Device, rows: int, cols: int, planes: int, sums: bool) -> dict:
+    """Buffers for x quantized by kernels.quantize_x (rows x cols), by binding name."""
+    nb = cols // 32
+    out = {"XQ": dev.buffer(rows * cols), "XD": dev.buffer(4 * rows * nb)}
+    if sums:
+        out["XS"] = dev.buffer(8 * rows * nb)
+    if planes == 2:
+        out["XQ2"] = dev.buffer(rows * cols)
+    return out
+
+
+def _time_prefill(dev: Device, w, n_out: int, glu: bool, rows: int, cfg: dict) -> float:
+    """Microseconds of one prefill product so configured (an int8 one with x's quantization)."""
+    if "int8" not in cfg:
+        return _time_gemm(dev, w, n_out, glu, rows, cfg)
+    import numpy as np
+
+    from . import kernels
+    from .launch import Launch, upload_f32
+
+    planes, tiles = cfg["int8"], {k: v for k, v in cfg.items() if k != "int8"}
+    sums = kernels.int8_x_sums(w.fmt)
+    bufs = {k: b for k, (b, _, _) in w.resources().items()}
+    bufs["X"] = upload_f32(dev, np.random.default_rng(0).standard_normal(rows * w.cols).astype(np.float32))
+    bufs["Y"] = dev.buffer(4 * n_out * rows)
+    bufs.update(int8_x_buffers(dev, rows, w.cols, planes, sums))
+    q = Launch(dev, kernels.quantize_x(w.cols, "step.seq", planes=planes, sums=sums), bufs)
+    q.set_step(seq=rows)
+    tq = q.time((-(-(w.cols // 32) // 64), rows, 1), repeat=3)
+    L = Launch(dev, kernels.gemm_int8(w.desc(), n_out, "step.seq", glu=glu, planes=planes, **tiles), bufs)
+    L.set_step(seq=rows)
+    return 1e6 * (tq + _faster_of_two(L, (-(-n_out // tiles["tn"]), -(-rows // tiles["tm"]), 1)))
