@@ -366,6 +366,7 @@ class WebgpuProgram:
             if op.name not in absorbed:
                 self._steps.extend(self._lower(op))
         self._has_host_ops = any(isinstance(st, _HostOp) for st in self._steps)
+        self.dev.precompile([d.kernel for st in self._steps for d in getattr(st, "variants", (st,)) if hasattr(d, "kernel")])
         self._argmax = None
         self._samplers: dict[str, _Dispatch] = {}  # kernels.sample_kernels' dispatches, made at first use
         if self.max_seq == 1 and "logits" in graph.outputs:

@@ -257,6 +257,28 @@ class Device:
             self._pipelines[source] = p
         return p
 
+    def precompile(self, kernels: list) -> None:
+        """The pipelines of these kernels (objects with .source and .kinds), compiled side by side
+        in threads (wgpu-native's calls release the GIL, and the driver compiles each on the
+        calling thread) instead of one after another as each is first used: a program's kernels
+        when it is built, the candidates of a tuning before they are timed.
+        EDGELLM_WEBGPU_PRECOMPILE=0: one at a time, at first use. A pipeline that fails here is
+        left for its first use to meet (and report, or a tuning to skip)."""
+        todo = list({k.source: k for k in kernels if k.source not in self._pipelines}.values())
+        if len(todo) < 2 or os.environ.get("EDGELLM_WEBGPU_PRECOMPILE", "1") == "0":
+            return
+        from concurrent.futures import ThreadPoolExecutor
+
+        layouts = {k.kinds: self.layout(k.kinds) for k in todo}  # made here, shared by the threads
+
+        def one(k) -> None:
+            try:
+                self.pipeline(k.source, layouts[k.kinds])
+            except Exception:  # noqa: BLE001
+                pass
+        with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 4, 16)) as ex:
+            list(ex.map(one, todo))
+
     def describe(self) -> str:
         extras = [f for f, ok in (("f16", self.has_f16), (f"subgroups of {self.subgroup_size}", self.has_subgroups),
                                   ("timestamps", self.has_timestamps)) if ok]

@@ -145,6 +145,8 @@ def gemv_config(dev: Device, w, n_out: int, glu: bool = False) -> dict:
         cands = gemv_candidates(dev, int8=True, planes=planes)
     else:
         cands = [c for c in gemv_candidates(dev) if c.get("kind") != "warp" or (w.cols % 4 == 0 and (not c["stage"] or can_stage(dev, w.cols)))]
+    if tuner.cached("webgpu_gemv_v3", key) is None:
+        dev.precompile([k for cfg in [default, *cands] for k in _quiet_kernels(_gemv_kernels, w, n_out, glu, cfg)])
     return tuner.pick("webgpu_gemv_v3", key, cands, default, lambda cfg: _timed(_time_gemv, dev, w, n_out, glu, cfg))
 
 
@@ -177,7 +179,7 @@ def _time_gemv(dev: Device, w, n_out: int, glu: bool, cfg: dict) -> float:
     bufs = {k: b for k, (b, _, _) in w.resources().items()}
     bufs["X"] = upload_f32(dev, np.random.default_rng(0).standard_normal(w.cols).astype(np.float32))
     bufs["Y"] = dev.buffer(4 * n_out)
-    k = kernels.decode_gemv(w.desc(), n_out, "1u", cfg, glu=glu)
+    (k,) = _gemv_kernels(w, n_out, glu, cfg)
     L = Launch(dev, k, bufs)
     L.set_step(seq=1)
     return 1e6 * L.time((*_grid2(-(-n_out // cfg["rows_per_wg"]), dev.max_groups), 1), repeat=10)
@@ -225,6 +227,8 @@ def gemm_config(dev: Device, w, n_out: int, glu: bool, rows: int) -> dict:
         return default
     key = (w.fmt, n_out, w.cols, rows, "glu" if glu else "plain")
     cands = [c for c in GEMM_CANDIDATES if gemm_fits(dev, c, glu)]
+    if _tuner(dev).cached("webgpu_gemm_v3", key) is None:
+        dev.precompile([k for cfg in [default, *cands] for k in _quiet_kernels(_prefill_kernels, w, n_out, glu, cfg)])
     return _tuner(dev).pick("webgpu_gemm_v3", key, cands, default,
                             lambda cfg: _timed(_time_gemm, dev, w, n_out, glu, rows, cfg))
 
@@ -238,9 +242,36 @@ def _time_gemm(dev: Device, w, n_out: int, glu: bool, rows: int, cfg: dict) -> f
     bufs = {k: b for k, (b, _, _) in w.resources().items()}
     bufs["X"] = upload_f32(dev, np.random.default_rng(0).standard_normal(rows * w.cols).astype(np.float32))
     bufs["Y"] = dev.buffer(4 * n_out * rows)
-    L = Launch(dev, kernels.gemm(w.desc(), n_out, "step.seq", glu=glu, **cfg), bufs)
+    (k,) = _prefill_kernels(w, n_out, glu, cfg)
+    L = Launch(dev, k, bufs)
     L.set_step(seq=rows)
     return 1e6 * _faster_of_two(L, (-(-n_out // cfg["tn"]), -(-rows // cfg["tm"]), 1))
+
+
+def _gemv_kernels(w, n_out: int, glu: bool, cfg: dict) -> tuple:
+    from . import kernels
+
+    return (kernels.decode_gemv(w.desc(), n_out, "1u", cfg, glu=glu),)
+
+
+def _prefill_kernels(w, n_out: int, glu: bool, cfg: dict) -> tuple:
+    """The kernels a prefill configuration runs: the float product, or x's quantization and the
+    int8 product."""
+    from . import kernels
+
+    if "int8" not in cfg:
+        return (kernels.gemm(w.desc(), n_out, "step.seq", glu=glu, **cfg),)
+    planes, tiles = cfg["int8"], {k: v for k, v in cfg.items() if k != "int8"}
+    return (kernels.quantize_x(w.cols, "step.seq", planes=planes, sums=kernels.int8_x_sums(w.fmt)),
+            kernels.gemm_int8(w.desc(), n_out, "step.seq", glu=glu, planes=planes, **tiles))
+
+
+def _quiet_kernels(make, *args) -> tuple:
+    """make(*args), or none where a configuration cannot be generated (its timing skips it too)."""
+    try:
+        return make(*args)
+    except Exception:  # noqa: BLE001
+        return ()
 
 
 def _faster_of_two(L, grid) -> float:
@@ -287,6 +318,8 @@ def prefill_config(dev: Device, w, n_out: int, glu: bool, rows: int, planes: int
     if planes == 2:
         cands += [c for c in (default_gemm_config(dev, glu), {"tm": 128, "tn": 128, "tk": 16, "pre": True})
                   if gemm_fits(dev, c, glu)]
+    if _tuner(dev).cached("webgpu_prefill_v1", key) is None:
+        dev.precompile([k for cfg in [default, *cands] for k in _quiet_kernels(_prefill_kernels, w, n_out, glu, cfg)])
     return _tuner(dev).pick("webgpu_prefill_v1", key, cands, default,
                             lambda cfg: _timed(_time_prefill, dev, w, n_out, glu, rows, cfg))
 
@@ -317,9 +350,10 @@ def _time_prefill(dev: Device, w, n_out: int, glu: bool, rows: int, cfg: dict) -
     bufs["X"] = upload_f32(dev, np.random.default_rng(0).standard_normal(rows * w.cols).astype(np.float32))
     bufs["Y"] = dev.buffer(4 * n_out * rows)
     bufs.update(int8_x_buffers(dev, rows, w.cols, planes, sums))
-    q = Launch(dev, kernels.quantize_x(w.cols, "step.seq", planes=planes, sums=sums), bufs)
+    kq, km = _prefill_kernels(w, n_out, glu, cfg)
+    q = Launch(dev, kq, bufs)
     q.set_step(seq=rows)
     tq = q.time((-(-(w.cols // 32) // 64), rows, 1), repeat=3)
-    L = Launch(dev, kernels.gemm_int8(w.desc(), n_out, "step.seq", glu=glu, planes=planes, **tiles), bufs)
+    L = Launch(dev, km, bufs)
     L.set_step(seq=rows)
     return 1e6 * (tq + _faster_of_two(L, (-(-n_out // tiles["tn"]), -(-rows // tiles["tm"]), 1)))
