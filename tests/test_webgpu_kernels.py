@@ -418,6 +418,26 @@ def test_gemm_int8_refuses_float_weights(dev, rng):
         kernels.gemm_int8(w.desc(), 16, "step.seq")
 
 
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_precompile(dev, rng, monkeypatch, switch):
+    """Device.precompile: with EDGELLM_WEBGPU_PRECOMPILE=1 the kernels' pipelines are compiled
+    (in threads) into the device's cache, a kernel that does not compile is skipped without an
+    error (its first use reports it), and a precompiled pipeline runs correctly; with 0 nothing
+    is compiled ahead."""
+    monkeypatch.setenv("EDGELLM_WEBGPU_PRECOMPILE", switch)
+    n_out = 33 + 2 * int(switch) + int(rng.integers(0, 1000)) * 4  # sources this process has not compiled
+    w, bufs, want = _linear_case(dev, rng, "Q8_0", 9, n_out, 64)
+    good = [kernels.gemm(w.desc(), n_out, "step.seq", tm=64, tn=64, tk=16), kernels.quantize_x(32 * n_out, "step.seq")]
+    bad = kernels.Kernel("broken", good[0].source.replace("fn main(", "fn main(oops "), good[0].bindings, 256)
+    dev.precompile(good + [bad])
+    assert all((k.source in dev._pipelines) == (switch == "1") for k in good)
+    assert bad.source not in dev._pipelines
+    L = Launch(dev, good[0], bufs)
+    L.set_step(seq=9)
+    L.run((-(-n_out // 64), 1, 1))
+    check(read_f32(dev, bufs["Y"], 9 * n_out), want)
+
+
 # -- row-wise kernels -----------------------------------------------------------------------------
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q4_1", "F16", "Q6_K", "Q5_1"])
 def test_embedding(dev, rng, fmt):

@@ -669,6 +669,23 @@ def _prefetch_4x4(tag: str, count: int, index: str, row_ok: str, load: str, stor
     return decl, loads, stores
 
 
+def _tile_accumulators(pm: int, pn: int, glu: bool, bias: bool, residual: bool) -> tuple[str, list[str]]:
+    """A GEMM tile's per-thread float accumulators (c<i>_<q>: vec4s of pm rows x pn features;
+    u<i>_<q> the up half's with glu) and the WGSL lines storing them through the epilogue, the
+    thread's rows ty * pm.. and features tx * pn.. (rows past `rows` and features past N skipped)."""
+    accs = " ".join(f"var c{i}_{q} = vec4<f32>(0.0);" + (f" var u{i}_{q} = vec4<f32>(0.0);" if glu else "")
+                    for i in range(pm) for q in range(pn // 4))
+    stores = []
+    for i in range(pm):
+        stores.append(f"    {{ let m = m0 + ty * {pm}u + {i}u; if (m < rows) {{")
+        for q in range(pn // 4):
+            for e, c in enumerate("xyzw"):
+                y = _epilogue(f"c{i}_{q}.{c}", f"u{i}_{q}.{c}" if glu else None, bias, residual, "n", "m * N + n")
+                stores.append(f"        {{ let n = n0 + tx * {pn}u + {4 * q + e}u; if (n < N) {{ {y} Y_st(m * N + n, y); }} }}")
+        stores.append("    } }")
+    return accs, stores
+
+
 def gemm(w: WeightDesc, n_out: int, rows: str, *, bias: bool = False, residual: bool = False, glu: bool = False,
          tm: int = 64, tn: int = 64, tk: int = 32, pre: bool = False, dtypes: dict | None = None) -> Kernel:
     """The prefill matrix product: a TM x TN tile of y per workgroup of 256 threads (16 x 16), each
@@ -727,16 +744,7 @@ def gemm(w: WeightDesc, n_out: int, rows: str, *, bias: bool = False, residual: 
             inner.append(f"            c{i}_{q} += {xi} * b{q};")
             if glu:
                 inner.append(f"            u{i}_{q} += {xi} * g{q};")
-    accs = " ".join(f"var c{i}_{q} = vec4<f32>(0.0);" + (f" var u{i}_{q} = vec4<f32>(0.0);" if glu else "")
-                    for i in range(pm) for q in range(pn // 4))
-    stores = []
-    for i in range(pm):
-        stores.append(f"    {{ let m = m0 + ty * {pm}u + {i}u; if (m < rows) {{")
-        for q in range(pn // 4):
-            for e, c in enumerate("xyzw"):
-                y = _epilogue(f"c{i}_{q}.{c}", f"u{i}_{q}.{c}" if glu else None, bias, residual, "n", "m * N + n")
-                stores.append(f"        {{ let n = n0 + tx * {pn}u + {4 * q + e}u; if (n < N) {{ {y} Y_st(m * N + n, y); }} }}")
-        stores.append("    } }")
+    accs, stores = _tile_accumulators(pm, pn, glu, bias, residual)
     body = """
 const N: u32 = ${N}u; const K: u32 = ${K}u; const TM: u32 = ${TM}u; const TN: u32 = ${TN}u; const TK: u32 = ${TK}u;
 const NW: u32 = ${NW}u;
@@ -944,16 +952,7 @@ def gemm_int8(w: WeightDesc, n_out: int, rows: str, *, bias: bool = False, resid
             upd = f"(f32(sl{sfx} - 32 * xs{i}.x) * wdv[{col}].x + f32(sh{sfx} - 32 * xs{i}.y) * wdv[{col}].y"
             upd += (f" + wmv[{col}].x * f32(xs{i}.x) + wmv[{col}].y * f32(xs{i}.y)) * xd{i}" if fmt == "Q6M" else ") * xd" + str(i))
         inner.append(f"        {acc} += {upd};")
-    accs = " ".join(f"var c{i}_{q} = vec4<f32>(0.0);" + (f" var u{i}_{q} = vec4<f32>(0.0);" if glu else "")
-                    for i in range(pm) for q in range(pn // 4))
-    st_lines = []
-    for i in range(pm):
-        st_lines.append(f"    {{ let m = m0 + ty * {pm}u + {i}u; if (m < rows) {{")
-        for q in range(pn // 4):
-            for e, c in enumerate("xyzw"):
-                y = _epilogue(f"c{i}_{q}.{c}", f"u{i}_{q}.{c}" if glu else None, bias, residual, "n", "m * N + n")
-                st_lines.append(f"        {{ let n = n0 + tx * {pn}u + {4 * q + e}u; if (n < N) {{ {y} Y_st(m * N + n, y); }} }}")
-        st_lines.append("    } }")
+    accs, st_lines = _tile_accumulators(pm, pn, glu, bias, residual)
     sc = "vec2<f32>" if six else "f32"
     body = f"""
 const N: u32 = ${{N}}u; const NB: u32 = ${{NB}}u; const TM: u32 = ${{TM}}u; const TN: u32 = ${{TN}}u; const NW: u32 = ${{NW}}u;
