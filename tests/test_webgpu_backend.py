@@ -357,8 +357,15 @@ def test_sampled_generation_draws_on_the_device(models):
     assert list(gpu.generate_tokens(PROMPT, 8, SamplingParams(temperature=0.7, top_k=1, seed=2))) == greedy
 
 
-def test_default_model_answers_capital():
-    """The embedded SmolLM2-135M-Instruct, greedy: the same text as the cpu backend."""
+@pytest.mark.parametrize("kernels", ["adapter's", "a GPU's"])
+def test_default_model_answers_capital(monkeypatch, kernels):
+    """The embedded SmolLM2-135M-Instruct, greedy: the same text as the cpu backend, with this
+    adapter's default kernels and with a GPU's (the prompt through the tiled prefill's int8
+    products in two planes, decode through the subgroup GEMVs on int8 activations in two planes)."""
+    if kernels == "a GPU's":
+        monkeypatch.setenv("EDGELLM_WEBGPU_TILED", "1")
+        monkeypatch.setenv("EDGELLM_WEBGPU_PREFILL_INT8", "2")
+        monkeypatch.setenv("EDGELLM_WEBGPU_GEMV", "warp:2:256:1:int8x2")
     gpu = edgellm.load(backend="webgpu", ctx=256)
     text = "".join(gpu.generate("What is the capital of France?", max_tokens=12, temperature=0))
     assert text == "The capital of France is Paris."  # the cpu backend's answer (shared/NOTES.md)
