@@ -543,6 +543,20 @@ def test_fp16_activations(models, adapter, monkeypatch):
     assert gemvs and all("var<storage, read_write> X: array<f16>" in src for src in gemvs)
 
 
+def test_fp16_activations_into_int8_prefill(models, adapter, monkeypatch):
+    """fp16 activations read by the int8 prefill's quantizer (through X's storage descriptor) and
+    written by its products: logits within fp16 rounding of the cpu's."""
+    if not adapter.has_f16:
+        pytest.skip("the adapter has no shader-f16")
+    monkeypatch.setenv("EDGELLM_WEBGPU_ACT", "f16")
+    monkeypatch.setenv("EDGELLM_WEBGPU_TILED", "1")
+    monkeypatch.setenv("EDGELLM_WEBGPU_PREFILL_INT8", "2")
+    g = _compare(models["Q4_0"], chunk=40, steps=1, tol=2e-2)
+    srcs = [v.kernel.source for st in g.programs["all"]._steps for v in getattr(st, "variants", ())]
+    quant = [src for src in srcs if "fn main" in src and "XQ[2u * o]" in src]
+    assert quant and all("X: array<f16>" in src for src in quant)
+
+
 def test_int8_default_configuration(monkeypatch):
     """A GPU adapter's default GEMV takes int8 activations in two planes for the formats that have
     them and whose x fits staged so (not F16, not rows too long for the workgroup memory), with x
