@@ -259,6 +259,37 @@ def test_int8_prefill(models, monkeypatch, name, planes):
     assert names.count("gemm_int8") >= 4 and names.count("quantize_x") == names.count("gemm_int8")
 
 
+def test_weights_packed_ahead_in_a_bounded_window(models, monkeypatch):
+    """WebgpuWeights.prefetch packs the file's own layouts too (Q8_0 here) in threads, never more
+    than PREFETCH_AHEAD per worker ahead of the program build, each taken set refilling the
+    window; the packed weights are the ones matrix() packs itself (same arrays), and the pool
+    ends with the queue."""
+    from edgellm.backends.webgpu import backend as B, codegen
+    from edgellm.gguf_file import GGUFFile
+
+    monkeypatch.setattr(B, "PREFETCH_AHEAD", 1)
+    monkeypatch.setattr(B.os, "cpu_count", lambda: 2)
+    f = GGUFFile(models["Q8_0"])
+    sets = [(n,) for n, t in f.tensors.items() if len(t.shape) == 2 and n.startswith("blk.")]
+    assert len(sets) > 4
+    w = B.WebgpuWeights(f, B.get_device())
+    seen = []
+    real = w._pack
+    monkeypatch.setattr(w, "_pack", lambda n: (seen.append(n), real(n))[1])
+    w.prefetch(sets)
+    assert len(w._pending) == 2 and len(w._queue) == len(sets) - 2
+    for n in sets:
+        got = w.matrix(*n)
+        assert len(w._pending) <= 2
+        want, _ = real(n)
+        for have, part in zip(got.buffers, codegen.part_arrays(want, got.part_rows)):
+            for k, a in part.items():
+                raw = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+                assert np.array_equal(np.frombuffer(B.get_device().read(have[k], 0, raw.size), np.uint8), raw)
+    assert w._pool is None and not w._queue and not w._pending
+    assert sorted(seen) == sorted(sets)
+
+
 def test_bad_prefill_int8_switch(models, monkeypatch):
     monkeypatch.setenv("EDGELLM_WEBGPU_TILED", "1")
     monkeypatch.setenv("EDGELLM_WEBGPU_PREFILL_INT8", "3")

@@ -47,6 +47,7 @@ from .tuning import prefill_int8_planes, timing_s as tuning_timing_s
 from .launch import encode_dispatch, raw_pass_functions, replay_dispatches
 
 GEMV_MAX_ROWS = 4  # steps of at most this many tokens use the matrix-vector kernel
+PREFETCH_AHEAD = 2  # weight sets packed ahead of the program build per worker thread (WebgpuWeights.prefetch)
 SPLIT_KEYS = 64  # decode attention: one split per this many cached keys ...
 MAX_SPLITS = 32  # ... up to this many
 # steps of at most this many splits merge them in the output projection's GEMV (the "combine"
@@ -170,7 +171,9 @@ class WebgpuWeights:
         self._cached: dict[tuple[str, ...], codegen.PackedArrays] = {}  # from the program cache
         self._built: dict[tuple[str, ...], codegen.PackedArrays] = {}  # converted by this load
         self.keep_converted = False  # hold converted weights for save() (set when a cache is attached)
-        self._pending: dict[tuple[str, ...], object] = {}  # conversions running in threads (prefetch)
+        self._pending: dict[tuple[str, ...], object] = {}  # packings running in threads (prefetch)
+        self._queue: list[tuple[str, ...]] = []  # sets prefetch will submit as pending ones are taken
+        self._pool = None
 
     def matrix(self, *names: str) -> DeviceWeight:
         w = self._mats.get(names)
@@ -178,6 +181,8 @@ class WebgpuWeights:
             p = self._cached.get(names)
             if p is None:
                 fut = self._pending.pop(names, None)
+                if fut is not None and self._pool is not None:
+                    self._refill(PREFETCH_AHEAD * self._pool._max_workers)
                 p, converted = fut.result() if fut is not None else self._pack(names)
                 if converted and self.keep_converted:
                     self._built[names] = p
@@ -185,24 +190,33 @@ class WebgpuWeights:
         return w
 
     def prefetch(self, sets: list[tuple[str, ...]]) -> None:
-        """Start converting these weight sets in threads, ahead of the matrix() calls that take
-        them (numpy and torch release the GIL in their loops: an 8B K-quant file's conversions on
-        the host's cores at once, not one after another). Sets already held, or in the file's own
-        layouts (sliced, not converted), are left to matrix()."""
-        own = ("F16", "Q8_0", "Q4_0", "Q4_1")
+        """Start packing these weight sets in threads, ahead of the matrix() calls that take them
+        (numpy and torch release the GIL in their loops: an 8B file's conversions, and the file's
+        own layouts' strided copies out of the mapped blocks, on the host's cores at once, not one
+        after another), at most PREFETCH_AHEAD per worker packed and not yet taken (host memory
+        stays a few weights' worth, not the model's). Sets already held are left to matrix()."""
         todo = [n for n in dict.fromkeys(sets)
                 if n not in self._mats and n not in self._cached and n not in self._pending
-                and all(x in self.file.tensors for x in n)
-                and any(self.file.tensors[x].type_name.upper() not in own for x in n)]
+                and all(x in self.file.tensors for x in n)]
         workers = min(8, os.cpu_count() or 1)
         if len(todo) < 2 or workers < 2:
             return
         from concurrent.futures import ThreadPoolExecutor
 
-        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="edgellm-convert")
-        for n in todo:
-            self._pending[n] = pool.submit(self._pack, n)
-        pool.shutdown(wait=False)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="edgellm-pack")
+        self._queue.extend(todo)
+        self._refill(PREFETCH_AHEAD * workers)
+
+    def _refill(self, window: int) -> None:
+        """Submit queued sets until `window` are pending; the pool ends when the queue does."""
+        while self._queue and len(self._pending) < window:
+            n = self._queue.pop(0)
+            if n not in self._mats and n not in self._pending:
+                self._pending[n] = self._pool.submit(self._pack, n)
+        if not self._queue and self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
 
     def _pack(self, names: tuple[str, ...]) -> tuple[codegen.PackedArrays, bool]:
         """The named weights stacked by rows in one descriptor layout, and whether any was converted
