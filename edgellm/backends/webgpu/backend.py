@@ -174,6 +174,7 @@ class WebgpuWeights:
         self._pending: dict[tuple[str, ...], object] = {}  # packings running in threads (prefetch)
         self._queue: list[tuple[str, ...]] = []  # sets prefetch will submit as pending ones are taken
         self._pool = None
+        self._window = 0  # sets pending at most (PREFETCH_AHEAD per worker)
 
     def matrix(self, *names: str) -> DeviceWeight:
         w = self._mats.get(names)
@@ -181,8 +182,8 @@ class WebgpuWeights:
             p = self._cached.get(names)
             if p is None:
                 fut = self._pending.pop(names, None)
-                if fut is not None and self._pool is not None:
-                    self._refill(PREFETCH_AHEAD * self._pool._max_workers)
+                if fut is not None:
+                    self._refill()
                 p, converted = fut.result() if fut is not None else self._pack(names)
                 if converted and self.keep_converted:
                     self._built[names] = p
@@ -205,12 +206,13 @@ class WebgpuWeights:
 
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="edgellm-pack")
+            self._window = PREFETCH_AHEAD * workers
         self._queue.extend(todo)
-        self._refill(PREFETCH_AHEAD * workers)
+        self._refill()
 
-    def _refill(self, window: int) -> None:
-        """Submit queued sets until `window` are pending; the pool ends when the queue does."""
-        while self._queue and len(self._pending) < window:
+    def _refill(self) -> None:
+        """Submit queued sets until a window's worth are pending; the pool ends when the queue does."""
+        while self._queue and len(self._pending) < self._window:
             n = self._queue.pop(0)
             if n not in self._mats and n not in self._pending:
                 self._pending[n] = self._pool.submit(self._pack, n)
@@ -806,12 +808,7 @@ class WebgpuProgram:
         """Resources of x quantized for an int8 prefill product (kernels.quantize_x's XQ, XD, XS,
         XQ2): regions of the backend's "int8_x" workspace, sized here for this program's rows
         (the largest request sizes it before anything is bound), looked up again at each bind."""
-        rows, nb = self.max_seq, cols // 32
-        sizes = {"XQ": rows * cols, "XD": 4 * rows * nb}
-        if sums:
-            sizes["XS"] = 8 * rows * nb
-        if planes == 2:
-            sizes["XQ2"] = rows * cols
+        sizes = kernels.int8_x_sizes(self.max_seq, cols, planes, sums)
         offs, end = {}, 0
         for k, n in sizes.items():
             offs[k] = end

@@ -801,6 +801,17 @@ def int8_x_parts(planes: int, sums: bool, kind: str = "read") -> list:
     return parts
 
 
+def int8_x_sizes(rows: int, cols: int, planes: int, sums: bool) -> dict[str, int]:
+    """Bytes of each of int8_x_parts' arrays for `rows` rows of `cols` elements."""
+    nb = cols // 32
+    out = {"XQ": rows * cols, "XD": 4 * rows * nb}
+    if sums:
+        out["XS"] = 8 * rows * nb
+    if planes == 2:
+        out["XQ2"] = rows * cols
+    return out
+
+
 def quantize_x(cols: int, rows: str, *, planes: int = 1, sums: bool = True, dtypes: dict | None = None) -> Kernel:
     """x [rows, cols] (X, f32 or f16) as int8 blocks of 32 with a float scale each, for
     gemm_int8: codes round(127 * x / amax) (pack4x8snorm), scale amax / 127, the integer sums of

@@ -145,9 +145,18 @@ def gemv_config(dev: Device, w, n_out: int, glu: bool = False) -> dict:
         cands = gemv_candidates(dev, int8=True, planes=planes)
     else:
         cands = [c for c in gemv_candidates(dev) if c.get("kind") != "warp" or (w.cols % 4 == 0 and (not c["stage"] or can_stage(dev, w.cols)))]
-    if tuner.cached("webgpu_gemv_v3", key) is None:
-        dev.precompile([k for cfg in [default, *cands] for k in _quiet_kernels(_gemv_kernels, w, n_out, glu, cfg)])
-    return tuner.pick("webgpu_gemv_v3", key, cands, default, lambda cfg: _timed(_time_gemv, dev, w, n_out, glu, cfg))
+    return _pick(dev, "webgpu_gemv_v3", key, cands, default, lambda cfg: _gemv_kernels(w, n_out, glu, cfg),
+                 lambda cfg: _time_gemv(dev, w, n_out, glu, cfg))
+
+
+def _pick(dev: Device, kernel: str, key: tuple, cands: list[dict], default: dict, make, time) -> dict:
+    """The tuner's pick for one weight: the candidates' pipelines compiled ahead where none is
+    cached yet (Device.precompile; make(cfg): the kernels a configuration runs), each timed by
+    time(cfg) (microseconds) with the time counted as tuning (timing_s)."""
+    tuner = _tuner(dev)
+    if tuner.cached(kernel, key) is None:
+        dev.precompile([k for cfg in [default, *cands] for k in _quiet_kernels(make, cfg)])
+    return tuner.pick(kernel, key, cands, default, lambda cfg: _timed(time, cfg))
 
 
 _TIMING_S = [0.0]  # seconds spent timing candidates in this process (cached picks time nothing)
@@ -227,25 +236,8 @@ def gemm_config(dev: Device, w, n_out: int, glu: bool, rows: int) -> dict:
         return default
     key = (w.fmt, n_out, w.cols, rows, "glu" if glu else "plain")
     cands = [c for c in GEMM_CANDIDATES if gemm_fits(dev, c, glu)]
-    if _tuner(dev).cached("webgpu_gemm_v3", key) is None:
-        dev.precompile([k for cfg in [default, *cands] for k in _quiet_kernels(_prefill_kernels, w, n_out, glu, cfg)])
-    return _tuner(dev).pick("webgpu_gemm_v3", key, cands, default,
-                            lambda cfg: _timed(_time_gemm, dev, w, n_out, glu, rows, cfg))
-
-
-def _time_gemm(dev: Device, w, n_out: int, glu: bool, rows: int, cfg: dict) -> float:
-    import numpy as np
-
-    from . import kernels
-    from .launch import Launch, upload_f32
-
-    bufs = {k: b for k, (b, _, _) in w.resources().items()}
-    bufs["X"] = upload_f32(dev, np.random.default_rng(0).standard_normal(rows * w.cols).astype(np.float32))
-    bufs["Y"] = dev.buffer(4 * n_out * rows)
-    (k,) = _prefill_kernels(w, n_out, glu, cfg)
-    L = Launch(dev, k, bufs)
-    L.set_step(seq=rows)
-    return 1e6 * _faster_of_two(L, (-(-n_out // cfg["tn"]), -(-rows // cfg["tm"]), 1))
+    return _pick(dev, "webgpu_gemm_v3", key, cands, default, lambda cfg: _prefill_kernels(w, n_out, glu, cfg),
+                 lambda cfg: _time_prefill(dev, w, n_out, glu, rows, cfg))
 
 
 def _gemv_kernels(w, n_out: int, glu: bool, cfg: dict) -> tuple:
@@ -266,10 +258,10 @@ def _prefill_kernels(w, n_out: int, glu: bool, cfg: dict) -> tuple:
             kernels.gemm_int8(w.desc(), n_out, "step.seq", glu=glu, planes=planes, **tiles))
 
 
-def _quiet_kernels(make, *args) -> tuple:
-    """make(*args), or none where a configuration cannot be generated (its timing skips it too)."""
+def _quiet_kernels(make, cfg: dict) -> tuple:
+    """make(cfg), or none where a configuration cannot be generated (its timing skips it too)."""
     try:
-        return make(*args)
+        return make(cfg)
     except Exception:  # noqa: BLE001
         return ()
 
@@ -318,42 +310,34 @@ def prefill_config(dev: Device, w, n_out: int, glu: bool, rows: int, planes: int
     if planes == 2:
         cands += [c for c in (default_gemm_config(dev, glu), {"tm": 128, "tn": 128, "tk": 16, "pre": True})
                   if gemm_fits(dev, c, glu)]
-    if _tuner(dev).cached("webgpu_prefill_v1", key) is None:
-        dev.precompile([k for cfg in [default, *cands] for k in _quiet_kernels(_prefill_kernels, w, n_out, glu, cfg)])
-    return _tuner(dev).pick("webgpu_prefill_v1", key, cands, default,
-                            lambda cfg: _timed(_time_prefill, dev, w, n_out, glu, rows, cfg))
+    return _pick(dev, "webgpu_prefill_v1", key, cands, default, lambda cfg: _prefill_kernels(w, n_out, glu, cfg),
+                 lambda cfg: _time_prefill(dev, w, n_out, glu, rows, cfg))
 
 
 def int8_x_buffers(dev: Device, rows: int, cols: int, planes: int, sums: bool) -> dict:
     """Buffers for x quantized by kernels.quantize_x (rows x cols), by binding name."""
-    nb = cols // 32
-    out = {"XQ": dev.buffer(rows * cols), "XD": dev.buffer(4 * rows * nb)}
-    if sums:
-        out["XS"] = dev.buffer(8 * rows * nb)
-    if planes == 2:
-        out["XQ2"] = dev.buffer(rows * cols)
-    return out
+    from .kernels import int8_x_sizes
+
+    return {k: dev.buffer(n) for k, n in int8_x_sizes(rows, cols, planes, sums).items()}
 
 
 def _time_prefill(dev: Device, w, n_out: int, glu: bool, rows: int, cfg: dict) -> float:
-    """Microseconds of one prefill product so configured (an int8 one with x's quantization)."""
-    if "int8" not in cfg:
-        return _time_gemm(dev, w, n_out, glu, rows, cfg)
+    """Microseconds of one prefill product so configured at `rows` tokens (an int8 one with x's
+    quantization), each kernel the faster of two passes."""
     import numpy as np
 
-    from . import kernels
+    from .kernels import int8_x_sums
     from .launch import Launch, upload_f32
 
-    planes, tiles = cfg["int8"], {k: v for k, v in cfg.items() if k != "int8"}
-    sums = kernels.int8_x_sums(w.fmt)
     bufs = {k: b for k, (b, _, _) in w.resources().items()}
     bufs["X"] = upload_f32(dev, np.random.default_rng(0).standard_normal(rows * w.cols).astype(np.float32))
     bufs["Y"] = dev.buffer(4 * n_out * rows)
-    bufs.update(int8_x_buffers(dev, rows, w.cols, planes, sums))
-    kq, km = _prefill_kernels(w, n_out, glu, cfg)
-    q = Launch(dev, kq, bufs)
-    q.set_step(seq=rows)
-    tq = q.time((-(-(w.cols // 32) // 64), rows, 1), repeat=3)
-    L = Launch(dev, km, bufs)
-    L.set_step(seq=rows)
-    return 1e6 * (tq + _faster_of_two(L, (-(-n_out // tiles["tn"]), -(-rows // tiles["tm"]), 1)))
+    if "int8" in cfg:
+        bufs.update(int8_x_buffers(dev, rows, w.cols, cfg["int8"], int8_x_sums(w.fmt)))
+    total = 0.0
+    for k in _prefill_kernels(w, n_out, glu, cfg):
+        L = Launch(dev, k, bufs)
+        L.set_step(seq=rows)
+        grid = (-(-(w.cols // 32) // 64), rows, 1) if k.name == "quantize_x" else (-(-n_out // cfg["tn"]), -(-rows // cfg["tm"]), 1)
+        total += _faster_of_two(L, grid)
+    return 1e6 * total
