@@ -285,7 +285,12 @@ def main() -> None:
     ap.add_argument("--stages", default="0", help="gemv_warp x staged in workgroup memory: 0, 1 or 0,1")
     ap.add_argument("--pipes", default="0", help="gemv_warp software-pipelined loads: 0, 1 or 0,1")
     ap.add_argument("--splits", default="1", help="gemv_warp subgroups per row group")
-    ap.add_argument("--int8", action="store_true", help="Q8_0: each staged variant also with int8 activations")
+    ap.add_argument("--int8", action="store_true", help="the int8 formats (kernels.INT8_FORMATS): each staged variant "
+                    "also with int8 activations")
+    ap.add_argument("--only-int8", action="store_true", help="with --int8: the int8 formats' float-x variants left out")
+    ap.add_argument("--planes", default="1", help="int8 activation planes with --int8: 1, 2 or 1,2")
+    ap.add_argument("--single", action="store_true", help="also time each variant on one weight copy, 10 dispatches "
+                    "(as the tuner timed until 2026-11-30: a weight smaller than the L2 cache then stays in it)")
     ap.add_argument("--no-block", action="store_true", help="leave out kernels.gemv (cur, cur_rw)")
     ap.add_argument("--alloc", action="store_true", help="only read bandwidth by buffer order and making (alloc_probe)")
     ap.add_argument("--pattern", action="store_true", help="only the access-pattern kernels (pattern_probe), per shape")
@@ -293,9 +298,9 @@ def main() -> None:
     ap.add_argument("--diags", default="xro,nox,now,u8", help="diagnostic variants")
     args = ap.parse_args()
     args.diags = args.diags.split(",")
-    args.rows, args.wgs, args.unrolls, args.diag_rows, args.stages, args.pipes, args.splits = (
+    args.rows, args.wgs, args.unrolls, args.diag_rows, args.stages, args.pipes, args.splits, args.planes = (
         [int(v) for v in a.split(",") if v] for a in (
-            args.rows, args.wgs, args.unrolls, args.diag_rows, args.stages, args.pipes, args.splits))
+            args.rows, args.wgs, args.unrolls, args.diag_rows, args.stages, args.pipes, args.splits, args.planes))
 
     from edgellm.backends.webgpu import codegen, kernels, tuning
     from edgellm.backends.webgpu.backend import DeviceWeight
@@ -351,12 +356,15 @@ def main() -> None:
                         g = (*_grid2(-(-n_out // kw.rows_per_group), dev.max_groups), 1)
                         name = (f"warp_r{r}_wg{wg}_u{u}" + ("_stage" if st else "") + ("_pipe" if pp else "")
                                 + (f"_split{sp}" if sp > 1 else ""))
-                        variants.append((name, kw, g))
-                        if args.int8 and st and fmt == "Q8_0":
+                        if not (args.only_int8 and fmt in kernels.INT8_FORMATS):
+                            variants.append((name, kw, g))
+                        for pl in (args.planes if args.int8 and st and fmt in kernels.INT8_FORMATS else ()):
+                            if not tuning.can_stage(dev, n_in, int8=True, planes=pl):
+                                continue
                             ki = kernels.gemv_warp(ws[0].desc(), n_out, "step.seq", rows_per_warp=r, wg=wg, unroll=u,
                                                    subgroup=dev.has_subgroups, sg=args.sg, stage=True, pipeline=bool(pp),
-                                                   split=sp, int8=True)
-                            variants.append((name + "_int8", ki, g))
+                                                   split=sp, int8=True, planes=pl)
+                            variants.append((name + ("_int8" if pl == 1 else f"_int8x{pl}"), ki, g))
                         if wg == args.wgs[0] and u == args.unrolls[0] and r in args.diag_rows:
                             variants += [(f"warp_r{r}_{v}", _variant(kw, v), g) for v in args.diags]
             for name, k, grid in variants:
@@ -370,6 +378,9 @@ def main() -> None:
                     row["max_rel_err"] = float(np.max(np.abs(got - ref)) / (np.max(np.abs(ref)) + 1e-30))
                     t = L.time(grid, repeat=4 * copies)
                     row.update(us=round(t * 1e6, 2), GBps=round(p.nbytes / t / 1e9), pct=round(100 * p.nbytes / t / args.bandwidth, 1))
+                    if args.single:  # one copy, 10 dispatches: in the L2 cache where it fits
+                        t1 = Launch(dev, k, bufs[0]).time(grid, repeat=10)
+                        row.update(us_single=round(t1 * 1e6, 2), GBps_single=round(p.nbytes / t1 / 1e9))
                 except Exception as e:  # noqa: BLE001
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 print("gemv", json.dumps(row), flush=True)
