@@ -294,6 +294,8 @@ def main() -> None:
     ap.add_argument("--no-block", action="store_true", help="leave out kernels.gemv (cur, cur_rw)")
     ap.add_argument("--alloc", action="store_true", help="only read bandwidth by buffer order and making (alloc_probe)")
     ap.add_argument("--pattern", action="store_true", help="only the access-pattern kernels (pattern_probe), per shape")
+    ap.add_argument("--clock-idle", type=float, default=0.0, help="Launch.time's CLOCK_IDLE_S: 0 warms the GPU's "
+                    "clock before every timing (the host's compiles between timings let it fall)")
     ap.add_argument("--diag-rows", default="", help="rows per warp of the diagnostic variants (xro, nox, now)")
     ap.add_argument("--diags", default="xro,nox,now,u8", help="diagnostic variants")
     args = ap.parse_args()
@@ -307,6 +309,8 @@ def main() -> None:
     from edgellm.backends.webgpu.device import get_device
     from edgellm.backends.webgpu.launch import Launch, read_f32, upload_f32
 
+    from edgellm.backends.webgpu import launch
+    launch.CLOCK_IDLE_S = args.clock_idle
     dev = get_device()
     print(dev.describe(), "subgroup", dev.info.subgroup_min, dev.info.subgroup_max, flush=True)
     print("read GB/s", json.dumps({k: round(v) for k, v in read_bandwidth(dev, args.mb << 20).items()}), flush=True)
@@ -348,7 +352,19 @@ def main() -> None:
                 for r, wg, u, st, pp, sp in ((r, wg, u, st, pp, sp) for r in args.rows for wg in args.wgs
                                              for u in args.unrolls for st in args.stages for pp in args.pipes
                                              for sp in args.splits):
-                        if (st and not tuning.can_stage(dev, n_in)) or wg % (args.sg * sp):
+                        if wg % (args.sg * sp):
+                            continue
+                        if st and not tuning.can_stage(dev, n_in):  # float x does not fit staged: int8 may
+                            kw, g, name = None, None, ""
+                            for pl in (args.planes if args.int8 and fmt in kernels.INT8_FORMATS else ()):
+                                if tuning.can_stage(dev, n_in, int8=True, planes=pl):
+                                    ki = kernels.gemv_warp(ws[0].desc(), n_out, "step.seq", rows_per_warp=r, wg=wg,
+                                                           unroll=u, subgroup=dev.has_subgroups, sg=args.sg, stage=True,
+                                                           pipeline=bool(pp), split=sp, int8=True, planes=pl)
+                                    variants.append((f"warp_r{r}_wg{wg}_u{u}_stage" + ("_pipe" if pp else "")
+                                                     + (f"_split{sp}" if sp > 1 else "")
+                                                     + ("_int8" if pl == 1 else f"_int8x{pl}"), ki,
+                                                     (*_grid2(-(-n_out // ki.rows_per_group), dev.max_groups), 1)))
                             continue
                         kw = kernels.gemv_warp(ws[0].desc(), n_out, "step.seq", rows_per_warp=r, wg=wg, unroll=u,
                                                subgroup=dev.has_subgroups, sg=args.sg, stage=bool(st), pipeline=bool(pp),
@@ -379,7 +395,9 @@ def main() -> None:
                     t = L.time(grid, repeat=4 * copies)
                     row.update(us=round(t * 1e6, 2), GBps=round(p.nbytes / t / 1e9), pct=round(100 * p.nbytes / t / args.bandwidth, 1))
                     if args.single:  # one copy, 10 dispatches: in the L2 cache where it fits
-                        t1 = Launch(dev, k, bufs[0]).time(grid, repeat=10)
+                        L1 = Launch(dev, k, bufs[0])
+                        L1.set_step(seq=1)
+                        t1 = L1.time(grid, repeat=10)
                         row.update(us_single=round(t1 * 1e6, 2), GBps_single=round(p.nbytes / t1 / 1e9))
                 except Exception as e:  # noqa: BLE001
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"

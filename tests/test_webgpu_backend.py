@@ -461,7 +461,7 @@ def test_tuning_cached_per_adapter(models, monkeypatch, tmp_path):
     monkeypatch.setattr(tuning, "gemv_candidates", lambda dev: [{"wg": 64, "rows_per_wg": 16, "subgroup": False}])
     first = _compare(models["Q8_0"], steps=1)
     files = list((tmp_path / "tune").glob("webgpu_*.json"))
-    assert len(files) == 1 and "webgpu_gemv_v3|Q8_0" in files[0].read_text()
+    assert len(files) == 1 and "webgpu_gemv_v4|Q8_0" in files[0].read_text()
     # the picks' time is reported apart (a one-time part of the load), within the weights phase
     assert 0 < first.load_phases["tuning"] <= first.load_phases["weights"]
     timed = []
@@ -470,6 +470,63 @@ def test_tuning_cached_per_adapter(models, monkeypatch, tmp_path):
     again = edgellm.load(models["Q8_0"], backend="webgpu", ctx=64)
     assert not timed  # every pick came from the cache
     assert "tuning" not in again.load_phases
+
+
+def test_gemv_tuned_with_its_folds(models, monkeypatch, tmp_path, adapter):
+    """With tuning on, a projection whose warp GEMV carries a fold (the RMSNorm before it, the
+    RoPE after it, the attention's split merge) is timed with that fold, keyed by it, among
+    gemv_warp's candidates only (rows per subgroup even where RoPE is folded); a GEMV without
+    folds among all candidates; the tuned model's logits still match the cpu backend's."""
+    from edgellm.backends.webgpu import tuning
+
+    monkeypatch.setenv("EDGELLM_TUNE", "1")
+    monkeypatch.setenv("EDGELLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tuning, "_TUNERS", {})
+    warp = lambda r: tuning.warp_config(adapter, r, 64, 1, True)  # noqa: E731
+    block = {"wg": 64, "rows_per_wg": 16, "subgroup": False}
+    monkeypatch.setattr(tuning, "default_gemv_config", lambda dev, cols=None, fmt=None: warp(2))
+    monkeypatch.setattr(tuning, "gemv_candidates", lambda dev, **kw: [warp(1), warp(2), block])
+    timed, kernels_timed = [], []
+    real_time, real_kernels = tuning._time_gemv, tuning._gemv_kernels
+
+    def time_gemv(dev, w, n, glu, cfg, fold=None, state=None):
+        timed.append((tuning.fold_tag(fold), cfg))
+        return real_time(dev, w, n, glu, cfg, fold, state)
+
+    def gemv_kernels(w, n, glu, cfg, fold=None):
+        ks = real_kernels(w, n, glu, cfg, fold)
+        kernels_timed.append((tuning.fold_tag(fold), ks[0].source))
+        return ks
+    calls = []
+    real_config = tuning.gemv_config
+
+    def gemv_config(dev, w, n, glu=False, fold=None, tune=True):
+        before = len(timed)
+        cfg = real_config(dev, w, n, glu, fold, tune)
+        calls.append((tune, len(timed) - before))
+        return cfg
+    monkeypatch.setattr(tuning, "_time_gemv", time_gemv)
+    monkeypatch.setattr(tuning, "_gemv_kernels", gemv_kernels)
+    monkeypatch.setattr(tuning, "gemv_config", gemv_config)
+    _compare(models["Q8_0"], steps=2)
+    # the prefill programs' GEMVs (steps of a few tokens) take cached picks or defaults, untimed
+    assert any(not t for t, _ in calls) and all(n == 0 for t, n in calls if not t)
+    tags = {t for t, _ in timed}
+    assert "" in tags and any("rope" in t for t in tags) and any("rms" in t for t in tags), tags
+    assert any("combine" in t for t in tags), tags
+    for tag, cfg in timed:
+        if tag:
+            assert cfg.get("kind") == "warp", (tag, cfg)
+        if "rope" in tag:
+            assert cfg["rows_per_warp"] % 2 == 0, (tag, cfg)
+    assert any(cfg.get("kind") != "warp" for t, cfg in timed if not t)  # unfolded: every candidate
+    for tag, src in kernels_timed:  # the timed kernel has the fold's prologue
+        if "rms" in tag:
+            assert "inverseSqrt" in src, tag
+        if "combine" in tag:
+            assert "combined4" in src, tag
+    text = next((tmp_path / "tune").glob("webgpu_*.json")).read_text()
+    assert "rms+rope" in text and "combine" in text
 
 
 @pytest.mark.parametrize("winner", ["int8", "float", "timed"])
@@ -491,7 +548,7 @@ def test_prefill_product_tuned_between_int8_and_float(models, monkeypatch, tmp_p
     if winner != "timed":
         monkeypatch.setattr(tuning, "_time_prefill", lambda dev, w, n, glu, rows, cfg: 1.0 if ("int8" in cfg) == (winner == "int8") else 2.0)
     g = _compare(models["Q8_0"], chunk=40, steps=1)
-    assert "webgpu_prefill_v1|Q8_0" in next((tmp_path / "tune").glob("webgpu_*.json")).read_text()
+    assert "webgpu_prefill_v2|Q8_0" in next((tmp_path / "tune").glob("webgpu_*.json")).read_text()
     names = [v.kernel.name for st in g.programs["all"]._steps for v in getattr(st, "variants", ())]
     if winner == "int8":
         assert names.count("gemm_int8") >= 4 and "gemm" not in names
@@ -610,7 +667,7 @@ def test_int8_default_configuration(monkeypatch):
     assert not tuning.default_gemv_config(gpu, 4096, "F16").get("int8")
     assert not tuning.default_gemv_config(gpu, 40000, "Q8_0").get("int8")  # 55 KB of int8 x: does not fit
     cands = tuning.gemv_candidates(gpu, int8=True)
-    assert len(cands) == 18 and all(c["int8"] and c["stage"] and "planes" not in c for c in cands)
+    assert len(cands) == len(tuning.WARP_TUNED) and all(c["int8"] and c["stage"] and "planes" not in c for c in cands)
     monkeypatch.setenv("EDGELLM_WEBGPU_INT8", "2")  # two planes: 19 bytes per 8 elements staged
     assert tuning.default_gemv_config(gpu, 14336, "Q4_0")["planes"] == 2
     assert not tuning.default_gemv_config(gpu, 20000, "Q4_0").get("int8")

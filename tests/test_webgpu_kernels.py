@@ -112,6 +112,7 @@ def test_timing_after_an_idle_gap_raises_the_clock_first(dev, rng, monkeypatch):
 
     monkeypatch.setattr(type(dev.info), "software", property(lambda self: False))
     monkeypatch.setattr(launch, "CLOCK_WARMUP_S", 0.05)
+    monkeypatch.setattr(launch, "MIN_PASS_S", 0.0)
     w, bufs, _ = _linear_case(dev, rng, "Q8_0", 1, 16, 64)
     L = Launch(dev, kernels.gemv(w.desc(), 16, "step.seq", rows_per_wg=16, wg=64), bufs)
     L.set_step(seq=1)
@@ -126,6 +127,51 @@ def test_timing_after_an_idle_gap_raises_the_clock_first(dev, rng, monkeypatch):
     passes.clear()
     assert L.time((1, 1, 1), repeat=3) > 0
     assert 16 not in passes
+
+
+def test_a_short_timed_pass_is_timed_again_longer(dev, rng, monkeypatch):
+    """Launch.time on a hardware adapter: a pass of `repeat` dispatches shorter than MIN_PASS_S
+    is followed by one of about MIN_PASS_S (the GPU kept busy, so its clock stays up), and the
+    faster per-dispatch time of the two comes back; a pass already that long is not repeated."""
+    from edgellm.backends.webgpu import launch
+
+    monkeypatch.setattr(type(dev.info), "software", property(lambda self: False))
+    monkeypatch.setattr(dev, "_timed_at", 1e18, raising=False)  # no clock warm-up
+    w, bufs, _ = _linear_case(dev, rng, "Q8_0", 1, 16, 64)
+    L = Launch(dev, kernels.gemv(w.desc(), 16, "step.seq", rows_per_wg=16, wg=64), bufs)
+    L.set_step(seq=1)
+    passes, times = [], []
+    real = Launch._time
+    monkeypatch.setattr(Launch, "_time", lambda self, grid, repeat: (
+        passes.append(repeat), times.append(real(self, grid, repeat)), times[-1])[-1])
+    one = L.time((1, 1, 1), repeat=2)
+    monkeypatch.setattr(launch, "MIN_PASS_S", 40 * one)
+    t = L.time((1, 1, 1), repeat=2)
+    assert passes[-2] == 2 and passes[-1] > 2 and passes[-1] <= launch.MAX_REPEAT
+    assert t == min(times[-2:]) > 0
+    monkeypatch.setattr(launch, "MIN_PASS_S", 0.0)
+    passes.clear()
+    L.time((1, 1, 1), repeat=2)
+    assert passes == [2]
+
+
+def test_tuner_weight_copies_are_the_weight(dev, rng, monkeypatch):
+    """tuning.weight_copies on a hardware adapter: copies of a weight's buffers, made on the device,
+    up to TIMING_BYTES in all, each byte-identical to the weight; one (the weight itself) on a
+    software adapter."""
+    from edgellm.backends.webgpu import tuning
+
+    w, _, _ = _linear_case(dev, rng, "Q8_0", 1, 48, 64)
+    nbytes = sum(b.size for b, _, _ in w.resources().values())
+    assert len(tuning.weight_copies(dev, w)) == 1
+    monkeypatch.setattr(type(dev.info), "software", property(lambda self: False))
+    monkeypatch.setattr(tuning, "TIMING_BYTES", 5 * nbytes - 1)
+    copies = tuning.weight_copies(dev, w)
+    assert len(copies) == 5 and copies[0] == {k: b for k, (b, _, _) in w.resources().items()}
+    for c in copies[1:]:
+        assert c.keys() == copies[0].keys()
+        for k, b in c.items():
+            assert b is not copies[0][k] and dev.read(b, 0, b.size) == dev.read(copies[0][k], 0, b.size)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -581,13 +581,16 @@ class WebgpuProgram:
         return True
 
     def _gemv_warp_config(self, lin: Op):
-        """(device weight, warp GEMV configuration) of a projection, or None where its decode GEMV
-        is not kernels.gemv_warp (the folds need it)."""
+        """(device weight, default warp GEMV configuration) of a projection, or None where its
+        default decode GEMV is not kernels.gemv_warp (the folds need it). The folds are decided on
+        the default; a tuned configuration is then timed with them (tuning.gemv_config's fold)
+        among gemv_warp's candidates."""
+        from .tuning import default_gemv_config
+
         names = [self._wname(t) for t in (lin.inputs[1:4] if lin.kind == "linear_qkv" else
                                           lin.inputs[1:3] if lin.kind == "linear_swiglu" else lin.inputs[1:2])]
         w = self.backend.weights.matrix(*names)
-        glu = lin.kind == "linear_swiglu"
-        cfg = self.backend.gemv_config(w, w.rows // 2 if glu else w.rows, glu)
+        cfg = default_gemv_config(self.dev, w.cols, w.fmt)
         return (w, cfg) if cfg.get("kind") == "warp" else None
 
     def _gemv_bindings(self, lin: Op, w: DeviceWeight, norm_op: Op | None, rope: bool) -> int:
@@ -765,13 +768,20 @@ class WebgpuProgram:
             res.update(Y=R(rope_op.outputs[0]), KC=R(rope_op.inputs[2]), VC=R(rope_op.inputs[3]),
                        COS=lambda: (cos, 0, cos.size), SIN=lambda: (sin, 0, sin.size))
             opts["rope"] = kernels.RopeFold(ra["n_heads"] * d, ra["n_kv_heads"] * d, d, n_rot, ra["style"] == "neox")
-        cfg = self.backend.gemv_config(w, n_out, glu)
+        attn = self._combines.get(op.name)
+        fold = {}
+        if norm_op is not None:
+            fold["norm"] = opts["norm"]
+        if attn is not None:
+            fold["combine"] = (attn.attrs["n_heads"], attn.attrs["head_dim"])
+        if rope_op is not None:
+            fold["rope"] = True
+        cfg = self.backend.gemv_config(w, n_out, glu, fold, tune=self.max_seq <= GEMV_MAX_ROWS)
         x_vec = 4 if w.cols % 4 == 0 else 1
         if cfg.get("kind", "block") == "block":
             cfg = {**cfg, "x_vec": x_vec}
         gv = _Dispatch(self, kernels.decode_gemv(w.desc(), n_out, rows_expr, cfg, **opts, dtypes=_dtypes(res)), res,
                        lambda s, n: (*_grid2(-(-n_out // cfg["rows_per_wg"]), self.dev.max_groups), rows(s)))
-        attn = self._combines.get(op.name)
         if attn is not None:  # steps with split attention read its partials and merge them (_fold_combine)
             ws = self.backend.workspace(attn.attrs["n_heads"] * MAX_SPLITS * (attn.attrs["head_dim"] + 2) * 4)
             cres = {k: v for k, v in res.items() if k != "X"}
@@ -1181,13 +1191,13 @@ class WebgpuBackend(WebgpuInfo):
             self._tables[key] = t
         return t
 
-    def gemv_config(self, w: DeviceWeight, n_out: int, glu: bool) -> dict:
+    def gemv_config(self, w: DeviceWeight, n_out: int, glu: bool, fold: dict | None = None, tune: bool = True) -> dict:
         """The decode GEMV's kernel and launch configuration (kernels.decode_gemv): the adapter's
-        default, or (tuning.tuning_on: on a GPU unless EDGELLM_TUNE=0) the fastest candidate timed here
-        and cached."""
+        default, or (tuning.tuning_on: on a GPU unless EDGELLM_TUNE=0) the fastest candidate timed here,
+        with the folds it carries (tuning.gemv_config's fold), and cached."""
         from .tuning import gemv_config
 
-        return gemv_config(self.dev, w, n_out, glu)
+        return gemv_config(self.dev, w, n_out, glu, fold, tune)
 
     def prefill_config(self, w: DeviceWeight, n_out: int, glu: bool, rows: int, planes: int) -> dict:
         """The prefill product of a weight that can take int8 activations: int8 and its tiles, or

@@ -257,7 +257,7 @@ class Device:
             self._pipelines[source] = p
         return p
 
-    def precompile(self, kernels: list) -> None:
+    def precompile(self, kernels: list, now: bool = False) -> None:
         """The pipelines of these kernels (objects with .source and .kinds), compiled side by side
         in threads (wgpu-native's calls release the GIL) instead of one after another as each is
         first used: a program's kernels when it is built, the candidates of a tuning before they
@@ -266,10 +266,17 @@ class Device:
         34 s), while on the H200 through the NVIDIA Vulkan driver (2026-11-30, a 1B Q4_0 file,
         empty program cache) load and first token took 15.1 s so against 8.8 s one at a time, and
         with a filled cache 4.0-4.4 s against 4.0. A pipeline that fails here is left for its
-        first use to meet (and report, or a tuning to skip)."""
+        first use to meet (and report, or a tuning to skip). now: where threads are off, compiled
+        one after another here all the same (a tuning's candidates, so that their timings then
+        run back to back, the GPU's clock up, without a compile between them)."""
         todo = list({k.source: k for k in kernels if k.source not in self._pipelines}.values())
         want = os.environ.get("EDGELLM_WEBGPU_PRECOMPILE", "").strip()
         if len(todo) < 2 or not (want == "1" if want in ("0", "1") else self.info.software):
+            for k in todo if now else ():
+                try:
+                    self.pipeline(k.source, self.layout(k.kinds))
+                except Exception:  # noqa: BLE001
+                    pass
             return
         from concurrent.futures import ThreadPoolExecutor
 

@@ -92,25 +92,27 @@ def default_gemv_config(dev: Device, cols: int | None = None, fmt: str | None = 
     return {"wg": wg, "rows_per_wg": 4, "subgroup": False}
 
 
+# gemv_warp's (rows per subgroup, units ahead, subgroups per row group) tuned: on the H200 through
+# Vulkan (2026-11-30; `benchmarks/webgpu_probe.py`, the 8B projections in Q8_0, Q4_0 and F16, weights
+# cycled past the L2 cache, the clock up) every shape's best four came from these; 1 row a subgroup
+# with 1 or 2 units ahead, and 2 subgroups a row group with more than 1 unit ahead, never did
+WARP_TUNED = [(1, 4, 1), (2, 1, 1), (2, 2, 1), (2, 4, 1), (4, 1, 1), (4, 2, 1), (4, 4, 1), (2, 1, 2), (4, 1, 2)]
+# kernels.gemv's (workgroup, threads per feature group, features per thread) tuned for float x
+BLOCK_TUNED = [(128, 32, 1), (256, 32, 1), (256, 32, 2), (128, 16, 2)]
+
+
 def gemv_candidates(dev: Device, int8: bool = False, planes: int = 1) -> list[dict]:
-    """kernels.gemv_warp with 1, 2 or 4 rows per subgroup and 1, 2 or 4 units loaded ahead, x
-    staged or not; with 2, 4 or 8 subgroups per row group, 1 or 2 units ahead; then kernels.gemv:
-    workgroup size x threads per feature group (TPR) x features per thread (each thread reads a
-    block of x once for that many features): 66 configurations. int8: gemv_warp with int8
-    activations alone in `planes` planes (the same numerics whichever wins), 1, 2 or 4 rows per
-    subgroup, 1, 2 or 4 units ahead, 1 or 2 subgroups per row group: 18."""
+    """kernels.gemv_warp at WARP_TUNED, x staged or not (2 and 4 rows a subgroup; 2 subgroups a
+    row group and 1 row with 4 units ahead staged only), then kernels.gemv at BLOCK_TUNED: 17
+    configurations (66 until 2026-11-30: compiling and timing them took most of a first load's
+    tuning). int8: gemv_warp with int8 activations alone in `planes` planes (the same numerics
+    whichever wins), x staged, at WARP_TUNED: 9."""
     if int8:
-        return [warp_config(dev, r, 256, u, True, split=sp, int8=True, planes=planes)
-                for r in (1, 2, 4) for u in (1, 2, 4) for sp in (1, 2)]
-    out = [warp_config(dev, r, 256, u, st) for r in (1, 2, 4) for u in (1, 2, 4) for st in (False, True)]
-    out += [warp_config(dev, r, 256, u, split=sp) for sp in (2, 4, 8) for r in (1, 2, 4) for u in (1, 2)]
-    for wg in (64, 128, 256):
-        for tpr in (4, 8, 16, 32, 64):
-            for nr in (1, 2, 4):
-                if tpr > wg or (nr > 1 and tpr < 16) or (wg == 64 and nr == 4):
-                    continue
-                sub = tpr <= dev.subgroup_size
-                out.append({"wg": wg, "rows_per_wg": wg * nr // tpr, "subgroup": sub, "rows_per_thread": nr})
+        return [warp_config(dev, r, 256, u, True, split=sp, int8=True, planes=planes) for r, u, sp in WARP_TUNED]
+    out = [warp_config(dev, r, 256, u, st, split=sp) for r, u, sp in WARP_TUNED for st in (False, True)
+           if st or (sp == 1 and r > 1 and u != 2)]
+    for wg, tpr, nr in BLOCK_TUNED:
+        out.append({"wg": wg, "rows_per_wg": wg * nr // tpr, "subgroup": tpr <= dev.subgroup_size, "rows_per_thread": nr})
     return out
 
 
@@ -129,24 +131,59 @@ def tuning_on(dev: Device) -> bool:
     return not dev.info.software
 
 
-def gemv_config(dev: Device, w, n_out: int, glu: bool = False) -> dict:
+def fold_tag(fold: dict | None) -> str:
+    """The tuning key's part for what a decode GEMV does besides its product (the backend's folds,
+    gemv_config's `fold`): "" for none."""
+    fold = fold or {}
+    parts = [fold["norm"]] if fold.get("norm") else []
+    if fold.get("combine"):
+        parts.append("combine{}x{}".format(*fold["combine"]))
+    if fold.get("rope"):
+        parts.append("rope")
+    return "+".join(parts)
+
+
+def gemv_config(dev: Device, w, n_out: int, glu: bool = False, fold: dict | None = None, tune: bool = True) -> dict:
     """The launch configuration for one weight: the default, or with tuning on (tuning_on) the
     fastest of the default and gemv_candidates, timed on this adapter at first load (timestamp
     queries where the adapter has them, see launch.py) and cached per adapter and driver in
-    <cache dir>/tune/webgpu_<adapter>.json by the cuda backend's Tuner."""
+    <cache dir>/tune/webgpu_<adapter>.json by the cuda backend's Tuner.
+
+    fold: what the backend folds into this GEMV (kernels.gemv_warp's options), timed with it:
+    "norm" ("rms" or "add_rms": x normalized in the prologue, each workgroup reducing its row),
+    "combine" ((heads, head_dim): the attention's splits merged in the prologue, x staged),
+    "rope" (the rotation in the epilogue: rows per subgroup even). A prologue's cost grows with
+    the workgroups, so a GEMV timed without it ranks configurations of many workgroups too high.
+    With a fold, gemv_warp candidates only (the folds are theirs).
+
+    tune False (a prefill program's GEMV, for its steps of a few tokens only): the pick already
+    cached for this weight and fold, else the default, nothing timed (on the H200, 2026-11-30, a
+    1B Q4_0 file's first load spent 12 s timing and 21 s compiling candidates, every projection
+    tuned twice: folded for decode, plain for the prefill program)."""
     default = default_gemv_config(dev, w.cols, w.fmt)
     if not tuning_on(dev):
         return default
+    fold = fold or {}
     key = (w.fmt, n_out, w.cols, "glu" if glu else "plain")
-    tuner = _tuner(dev)
     if default.get("int8"):  # int8 activations: their variants alone
         planes = default.get("planes", 1)
         key += ("int8",) if planes == 1 else (f"int8x{planes}",)
         cands = gemv_candidates(dev, int8=True, planes=planes)
     else:
         cands = [c for c in gemv_candidates(dev) if c.get("kind") != "warp" or (w.cols % 4 == 0 and (not c["stage"] or can_stage(dev, w.cols)))]
-    return _pick(dev, "webgpu_gemv_v3", key, cands, default, lambda cfg: _gemv_kernels(w, n_out, glu, cfg),
-                 lambda cfg: _time_gemv(dev, w, n_out, glu, cfg))
+    if fold:
+        key += (fold_tag(fold),)
+        cands = [c for c in cands if c.get("kind") == "warp" and not (fold.get("rope") and c["rows_per_warp"] % 2)]
+    if not tune:
+        return _tuner(dev).cached("webgpu_gemv_v4", key) or default
+    state: dict = {}
+    try:
+        return _pick(dev, "webgpu_gemv_v4", key, cands, default, lambda cfg: _gemv_kernels(w, n_out, glu, cfg, fold),
+                     lambda cfg: _time_gemv(dev, w, n_out, glu, cfg, fold, state))
+    finally:
+        for c in state.get("copies", [])[1:]:
+            for b in c.values():
+                b.destroy()
 
 
 def _pick(dev: Device, kernel: str, key: tuple, cands: list[dict], default: dict, make, time) -> dict:
@@ -155,7 +192,7 @@ def _pick(dev: Device, kernel: str, key: tuple, cands: list[dict], default: dict
     time(cfg) (microseconds) with the time counted as tuning (timing_s)."""
     tuner = _tuner(dev)
     if tuner.cached(kernel, key) is None:
-        dev.precompile([k for cfg in [default, *cands] for k in _quiet_kernels(make, cfg)])
+        dev.precompile([k for cfg in [default, *cands] for k in _quiet_kernels(make, cfg)], now=True)
     return tuner.pick(kernel, key, cands, default, lambda cfg: _timed(time, cfg))
 
 
@@ -177,21 +214,65 @@ def _timed(fn, *args):
         _TIMING_S[0] += time.perf_counter() - t0
 
 
-def _time_gemv(dev: Device, w, n_out: int, glu: bool, cfg: dict) -> float:
-    """Microseconds per launch of the GEMV with this configuration on this weight."""
+TIMING_BYTES = 160 << 20  # weight bytes a GEMV timing cycles through: past the L2 cache (H100, H200: 50 MB)
+MAX_COPIES = 64
+
+
+def weight_copies(dev: Device, w) -> list[dict]:
+    """A weight's buffers by binding name, and on a GPU copies of them (made on the device) up to
+    TIMING_BYTES in all: a decode GEMV reads its weight from memory once per token, and a
+    timing that dispatched one copy again and again would read a weight smaller than the L2
+    cache from there (a 17.8 MB 4096 x 4096 Q8_0 weight on an H200: 7.4 TB/s from one copy,
+    1.7-1.9 TB/s from copies cycled, 2026-11-30) and rank configurations by that."""
+    bufs = {k: b for k, (b, _, _) in w.resources().items()}
+    nbytes = sum(b.size for b in bufs.values())
+    n = 1 if dev.info.software else max(1, min(MAX_COPIES, -(-TIMING_BYTES // max(nbytes, 1))))
+    out = [bufs]
+    if n > 1:
+        enc = dev.device.create_command_encoder()
+        for _ in range(n - 1):
+            c = {k: dev.buffer(b.size) for k, b in bufs.items()}
+            for k, b in bufs.items():
+                enc.copy_buffer_to_buffer(b, 0, c[k], 0, b.size)
+            out.append(c)
+        dev.queue.submit([enc.finish()])
+    return out
+
+
+COMBINE_TIMING_SPLITS = 8  # a folded split merge is timed at this many splits (512 keys at 64 a split)
+
+
+def _time_gemv(dev: Device, w, n_out: int, glu: bool, cfg: dict, fold: dict | None = None,
+               state: dict | None = None) -> float:
+    """Microseconds per launch of the GEMV with this configuration on this weight, its copies
+    cycled (weight_copies, made once per weight in `state`) as a model's layers are, with the
+    prologue a fold adds (gemv_config's fold) on inputs of its shape."""
     import numpy as np
 
-    from . import kernels
-    from .backend import _grid2
+    from .backend import MAX_SPLITS, _grid2
     from .launch import Launch, upload_f32
 
-    bufs = {k: b for k, (b, _, _) in w.resources().items()}
-    bufs["X"] = upload_f32(dev, np.random.default_rng(0).standard_normal(w.cols).astype(np.float32))
-    bufs["Y"] = dev.buffer(4 * n_out)
-    (k,) = _gemv_kernels(w, n_out, glu, cfg)
-    L = Launch(dev, k, bufs)
-    L.set_step(seq=1)
-    return 1e6 * L.time((*_grid2(-(-n_out // cfg["rows_per_wg"]), dev.max_groups), 1), repeat=10)
+    state = {} if state is None else state
+    fold = fold or {}
+    if "copies" not in state:
+        rng = np.random.default_rng(0)
+        vec = lambda n: upload_f32(dev, rng.standard_normal(n).astype(np.float32))  # noqa: E731
+        io = {"Y": dev.buffer(4 * n_out)}
+        if fold.get("norm"):
+            io.update(A=vec(w.cols), G=vec(w.cols))
+            if fold["norm"] == "add_rms":
+                io.update(B=vec(w.cols), S=dev.buffer(4 * w.cols))
+        elif fold.get("combine"):
+            h, d = fold["combine"]  # per (head, split): d partial outputs, a maximum and a positive sum
+            io["WS"] = upload_f32(dev, rng.random(h * MAX_SPLITS * (d + 2)).astype(np.float32) + 0.5)
+        else:
+            io["X"] = vec(w.cols)
+        state["io"], state["copies"] = io, weight_copies(dev, w)
+    (k,) = _gemv_kernels(w, n_out, glu, cfg, fold)
+    L = Launch(dev, k, [{**c, **state["io"]} for c in state["copies"]])
+    L.set_step(seq=1, n_splits=COMBINE_TIMING_SPLITS if fold.get("combine") else 1)
+    return 1e6 * L.time((*_grid2(-(-n_out // cfg["rows_per_wg"]), dev.max_groups), 1),
+                        repeat=max(10, len(state["copies"])))
 
 
 def _tuner(dev: Device):
@@ -240,10 +321,19 @@ def gemm_config(dev: Device, w, n_out: int, glu: bool, rows: int) -> dict:
                  lambda cfg: _time_prefill(dev, w, n_out, glu, rows, cfg))
 
 
-def _gemv_kernels(w, n_out: int, glu: bool, cfg: dict) -> tuple:
+def _gemv_kernels(w, n_out: int, glu: bool, cfg: dict, fold: dict | None = None) -> tuple:
+    """The decode GEMV a configuration runs, with the prologue of `fold` (gemv_config)."""
     from . import kernels
 
-    return (kernels.decode_gemv(w.desc(), n_out, "1u", cfg, glu=glu),)
+    fold, opts = fold or {}, {}
+    if fold.get("norm"):
+        opts.update(norm=fold["norm"], eps=1e-5)
+    elif fold.get("combine"):
+        from .backend import MAX_SPLITS, combine_unroll
+
+        cfg = {**cfg, "stage": True}
+        opts["combine"] = (*fold["combine"], MAX_SPLITS, combine_unroll())
+    return (kernels.decode_gemv(w.desc(), n_out, "1u", cfg, glu=glu, **opts),)
 
 
 def _prefill_kernels(w, n_out: int, glu: bool, cfg: dict) -> tuple:
@@ -310,7 +400,7 @@ def prefill_config(dev: Device, w, n_out: int, glu: bool, rows: int, planes: int
     if planes == 2:
         cands += [c for c in (default_gemm_config(dev, glu), {"tm": 128, "tn": 128, "tk": 16, "pre": True})
                   if gemm_fits(dev, c, glu)]
-    return _pick(dev, "webgpu_prefill_v1", key, cands, default, lambda cfg: _prefill_kernels(w, n_out, glu, cfg),
+    return _pick(dev, "webgpu_prefill_v2", key, cands, default, lambda cfg: _prefill_kernels(w, n_out, glu, cfg),
                  lambda cfg: _time_prefill(dev, w, n_out, glu, rows, cfg))
 
 
