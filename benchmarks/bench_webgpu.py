@@ -311,6 +311,7 @@ def one_model(path: str, backend: str, p: int, n: int, reps: int, bw: float) -> 
     tgm = statistics.median(tg)
     return {"load_s": load_s, f"pp{p}": statistics.median(pp), f"tg{n}": tgm, "weight_bytes_per_token": wbytes,
             "decode_GBps": wbytes * tgm / 1e9, "decode_pct_bw": 100 * wbytes * tgm / bw,
+            "load_phases": {k: round(v, 3) for k, v in getattr(m, "load_phases", {}).items()},
             "describe": m.backend.describe()}
 
 
@@ -407,8 +408,8 @@ def print_tables(res: dict, p: int, n: int) -> None:
         print(f"| {r['fmt']} | {r['shape']} | {r['ms']:.2f} | {r['TFLOPs']:.2f} | {r['best_ms']:.2f} | "
               f"{r['best_TFLOPs']:.2f} | {r['best']} | {i8[0]} | {i8[1]} |")
     print(f"\n## Models (synthetic files; prefill pp{p}, decode tg{n} greedy on the device)")
-    print(f"| model | format | backend | pp{p} tok/s | tg{n} tok/s | MB/token | decode GB/s | % of copy bw | load s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"| model | format | backend | pp{p} tok/s | tg{n} tok/s | MB/token | decode GB/s | % of copy bw | load s | tuning s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
 
     def cell(r, key, fmt, scale=1.0, unit=""):
         return format(r[key] / scale, fmt) + unit if r.get(key) is not None else "-"
@@ -419,7 +420,8 @@ def print_tables(res: dict, p: int, n: int) -> None:
             continue
         print(f"| {r['model']} | {r['fmt']} | {r['backend']} | {r[f'pp{p}']:.0f} | {r[f'tg{n}']:.1f} | "
               f"{cell(r, 'weight_bytes_per_token', '.0f', 1e6)} | {cell(r, 'decode_GBps', '.0f')} | "
-              f"{cell(r, 'decode_pct_bw', '.0f', unit='%')} | {cell(r, 'load_s', '.1f')} |")
+              f"{cell(r, 'decode_pct_bw', '.0f', unit='%')} | {cell(r, 'load_s', '.1f')} | "
+              f"{cell(r.get('load_phases', {}), 'tuning', '.1f')} |")
 
 
 def main() -> None:

@@ -194,8 +194,18 @@ def test_table_row_of_llama_bench(webgpu, tmp_path, capsys):
     row = webgpu.llama_row(_args(_fake_llama_bench(tmp_path, SAMPLE)), "/m/t.gguf", "tiny", "Q4_0", 1e12, None)
     webgpu.print_tables({"models": [row]}, 64, 16)
     line = [x for x in capsys.readouterr().out.splitlines() if "llama.cpp-vulkan" in x]
-    assert line == ["| tiny | Q4_0 | llama.cpp-vulkan | 71 | 38.4 | - | - | - | - |"]
+    assert line == ["| tiny | Q4_0 | llama.cpp-vulkan | 71 | 38.4 | - | - | - | - | - |"]  # no load or tuning time
     assert json.loads(json.dumps(row))["tg16_sd"] == 7.474376  # the --json file keeps the spread
+
+
+def test_table_row_reports_the_tuning_apart(webgpu, capsys):
+    """An edgellm row's load column, and the tuning's part of it (load_phases) beside it."""
+    row = {"model": "tiny", "fmt": "Q8_0", "backend": "webgpu", "pp64": 100.0, "tg16": 20.0, "load_s": 12.34,
+           "load_phases": {"weights": 3.0, "tuning": 7.25}}
+    webgpu.print_tables({"models": [row, {**row, "backend": "cuda", "load_phases": {}}]}, 64, 16)
+    out = capsys.readouterr().out.splitlines()
+    assert [x for x in out if "| webgpu |" in x][0].endswith("| 12.3 | 7.2 |")
+    assert [x for x in out if "| cuda |" in x][0].endswith("| 12.3 | - |")
 
 
 def test_mixes_made_by_llama_quantize_from_the_f16_file(vs, tmp_path, monkeypatch):
