@@ -182,6 +182,26 @@ def test_int8_activations(models, monkeypatch, name, gemv):
     assert sum("dot4I8Packed" in k.source for k in kinds) >= 4
 
 
+@pytest.mark.parametrize("name,gemv", [("Q8_0", "warp:2:64:1:int8x2:xq"), ("Q4_0", "warp:4:64:2:int8:xq"),
+                                       ("mixed", "warp:2:64:1:int8x2:xq")])
+def test_int8_x_quantized_ahead(models, monkeypatch, name, gemv):
+    """EDGELLM_WEBGPU_GEMV=...:xq: a decode GEMV without a prologue fold (the down projections)
+    quantizes x in a dispatch of its own (quantize_x) and reads the codes from there unstaged;
+    the folded ones (norm, split merge, embedding) still quantize x in their prologue; the logits
+    stay within the int8 path's tolerance of the cpu backend's."""
+    monkeypatch.setenv("EDGELLM_WEBGPU_GEMV", gemv)
+    tol = 3e-3 if "int8x2" in gemv else 2e-2 if name == "mixed" else 1e-2
+    dec = _compare(models[name], steps=3, tol=tol).programs["decode"]
+    ds = [d for st in dec._steps for d in (st.pick(1, 1) if hasattr(st, "pick") else (st,))]
+    names = [d.kernel.name for d in ds]
+    quant = [i for i, n in enumerate(names) if n == "quantize_x"]
+    assert quant and all(names[i + 1] == "gemv_warp" and "XQ[xo + " in ds[i + 1].kernel.source for i in quant)
+    plain = [o for o in dec.graph.ops if o.kind == "linear" and not {o.name} & (set(dec._folds) | set(dec._combines))]
+    assert len(quant) == len(plain) >= 1
+    staged = [d for d in ds if d.kernel.name == "gemv_warp" and "XQ[xo + " not in d.kernel.source]
+    assert staged and all("dot4I8Packed" in d.kernel.source for d in staged)
+
+
 def test_rope_fold_without_norm_fold(models, monkeypatch):
     """Only the rope fold (EDGELLM_WEBGPU_FOLD=rope): the GEMV reads the normed x from the arena,
     where the memory plan also put the rotated q (it was written after the projection): q gets a
@@ -527,6 +547,41 @@ def test_gemv_tuned_with_its_folds(models, monkeypatch, tmp_path, adapter):
             assert "combined4" in src, tag
     text = next((tmp_path / "tune").glob("webgpu_*.json")).read_text()
     assert "rms+rope" in text and "combine" in text
+
+
+@pytest.mark.parametrize("winner", ["xq", "staged", "timed"])
+def test_decode_gemv_tuned_between_x_quantized_ahead_and_staged(models, monkeypatch, tmp_path, adapter, winner):
+    """On a GPU with tuning on, an int8 decode GEMV without a prologue fold (the down projections)
+    is timed with x quantized ahead (quantize_x, then gemv_warp's xq: the two dispatches timed
+    together) and with x staged; folded ones only staged. The pick is lowered as timed (two
+    dispatches, or one) and the logits match the cpu backend's. ("timed": this adapter's own
+    timings, whichever wins.)"""
+    from edgellm.backends.webgpu import tuning
+
+    monkeypatch.setattr(type(adapter.info), "software", property(lambda self: False))
+    monkeypatch.setenv("EDGELLM_TUNE", "1")
+    monkeypatch.setenv("EDGELLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("EDGELLM_WEBGPU_PREFILL_INT8", "0")
+    monkeypatch.setattr(tuning, "_TUNERS", {})
+    monkeypatch.setattr(tuning, "WARP_TUNED", [(2, 1, 1)])
+    monkeypatch.setattr(tuning, "XQ_TUNED", [(2, 2)])
+    monkeypatch.setattr(tuning, "default_gemv_config", lambda dev, cols=None, fmt=None: tuning.warp_config(
+        adapter, 2, 64, 1, True, int8=True, planes=2))
+    timed = []
+    real = tuning._time_gemv
+
+    def time_gemv(dev, w, n, glu, cfg, fold=None, state=None):
+        timed.append((bool(fold), cfg))
+        t = real(dev, w, n, glu, cfg, fold, state)
+        return t if winner == "timed" else 1.0 if bool(cfg.get("xq")) == (winner == "xq") else 2.0
+    monkeypatch.setattr(tuning, "_time_gemv", time_gemv)
+    dec = _compare(models["Q8_0"], steps=2, tol=3e-3).programs["decode"]
+    assert any(c.get("xq") for f, c in timed if not f) and not any(c.get("xq") for f, c in timed if f)
+    names = [d.kernel.name for st in dec._steps for d in (st.pick(1, 1) if hasattr(st, "pick") else (st,))]
+    if winner == "xq":
+        assert names.count("quantize_x") >= 2  # the down projection of each layer
+    elif winner == "staged":
+        assert "quantize_x" not in names
 
 
 @pytest.mark.parametrize("winner", ["int8", "float", "timed"])

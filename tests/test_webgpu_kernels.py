@@ -316,6 +316,49 @@ def test_gemv_warp_int8_activations(dev, rng, fmt, norm, rows_per_warp, split, u
         assert np.abs(got - emu).max() <= 1e-4 * np.abs(exact).max(), (np.abs(got - emu).max(), quant_err)
 
 
+@pytest.mark.parametrize("fmt,planes,rows_per_warp,unroll", [("Q8_0", 2, 2, 1), ("Q8_0", 1, 1, 4), ("Q4_0", 2, 4, 2),
+                                                             ("Q4_1", 1, 2, 2), ("Q6_K", 2, 2, 1), ("Q5_1", 2, 1, 2)])
+def test_gemv_warp_reads_x_quantized_ahead(dev, rng, fmt, planes, rows_per_warp, unroll):
+    """gemv_warp's xq: quantize_x first, then the GEMV reading x's codes, scales and sums from its
+    arrays (no staging): the same numbers as the GEMV that quantizes x in its own prologue (the
+    same rounding), and as numpy's product of x so rounded with the dequantized weight; bias and
+    residual applied; 77 features, 3 rows, outputs poisoned first."""
+    if not dev.subgroup_size:
+        pytest.skip("the adapter's subgroup size is unknown")
+    rows, n_out, k = 3, 77, cols_for(fmt, 1056)
+    raw, dense = quantized(rng, n_out, k, fmt)
+    packed = codegen.repack(raw, fmt, dense.shape)
+    w = DeviceWeight(packed, dev)
+    dense = codegen.dequantize_packed(packed).astype(np.float64)
+    x = (rng.standard_normal((rows, k)) * np.exp(rng.uniform(-2, 2, (rows, 1)))).astype(np.float32)
+    b, r = rng.standard_normal(n_out).astype(np.float32), rng.standard_normal((rows, n_out)).astype(np.float32)
+    nb, sums = k // 32, kernels.int8_x_sums(packed.fmt)
+    bufs = {kk: bb for kk, (bb, _, _) in w.resources().items()}
+    bufs.update(X=upload_f32(dev, x), B=upload_f32(dev, b), R=upload_f32(dev, r), XQ=nan_buffer(dev, rows * k // 4),
+                XD=nan_buffer(dev, rows * nb), XS=nan_buffer(dev, 2 * rows * nb), XQ2=nan_buffer(dev, rows * k // 4))
+    q = Launch(dev, kernels.quantize_x(k, "step.seq", planes=planes, sums=sums), bufs)
+    q.set_step(seq=rows)
+    q.run((-(-nb // 64), rows, 1))
+    sg = min(32, dev.subgroup_size)
+    got = {}
+    for ahead in (True, False):
+        kern = kernels.gemv_warp(w.desc(), n_out, "step.seq", rows_per_warp=rows_per_warp, wg=4 * sg, sg=sg,
+                                 unroll=unroll, stage=not ahead, int8=True, planes=planes, xq=ahead, bias=True,
+                                 residual=True)
+        assert ("XQ" in [bd.name for bd in kern.bindings]) == ahead and ("var<workgroup>" in kern.source) != ahead
+        bufs["Y"] = nan_buffer(dev, rows * n_out)
+        L = Launch(dev, kern, bufs)
+        L.set_step(seq=rows)
+        L.run((-(-n_out // kern.rows_per_group), 1, rows))
+        got[ahead] = read_f32(dev, bufs["Y"], rows * n_out).reshape(rows, n_out)
+        assert np.isfinite(got[ahead]).all()
+    xq, _ = _int8_emulation(x, planes)
+    emu = xq @ dense.T + b + r
+    scale = np.abs(emu).max()
+    assert np.abs(got[True] - got[False]).max() <= 1e-5 * scale
+    assert np.abs(got[True] - emu).max() <= (2e-3 if planes == 1 else 1e-4) * scale
+
+
 def test_gemv_warp_int8_needs_an_integer_format_staged():
     w = codegen.WeightDesc("W", "F16", 64, 64, (64,))
     with pytest.raises(ValueError, match="int8 activations need a weight in Q8_0, Q4_0"):
@@ -323,6 +366,10 @@ def test_gemv_warp_int8_needs_an_integer_format_staged():
     w = codegen.WeightDesc("W", "Q4_0", 64, 64, (64,))
     with pytest.raises(ValueError, match="got Q4_0, stage False"):
         kernels.gemv_warp(w, 64, "1u", stage=False, int8=True)
+    with pytest.raises(ValueError, match="x quantized ahead"):
+        kernels.gemv_warp(w, 64, "1u", xq=True, int8=True, norm="rms")
+    with pytest.raises(ValueError, match="x quantized ahead"):
+        kernels.gemv_warp(w, 64, "1u", xq=True, stage=True)
 
 
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q4_1"])

@@ -780,6 +780,15 @@ class WebgpuProgram:
         x_vec = 4 if w.cols % 4 == 0 else 1
         if cfg.get("kind", "block") == "block":
             cfg = {**cfg, "x_vec": x_vec}
+        if cfg.get("xq") and (fold or emb is not None or self.max_seq > GEMV_MAX_ROWS):
+            cfg = {k: v for k, v in cfg.items() if k != "xq"}  # x quantized in the prologue (staged) instead
+            cfg["stage"] = True
+        if cfg.get("xq"):  # x quantized by its own dispatch, the GEMV reading its codes (gemv_warp's xq)
+            gq, xres = self._quantize_x(w, res, cfg.get("planes", 1), rows_expr, rows)
+            vres = {**{k: v for k, v in res.items() if k != "X"}, **xres}
+            gx = _Dispatch(self, kernels.decode_gemv(w.desc(), n_out, rows_expr, cfg, **opts, dtypes=_dtypes(vres)),
+                           vres, lambda s, n: (*_grid2(-(-n_out // cfg["rows_per_wg"]), self.dev.max_groups), rows(s)))
+            return _Choice(lambda s, n: (gq, gx), gq, gx)
         gv = _Dispatch(self, kernels.decode_gemv(w.desc(), n_out, rows_expr, cfg, **opts, dtypes=_dtypes(res)), res,
                        lambda s, n: (*_grid2(-(-n_out // cfg["rows_per_wg"]), self.dev.max_groups), rows(s)))
         if attn is not None:  # steps with split attention read its partials and merge them (_fold_combine)
@@ -799,11 +808,7 @@ class WebgpuProgram:
         pcfg = self.backend.prefill_config(w, n_out, glu, self.max_seq, planes) if planes else {}
         if "int8" in pcfg:  # x quantized to int8 blocks, then packed dot products (kernels.gemm_int8)
             planes, icfg = pcfg["int8"], {k: v for k, v in pcfg.items() if k != "int8"}
-            sums, nb = kernels.int8_x_sums(w.fmt), w.cols // 32
-            xres = self._int8_x(w.cols, planes, sums)
-            qres = {"X": res["X"], **xres}
-            gq = _Dispatch(self, kernels.quantize_x(w.cols, rows_expr, planes=planes, sums=sums, dtypes=_dtypes(qres)),
-                           qres, lambda s, n: (-(-nb // 64), rows(s), 1))
+            gq, xres = self._quantize_x(w, res, planes, rows_expr, rows)
             mres = {**{k: v for k, v in res.items() if k != "X"}, **xres}
             gm = _Dispatch(self, kernels.gemm_int8(w.desc(), n_out, rows_expr, **icfg, planes=planes, **opts,
                                                    dtypes=_dtypes(mres)),
@@ -813,6 +818,16 @@ class WebgpuProgram:
         gm = _Dispatch(self, kernels.gemm(w.desc(), n_out, rows_expr, **gcfg, **opts, dtypes=_dtypes(res)), res,
                        lambda s, n: (-(-n_out // gcfg["tn"]), -(-rows(s) // gcfg["tm"]), 1))
         return _Choice(lambda s, n: (gv,) if s <= GEMV_MAX_ROWS else (gm,), gv, gm)
+
+    def _quantize_x(self, w: DeviceWeight, res: dict, planes: int, rows_expr: str, rows) -> tuple:
+        """The dispatch quantizing a product's x (res["X"]) into int8 blocks for weight w
+        (kernels.quantize_x), and the resources of its arrays (_int8_x) for the product to bind."""
+        sums, nb = kernels.int8_x_sums(w.fmt), w.cols // 32
+        xres = self._int8_x(w.cols, planes, sums)
+        qres = {"X": res["X"], **xres}
+        gq = _Dispatch(self, kernels.quantize_x(w.cols, rows_expr, planes=planes, sums=sums, dtypes=_dtypes(qres)),
+                       qres, lambda s, n: (-(-nb // 64), rows(s), 1))
+        return gq, xres
 
     def _int8_x(self, cols: int, planes: int, sums: bool) -> dict:
         """Resources of x quantized for an int8 prefill product (kernels.quantize_x's XQ, XD, XS,

@@ -37,7 +37,7 @@ def int8_planes(dev: Device, cols: int | None, fmt: str | None) -> int:
 
 
 def warp_config(dev: Device, rows_per_warp: int = 1, wg: int = 256, unroll: int = 2, stage: bool = False,
-                pipeline: bool = False, split: int = 1, int8: bool = False, planes: int = 1) -> dict:
+                pipeline: bool = False, split: int = 1, int8: bool = False, planes: int = 1, xq: bool = False) -> dict:
     """kernels.gemv_warp's configuration: one subgroup per `rows_per_warp` features (32 lanes
     reducing in workgroup memory where the adapter's subgroup size is unknown)."""
     sub = dev.subgroup_size
@@ -52,6 +52,8 @@ def warp_config(dev: Device, rows_per_warp: int = 1, wg: int = 256, unroll: int 
         cfg["int8"] = True
         if planes > 1:
             cfg["planes"] = planes
+        if xq:  # x quantized by its own dispatch first where the GEMV has no prologue fold (gemv_warp's xq)
+            cfg["xq"] = True
     return cfg
 
 
@@ -61,9 +63,10 @@ def default_gemv_config(dev: Device, cols: int | None = None, fmt: str | None = 
     the largest), 2 for the others (the tuner's picks on the H100, 2026-11-24:
     benchmarks/bench_webgpu.py gemv section), x staged in workgroup memory where it fits
     (EDGELLM_WEBGPU_STAGE=0: read from the storage buffer). EDGELLM_WEBGPU_GEMV=block or
-    warp:ROWS:WG:UNROLL[:stage][:pipe][:splitS][:int8|:int8x2] overrides (benchmarks compare them;
+    warp:ROWS:WG:UNROLL[:stage][:pipe][:splitS][:int8|:int8x2][:xq] overrides (benchmarks compare them;
     int8: the formats of kernels.INT8_FORMATS take int8 activations, gemv_warp's int8, x staged, in
-    two planes with int8x2; F16 ignores it).
+    two planes with int8x2; F16 ignores it; xq: x quantized by kernels.quantize_x first, then read
+    by the GEMV unstaged, where the GEMV folds no prologue).
     On a software adapter, kernels.gemv with 2 threads per feature: lavapipe runs a workgroup
     barrier as a switch between all its SIMD batches, and fewer threads per feature mean fewer
     reduction steps (1536x576 Q8_0 GEMV, 2 cores: 32 threads per feature with barriers 14.8 ms,
@@ -78,7 +81,8 @@ def default_gemv_config(dev: Device, cols: int | None = None, fmt: str | None = 
         planes = 2 if "int8x2" in flags else 1
         int8 = bool({"int8", "int8x2"} & set(flags)) and fmt in INT8_FORMATS and can_stage(dev, cols, True, planes)
         stage = int8 or ("stage" in flags and can_stage(dev, cols))
-        return warp_config(dev, int(r), int(wg), int(u), stage, "pipe" in flags, split, int8, planes)
+        return warp_config(dev, int(r), int(wg), int(u), stage, "pipe" in flags, split, int8, planes,
+                           xq=int8 and "xq" in flags)
     if want != "block" and (cols is None or cols % 4 == 0):
         four_bit = fmt in ("Q4_0", "Q4_1")
         planes = int8_planes(dev, cols, fmt)
@@ -97,18 +101,23 @@ def default_gemv_config(dev: Device, cols: int | None = None, fmt: str | None = 
 # cycled past the L2 cache, the clock up) every shape's best four came from these; 1 row a subgroup
 # with 1 or 2 units ahead, and 2 subgroups a row group with more than 1 unit ahead, never did
 WARP_TUNED = [(1, 4, 1), (2, 1, 1), (2, 2, 1), (2, 4, 1), (4, 1, 1), (4, 2, 1), (4, 4, 1), (2, 1, 2), (4, 1, 2)]
+# gemv_warp's xq (x quantized by its own dispatch, read unstaged; GEMVs without a prologue fold):
+# (rows per subgroup, units ahead), timed with the quantizing dispatch
+XQ_TUNED = [(1, 2), (1, 4), (2, 2), (2, 4), (4, 2), (4, 4)]
 # kernels.gemv's (workgroup, threads per feature group, features per thread) tuned for float x
 BLOCK_TUNED = [(128, 32, 1), (256, 32, 1), (256, 32, 2), (128, 16, 2)]
 
 
-def gemv_candidates(dev: Device, int8: bool = False, planes: int = 1) -> list[dict]:
+def gemv_candidates(dev: Device, int8: bool = False, planes: int = 1, xq: bool = False) -> list[dict]:
     """kernels.gemv_warp at WARP_TUNED, x staged or not (2 and 4 rows a subgroup; 2 subgroups a
     row group and 1 row with 4 units ahead staged only), then kernels.gemv at BLOCK_TUNED: 17
     configurations (66 until 2026-11-30: compiling and timing them took most of a first load's
     tuning). int8: gemv_warp with int8 activations alone in `planes` planes (the same numerics
-    whichever wins), x staged, at WARP_TUNED: 9."""
+    whichever wins), x staged, at WARP_TUNED: 9; with xq (a GEMV without a prologue fold) also x
+    quantized ahead at XQ_TUNED: 15."""
     if int8:
-        return [warp_config(dev, r, 256, u, True, split=sp, int8=True, planes=planes) for r, u, sp in WARP_TUNED]
+        out = [warp_config(dev, r, 256, u, True, split=sp, int8=True, planes=planes) for r, u, sp in WARP_TUNED]
+        return out + [warp_config(dev, r, 256, u, False, int8=True, planes=planes, xq=True) for r, u in XQ_TUNED if xq]
     out = [warp_config(dev, r, 256, u, st, split=sp) for r, u, sp in WARP_TUNED for st in (False, True)
            if st or (sp == 1 and r > 1 and u != 2)]
     for wg, tpr, nr in BLOCK_TUNED:
@@ -154,7 +163,8 @@ def gemv_config(dev: Device, w, n_out: int, glu: bool = False, fold: dict | None
     "combine" ((heads, head_dim): the attention's splits merged in the prologue, x staged),
     "rope" (the rotation in the epilogue: rows per subgroup even). A prologue's cost grows with
     the workgroups, so a GEMV timed without it ranks configurations of many workgroups too high.
-    With a fold, gemv_warp candidates only (the folds are theirs).
+    With a fold, gemv_warp candidates only (the folds are theirs). Without one, an int8 GEMV's
+    candidates include x quantized by a dispatch of its own (gemv_warp's xq), timed with it.
 
     tune False (a prefill program's GEMV, for its steps of a few tokens only): the pick already
     cached for this weight and fold, else the default, nothing timed (on the H200, 2026-11-30, a
@@ -168,12 +178,14 @@ def gemv_config(dev: Device, w, n_out: int, glu: bool = False, fold: dict | None
     if default.get("int8"):  # int8 activations: their variants alone
         planes = default.get("planes", 1)
         key += ("int8",) if planes == 1 else (f"int8x{planes}",)
-        cands = gemv_candidates(dev, int8=True, planes=planes)
+        cands = gemv_candidates(dev, int8=True, planes=planes, xq=not fold)
     else:
         cands = [c for c in gemv_candidates(dev) if c.get("kind") != "warp" or (w.cols % 4 == 0 and (not c["stage"] or can_stage(dev, w.cols)))]
     if fold:
         key += (fold_tag(fold),)
         cands = [c for c in cands if c.get("kind") == "warp" and not (fold.get("rope") and c["rows_per_warp"] % 2)]
+    elif default.get("int8"):
+        key += ("xq",)  # picks among x quantized ahead too (entries before these candidates keep their key)
     if not tune:
         return _tuner(dev).cached("webgpu_gemv_v4", key) or default
     state: dict = {}
@@ -268,11 +280,19 @@ def _time_gemv(dev: Device, w, n_out: int, glu: bool, cfg: dict, fold: dict | No
         else:
             io["X"] = vec(w.cols)
         state["io"], state["copies"] = io, weight_copies(dev, w)
-    (k,) = _gemv_kernels(w, n_out, glu, cfg, fold)
-    L = Launch(dev, k, [{**c, **state["io"]} for c in state["copies"]])
-    L.set_step(seq=1, n_splits=COMBINE_TIMING_SPLITS if fold.get("combine") else 1)
-    return 1e6 * L.time((*_grid2(-(-n_out // cfg["rows_per_wg"]), dev.max_groups), 1),
-                        repeat=max(10, len(state["copies"])))
+    io = state["io"]
+    if cfg.get("xq") and "XQ" not in io:
+        from .kernels import int8_x_sums
+
+        io.update(int8_x_buffers(dev, 1, w.cols, cfg.get("planes", 1), int8_x_sums(w.fmt)))
+    total = 0.0
+    for k in _gemv_kernels(w, n_out, glu, cfg, fold):  # x's quantizing dispatch (xq), then the GEMV
+        L = Launch(dev, k, [{**c, **io} for c in state["copies"]])
+        L.set_step(seq=1, n_splits=COMBINE_TIMING_SPLITS if fold.get("combine") else 1)
+        grid = (-(-(w.cols // 32) // 64), 1, 1) if k.name == "quantize_x" else \
+            (*_grid2(-(-n_out // cfg["rows_per_wg"]), dev.max_groups), 1)
+        total += L.time(grid, repeat=max(10, len(state["copies"])))
+    return 1e6 * total
 
 
 def _tuner(dev: Device):
@@ -326,6 +346,12 @@ def _gemv_kernels(w, n_out: int, glu: bool, cfg: dict, fold: dict | None = None)
     from . import kernels
 
     fold, opts = fold or {}, {}
+    if cfg.get("xq") and fold:  # a folded prologue makes x itself: staged, as the backend lowers it
+        cfg = {**{k: v for k, v in cfg.items() if k != "xq"}, "stage": True}
+    if cfg.get("xq"):  # x quantized by its own dispatch first
+        planes, sums = cfg.get("planes", 1), kernels.int8_x_sums(w.fmt)
+        return (kernels.quantize_x(w.cols, "1u", planes=planes, sums=sums),
+                kernels.decode_gemv(w.desc(), n_out, "1u", cfg, glu=glu))
     if fold.get("norm"):
         opts.update(norm=fold["norm"], eps=1e-5)
     elif fold.get("combine"):
