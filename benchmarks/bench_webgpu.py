@@ -236,7 +236,7 @@ def _int8_gemm_times(dev, w, bufs: dict, n_out: int, rows: int, flop: float, tun
         b = {**bufs, **tuning.int8_x_buffers(dev, rows, w.cols, planes, sums)}
         q = Launch(dev, kernels.quantize_x(w.cols, "step.seq", planes=planes, sums=sums), b)
         q.set_step(seq=rows)
-        tq = q.time((-(-(w.cols // 32) // 64), rows, 1), repeat=3)
+        tq = q.time(kernels.quantize_x_grid(w.cols, rows), repeat=3)
         each = []
         cands = tuning.GEMM_INT8_CANDIDATES[planes][:None if tune else 1]
         launches = []

@@ -43,7 +43,7 @@ from ..info import WebgpuInfo
 from . import codegen, kernels
 from .device import Device, get_device
 from .launch import grid2 as _grid2
-from .tuning import prefill_int8_planes, timing_s as tuning_timing_s
+from .tuning import prefill_int8_planes, staged, timing_s as tuning_timing_s
 from .launch import encode_dispatch, raw_pass_functions, replay_dispatches
 
 GEMV_MAX_ROWS = 4  # steps of at most this many tokens use the matrix-vector kernel
@@ -780,9 +780,8 @@ class WebgpuProgram:
         x_vec = 4 if w.cols % 4 == 0 else 1
         if cfg.get("kind", "block") == "block":
             cfg = {**cfg, "x_vec": x_vec}
-        if cfg.get("xq") and (fold or emb is not None or self.max_seq > GEMV_MAX_ROWS):
-            cfg = {k: v for k, v in cfg.items() if k != "xq"}  # x quantized in the prologue (staged) instead
-            cfg["stage"] = True
+        if fold or emb is not None or self.max_seq > GEMV_MAX_ROWS:
+            cfg = staged(cfg)  # x made or quantized in the GEMV's prologue
         if cfg.get("xq"):  # x quantized by its own dispatch, the GEMV reading its codes (gemv_warp's xq)
             gq, xres = self._quantize_x(w, res, cfg.get("planes", 1), rows_expr, rows)
             vres = {**{k: v for k, v in res.items() if k != "X"}, **xres}
@@ -822,11 +821,11 @@ class WebgpuProgram:
     def _quantize_x(self, w: DeviceWeight, res: dict, planes: int, rows_expr: str, rows) -> tuple:
         """The dispatch quantizing a product's x (res["X"]) into int8 blocks for weight w
         (kernels.quantize_x), and the resources of its arrays (_int8_x) for the product to bind."""
-        sums, nb = kernels.int8_x_sums(w.fmt), w.cols // 32
+        sums = kernels.int8_x_sums(w.fmt)
         xres = self._int8_x(w.cols, planes, sums)
         qres = {"X": res["X"], **xres}
         gq = _Dispatch(self, kernels.quantize_x(w.cols, rows_expr, planes=planes, sums=sums, dtypes=_dtypes(qres)),
-                       qres, lambda s, n: (-(-nb // 64), rows(s), 1))
+                       qres, lambda s, n: kernels.quantize_x_grid(w.cols, rows(s)))
         return gq, xres
 
     def _int8_x(self, cols: int, planes: int, sums: bool) -> dict:

@@ -271,15 +271,9 @@ class Device:
         run back to back, the GPU's clock up, without a compile between them)."""
         todo = list({k.source: k for k in kernels if k.source not in self._pipelines}.values())
         want = os.environ.get("EDGELLM_WEBGPU_PRECOMPILE", "").strip()
-        if len(todo) < 2 or not (want == "1" if want in ("0", "1") else self.info.software):
-            for k in todo if now else ():
-                try:
-                    self.pipeline(k.source, self.layout(k.kinds))
-                except Exception:  # noqa: BLE001
-                    pass
+        threads = len(todo) >= 2 and (want == "1" if want in ("0", "1") else self.info.software)
+        if not (threads or now):
             return
-        from concurrent.futures import ThreadPoolExecutor
-
         layouts = {k.kinds: self.layout(k.kinds) for k in todo}  # made here, shared by the threads
 
         def one(k) -> None:
@@ -287,6 +281,12 @@ class Device:
                 self.pipeline(k.source, layouts[k.kinds])
             except Exception:  # noqa: BLE001
                 pass
+        if not threads:
+            for k in todo:
+                one(k)
+            return
+        from concurrent.futures import ThreadPoolExecutor
+
         with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 4, 16)) as ex:
             list(ex.map(one, todo))
 

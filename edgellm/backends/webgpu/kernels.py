@@ -874,6 +874,11 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     return _render("quantize_x", parts, body, 64, ROWS_EXPR=rows, dtypes=dtypes)
 
 
+def quantize_x_grid(cols: int, rows: int) -> tuple[int, int, int]:
+    """quantize_x's dispatch grid: a thread per 32-block, 64 a workgroup, a row per grid row."""
+    return (-(-(cols // 32) // 64), rows, 1)
+
+
 INT8_GEMM_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q6", "Q6M")
 
 

@@ -9,7 +9,7 @@ import os
 
 from ...errors import EdgeLLMError
 from .device import Device
-from .kernels import INT8_FORMATS, INT8_GEMM_FORMATS
+from .kernels import INT8_FORMATS, INT8_GEMM_FORMATS, quantize_x_grid
 
 
 def can_stage(dev: Device, cols: int | None, int8: bool = False, planes: int = 1) -> bool:
@@ -289,7 +289,7 @@ def _time_gemv(dev: Device, w, n_out: int, glu: bool, cfg: dict, fold: dict | No
     for k in _gemv_kernels(w, n_out, glu, cfg, fold):  # x's quantizing dispatch (xq), then the GEMV
         L = Launch(dev, k, [{**c, **io} for c in state["copies"]])
         L.set_step(seq=1, n_splits=COMBINE_TIMING_SPLITS if fold.get("combine") else 1)
-        grid = (-(-(w.cols // 32) // 64), 1, 1) if k.name == "quantize_x" else \
+        grid = quantize_x_grid(w.cols, 1) if k.name == "quantize_x" else \
             (*_grid2(-(-n_out // cfg["rows_per_wg"]), dev.max_groups), 1)
         total += L.time(grid, repeat=max(10, len(state["copies"])))
     return 1e6 * total
@@ -341,13 +341,19 @@ def gemm_config(dev: Device, w, n_out: int, glu: bool, rows: int) -> dict:
                  lambda cfg: _time_prefill(dev, w, n_out, glu, rows, cfg))
 
 
+def staged(cfg: dict) -> dict:
+    """A GEMV configuration for a GEMV whose prologue makes x itself (a fold, an embedding): x
+    quantized there, staged, not by a dispatch ahead (gemv_warp's xq)."""
+    return {**{k: v for k, v in cfg.items() if k != "xq"}, "stage": True} if cfg.get("xq") else cfg
+
+
 def _gemv_kernels(w, n_out: int, glu: bool, cfg: dict, fold: dict | None = None) -> tuple:
     """The decode GEMV a configuration runs, with the prologue of `fold` (gemv_config)."""
     from . import kernels
 
     fold, opts = fold or {}, {}
-    if cfg.get("xq") and fold:  # a folded prologue makes x itself: staged, as the backend lowers it
-        cfg = {**{k: v for k, v in cfg.items() if k != "xq"}, "stage": True}
+    if fold:
+        cfg = staged(cfg)
     if cfg.get("xq"):  # x quantized by its own dispatch first
         planes, sums = cfg.get("planes", 1), kernels.int8_x_sums(w.fmt)
         return (kernels.quantize_x(w.cols, "1u", planes=planes, sums=sums),
@@ -454,6 +460,6 @@ def _time_prefill(dev: Device, w, n_out: int, glu: bool, rows: int, cfg: dict) -
     for k in _prefill_kernels(w, n_out, glu, cfg):
         L = Launch(dev, k, bufs)
         L.set_step(seq=rows)
-        grid = (-(-(w.cols // 32) // 64), rows, 1) if k.name == "quantize_x" else (-(-n_out // cfg["tn"]), -(-rows // cfg["tm"]), 1)
+        grid = quantize_x_grid(w.cols, rows) if k.name == "quantize_x" else (-(-n_out // cfg["tn"]), -(-rows // cfg["tm"]), 1)
         total += _faster_of_two(L, grid)
     return 1e6 * total
