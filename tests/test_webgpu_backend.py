@@ -185,21 +185,32 @@ def test_int8_activations(models, monkeypatch, name, gemv):
 @pytest.mark.parametrize("name,gemv", [("Q8_0", "warp:2:64:1:int8x2:xq"), ("Q4_0", "warp:4:64:2:int8:xq"),
                                        ("mixed", "warp:2:64:1:int8x2:xq")])
 def test_int8_x_quantized_ahead(models, monkeypatch, name, gemv):
-    """EDGELLM_WEBGPU_GEMV=...:xq: a decode GEMV without a prologue fold (the down projections)
-    quantizes x in a dispatch of its own (quantize_x) and reads the codes from there unstaged;
-    the folded ones (norm, split merge, embedding) still quantize x in their prologue; the logits
-    stay within the int8 path's tolerance of the cpu backend's."""
+    """EDGELLM_WEBGPU_GEMV=...:xq: every decode GEMV but the one reading the embedding weight in
+    its prologue quantizes x in a dispatch of its own (quantize_x) and reads the codes from there
+    unstaged; where the GEMV would fold an RMSNorm (with the residual add) or the attention
+    splits' merge, quantize_x does that work (its source reads A and G, or WS, and a step with
+    splits picks that variant); the logits stay within the int8 path's tolerance of the cpu
+    backend's with decode attention split (one split per 4 keys: 4 to 5 splits)."""
+    from edgellm.backends.webgpu import backend
+
     monkeypatch.setenv("EDGELLM_WEBGPU_GEMV", gemv)
+    monkeypatch.setattr(backend, "SPLIT_KEYS", 4)
     tol = 3e-3 if "int8x2" in gemv else 2e-2 if name == "mixed" else 1e-2
     dec = _compare(models[name], steps=3, tol=tol).programs["decode"]
-    ds = [d for st in dec._steps for d in (st.pick(1, 1) if hasattr(st, "pick") else (st,))]
-    names = [d.kernel.name for d in ds]
-    quant = [i for i, n in enumerate(names) if n == "quantize_x"]
-    assert quant and all(names[i + 1] == "gemv_warp" and "XQ[xo + " in ds[i + 1].kernel.source for i in quant)
-    plain = [o for o in dec.graph.ops if o.kind == "linear" and not {o.name} & (set(dec._folds) | set(dec._combines))]
-    assert len(quant) == len(plain) >= 1
-    staged = [d for d in ds if d.kernel.name == "gemv_warp" and "XQ[xo + " not in d.kernel.source]
-    assert staged and all("dot4I8Packed" in d.kernel.source for d in staged)
+    for splits in (1, 2):
+        ds = [d for st in dec._steps for d in (st.pick(1, splits) if hasattr(st, "pick") else (st,))]
+        names = [d.kernel.name for d in ds]
+        quant = [i for i, n in enumerate(names) if n == "quantize_x"]
+        assert quant and all(names[i + 1] == "gemv_warp" and "XQ[xo + " in ds[i + 1].kernel.source for i in quant)
+        linears = [o for o in dec.graph.ops if o.kind in ("linear", "linear_qkv", "linear_swiglu")]
+        assert len(quant) == len(linears) - len(dec._embeds) >= 1
+        srcs = [ds[i].kernel.source for i in quant]
+        assert sum("inverseSqrt" in q for q in srcs) == len(dec._folds) - len(dec._embeds) >= 1
+        merged = sum("WS_ld" in q for q in srcs)
+        assert merged == (len(dec._combines) if splits > 1 else 0)
+        staged = [d for d in ds if d.kernel.name == "gemv_warp" and "XQ[xo + " not in d.kernel.source]
+        assert len(staged) == len(dec._embeds) and all("dot4I8Packed" in d.kernel.source for d in staged)
+    assert dec._combines
 
 
 def test_rope_fold_without_norm_fold(models, monkeypatch):
@@ -515,7 +526,7 @@ def test_gemv_tuned_with_its_folds(models, monkeypatch, tmp_path, adapter):
 
     def gemv_kernels(w, n, glu, cfg, fold=None):
         ks = real_kernels(w, n, glu, cfg, fold)
-        kernels_timed.append((tuning.fold_tag(fold), ks[0].source))
+        kernels_timed.append((tuning.fold_tag(fold), cfg, [k.name for k in ks], ks[0].source))
         return ks
     calls = []
     real_config = tuning.gemv_config
@@ -534,28 +545,34 @@ def test_gemv_tuned_with_its_folds(models, monkeypatch, tmp_path, adapter):
     tags = {t for t, _ in timed}
     assert "" in tags and any("rope" in t for t in tags) and any("rms" in t for t in tags), tags
     assert any("combine" in t for t in tags), tags
-    for tag, cfg in timed:
+    for tag, cfg in timed:  # folded: warp GEMVs, or any GEMV after the prologue made ahead
         if tag:
-            assert cfg.get("kind") == "warp", (tag, cfg)
+            assert cfg.get("kind") == "warp" or cfg.get("ahead"), (tag, cfg)
         if "rope" in tag:
-            assert cfg["rows_per_warp"] % 2 == 0, (tag, cfg)
+            assert cfg.get("kind") == "warp" and cfg["rows_per_warp"] % 2 == 0, (tag, cfg)
     assert any(cfg.get("kind") != "warp" for t, cfg in timed if not t)  # unfolded: every candidate
-    for tag, src in kernels_timed:  # the timed kernel has the fold's prologue
-        if "rms" in tag:
-            assert "inverseSqrt" in src, tag
-        if "combine" in tag:
-            assert "combined4" in src, tag
+    for pro in ("rms", "combine"):  # a prologue is timed folded and made ahead
+        assert {bool(c.get("ahead")) for t, c in timed if pro in t} == {False, True}, pro
+    for tag, cfg, names, src in kernels_timed:  # the timed kernels do the fold's prologue
+        if cfg.get("ahead") and ("rms" in tag or "combine" in tag):
+            assert names[0] == ("rms_norm" if "rms" in tag else "attention_combine") and len(names) == 2, (tag, names)
+        elif "rms" in tag:
+            assert "inverseSqrt" in src and names == ["gemv_warp"], tag
+        elif "combine" in tag:
+            assert "combined4" in src and names == ["gemv_warp"], tag
     text = next((tmp_path / "tune").glob("webgpu_*.json")).read_text()
     assert "rms+rope" in text and "combine" in text
 
 
 @pytest.mark.parametrize("winner", ["xq", "staged", "timed"])
 def test_decode_gemv_tuned_between_x_quantized_ahead_and_staged(models, monkeypatch, tmp_path, adapter, winner):
-    """On a GPU with tuning on, an int8 decode GEMV without a prologue fold (the down projections)
-    is timed with x quantized ahead (quantize_x, then gemv_warp's xq: the two dispatches timed
-    together) and with x staged; folded ones only staged. The pick is lowered as timed (two
-    dispatches, or one) and the logits match the cpu backend's. ("timed": this adapter's own
-    timings, whichever wins.)"""
+    """On a GPU with tuning on, each int8 decode GEMV is timed with x quantized ahead (quantize_x,
+    with the prologue a fold would do: the norm, the split merge; then gemv_warp's xq: the two
+    dispatches timed together) and with x staged (quantized in the GEMV's prologue). The pick is
+    lowered as timed (two dispatches, or one; the GEMV reading the embedding weight always
+    staged) and the logits match the cpu backend's, attention split over the context. ("timed":
+    this adapter's own timings, whichever wins.)"""
+    from edgellm.backends.webgpu import backend
     from edgellm.backends.webgpu import tuning
 
     monkeypatch.setattr(type(adapter.info), "software", property(lambda self: False))
@@ -575,13 +592,45 @@ def test_decode_gemv_tuned_between_x_quantized_ahead_and_staged(models, monkeypa
         t = real(dev, w, n, glu, cfg, fold, state)
         return t if winner == "timed" else 1.0 if bool(cfg.get("xq")) == (winner == "xq") else 2.0
     monkeypatch.setattr(tuning, "_time_gemv", time_gemv)
+    monkeypatch.setattr(backend, "SPLIT_KEYS", 4)
     dec = _compare(models["Q8_0"], steps=2, tol=3e-3).programs["decode"]
-    assert any(c.get("xq") for f, c in timed if not f) and not any(c.get("xq") for f, c in timed if f)
-    names = [d.kernel.name for st in dec._steps for d in (st.pick(1, 1) if hasattr(st, "pick") else (st,))]
+    for folded in (False, True):
+        assert {bool(c.get("xq")) for f, c in timed if f == folded} == {False, True}
+    names = [d.kernel.name for st in dec._steps for d in (st.pick(1, 2) if hasattr(st, "pick") else (st,))]
+    gemvs = names.count("gemv_warp")
     if winner == "xq":
-        assert names.count("quantize_x") >= 2  # the down projection of each layer
+        assert names.count("quantize_x") == gemvs - len(dec._embeds) >= 6  # all but the embedding's
     elif winner == "staged":
         assert "quantize_x" not in names
+
+
+@pytest.mark.parametrize("winner", ["ahead", "folded"])
+def test_float_decode_gemv_tuned_with_its_prologue_ahead(models, monkeypatch, tmp_path, adapter, winner):
+    """On a GPU with tuning on, a float decode GEMV that folds an RMSNorm or the attention
+    splits' merge is also timed with that op as a dispatch of its own first (rms_norm,
+    attention_combine: "ahead"), the GEMV then reading its output; the pick is lowered as timed
+    and the logits match the cpu backend's with decode attention split over the context."""
+    from edgellm.backends.webgpu import backend, tuning
+
+    monkeypatch.setattr(type(adapter.info), "software", property(lambda self: False))
+    monkeypatch.setenv("EDGELLM_TUNE", "1")
+    monkeypatch.setenv("EDGELLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tuning, "_TUNERS", {})
+    warp = tuning.warp_config(adapter, 2, 64, 1, True)
+    monkeypatch.setattr(tuning, "default_gemv_config", lambda dev, cols=None, fmt=None: warp)
+    monkeypatch.setattr(tuning, "gemv_candidates", lambda dev, **kw: [warp])
+    monkeypatch.setattr(tuning, "_time_gemv", lambda dev, w, n, glu, cfg, fold=None, state=None:
+                        1.0 if bool(cfg.get("ahead")) == (winner == "ahead") else 2.0)
+    monkeypatch.setattr(backend, "SPLIT_KEYS", 4)
+    dec = _compare(models["F16"], steps=2).programs["decode"]
+    assert dec._combines and len(dec._folds) > len(dec._embeds)
+    names = [d.kernel.name for st in dec._steps for d in (st.pick(1, 2) if hasattr(st, "pick") else (st,))]
+    ahead = len(dec._folds) - len(dec._embeds) + len(dec._combines)  # every prologue but the embedding's
+    if winner == "ahead":
+        assert names.count("rms_norm") + names.count("attention_combine") == ahead
+        assert all(names[i + 1] == "gemv_warp" for i, n in enumerate(names) if n in ("rms_norm", "attention_combine"))
+    else:
+        assert "rms_norm" not in names and "attention_combine" not in names
 
 
 @pytest.mark.parametrize("winner", ["int8", "float", "timed"])

@@ -421,6 +421,73 @@ def test_gemm(dev, rng, fmt, tiles, glu):
     check(read_f32(dev, bufs["Y"], rows * n_out), want)
 
 
+@pytest.mark.parametrize("fmt,prologue,planes,rows", [("Q8_0", "rms", 2, 1), ("Q4_0", "add_rms", 2, 3),
+                                                     ("Q5_1", "rms", 1, 2), ("Q8_0", "combine128", 2, 1),
+                                                     ("Q4_0", "combine128", 1, 2), ("Q6_K", "add_rms", 1, 1),
+                                                     ("Q8_0", "combine16", 2, 2)])
+def test_quantize_x_prologue_then_xq(dev, rng, fmt, prologue, planes, rows):
+    """The prologue a decode GEMV folds (an RMSNorm, the residual add with it, the attention
+    splits' merge) done once by quantize_x, then gemv_warp's xq reading the codes: the same
+    numbers as the GEMV folding that prologue itself (its x staged and quantized per workgroup),
+    and float64 numpy's product of x so made and rounded; S (the residual sum) written whole;
+    outputs poisoned first. 37 features; 1,024 inputs (8 heads of 128 for the merge, or 64 of 16,
+    a block spanning two heads; 5 splits)."""
+    if not dev.subgroup_size:
+        pytest.skip("the adapter's subgroup size is unknown")
+    n_out, k = 37, cols_for(fmt, 1024)
+    raw, dense = quantized(rng, n_out, k, fmt)
+    packed = codegen.repack(raw, fmt, dense.shape)
+    w = DeviceWeight(packed, dev)
+    dense = codegen.dequantize_packed(packed).astype(np.float64)
+    nb, sums = k // 32, kernels.int8_x_sums(packed.fmt)
+    bufs = {kk: bb for kk, (bb, _, _) in w.resources().items()}
+    bufs.update(XQ=nan_buffer(dev, rows * k // 4), XD=nan_buffer(dev, rows * nb), XS=nan_buffer(dev, 2 * rows * nb),
+                XQ2=nan_buffer(dev, rows * k // 4))
+    splits, opts, qopts = 1, {}, {}
+    if prologue.startswith("combine"):
+        d = int(prologue[7:])
+        h, splits = k // d, 5
+        acc = rng.standard_normal((rows, h, splits, d))
+        m, l = rng.uniform(-3, 3, (rows, h, splits)), rng.uniform(0.5, 4.0, (rows, h, splits))
+        ws = np.concatenate([acc, m[..., None], l[..., None]], axis=-1).astype(np.float32)
+        e = np.exp(ws[..., d].astype(np.float64) - ws[..., d].max(-1, keepdims=True))
+        x = ((e[..., None] * ws[..., :d]).sum(2) / (e * ws[..., d + 1]).sum(-1)[..., None]).reshape(rows, k)
+        bufs["WS"] = upload_f32(dev, ws)
+        opts["combine"], qopts["combine"] = (h, d, 8, 1), (h, d)
+    else:
+        a = rng.standard_normal((rows, k)).astype(np.float32)
+        b = rng.standard_normal((rows, k)).astype(np.float32)
+        g = (1.0 + 0.3 * rng.standard_normal(k)).astype(np.float32)
+        bufs.update(A=upload_f32(dev, a), G=upload_f32(dev, g))
+        s = a.astype(np.float64) + (b if prologue == "add_rms" else 0)
+        if prologue == "add_rms":
+            bufs.update(B=upload_f32(dev, b), S=nan_buffer(dev, rows * k))
+        x = s / np.sqrt((s * s).mean(axis=1, keepdims=True) + 1e-5) * g
+        opts = qopts = {"norm": prologue, "eps": 1e-5}
+    q = kernels.quantize_x(k, "step.seq", planes=planes, sums=sums, **qopts)
+    Q = Launch(dev, q, bufs)
+    Q.set_step(seq=rows, n_splits=splits)
+    Q.run(kernels.quantize_x_grid(k, rows, norm=not prologue.startswith("combine")))
+    if prologue == "add_rms":
+        check(read_f32(dev, bufs["S"], rows * k), a + b)
+    sg = min(32, dev.subgroup_size)
+    got = {}
+    for ahead in (True, False):
+        kern = kernels.gemv_warp(w.desc(), n_out, "step.seq", rows_per_warp=2, wg=4 * sg, sg=sg, unroll=2,
+                                 stage=not ahead, int8=True, planes=planes, xq=ahead, **({} if ahead else opts))
+        bufs["Y"] = nan_buffer(dev, rows * n_out)
+        L = Launch(dev, kern, bufs)
+        L.set_step(seq=rows, n_splits=splits)
+        L.run((-(-n_out // kern.rows_per_group), 1, rows))
+        got[ahead] = read_f32(dev, bufs["Y"], rows * n_out).reshape(rows, n_out)
+        assert np.isfinite(got[ahead]).all()
+    xq, _ = _int8_emulation(x, planes)
+    emu = xq @ dense.T
+    scale = np.abs(emu).max()
+    assert np.abs(got[True] - got[False]).max() <= 2e-5 * scale
+    assert np.abs(got[True] - emu).max() <= (2e-3 if planes == 1 else 1e-4) * scale
+
+
 def _int8_emulation(x: np.ndarray, planes: int) -> tuple[np.ndarray, np.ndarray]:
     """x rounded as the int8 activations are, in float64 (amax / 127 steps per 32-block,
     pack4x8snorm's rounding; planes 2: the residual in steps 254 times finer); and the block

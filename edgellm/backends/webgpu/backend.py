@@ -43,7 +43,7 @@ from ..info import WebgpuInfo
 from . import codegen, kernels
 from .device import Device, get_device
 from .launch import grid2 as _grid2
-from .tuning import prefill_int8_planes, staged, timing_s as tuning_timing_s
+from .tuning import prefill_int8_planes, prologue_ahead, staged, timing_s as tuning_timing_s
 from .launch import encode_dispatch, raw_pass_functions, replay_dispatches
 
 GEMV_MAX_ROWS = 4  # steps of at most this many tokens use the matrix-vector kernel
@@ -640,7 +640,8 @@ class WebgpuProgram:
         long-RoPE factor or q/k norms, and the GEMV's rows per subgroup are even (a rotation pair
         in one lane: adjacent features for style 'norm'; for 'neox' the lane's two features are
         the head's rows i and i + n_rot / 2). The rotated q, written while other workgroups still
-        read the GEMV's input, gets a buffer of its own where the plan put it over that input."""
+        read the GEMV's input (or a folded norm's), gets a buffer of its own where the plan put it
+        over that input."""
         rd = readers.get(lin.outputs[0], [])
         if len(rd) != 1 or rd[0].kind != "rope_qkv_store" or rd[0].inputs[0] != lin.outputs[0]:
             return None
@@ -662,7 +663,9 @@ class WebgpuProgram:
         if self._gemv_bindings(lin, w, norm_op, True) > self.dev.max_storage_buffers:
             return None
         q = rope.outputs[0]
-        reads = list(norm_op.inputs[:-1]) if norm_op is not None else [lin.inputs[0]]
+        # the GEMV reads the norm's inputs where it folds the norm, its output where the tuned
+        # configuration makes the norm ahead (tuning.prologue_ahead): q apart from both
+        reads = (list(norm_op.inputs[:-1]) if norm_op is not None else []) + [lin.inputs[0]]
         if self._overlap(reads, [q]):
             self._private[q] = self.dev.buffer(-(-4 * math.prod(self.shape(q, self.max_seq)) // 16) * 16)
         return rope
@@ -739,6 +742,24 @@ class WebgpuProgram:
         res_in = ins[-1] if op.kind == "linear" and a.get("has_residual") else None
         n_out = w.rows // 2 if glu else w.rows
         rows_expr, rows = self._rows_expr(outs[0]), self._rows(outs[0])
+        rope_op, attn, emb = self._ropes.get(op.name), self._combines.get(op.name), self._embeds.get(op.name)
+        fold = {}
+        if norm_op is not None:
+            fold["norm"] = "add_rms" if norm_op.kind == "add_rms_norm" else "rms"
+        if attn is not None:
+            fold["combine"] = (attn.attrs["n_heads"], attn.attrs["head_dim"])
+        if rope_op is not None:
+            fold["rope"] = True
+        cfg = self.backend.gemv_config(w, n_out, glu, fold, tune=self.max_seq <= GEMV_MAX_ROWS)
+        if cfg.get("kind", "block") == "block":
+            cfg = {**cfg, "x_vec": 4 if w.cols % 4 == 0 else 1}
+        if emb is not None or self.max_seq > GEMV_MAX_ROWS:
+            cfg = staged(cfg)  # x made or quantized in the GEMV's prologue
+        # a prologue made ahead (tuning.prologue_ahead): the norm or the split merge by a dispatch
+        # of its own before the GEMV (quantize_x with it, or the op's own kernel), not in the GEMV
+        pre_norm = norm_op if prologue_ahead(cfg) else None
+        if pre_norm is not None:
+            norm_op = None
         res = {**_const(w.resources()), "X": R(ins[0]), "Y": R(outs[0])}
         if norm_op is not None:  # x = rms_norm(A [+ B]) * G, computed in the GEMV (_fold_norms)
             del res["X"]
@@ -752,14 +773,12 @@ class WebgpuProgram:
             res["R"] = R(res_in)
         opts = dict(bias=bool(bias), residual=res_in is not None, glu=glu)
         if norm_op is not None:
-            opts.update(norm="add_rms" if norm_op.kind == "add_rms_norm" else "rms", eps=norm_op.attrs["eps"])
-        emb = self._embeds.get(op.name)
+            opts.update(norm=fold["norm"], eps=norm_op.attrs["eps"])
         if emb is not None:  # x's rows from the embedding weight at the step's tokens, written to S (_fold_embed)
             e = W.matrix(self._wname(emb.inputs[0]))
             del res["A"]
             res.update(_const(e.resources("E")), S=R(emb.outputs[0]), TOK=lambda: (self.tok_buf, 0, self.tok_buf.size))
             opts["embed"] = e.desc("E")
-        rope_op = self._ropes.get(op.name)
         if rope_op is not None:  # q rotated into the rope's output, k and v into the caches (_fold_rope)
             ra = rope_op.attrs
             d, n_rot = ra["head_dim"], ra.get("rope_dim", ra["head_dim"])
@@ -768,37 +787,37 @@ class WebgpuProgram:
             res.update(Y=R(rope_op.outputs[0]), KC=R(rope_op.inputs[2]), VC=R(rope_op.inputs[3]),
                        COS=lambda: (cos, 0, cos.size), SIN=lambda: (sin, 0, sin.size))
             opts["rope"] = kernels.RopeFold(ra["n_heads"] * d, ra["n_kv_heads"] * d, d, n_rot, ra["style"] == "neox")
-        attn = self._combines.get(op.name)
-        fold = {}
-        if norm_op is not None:
-            fold["norm"] = opts["norm"]
+
+        def gemv(c: dict, r: dict, **extra) -> _Dispatch:
+            k = kernels.decode_gemv(w.desc(), n_out, rows_expr, c, **opts, **extra, dtypes=_dtypes(r))
+            return _Dispatch(self, k, r, lambda s, n: (*_grid2(-(-n_out // c["rows_per_wg"]), self.dev.max_groups), rows(s)))
+
+        ws = None
         if attn is not None:
-            fold["combine"] = (attn.attrs["n_heads"], attn.attrs["head_dim"])
-        if rope_op is not None:
-            fold["rope"] = True
-        cfg = self.backend.gemv_config(w, n_out, glu, fold, tune=self.max_seq <= GEMV_MAX_ROWS)
-        x_vec = 4 if w.cols % 4 == 0 else 1
-        if cfg.get("kind", "block") == "block":
-            cfg = {**cfg, "x_vec": x_vec}
-        if fold or emb is not None or self.max_seq > GEMV_MAX_ROWS:
-            cfg = staged(cfg)  # x made or quantized in the GEMV's prologue
+            wsb = self.backend.workspace(attn.attrs["n_heads"] * MAX_SPLITS * (attn.attrs["head_dim"] + 2) * 4)
+            ws = {"WS": lambda: (wsb, 0, wsb.size)}
         if cfg.get("xq"):  # x quantized by its own dispatch, the GEMV reading its codes (gemv_warp's xq)
-            gq, xres = self._quantize_x(w, res, cfg.get("planes", 1), rows_expr, rows)
-            vres = {**{k: v for k, v in res.items() if k != "X"}, **xres}
-            gx = _Dispatch(self, kernels.decode_gemv(w.desc(), n_out, rows_expr, cfg, **opts, dtypes=_dtypes(vres)),
-                           vres, lambda s, n: (*_grid2(-(-n_out // cfg["rows_per_wg"]), self.dev.max_groups), rows(s)))
+            planes = cfg.get("planes", 1)
+            gq, xres = self._quantize_x(w, {"X": res["X"]}, planes, rows_expr, rows, norm=pre_norm)
+            gx = gemv(cfg, {**{k: v for k, v in res.items() if k != "X"}, **xres})
+            if attn is not None:  # steps with split attention: its partials merged as x is quantized
+                gqc, _ = self._quantize_x(w, ws, planes, rows_expr, rows, combine=fold["combine"])
+                return _Choice(lambda s, n: (gqc, gx) if self._combined_in_gemv(n) else (gq, gx), gq, gqc, gx)
             return _Choice(lambda s, n: (gq, gx), gq, gx)
-        gv = _Dispatch(self, kernels.decode_gemv(w.desc(), n_out, rows_expr, cfg, **opts, dtypes=_dtypes(res)), res,
-                       lambda s, n: (*_grid2(-(-n_out // cfg["rows_per_wg"]), self.dev.max_groups), rows(s)))
+        if cfg.get("ahead"):  # the folded op's own kernel first, then the GEMV on its output
+            gv = gemv({k: v for k, v in cfg.items() if k != "ahead"}, res)
+            if attn is not None:
+                h, d = fold["combine"]
+                cres = {**ws, "O": res["X"]}
+                comb = _Dispatch(self, kernels.attention_combine(h, d, rows_expr, dtypes=_dtypes(cres)), cres,
+                                 lambda s, n: (h, rows(s), 1))
+                return _Choice(lambda s, n: (comb, gv) if self._combined_in_gemv(n) else (gv,), comb, gv)
+            pre = self._lower(pre_norm) if pre_norm is not None else []
+            return _Choice(lambda s, n: (*pre, gv), *pre, gv)
+        gv = gemv(cfg, res)
         if attn is not None:  # steps with split attention read its partials and merge them (_fold_combine)
-            ws = self.backend.workspace(attn.attrs["n_heads"] * MAX_SPLITS * (attn.attrs["head_dim"] + 2) * 4)
-            cres = {k: v for k, v in res.items() if k != "X"}
-            cres["WS"] = lambda: (ws, 0, ws.size)
-            ccfg = {**cfg, "stage": True}
-            gc = _Dispatch(self, kernels.decode_gemv(w.desc(), n_out, rows_expr, ccfg, **opts, dtypes=_dtypes(cres),
-                                                     combine=(attn.attrs["n_heads"], attn.attrs["head_dim"], MAX_SPLITS,
-                                                              combine_unroll())),
-                           cres, lambda s, n: (*_grid2(-(-n_out // ccfg["rows_per_wg"]), self.dev.max_groups), rows(s)))
+            cres = {**{k: v for k, v in res.items() if k != "X"}, **ws}
+            gc = gemv({**cfg, "stage": True}, cres, combine=(*fold["combine"], MAX_SPLITS, combine_unroll()))
             return _Choice(lambda s, n: (gc,) if self._combined_in_gemv(n) else (gv,), gv, gc)
         if (self.max_seq <= GEMV_MAX_ROWS or not _is_seq(self.graph.tensors[outs[0]].shape[0])
                 or not self.backend.prefill_tiled):
@@ -807,7 +826,7 @@ class WebgpuProgram:
         pcfg = self.backend.prefill_config(w, n_out, glu, self.max_seq, planes) if planes else {}
         if "int8" in pcfg:  # x quantized to int8 blocks, then packed dot products (kernels.gemm_int8)
             planes, icfg = pcfg["int8"], {k: v for k, v in pcfg.items() if k != "int8"}
-            gq, xres = self._quantize_x(w, res, planes, rows_expr, rows)
+            gq, xres = self._quantize_x(w, {"X": res["X"]}, planes, rows_expr, rows)
             mres = {**{k: v for k, v in res.items() if k != "X"}, **xres}
             gm = _Dispatch(self, kernels.gemm_int8(w.desc(), n_out, rows_expr, **icfg, planes=planes, **opts,
                                                    dtypes=_dtypes(mres)),
@@ -818,14 +837,27 @@ class WebgpuProgram:
                        lambda s, n: (-(-n_out // gcfg["tn"]), -(-rows(s) // gcfg["tm"]), 1))
         return _Choice(lambda s, n: (gv,) if s <= GEMV_MAX_ROWS else (gm,), gv, gm)
 
-    def _quantize_x(self, w: DeviceWeight, res: dict, planes: int, rows_expr: str, rows) -> tuple:
-        """The dispatch quantizing a product's x (res["X"]) into int8 blocks for weight w
-        (kernels.quantize_x), and the resources of its arrays (_int8_x) for the product to bind."""
+    def _quantize_x(self, w: DeviceWeight, xin: dict, planes: int, rows_expr: str, rows, norm: Op | None = None,
+                    combine: tuple[int, int] | None = None) -> tuple:
+        """The dispatch quantizing a product's x for weight w into int8 blocks (kernels.quantize_x),
+        and the resources of its arrays (_int8_x) for the product to bind. x is xin["X"]; or with
+        `norm` (an RMSNorm op made ahead of its GEMV) that op's output, computed here from its
+        inputs (the residual sum written to its first output); or with `combine` (heads,
+        head_dim) the attention partials of xin["WS"] merged."""
         sums = kernels.int8_x_sums(w.fmt)
         xres = self._int8_x(w.cols, planes, sums)
-        qres = {"X": res["X"], **xres}
-        gq = _Dispatch(self, kernels.quantize_x(w.cols, rows_expr, planes=planes, sums=sums, dtypes=_dtypes(qres)),
-                       qres, lambda s, n: kernels.quantize_x_grid(w.cols, rows(s)))
+        opts = {}
+        if norm is not None:
+            R = self._res
+            xin = {"A": R(norm.inputs[0]), "G": R(norm.inputs[-1])}
+            if norm.kind == "add_rms_norm":
+                xin.update(B=R(norm.inputs[1]), S=R(norm.outputs[0]))
+            opts = {"norm": "add_rms" if norm.kind == "add_rms_norm" else "rms", "eps": norm.attrs["eps"]}
+        elif combine is not None:
+            opts = {"combine": combine}
+        qres = {**xin, **xres}
+        gq = _Dispatch(self, kernels.quantize_x(w.cols, rows_expr, planes=planes, sums=sums, **opts, dtypes=_dtypes(qres)),
+                       qres, lambda s, n: kernels.quantize_x_grid(w.cols, rows(s), norm=norm is not None))
         return gq, xres
 
     def _int8_x(self, cols: int, planes: int, sums: bool) -> dict:

@@ -833,17 +833,46 @@ def int8_x_sizes(rows: int, cols: int, planes: int, sums: bool) -> dict[str, int
     return out
 
 
-def quantize_x(cols: int, rows: str, *, planes: int = 1, sums: bool = True, dtypes: dict | None = None) -> Kernel:
+def quantize_x(cols: int, rows: str, *, planes: int = 1, sums: bool = True, norm: str | None = None,
+               eps: float = 1e-6, combine: tuple[int, int] | None = None, wg: int = 256,
+               dtypes: dict | None = None) -> Kernel:
     """x [rows, cols] (X, f32 or f16) as int8 blocks of 32 with a float scale each, for
-    gemm_int8: codes round(127 * x / amax) (pack4x8snorm), scale amax / 127, the integer sums of
-    each half block's codes (the weight formats' offsets and minimums multiply them). planes 2: a
-    second plane holds each element's rounding residual in steps 254 times finer (x = scale / 254
-    * (254 q1 + q2), the scale stored so), as gemv_warp's int8 staging. A thread per block; grid
-    (ceil(blocks / 64), rows)."""
+    gemm_int8 and gemv_warp's xq: codes round(127 * x / amax) (pack4x8snorm), scale amax / 127,
+    the integer sums of each half block's codes (the weight formats' offsets and minimums
+    multiply them). planes 2: a second plane holds each element's rounding residual in steps 254
+    times finer (x = scale / 254 * (254 q1 + q2), the scale stored so), as gemv_warp's int8
+    staging. A thread per block; grid quantize_x_grid.
+
+    The prologue a decode GEMV would otherwise fold (gemv_warp's norm and combine), done here once
+    for all of the GEMV's workgroups instead of in each of them:
+    norm "rms" / "add_rms": x = rms_norm(A [+ B]) * G (bindings A, G [, B, S] instead of X; the sum
+    A + B written to S), a workgroup of `wg` threads per row (the row's sum of squares reduced
+    in workgroup memory), grid (1, rows).
+    combine (heads, head_dim): x is the attention output still split over the context
+    (attention(partial=True)'s WS; step.n_splits splits), the heads of each block merged by its
+    thread as attention_combine does (head_dim a multiple of 4; of 32: a block lies in one head,
+    its split weights computed once)."""
     if cols % 32:
         raise ValueError(f"quantize_x: rows of a multiple of 32 elements, not {cols}")
-    parts = [(ActDesc("X", vec=4), None)] + int8_x_parts(planes, sums, "storage")
-    vals = " ".join(f"let v{i} = X_ld4(xb + {i}u);" for i in range(8))
+    if norm not in (None, "rms", "add_rms") or (norm and combine):
+        raise ValueError(f"quantize_x: norm {norm!r} (None, 'rms' or 'add_rms'), not with a split merge")
+    if combine is not None and (combine[0] * combine[1] != cols or combine[1] % 4):
+        raise ValueError(f"quantize_x: merging attention splits (heads, head_dim) {combine} needs heads x head_dim = "
+                         f"the {cols} inputs and head_dim a multiple of 4")
+    if norm:
+        parts = [(ActDesc("A", vec=4), None), (ActDesc("G", vec=4), None)]
+        if norm == "add_rms":
+            parts += [(ActDesc("B", vec=4), None), (ActDesc("S"), None)]
+        a4 = "(A_ld4(xb + {c}) + B_ld4(xb + {c}))" if norm == "add_rms" else "A_ld4(xb + {c})"
+        vals = " ".join(f"let v{i} = " + a4.format(c=f"8u * b + {i}u") + f" * (G_ld4(8u * b + {i}u) * rinv);"
+                        for i in range(8))
+    elif combine:
+        parts = [(ActDesc("WS"), None)]
+        vals = ""  # merged into v0..v7 before the block (below)
+    else:
+        parts = [(ActDesc("X", vec=4), None)]
+        vals = " ".join(f"let v{i} = X_ld4(xb + 8u * b + {i}u);" for i in range(8))
+    parts += int8_x_parts(planes, sums, "storage")
     amax = "max(" * 7 + "am(v0)" + "".join(f", am(v{i}))" for i in range(1, 8))
     packs = ", ".join(f"pack4x8snorm(v{i} * inv)" for i in range(8))
     half = ["dot4I8Packed(p[{}], 0x01010101u)".format(i) for i in range(8)]
@@ -854,14 +883,7 @@ def quantize_x(cols: int, rows: str, *, planes: int = 1, sums: bool = True, dtyp
                   "    XQ2[2u * o] = vec4<u32>(r[0], r[1], r[2], r[3]); XQ2[2u * o + 1u] = vec4<u32>(r[4], r[5], r[6], r[7]);\n")
         half = [f"254 * {h} + dot4I8Packed(r[{i}], 0x01010101u)" for i, h in enumerate(half)]
     store_sums = f"    XS[o] = vec2<i32>({' + '.join(half[:4])}, {' + '.join(half[4:])});\n" if sums else ""
-    body = f"""
-const NB: u32 = {cols // 32}u;
-fn am(v: vec4<f32>) -> f32 {{ let a = abs(v); return max(max(a.x, a.y), max(a.z, a.w)); }}
-@compute @workgroup_size(64)
-fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {{
-    let t = wid.y; let b = wid.x * 64u + lid;
-    if (t >= ${{ROWS_EXPR}} || b >= NB) {{ return; }}
-    let o = t * NB + b; let xb = o * 8u;
+    block = f"""    let o = t * NB + b;
     {vals}
     let m = {amax};
     let inv = select(0.0, 1.0 / m, m > 0.0);
@@ -869,14 +891,74 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     let p = array<u32, 8>({packs});
     XQ[2u * o] = vec4<u32>(p[0], p[1], p[2], p[3]); XQ[2u * o + 1u] = vec4<u32>(p[4], p[5], p[6], p[7]);
 {plane2}    XD[o] = {"d1" if planes == 1 else "d1 / 254.0"};
-{store_sums}}}
+{store_sums}"""
+    head = f"""
+const NB: u32 = {cols // 32}u; const K4: u32 = {cols // 4}u;
+fn am(v: vec4<f32>) -> f32 {{ let a = abs(v); return max(max(a.x, a.y), max(a.z, a.w)); }}"""
+    if norm:  # a workgroup per row: its sum of squares (S written), then a thread per block
+        store_s = ("let k = 4u * (xb + c); S_st(k, a.x); S_st(k + 1u, a.y); S_st(k + 2u, a.z); S_st(k + 3u, a.w);"
+                   if norm == "add_rms" else "")
+        a = "A_ld4(xb + c) + B_ld4(xb + c)" if norm == "add_rms" else "A_ld4(xb + c)"
+        body = head + f"""
+var<workgroup> red: array<f32, ${{WG}}>;
+@compute @workgroup_size(${{WG}})
+fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {{
+    let t = wid.y; let xb = t * K4;
+    let live = t < ${{ROWS_EXPR}};
+    var ss = 0.0;
+    if (live) {{ for (var c = lid; c < K4; c += ${{WG}}u) {{ let a = {a}; ss += dot(a, a); {store_s} }} }}
+    red[lid] = ss;
+    workgroupBarrier();
+    for (var s = ${{WG}}u / 2u; s > 0u; s = s >> 1u) {{ if (lid < s) {{ red[lid] += red[lid + s]; }} workgroupBarrier(); }}
+    let rinv = inverseSqrt(red[0] / f32({cols}) + {_f(eps)});
+    if (!live) {{ return; }}
+    for (var b = lid; b < NB; b += ${{WG}}u) {{
+{block}    }}
+}}
 """
-    return _render("quantize_x", parts, body, 64, ROWS_EXPR=rows, dtypes=dtypes)
+        return _render("quantize_x", parts, body, wg, ROWS_EXPR=rows, dtypes=dtypes)
+    weights = ""
+    if combine:  # per head the block covers: its splits' weights, then its elements merged from them
+        h, d = combine
+        groups = [range(8)] if d % 32 == 0 else [range(i, i + 1) for i in range(8)]  # vec4s sharing a head
+        weights = f"""
+    let S = step.n_splits;
+    {" ".join(f"var v{i} = vec4<f32>(0.0);" for i in range(8))}"""
+        for g in groups:
+            e = f"32u * b + {4 * g[0]}u"
+            adds = " ".join(f"v{i} += w * vec4<f32>(WS_ld(j + {4 * (i - g[0])}u), WS_ld(j + {4 * (i - g[0]) + 1}u), "
+                            f"WS_ld(j + {4 * (i - g[0]) + 2}u), WS_ld(j + {4 * (i - g[0]) + 3}u));" for i in g)
+            weights += f"""
+    {{
+        let e0 = {e};
+        let hb = (t * {h}u + e0 / {d}u) * S * {d + 2}u;
+        var mx = ${{NEG}};
+        for (var s = 0u; s < S; s++) {{ mx = max(mx, WS_ld(hb + s * {d + 2}u + {d}u)); }}
+        var l = 0.0;
+        for (var s = 0u; s < S; s++) {{ let i = hb + s * {d + 2}u + {d}u; l += exp(WS_ld(i) - mx) * WS_ld(i + 1u); }}
+        for (var s = 0u; s < S; s++) {{
+            let i = hb + s * {d + 2}u;
+            let w = exp(WS_ld(i + {d}u) - mx) / l;
+            let j = i + e0 % {d}u;
+            {adds}
+        }}
+    }}"""
+        weights += "\n"
+    body = head + f"""
+@compute @workgroup_size(64)
+fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {{
+    let t = wid.y; let b = wid.x * 64u + lid;
+    if (t >= ${{ROWS_EXPR}} || b >= NB) {{ return; }}
+    let xb = t * K4;{weights}
+{block}}}
+"""
+    return _render("quantize_x", parts, body, 64, ROWS_EXPR=rows, NEG=NEG, dtypes=dtypes)
 
 
-def quantize_x_grid(cols: int, rows: int) -> tuple[int, int, int]:
-    """quantize_x's dispatch grid: a thread per 32-block, 64 a workgroup, a row per grid row."""
-    return (-(-(cols // 32) // 64), rows, 1)
+def quantize_x_grid(cols: int, rows: int, norm: bool = False) -> tuple[int, int, int]:
+    """quantize_x's dispatch grid: a thread per 32-block, 64 a workgroup, a row per grid row; with
+    a norm, a workgroup per row."""
+    return (1, rows, 1) if norm else (-(-(cols // 32) // 64), rows, 1)
 
 
 INT8_GEMM_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q6", "Q6M")

@@ -163,8 +163,11 @@ def gemv_config(dev: Device, w, n_out: int, glu: bool = False, fold: dict | None
     "combine" ((heads, head_dim): the attention's splits merged in the prologue, x staged),
     "rope" (the rotation in the epilogue: rows per subgroup even). A prologue's cost grows with
     the workgroups, so a GEMV timed without it ranks configurations of many workgroups too high.
-    With a fold, gemv_warp candidates only (the folds are theirs). Without one, an int8 GEMV's
-    candidates include x quantized by a dispatch of its own (gemv_warp's xq), timed with it.
+    With a fold, gemv_warp candidates, and where the fold is a prologue (norm, combine) the same
+    work made ahead by a dispatch of its own (prologue_ahead), timed with it: for int8
+    activations x quantized with the prologue (kernels.quantize_x, then gemv_warp's xq), for
+    float x the op's own kernel (rms_norm, attention_combine) then any GEMV candidate; without a
+    fold an int8 GEMV's candidates include x quantized ahead too (xq).
 
     tune False (a prefill program's GEMV, for its steps of a few tokens only): the pick already
     cached for this weight and fold, else the default, nothing timed (on the H200, 2026-11-30, a
@@ -174,18 +177,25 @@ def gemv_config(dev: Device, w, n_out: int, glu: bool = False, fold: dict | None
     if not tuning_on(dev):
         return default
     fold = fold or {}
+    prologue = bool(fold.get("norm") or fold.get("combine"))
     key = (w.fmt, n_out, w.cols, "glu" if glu else "plain")
     if default.get("int8"):  # int8 activations: their variants alone
         planes = default.get("planes", 1)
         key += ("int8",) if planes == 1 else (f"int8x{planes}",)
-        cands = gemv_candidates(dev, int8=True, planes=planes, xq=not fold)
+        cands = gemv_candidates(dev, int8=True, planes=planes, xq=True)
     else:
         cands = [c for c in gemv_candidates(dev) if c.get("kind") != "warp" or (w.cols % 4 == 0 and (not c["stage"] or can_stage(dev, w.cols)))]
+        if prologue:
+            cands += [{**c, "ahead": True} for c in cands]
     if fold:
         key += (fold_tag(fold),)
-        cands = [c for c in cands if c.get("kind") == "warp" and not (fold.get("rope") and c["rows_per_warp"] % 2)]
-    elif default.get("int8"):
-        key += ("xq",)  # picks among x quantized ahead too (entries before these candidates keep their key)
+        cands = [c for c in cands if (c.get("kind") == "warp" or (prologue_ahead(c) and not fold.get("rope")))
+                 and not (fold.get("rope") and c["rows_per_warp"] % 2)]
+    # entries cached before the candidates made ahead keep their keys (and meaning)
+    if default.get("int8"):
+        key += ("xq",)
+    elif prologue:
+        key += ("ahead",)
     if not tune:
         return _tuner(dev).cached("webgpu_gemv_v4", key) or default
     state: dict = {}
@@ -196,6 +206,14 @@ def gemv_config(dev: Device, w, n_out: int, glu: bool = False, fold: dict | None
         for c in state.get("copies", [])[1:]:
             for b in c.values():
                 b.destroy()
+
+
+def prologue_ahead(cfg: dict) -> bool:
+    """Whether a GEMV configuration has its fold's prologue (a norm, a split merge) made by a
+    dispatch of its own before the GEMV: with int8 activations x quantized there too (xq, also
+    the plain quantizing of a GEMV without a prologue), with float x the op's own kernel
+    ("ahead")."""
+    return bool(cfg.get("xq") or cfg.get("ahead"))
 
 
 def _pick(dev: Device, kernel: str, key: tuple, cands: list[dict], default: dict, make, time) -> dict:
@@ -277,8 +295,7 @@ def _time_gemv(dev: Device, w, n_out: int, glu: bool, cfg: dict, fold: dict | No
         elif fold.get("combine"):
             h, d = fold["combine"]  # per (head, split): d partial outputs, a maximum and a positive sum
             io["WS"] = upload_f32(dev, rng.random(h * MAX_SPLITS * (d + 2)).astype(np.float32) + 0.5)
-        else:
-            io["X"] = vec(w.cols)
+        io["X"] = io["O"] = vec(w.cols)  # the GEMV's x; a prologue made ahead writes it (O)
         state["io"], state["copies"] = io, weight_copies(dev, w)
     io = state["io"]
     if cfg.get("xq") and "XQ" not in io:
@@ -286,11 +303,12 @@ def _time_gemv(dev: Device, w, n_out: int, glu: bool, cfg: dict, fold: dict | No
 
         io.update(int8_x_buffers(dev, 1, w.cols, cfg.get("planes", 1), int8_x_sums(w.fmt)))
     total = 0.0
-    for k in _gemv_kernels(w, n_out, glu, cfg, fold):  # x's quantizing dispatch (xq), then the GEMV
+    grids = {"quantize_x": quantize_x_grid(w.cols, 1, norm=bool(fold.get("norm"))), "rms_norm": (1, 1, 1),
+             "attention_combine": (fold.get("combine") or (1,))[:1] + (1, 1)}
+    for k in _gemv_kernels(w, n_out, glu, cfg, fold):  # a prologue's dispatch made ahead, then the GEMV
         L = Launch(dev, k, [{**c, **io} for c in state["copies"]])
         L.set_step(seq=1, n_splits=COMBINE_TIMING_SPLITS if fold.get("combine") else 1)
-        grid = quantize_x_grid(w.cols, 1) if k.name == "quantize_x" else \
-            (*_grid2(-(-n_out // cfg["rows_per_wg"]), dev.max_groups), 1)
+        grid = grids.get(k.name) or (*_grid2(-(-n_out // cfg["rows_per_wg"]), dev.max_groups), 1)
         total += L.time(grid, repeat=max(10, len(state["copies"])))
     return 1e6 * total
 
@@ -342,27 +360,37 @@ def gemm_config(dev: Device, w, n_out: int, glu: bool, rows: int) -> dict:
 
 
 def staged(cfg: dict) -> dict:
-    """A GEMV configuration for a GEMV whose prologue makes x itself (a fold, an embedding): x
-    quantized there, staged, not by a dispatch ahead (gemv_warp's xq)."""
-    return {**{k: v for k, v in cfg.items() if k != "xq"}, "stage": True} if cfg.get("xq") else cfg
+    """A GEMV configuration for a GEMV whose prologue makes x itself (an embedding; a fold timed
+    so): x quantized there, staged, not by a dispatch ahead (prologue_ahead)."""
+    c = {k: v for k, v in cfg.items() if k not in ("xq", "ahead")}
+    return {**c, "stage": True} if cfg.get("xq") else c
 
 
 def _gemv_kernels(w, n_out: int, glu: bool, cfg: dict, fold: dict | None = None) -> tuple:
-    """The decode GEMV a configuration runs, with the prologue of `fold` (gemv_config)."""
+    """The kernels a decode GEMV configuration runs, with the prologue of `fold` (gemv_config):
+    in the GEMV, or made ahead (prologue_ahead) by a dispatch of its own first."""
     from . import kernels
+    from .backend import MAX_SPLITS, combine_unroll
 
     fold, opts = fold or {}, {}
+    norm = {"norm": fold["norm"], "eps": 1e-5} if fold.get("norm") else {}
+    if cfg.get("xq"):  # x quantized by its own dispatch first (with the prologue)
+        planes, sums = cfg.get("planes", 1), kernels.int8_x_sums(w.fmt)
+        merge = {"combine": fold["combine"]} if fold.get("combine") else {}
+        return (kernels.quantize_x(w.cols, "1u", planes=planes, sums=sums, **norm, **merge),
+                kernels.decode_gemv(w.desc(), n_out, "1u", cfg, glu=glu))
+    if cfg.get("ahead"):  # the op's own kernel first, the GEMV reading its output
+        gemv = kernels.decode_gemv(w.desc(), n_out, "1u", staged(cfg), glu=glu)
+        if fold.get("combine"):
+            return (kernels.attention_combine(*fold["combine"], "1u"), gemv)
+        if norm:
+            return (kernels.rms_norm(w.cols, 1e-5, "1u", add=norm["norm"] == "add_rms"), gemv)
+        return (gemv,)
     if fold:
         cfg = staged(cfg)
-    if cfg.get("xq"):  # x quantized by its own dispatch first
-        planes, sums = cfg.get("planes", 1), kernels.int8_x_sums(w.fmt)
-        return (kernels.quantize_x(w.cols, "1u", planes=planes, sums=sums),
-                kernels.decode_gemv(w.desc(), n_out, "1u", cfg, glu=glu))
-    if fold.get("norm"):
-        opts.update(norm=fold["norm"], eps=1e-5)
+    if norm:
+        opts.update(norm)
     elif fold.get("combine"):
-        from .backend import MAX_SPLITS, combine_unroll
-
         cfg = {**cfg, "stage": True}
         opts["combine"] = (*fold["combine"], MAX_SPLITS, combine_unroll())
     return (kernels.decode_gemv(w.desc(), n_out, "1u", cfg, glu=glu, **opts),)
