@@ -13,11 +13,11 @@ from . import kernels
 from .device import Device
 
 
-# Launch.time: an idle gap longer than CLOCK_IDLE_S (gaps of 0.2-0.3 s between a probe's timings,
+# Chain.time: an idle gap longer than CLOCK_IDLE_S (gaps of 0.2-0.3 s between a probe's timings,
 # pipelines compiled between them, let an H200's clock fall to 660-735 MHz and 345; 2026-11-30), and
 CLOCK_IDLE_S = 0.15
-CLOCK_WARMUP_S = 0.4  # this much sustained load before timing (Launch._clock_up)
-MIN_PASS_S = 0.005  # Launch.time: a timed pass shorter than this is timed again, longer (not on software adapters)
+CLOCK_WARMUP_S = 0.4  # this much sustained load before timing (Chain._clock_up)
+MIN_PASS_S = 0.005  # Chain.time: a timed pass shorter than this is timed again, longer (not on software adapters)
 MAX_REPEAT = 4096
 
 
@@ -49,20 +49,45 @@ class Launch:
         self.dev.write(self.step_buf, np.array([seq, start, kv, split_len or (1 << 30), n_splits, 0, 0, 0], np.uint32))
 
     def _encode(self, cpass, grid, repeat: int) -> None:
-        cpass.set_pipeline(self.pipeline)
-        for i in range(repeat):
-            cpass.set_bind_group(0, self.bind_groups[i % len(self.bind_groups)])
-            cpass.dispatch_workgroups(*grid)
+        Chain(self.dev, [(self, grid)])._encode(cpass, repeat)
 
     def run(self, grid: tuple[int, int, int]) -> None:
+        Chain(self.dev, [(self, grid)]).run()
+
+    def time(self, grid: tuple[int, int, int], repeat: int = 20) -> float:
+        """Seconds per dispatch (Chain.time of this launch alone)."""
+        return Chain(self.dev, [(self, grid)]).time(repeat)
+
+
+class Chain:
+    """Launches dispatched one after another, each on its own grid, the whole `repeat` times over
+    in one compute pass: what a program runs for one op made of several dispatches (x quantized,
+    then the GEMV reading it), timed together. Each repetition takes the next of every launch's
+    bind groups (their copies of the operands), as a model's layers do."""
+
+    def __init__(self, dev: Device, items: list[tuple[Launch, tuple[int, int, int]]]):
+        self.dev, self.items = dev, items
+
+    def _encode(self, cpass, repeat: int) -> None:
+        for i in range(repeat):
+            for L, grid in self.items:
+                cpass.set_pipeline(L.pipeline)
+                cpass.set_bind_group(0, L.bind_groups[i % len(L.bind_groups)])
+                cpass.dispatch_workgroups(*grid)
+
+    def run(self) -> None:
         enc = self.dev.device.create_command_encoder()
         cpass = enc.begin_compute_pass()
-        self._encode(cpass, grid, 1)
+        self._encode(cpass, 1)
         cpass.end()
         self.dev.queue.submit([enc.finish()])
 
-    def _clock_up(self, grid: tuple[int, int, int]) -> None:
-        """Dispatch this kernel back to back for CLOCK_WARMUP_S where the GPU has idled longer
+    def _wait(self) -> None:
+        L = self.items[0][0]
+        self.dev.read(L.step_buf, 0, 4)
+
+    def _clock_up(self) -> None:
+        """Dispatch these launches back to back for CLOCK_WARMUP_S where the GPU has idled longer
         than CLOCK_IDLE_S since the last timing: GPUs lower their clock when idle and raise it
         only under sustained load (an H200 through the NVIDIA Vulkan driver 580: 1,980 -> 345 MHz
         after about a second idle, back after 0.3-0.4 s of load; a read kernel ran at 1.8 TB/s
@@ -75,33 +100,33 @@ class Launch:
         while time.perf_counter() - t0 < CLOCK_WARMUP_S:
             enc = dev.device.create_command_encoder()
             cpass = enc.begin_compute_pass()
-            self._encode(cpass, grid, 16)
+            self._encode(cpass, 16)
             cpass.end()
             dev.queue.submit([enc.finish()])
-            dev.read(self.step_buf, 0, 4)
+            self._wait()
 
-    def time(self, grid: tuple[int, int, int], repeat: int = 20) -> float:
-        """Seconds per dispatch, over `repeat` dispatches in one pass (after one warm-up, and
-        after _clock_up where the GPU idled). On a GPU a pass shorter than MIN_PASS_S is followed
-        by one of about that length (at most MAX_REPEAT dispatches) and the faster kept: a few
-        dispatches of tens of microseconds each, with the host's work between timings (a tuner's
-        or a probe's), leave the GPU idle most of the time, and its clock fell from 1,980 MHz
-        to 660-735 and 345 within such a series of timings (H200 through Vulkan, 2026-11-30:
-        `nvidia-smi --query-gpu=clocks.sm` beside `benchmarks/webgpu_probe.py`), as it does
-        after an idle gap."""
+    def time(self, repeat: int = 20) -> float:
+        """Seconds per repetition (all the launches once), over `repeat` of them in one pass
+        (after one warm-up, and after _clock_up where the GPU idled). On a GPU a pass shorter than
+        MIN_PASS_S is followed by one of about that length (at most MAX_REPEAT repetitions) and
+        the faster kept: a few dispatches of tens of microseconds each, with the host's work
+        between timings (a tuner's or a probe's), leave the GPU idle most of the time, and its
+        clock fell from 1,980 MHz to 660-735 and 345 within such a series of timings (H200
+        through Vulkan, 2026-11-30: `nvidia-smi --query-gpu=clocks.sm` beside
+        `benchmarks/webgpu_probe.py`), as it does after an idle gap."""
         dev = self.dev
-        self.run(grid)
-        dev.read(self.step_buf, 0, 4)
-        self._clock_up(grid)
+        self.run()
+        self._wait()
+        self._clock_up()
         try:
-            t = self._time(grid, repeat)
+            t = self._time(repeat)
             if not dev.info.software and 0 < t * repeat < MIN_PASS_S and repeat < MAX_REPEAT:
-                t = min(t, self._time(grid, min(MAX_REPEAT, max(repeat + 1, int(MIN_PASS_S / t)))))
+                t = min(t, self._time(min(MAX_REPEAT, max(repeat + 1, int(MIN_PASS_S / t)))))
             return t
         finally:
             dev._timed_at = time.perf_counter()
 
-    def _time(self, grid: tuple[int, int, int], repeat: int) -> float:
+    def _time(self, repeat: int) -> float:
         dev = self.dev
         if dev.has_timestamps:
             wgpu = dev.wgpu
@@ -110,7 +135,7 @@ class Launch:
             enc = dev.device.create_command_encoder()
             cpass = enc.begin_compute_pass(timestamp_writes={"query_set": qs, "beginning_of_pass_write_index": 0,
                                                              "end_of_pass_write_index": 1})
-            self._encode(cpass, grid, repeat)
+            self._encode(cpass, repeat)
             cpass.end()
             enc.resolve_query_set(qs, 0, 2, res, 0)
             dev.queue.submit([enc.finish()])
@@ -121,10 +146,10 @@ class Launch:
         t0 = time.perf_counter()
         enc = dev.device.create_command_encoder()
         cpass = enc.begin_compute_pass()
-        self._encode(cpass, grid, repeat)
+        self._encode(cpass, repeat)
         cpass.end()
         dev.queue.submit([enc.finish()])
-        dev.read(self.step_buf, 0, 4)
+        self._wait()
         return (time.perf_counter() - t0) / repeat
 
 
