@@ -65,6 +65,26 @@ def test_picks_fastest_and_dedupes(tmp_path):
                  "us": 5.0, "default_us": 9.0, "source": "tuned"}
 
 
+def test_rounds_time_in_turn_and_keep_each_ones_least(tmp_path):
+    """rounds=3: every configuration timed once per round, in turn (the default first each
+    round), the least of its times kept: a configuration slow in its first round only (its
+    pipeline's first pass) still wins; one that fails is dropped from later rounds."""
+    seq = {32: [9.0, 4.0, 4.5], 64: [5.0, 5.0, 5.0], 128: [6.0, 6.5, 6.2]}
+
+    class Drifting(Bench):
+        def timer(self, fn):
+            self.timed += 1
+            fn()
+            return seq[self.last["BLOCK"]].pop(0)
+    bench = Drifting({}, fail=(256,))
+    t = tuner(bench, tmp_path)
+    got = t.pick("matmul", (1, 2), CANDIDATES + [{"BLOCK": 256, "warps": 8}], DEFAULT, bench.run, rounds=3)
+    assert got == {"BLOCK": 32, "warps": 4}
+    assert [r["BLOCK"] for r in bench.runs] == [64, 32, 128, 256] + [64, 32, 128] * 2
+    assert t.report()[0]["us"] == 4.0 and t.report()[0]["default_us"] == 5.0
+    assert all(not v for v in seq.values())
+
+
 def test_cached_on_disk_and_reused_without_timing(tmp_path):
     bench = Bench({32: 5.0, 64: 9.0, 128: 3.0})
     assert pick(tuner(bench, tmp_path), bench) == {"BLOCK": 128, "warps": 8}

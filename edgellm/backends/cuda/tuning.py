@@ -266,13 +266,15 @@ class Tuner:
         return dict(entry["config"]) if entry else None
 
     def pick(self, kernel: str, key: tuple, candidates: list[Config], default: Config,
-             run: Callable[[Config], None]) -> Config:
+             run: Callable[[Config], None], rounds: int = 1) -> Config:
         """The fastest of ``default`` and ``candidates`` for ``kernel`` at ``key``.
 
         ``run(config)`` launches the kernel once with a configuration. A cached choice is returned
         without running anything. Otherwise each distinct configuration (the default first) is
-        timed with ``timer(lambda: run(config))``; one that raises (compile error, out of
-        resources...) is skipped. The fastest is cached and returned; ties go to the default, and
+        timed with ``timer(lambda: run(config))``, ``rounds`` times in turn (every configuration
+        once, then again: a drift of the device's clock over the picks falls on all of them) and
+        the least of its times kept; one that raises (compile error, out of resources...) is
+        skipped. The fastest is cached and returned; ties go to the default, and
         if every configuration fails the default is returned (and nothing is cached). With tuning
         off the default is returned and nothing runs. Configurations must be JSON-serializable
         (keep values to numbers, strings and booleans).
@@ -294,11 +296,18 @@ class Tuner:
             if self.precompile is not None:  # the candidates' kernels compiled side by side
                 self.precompile(lambda: [_quietly(run, cfg) for cfg in configs.values()])
             times: dict[str, float] = {}
-            for canon, cfg in configs.items():
-                try:
-                    times[canon] = float(self.timer(lambda cfg=cfg: run(cfg)))
-                except Exception:  # noqa: BLE001 - a failing configuration is simply not a choice
-                    continue
+            failed: set[str] = set()
+            for _ in range(max(1, rounds)):
+                for canon, cfg in configs.items():
+                    if canon in failed:
+                        continue
+                    try:
+                        t = float(self.timer(lambda cfg=cfg: run(cfg)))
+                    except Exception:  # noqa: BLE001 - a failing configuration is simply not a choice
+                        failed.add(canon)
+                        times.pop(canon, None)
+                        continue
+                    times[canon] = min(t, times.get(canon, t))
             self._advance()
             default_us = times.get(_canonical(default))
             if not times:

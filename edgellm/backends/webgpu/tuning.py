@@ -216,14 +216,15 @@ def prologue_ahead(cfg: dict) -> bool:
     return bool(cfg.get("xq") or cfg.get("ahead"))
 
 
-def _pick(dev: Device, kernel: str, key: tuple, cands: list[dict], default: dict, make, time) -> dict:
+def _pick(dev: Device, kernel: str, key: tuple, cands: list[dict], default: dict, make, time, rounds: int = 1) -> dict:
     """The tuner's pick for one weight: the candidates' pipelines compiled ahead where none is
     cached yet (Device.precompile; make(cfg): the kernels a configuration runs), each timed by
-    time(cfg) (microseconds) with the time counted as tuning (timing_s)."""
+    time(cfg) (microseconds) `rounds` times in turn (the Tuner keeps each one's least) with the
+    time counted as tuning (timing_s)."""
     tuner = _tuner(dev)
     if tuner.cached(kernel, key) is None:
         dev.precompile([k for cfg in [default, *cands] for k in _quiet_kernels(make, cfg)], now=True)
-    return tuner.pick(kernel, key, cands, default, lambda cfg: _timed(time, cfg))
+    return tuner.pick(kernel, key, cands, default, lambda cfg: _timed(time, cfg), rounds=rounds)
 
 
 _TIMING_S = [0.0]  # seconds spent timing candidates in this process (cached picks time nothing)
@@ -423,10 +424,12 @@ def _quiet_kernels(make, cfg: dict) -> tuple:
         return ()
 
 
-def _faster_of_two(L, grid) -> float:
-    """Seconds per dispatch, the faster of two timed passes: a pipeline's first pass after its
-    compile timed up to 5 times slower than its second on the H200 through Vulkan (2026-11-30)."""
-    return min(L.time(grid, repeat=3), L.time(grid, repeat=3))
+# the prefill products' candidates are timed this many times in turn, each keeping its least (the
+# Tuner's rounds): a pipeline's first pass after its compile timed up to 5 times slower than its
+# second, and two picks of the 8B Q4_0 file's products made minutes apart on one H200 through
+# Vulkan (2026-11-30), each the faster of two passes in a row, ranked the tiles differently
+# enough that pp512 ran 1,156 tok/s on one set and 1,481 on the other
+PREFILL_ROUNDS = 3
 
 
 # the int8 prefill product (kernels.gemm_int8): tiles (tokens x features) of 256 threads, per
@@ -468,7 +471,7 @@ def prefill_config(dev: Device, w, n_out: int, glu: bool, rows: int, planes: int
         cands += [c for c in (default_gemm_config(dev, glu), {"tm": 128, "tn": 128, "tk": 16, "pre": True})
                   if gemm_fits(dev, c, glu)]
     return _pick(dev, "webgpu_prefill_v2", key, cands, default, lambda cfg: _prefill_kernels(w, n_out, glu, cfg),
-                 lambda cfg: _time_prefill(dev, w, n_out, glu, rows, cfg))
+                 lambda cfg: _time_prefill(dev, w, n_out, glu, rows, cfg), rounds=PREFILL_ROUNDS)
 
 
 def int8_x_buffers(dev: Device, rows: int, cols: int, planes: int, sums: bool) -> dict:
@@ -480,21 +483,21 @@ def int8_x_buffers(dev: Device, rows: int, cols: int, planes: int, sums: bool) -
 
 def _time_prefill(dev: Device, w, n_out: int, glu: bool, rows: int, cfg: dict) -> float:
     """Microseconds of one prefill product so configured at `rows` tokens (an int8 one with x's
-    quantization), each kernel the faster of two passes."""
+    quantization, the two timed as one chain of dispatches)."""
     import numpy as np
 
     from .kernels import int8_x_sums
-    from .launch import Launch, upload_f32
+    from .launch import Chain, Launch, upload_f32
 
     bufs = {k: b for k, (b, _, _) in w.resources().items()}
     bufs["X"] = upload_f32(dev, np.random.default_rng(0).standard_normal(rows * w.cols).astype(np.float32))
     bufs["Y"] = dev.buffer(4 * n_out * rows)
     if "int8" in cfg:
         bufs.update(int8_x_buffers(dev, rows, w.cols, cfg["int8"], int8_x_sums(w.fmt)))
-    total = 0.0
+    chain = []
     for k in _prefill_kernels(w, n_out, glu, cfg):
         L = Launch(dev, k, bufs)
         L.set_step(seq=rows)
-        grid = quantize_x_grid(w.cols, rows) if k.name == "quantize_x" else (-(-n_out // cfg["tn"]), -(-rows // cfg["tm"]), 1)
-        total += _faster_of_two(L, grid)
-    return 1e6 * total
+        chain.append((L, quantize_x_grid(w.cols, rows) if k.name == "quantize_x" else
+                      (-(-n_out // cfg["tn"]), -(-rows // cfg["tm"]), 1)))
+    return 1e6 * Chain(dev, chain).time(repeat=3)
