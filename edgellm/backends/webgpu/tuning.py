@@ -65,8 +65,8 @@ def default_gemv_config(dev: Device, cols: int | None = None, fmt: str | None = 
     (EDGELLM_WEBGPU_STAGE=0: read from the storage buffer). EDGELLM_WEBGPU_GEMV=block or
     warp:ROWS:WG:UNROLL[:stage][:pipe][:splitS][:int8|:int8x2][:xq] overrides (benchmarks compare them;
     int8: the formats of kernels.INT8_FORMATS take int8 activations, gemv_warp's int8, x staged, in
-    two planes with int8x2; F16 ignores it; xq: x quantized by kernels.quantize_x first, then read
-    by the GEMV unstaged, where the GEMV folds no prologue).
+    two planes with int8x2; F16 ignores it; xq: x quantized by kernels.quantize_x first, with the
+    norm or split merge a fold would put in the GEMV's prologue, then read by the GEMV unstaged).
     On a software adapter, kernels.gemv with 2 threads per feature: lavapipe runs a workgroup
     barrier as a switch between all its SIMD batches, and fewer threads per feature mean fewer
     reduction steps (1536x576 Q8_0 GEMV, 2 cores: 32 threads per feature with barriers 14.8 ms,
@@ -101,8 +101,8 @@ def default_gemv_config(dev: Device, cols: int | None = None, fmt: str | None = 
 # cycled past the L2 cache, the clock up) every shape's best four came from these; 1 row a subgroup
 # with 1 or 2 units ahead, and 2 subgroups a row group with more than 1 unit ahead, never did
 WARP_TUNED = [(1, 4, 1), (2, 1, 1), (2, 2, 1), (2, 4, 1), (4, 1, 1), (4, 2, 1), (4, 4, 1), (2, 1, 2), (4, 1, 2)]
-# gemv_warp's xq (x quantized by its own dispatch, read unstaged; GEMVs without a prologue fold):
-# (rows per subgroup, units ahead), timed with the quantizing dispatch
+# gemv_warp's xq (x quantized by its own dispatch, with a fold's norm or split merge, read
+# unstaged): (rows per subgroup, units ahead), timed chained with the quantizing dispatch
 XQ_TUNED = [(1, 2), (1, 4), (2, 2), (2, 4), (4, 2), (4, 4)]
 # kernels.gemv's (workgroup, threads per feature group, features per thread) tuned for float x
 BLOCK_TUNED = [(128, 32, 1), (256, 32, 1), (256, 32, 2), (128, 16, 2)]
@@ -113,8 +113,8 @@ def gemv_candidates(dev: Device, int8: bool = False, planes: int = 1, xq: bool =
     row group and 1 row with 4 units ahead staged only), then kernels.gemv at BLOCK_TUNED: 17
     configurations (66 until 2026-11-30: compiling and timing them took most of a first load's
     tuning). int8: gemv_warp with int8 activations alone in `planes` planes (the same numerics
-    whichever wins), x staged, at WARP_TUNED: 9; with xq (a GEMV without a prologue fold) also x
-    quantized ahead at XQ_TUNED: 15."""
+    whichever wins), x staged, at WARP_TUNED: 9; with xq also x quantized ahead (with the
+    prologue a fold would do) at XQ_TUNED: 15."""
     if int8:
         out = [warp_config(dev, r, 256, u, True, split=sp, int8=True, planes=planes) for r, u, sp in WARP_TUNED]
         return out + [warp_config(dev, r, 256, u, False, int8=True, planes=planes, xq=True) for r, u in XQ_TUNED if xq]
