@@ -21,6 +21,10 @@
   one-token program's last_row copy becomes an alias. A layer is then 5 dispatches: q|k|v,
   attention, output, gate|up, down. EDGELLM_WEBGPU_FOLD=0 turns every fold off, 1 (the default)
   on, a comma list of last_row, norm, rope, combine, embed enables only those (A/B measurements).
+  Where the tuned configuration says so (tuning.prologue_ahead), a folded norm or split merge
+  runs instead as a dispatch of its own before the GEMV, once rather than in every workgroup:
+  for int8 x in the dispatch that quantizes x (kernels.quantize_x), for float x the op's own
+  kernel.
 """
 
 from __future__ import annotations
