@@ -1033,9 +1033,11 @@ def test_descriptor_accessors_pick_the_part(dev):
     assert len(d.bindings()) == 6  # qs and d per part
 
 
-@pytest.mark.parametrize("rows,start,d,kv", [(37, 0, 80, "f32"), (21, 13, 64, "f32"), (19, 3, 128, "f16")])
-def test_attention_tiled(dev, rng, rows, start, d, kv):
-    """Causal prefill attention in tiles: query rows off the tile, keys off the key tile, GQA."""
+@pytest.mark.parametrize("rows,start,d,kv,wgb", [(37, 0, 80, "f32", 28), (21, 13, 64, "f32", 28), (19, 3, 128, "f16", 28),
+                                              (29, 5, 128, "f32", 14)])
+def test_attention_tiled(dev, rng, rows, start, d, kv, wgb):
+    """Causal prefill attention in tiles: query rows off the tile, keys off the key tile, GQA;
+    wgb KiB of workgroup memory (14: the tiles halved to 8 x 8 to fit)."""
     if kv == "f16" and not dev.has_f16:
         pytest.skip("the adapter has no shader-f16")
     h, g, ctx = 6, 2, 64
@@ -1045,9 +1047,11 @@ def test_attention_tiled(dev, rng, rows, start, d, kv):
         kc, vc = kc.astype(np.float16).astype(np.float32), vc.astype(np.float16).astype(np.float32)
     scale = 1 / math.sqrt(d)
     bufs = dict(Q=upload_f32(dev, q), KC=_cache(dev, kc, kv), VC=_cache(dev, vc, kv), O=nan_buffer(dev, rows * h * d))
-    L = Launch(dev, kernels.attention_tiled(h, g, d, scale, "step.seq", cache_dtype=kv), bufs)
+    L = Launch(dev, kernels.attention_tiled(h, g, d, scale, "step.seq", cache_dtype=kv, workgroup_bytes=wgb * 1024), bufs)
     L.set_step(seq=rows, start=start)
-    L.run((h, -(-rows // kernels.attention_tile_rows(d)), 1))
+    bm = kernels.attention_tile_rows(d, wgb * 1024)
+    assert bm == (16 if wgb == 28 else 8)
+    L.run((h, -(-rows // bm), 1))
     want = ref("attention", [torch.from_numpy(q), torch.from_numpy(kc), torch.from_numpy(vc), start],
                n_heads=h, n_kv_heads=g, head_dim=d, scale=scale)
     check(read_f32(dev, bufs["O"], rows * h * d), want, 1e-5)

@@ -1742,21 +1742,22 @@ def attention_tiled(n_heads: int, n_kv: int, head_dim: int, scale: float, rows: 
     workgroup memory for all BM rows (the per-row kernel reads it BM times). Thread (i, j) of the
     BM x BN workgroup scores query i against key j; row i's online-softmax state lives in workgroup
     memory; each thread then accumulates D / BN output dimensions of one row. Grid (heads,
-    ceil(rows / BM))."""
+    ceil(rows / BM)). The staged q and K rows are D + 1 floats apart: thread (i, j) reads element
+    dd of K row j while its neighbours read the same element of the next rows, which at a stride
+    of D (a multiple of 32 words) all sit in one of workgroup memory's 32 banks (a 16-way
+    conflict on every load of the score loop)."""
     d = head_dim
-    bm = bn = 16
-    while (bm * d + 2 * bn * d + bm * bn + 3 * bm) * 4 > workgroup_bytes and bn > 4:
-        bm, bn = bm // 2, bn // 2
+    bm, bn = _attention_tiles(d, workgroup_bytes)
     wg = bm * bn
     dpt = -(-d // bn)
     parts = [(ActDesc("Q"), None), (ActDesc("KC", dtype=cache_dtype), None), (ActDesc("VC", dtype=cache_dtype), None),
              (ActDesc("O"), None)]
     body = """
 const H: u32 = ${H}u; const G: u32 = ${G}u; const D: u32 = ${D}u; const REP: u32 = ${H}u / ${G}u;
-const BM: u32 = ${BM}u; const BN: u32 = ${BN}u; const DPT: u32 = ${DPT}u;
+const BM: u32 = ${BM}u; const BN: u32 = ${BN}u; const DPT: u32 = ${DPT}u; const DS: u32 = D + 1u;
 var<workgroup> qs: array<f32, ${QS}>;
 var<workgroup> ks: array<f32, ${KS}>;
-var<workgroup> vs: array<f32, ${KS}>;
+var<workgroup> vs: array<f32, ${VS}>;
 var<workgroup> p: array<f32, ${BMBN}>;
 var<workgroup> row_m: array<f32, ${BM}>;
 var<workgroup> row_l: array<f32, ${BM}>;
@@ -1771,7 +1772,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
         let r = e / D; let dd = e % D;
         var v = 0.0;
         if (m0 + r < n_rows) { v = Q_ld((m0 + r) * H * D + h * D + dd); }
-        qs[e] = v;
+        qs[r * DS + dd] = v;
     }
     if (lid < BM) { row_m[lid] = ${NEG}; row_l[lid] = 0.0; }
     var acc: array<f32, ${DPT}>;
@@ -1783,14 +1784,14 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
             let j = j0 + e / D; let dd = e % D;
             var kv = 0.0; var vv = 0.0;
             if (j < k_end) { kv = KC_ld(j * G * D + kvh * D + dd); vv = VC_ld(j * G * D + kvh * D + dd); }
-            ks[e] = kv; vs[e] = vv;
+            ks[(e / D) * DS + dd] = kv; vs[e] = vv;
         }
         workgroupBarrier();
         var sc = ${NEG};
         let qpos = step.start + m0 + qi;
         if (j0 + kj <= qpos && m0 + qi < n_rows) {
             var dot = 0.0;
-            for (var dd = 0u; dd < D; dd++) { dot += qs[qi * D + dd] * ks[kj * D + dd]; }
+            for (var dd = 0u; dd < D; dd++) { dot += qs[qi * DS + dd] * ks[kj * DS + dd]; }
             sc = dot * ${SCALE};
         }
         p[lid] = sc;
@@ -1828,16 +1829,22 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     }
 }
 """
-    return _render("attention_tiled", parts, body, wg, H=n_heads, G=n_kv, D=d, BM=bm, BN=bn, DPT=dpt, QS=bm * d,
-                   KS=bn * d, BMBN=bm * bn, SCALE=_f(scale), NEG=NEG, ROWS_EXPR=rows, dtypes=dtypes)
+    return _render("attention_tiled", parts, body, wg, H=n_heads, G=n_kv, D=d, BM=bm, BN=bn, DPT=dpt, QS=bm * (d + 1),
+                   KS=bn * (d + 1), VS=bn * d, BMBN=bm * bn, SCALE=_f(scale), NEG=NEG, ROWS_EXPR=rows, dtypes=dtypes)
+
+
+def _attention_tiles(head_dim: int, workgroup_bytes: int) -> tuple[int, int]:
+    """attention_tiled's (BM query rows, BN keys) per workgroup: 16 x 16, halved until q, K (rows
+    D + 1 floats apart), V, the scores and the rows' softmax state fit in workgroup_bytes."""
+    bm = bn = 16
+    while (bm * (head_dim + 1) + bn * (2 * head_dim + 1) + bm * bn + 3 * bm) * 4 > workgroup_bytes and bn > 4:
+        bm, bn = bm // 2, bn // 2
+    return bm, bn
 
 
 def attention_tile_rows(head_dim: int, workgroup_bytes: int = 28 * 1024) -> int:
     """BM of attention_tiled for this head size (the grid's second dimension is rows / BM)."""
-    bm = bn = 16
-    while (bm * head_dim + 2 * bn * head_dim + bm * bn + 3 * bm) * 4 > workgroup_bytes and bn > 4:
-        bm, bn = bm // 2, bn // 2
-    return bm
+    return _attention_tiles(head_dim, workgroup_bytes)[0]
 
 
 def attention_combine(n_heads: int, head_dim: int, rows: str, wg: int = 64, *, dtypes: dict | None = None) -> Kernel:
