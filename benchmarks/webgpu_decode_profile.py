@@ -1,6 +1,10 @@
 """Where a webgpu decode token's time goes: host encoding or the GPU.
 
-    python benchmarks/webgpu_decode_profile.py FILE.gguf [-n 64]
+    python benchmarks/webgpu_decode_profile.py FILE.gguf [-n 64] [--steps]
+    python benchmarks/webgpu_decode_profile.py FILE.gguf --prefill 512
+
+--prefill N: instead, the prefill program ("last": a prompt chunk of N tokens, logits of the last)
+timed whole on the GPU and, dispatch by dispatch, with the matrix products' FLOP rates.
 
 For the single-token decode program: dispatches per token (kinds counted), the host's time to
 record and submit one token's commands (`_record`, the GPU not waited for), the GPU's time per
@@ -30,7 +34,11 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("-n", type=int, default=64)
     ap.add_argument("--steps", action="store_true", help="also each dispatch of a token timed alone (step_profile)")
+    ap.add_argument("--prefill", type=int, default=0, metavar="N", help="profile the prefill of an N-token chunk instead")
     args = ap.parse_args()
+    if args.prefill:
+        profile_prefill(args.model, args.prefill, reps=6)
+        return
 
     import edgellm
 
@@ -81,7 +89,9 @@ def main() -> None:
         print(f"GPU per token (one pass): median {statistics.median(gpu):.3f} ms, min {min(gpu):.3f} ms")
 
     if dev.has_timestamps and args.steps:
-        step_profile(dec, dev, args.n)
+        for _ in dec.loop_tokens(1, 0, args.n):  # the clock up
+            pass
+        step_profile(dec, dev, 1, lambda j: dec._write_step(1, args.n + j, hist=j))
 
     walls = []
     for _ in range(3):
@@ -130,69 +140,125 @@ def host_breakdown(dec, dev, n: int, tokens: int = 32) -> None:
         f"{k} {1e6 * v:.0f} us ({1e6 * v / len(flat):.2f}/dispatch)" for k, v in zip(names, med)))
 
 
-def step_profile(dec, dev, n: int, tokens: int = 6) -> None:
-    """Each recorded dispatch of a decode token in a compute pass of its own between two
-    timestamps, for `tokens` tokens recorded into one submit (the GPU kept busy, so that its
-    clock stays up: the NVIDIA driver lowers it after about a second idle and raises it after
-    a few tenths of a second of load), right after a sustained greedy loop; per step the
-    median, then the sums by kernel and the steps that took longest (with the weight bytes a
-    GEMV reads, where the step's resources name a weight)."""
+def _dispatches(prog, seq: int, splits: int) -> list:
+    """The dispatches a step of `seq` tokens records (a choice's picks, each its own), prepared."""
+    out = []
+    for st in prog._steps:
+        st.prepare()
+        for d in st.dispatches(seq, splits):
+            if hasattr(d, "grid_of") and all(int(v) for v in d.grid_of(seq, splits)):
+                out.append(d)
+    return out
+
+
+def _weight_shape(d) -> tuple[int, int]:
+    """(bytes, weight elements) of the weight a dispatch streams, from its resources' W_ bindings
+    and its kernel's N and K constants (0, 0 where it reads none: an embedding, E_, is gathered)."""
+    import re
+
+    nbytes = 0
+    if d.kernel.name == "embedding":
+        return 0, 0
+    for key, fn in getattr(d, "resources", {}).items():
+        if key.startswith("W_"):
+            try:
+                nbytes += fn()[2]
+            except Exception:  # noqa: BLE001
+                pass
+    if not nbytes:
+        return 0, 0
+    src = d.kernel.source
+    n, k = re.search(r"const N: u32 = (\d+)u", src), re.search(r"const K: u32 = (\d+)u", src)
+    return nbytes, (int(n[1]) * int(k[1]) * (2 if "glu" in d.kernel.name or "+ N" in src else 1) if n and k else 0)
+
+
+def step_profile(prog, dev, seq: int, write_step, reps: int = 6) -> None:
+    """Each dispatch of a step of `seq` tokens in a compute pass of its own between two
+    timestamps, `reps` steps recorded into one submit (the GPU kept busy, so that its clock
+    stays up: the NVIDIA driver lowers it after about a second idle and raises it after a few
+    tenths of a second of load; run right after a sustained loop); write_step(j) writes step j's
+    uniform and returns its split count. Per dispatch the median, then the sums by kernel and
+    the groups of one kernel over weights of one size (a layer's projection) with their read
+    rate and, for steps of more than one token, their FLOP rate."""
     wgpu = dev.wgpu
-    steps = dec._steps
-    qs = dev.device.create_query_set(type=wgpu.QueryType.timestamp, count=2 * len(steps) * tokens)
-    res = dev.device.create_buffer(size=16 * len(steps) * tokens,
-                                   usage=wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC)
-    gen = dec.loop_tokens(1, 0, n)  # the clock up
-    for _ in gen:
-        pass
+    splits = write_step(0)
+    ds = _dispatches(prog, seq, splits)
+    qs = dev.device.create_query_set(type=wgpu.QueryType.timestamp, count=2 * len(ds) * reps)
+    res = dev.device.create_buffer(size=16 * len(ds) * reps, usage=wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC)
     enc = dev.device.create_command_encoder()
-    picked = []
-    for j in range(tokens):
-        splits = dec._write_step(1, n + j, hist=j)
-        for i, st in enumerate(steps):
-            st.prepare()
-            q = 2 * (j * len(steps) + i)
+    for j in range(reps):
+        splits = write_step(j)
+        for i, d in enumerate(ds):
+            q = 2 * (j * len(ds) + i)
             cpass = enc.begin_compute_pass(timestamp_writes={"query_set": qs, "beginning_of_pass_write_index": q,
                                                              "end_of_pass_write_index": q + 1})
-            st.encode(cpass, 1, splits)
+            d.encode(cpass, seq, splits)
             cpass.end()
-            if j == 0:
-                picked.append(st)
-    enc.resolve_query_set(qs, 0, 2 * len(steps) * tokens, res, 0)
+    enc.resolve_query_set(qs, 0, 2 * len(ds) * reps, res, 0)
     dev.queue.submit([enc.finish()])
-    raw = np.frombuffer(dev.read(res, 0, 16 * len(steps) * tokens), np.uint64)
-    ts = raw.astype(np.float64).reshape(tokens, len(steps), 2)
+    raw = np.frombuffer(dev.read(res, 0, 16 * len(ds) * reps), np.uint64)
+    ts = raw.astype(np.float64).reshape(reps, len(ds), 2)
     us = np.median(ts[:, :, 1] - ts[:, :, 0], axis=0) * 1e-3
     by_kind = collections.defaultdict(float)
-    rows = []
-    for st, t in zip(picked, us):
-        one = st.pick(1, splits)[0] if hasattr(st, "variants") else st  # a choice: the dispatch this step made
-        k = getattr(one, "kernel", None)
-        name = k.name if k is not None else type(st).__name__
-        nbytes = 0
-        for key, fn in getattr(one, "resources", {}).items():
-            if key.startswith("W_"):  # a streamed weight (an embedding, E_, is gathered: a row a token)
-                try:
-                    nbytes += fn()[2]
-                except Exception:  # noqa: BLE001
-                    pass
-        by_kind[name] += t
-        rows.append((t, name, nbytes))
-    print(f"steps timed alone: {us.sum() / 1e3:.3f} ms per token (median per step over {tokens} tokens)")
+    groups = collections.defaultdict(list)  # (kernel, weight bytes, elements) -> times
+    for d, t in zip(ds, us):
+        nbytes, elems = _weight_shape(d)
+        by_kind[d.kernel.name] += t
+        groups[d.kernel.name, nbytes, elems].append(t)
+    what = "token" if seq == 1 else f"{seq}-token step"
+    print(f"dispatches timed alone: {len(ds)}, {us.sum() / 1e3:.3f} ms per {what} (median per dispatch over {reps})")
     for name, t in sorted(by_kind.items(), key=lambda kv: -kv[1]):
-        print(f"  {name}: {t / 1e3:.3f} ms")
-    gemv = [(t, b) for t, name, b in rows if b]
-    if gemv:
-        tb = sum(t for t, _ in gemv)
-        bb = sum(b for _, b in gemv)
-        print(f"  weight-reading steps: {len(gemv)}, {bb / 1e6:.0f} MB in {tb / 1e3:.3f} ms = {bb / tb / 1e3:.0f} GB/s")
-    groups = collections.defaultdict(list)  # the steps of one kernel over weights of one size (a layer's projection)
-    for t, name, b in rows:
-        groups[name, b].append(t)
-    print("  per kernel and weight size: count, median us, GB/s")
-    for (name, b), ts_ in sorted(groups.items(), key=lambda kv: -sum(kv[1])):
+        print(f"  {name}: {t / 1e3:.3f} ms ({100 * t / us.sum():.1f}%)")
+    read = [(t, b) for (_, b, _), ts_ in groups.items() if b for t in ts_]
+    if read:
+        tb, bb = sum(t for t, _ in read), sum(b for _, b in read)
+        print(f"  weight-reading dispatches: {len(read)}, {bb / 1e6:.0f} MB in {tb / 1e3:.3f} ms = {bb / tb / 1e3:.0f} GB/s")
+    print("  per kernel and weight: count, median us, GB/s" + (", TFLOP/s" if seq > 1 else ""))
+    for (name, b, e), ts_ in sorted(groups.items(), key=lambda kv: -sum(kv[1])):
         med = statistics.median(ts_)
-        print(f"  {len(ts_):4d} x {med:8.1f} us  {name}  {b / 1e6:.1f} MB" + (f"  {b / med / 1e3:.0f} GB/s" if b else ""))
+        rate = f"  {b / med / 1e3:.0f} GB/s" if b else ""
+        if b and e and seq > 1:
+            rate += f"  {2 * seq * e / med / 1e6:.1f} TFLOP/s"
+        print(f"  {len(ts_):4d} x {med:9.1f} us  {name}  {b / 1e6:.1f} MB{rate}")
+
+
+def profile_prefill(model_path: str, n: int, reps: int) -> None:
+    """The prefill program on one chunk of n tokens: its dispatches, the GPU's time for the whole
+    chunk (one pass between two timestamps, median of `reps`), and with timestamps each dispatch
+    timed alone (step_profile)."""
+    import edgellm
+
+    m = edgellm.load(model_path, backend="webgpu", ctx=n + 64, prefill_chunk=n)
+    prog = m.programs["last"]
+    dev = prog.dev
+    ids = np.random.default_rng(0).integers(0, 1000, n)
+    for _ in range(3):  # pipelines, bind groups, the clock up
+        prog.run({"tokens": ids, "start_pos": 0})
+    prog.tensor("logits", n).numpy()
+    ds = _dispatches(prog, n, 1)
+    print(f"dispatches per {n}-token chunk: {len(ds)} {dict(collections.Counter(d.kernel.name for d in ds).most_common())}")
+    if not dev.has_timestamps:
+        print("the adapter has no timestamp queries: no GPU times")
+        return
+    wgpu = dev.wgpu
+    qs = dev.device.create_query_set(type=wgpu.QueryType.timestamp, count=2)
+    res = dev.device.create_buffer(size=16, usage=wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC)
+    gpu = []
+    for _ in range(reps):
+        prog._write_step(n, 0)
+        enc = dev.device.create_command_encoder()
+        cpass = enc.begin_compute_pass(timestamp_writes={"query_set": qs, "beginning_of_pass_write_index": 0,
+                                                         "end_of_pass_write_index": 1})
+        for d in ds:
+            d.encode(cpass, n, 1)
+        cpass.end()
+        enc.resolve_query_set(qs, 0, 2, res, 0)
+        dev.queue.submit([enc.finish()])
+        t = np.frombuffer(dev.read(res, 0, 16), np.uint64)
+        gpu.append(float(t[1] - t[0]) * 1e-6)
+    med = statistics.median(gpu)
+    print(f"GPU per {n}-token chunk (one pass): median {med:.3f} ms, min {min(gpu):.3f} ms ({n / med * 1e3:.0f} tok/s)")
+    step_profile(prog, dev, n, lambda j: prog._write_step(n, 0), reps)
 
 
 if __name__ == "__main__":
