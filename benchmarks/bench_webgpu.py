@@ -234,9 +234,10 @@ def _int8_gemm_times(dev, w, bufs: dict, n_out: int, rows: int, flop: float, tun
     sums = kernels.int8_x_sums(w.fmt)
     for planes in (1, 2):
         b = {**bufs, **tuning.int8_x_buffers(dev, rows, w.cols, planes, sums)}
-        q = Launch(dev, kernels.quantize_x(w.cols, "step.seq", planes=planes, sums=sums), b)
+        lanes = tuning.quantize_lanes(dev)
+        q = Launch(dev, kernels.quantize_x(w.cols, "step.seq", planes=planes, sums=sums, lanes=lanes), b)
         q.set_step(seq=rows)
-        tq = q.time(kernels.quantize_x_grid(w.cols, rows), repeat=3)
+        tq = q.time(kernels.quantize_x_grid(w.cols, rows, lanes=lanes), repeat=3)
         each = []
         cands = tuning.GEMM_INT8_CANDIDATES[planes][:None if tune else 1]
         launches = []

@@ -421,19 +421,22 @@ def test_gemm(dev, rng, fmt, tiles, glu):
     check(read_f32(dev, bufs["Y"], rows * n_out), want)
 
 
+@pytest.mark.parametrize("lanes", [1, 8])
 @pytest.mark.parametrize("fmt,prologue,planes,rows", [("Q8_0", "rms", 2, 1), ("Q4_0", "add_rms", 2, 3),
                                                      ("Q5_1", "rms", 1, 2), ("Q8_0", "combine128", 2, 1),
                                                      ("Q4_0", "combine128", 1, 2), ("Q6_K", "add_rms", 1, 1),
-                                                     ("Q8_0", "combine16", 2, 2)])
-def test_quantize_x_prologue_then_xq(dev, rng, fmt, prologue, planes, rows):
+                                                     ("Q8_0", "combine16", 2, 2), ("Q4_1", "plain", 2, 2),
+                                                     ("Q8_0", "plain", 1, 1)])
+def test_quantize_x_prologue_then_xq(dev, rng, fmt, prologue, planes, rows, lanes):
     """The prologue a decode GEMV folds (an RMSNorm, the residual add with it, the attention
     splits' merge) done once by quantize_x, then gemv_warp's xq reading the codes: the same
     numbers as the GEMV folding that prologue itself (its x staged and quantized per workgroup),
     and float64 numpy's product of x so made and rounded; S (the residual sum) written whole;
     outputs poisoned first. 37 features; 1,024 inputs (8 heads of 128 for the merge, or 64 of 16,
-    a block spanning two heads; 5 splits)."""
-    if not dev.subgroup_size:
-        pytest.skip("the adapter's subgroup size is unknown")
+    a block spanning two heads; 5 splits: the 8-lane variant's merge reads them 4 at a time);
+    "plain": x itself. lanes: a thread a block, or a vec4 a thread with 8 lanes a block."""
+    if not dev.subgroup_size or dev.subgroup_size < lanes:
+        pytest.skip(f"the adapter's subgroups are not {lanes} lanes or more")
     n_out, k = 37, cols_for(fmt, 1024)
     raw, dense = quantized(rng, n_out, k, fmt)
     packed = codegen.repack(raw, fmt, dense.shape)
@@ -454,6 +457,10 @@ def test_quantize_x_prologue_then_xq(dev, rng, fmt, prologue, planes, rows):
         x = ((e[..., None] * ws[..., :d]).sum(2) / (e * ws[..., d + 1]).sum(-1)[..., None]).reshape(rows, k)
         bufs["WS"] = upload_f32(dev, ws)
         opts["combine"], qopts["combine"] = (h, d, 8, 1), (h, d)
+    elif prologue == "plain":
+        x = (rng.standard_normal((rows, k)) * np.exp(rng.uniform(-2, 2, (rows, 1)))).astype(np.float32)
+        bufs["X"] = upload_f32(dev, x)
+        x = x.astype(np.float64)
     else:
         a = rng.standard_normal((rows, k)).astype(np.float32)
         b = rng.standard_normal((rows, k)).astype(np.float32)
@@ -464,7 +471,7 @@ def test_quantize_x_prologue_then_xq(dev, rng, fmt, prologue, planes, rows):
             bufs.update(B=upload_f32(dev, b), S=nan_buffer(dev, rows * k))
         x = s / np.sqrt((s * s).mean(axis=1, keepdims=True) + 1e-5) * g
         opts = qopts = {"norm": prologue, "eps": 1e-5}
-    q = kernels.quantize_x(k, "step.seq", planes=planes, sums=sums, **qopts)
+    q = kernels.quantize_x(k, "step.seq", planes=planes, sums=sums, lanes=lanes, **qopts)
     Q = Launch(dev, q, bufs)
     Q.set_step(seq=rows, n_splits=splits)
     sg = min(32, dev.subgroup_size)
@@ -477,7 +484,8 @@ def test_quantize_x_prologue_then_xq(dev, rng, fmt, prologue, planes, rows):
         L.set_step(seq=rows, n_splits=splits)
         grid = (-(-n_out // kern.rows_per_group), 1, rows)
         if ahead:  # quantize_x then the GEMV, as one chain of dispatches (launch.Chain: the tuner's timing)
-            Chain(dev, [(Q, kernels.quantize_x_grid(k, rows, norm=not prologue.startswith("combine"))), (L, grid)]).run()
+            qgrid = kernels.quantize_x_grid(k, rows, norm=prologue.endswith("rms"), lanes=lanes)
+            Chain(dev, [(Q, qgrid), (L, grid)]).run()
             if prologue == "add_rms":
                 check(read_f32(dev, bufs["S"], rows * k), a + b)
         else:

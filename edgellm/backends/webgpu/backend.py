@@ -47,7 +47,7 @@ from ..info import WebgpuInfo
 from . import codegen, kernels
 from .device import Device, get_device
 from .launch import grid2 as _grid2
-from .tuning import prefill_int8_planes, prologue_ahead, staged, timing_s as tuning_timing_s
+from .tuning import prefill_int8_planes, prologue_ahead, quantize_lanes, staged, timing_s as tuning_timing_s
 from .launch import encode_dispatch, raw_pass_functions, replay_dispatches
 
 GEMV_MAX_ROWS = 4  # steps of at most this many tokens use the matrix-vector kernel
@@ -860,8 +860,10 @@ class WebgpuProgram:
         elif combine is not None:
             opts = {"combine": combine}
         qres = {**xin, **xres}
-        gq = _Dispatch(self, kernels.quantize_x(w.cols, rows_expr, planes=planes, sums=sums, **opts, dtypes=_dtypes(qres)),
-                       qres, lambda s, n: kernels.quantize_x_grid(w.cols, rows(s), norm=norm is not None))
+        lanes = quantize_lanes(self.dev)
+        gq = _Dispatch(self, kernels.quantize_x(w.cols, rows_expr, planes=planes, sums=sums, lanes=lanes, **opts,
+                                                dtypes=_dtypes(qres)),
+                       qres, lambda s, n: kernels.quantize_x_grid(w.cols, rows(s), norm=norm is not None, lanes=lanes))
         return gq, xres
 
     def _int8_x(self, cols: int, planes: int, sums: bool) -> dict:

@@ -834,7 +834,7 @@ def int8_x_sizes(rows: int, cols: int, planes: int, sums: bool) -> dict[str, int
 
 
 def quantize_x(cols: int, rows: str, *, planes: int = 1, sums: bool = True, norm: str | None = None,
-               eps: float = 1e-6, combine: tuple[int, int] | None = None, wg: int = 256,
+               eps: float = 1e-6, combine: tuple[int, int] | None = None, wg: int = 256, lanes: int = 1,
                dtypes: dict | None = None) -> Kernel:
     """x [rows, cols] (X, f32 or f16) as int8 blocks of 32 with a float scale each, for
     gemm_int8 and gemv_warp's xq: codes round(127 * x / amax) (pack4x8snorm), scale amax / 127,
@@ -851,7 +851,13 @@ def quantize_x(cols: int, rows: str, *, planes: int = 1, sums: bool = True, norm
     combine (heads, head_dim): x is the attention output still split over the context
     (attention(partial=True)'s WS; step.n_splits splits), the heads of each block merged by its
     thread as attention_combine does (head_dim a multiple of 4; of 32: a block lies in one head,
-    its split weights computed once)."""
+    its split weights computed once).
+
+    lanes 8 (adapters with subgroups of 8 lanes or more): a vec4 a thread, the 8 lanes of a block
+    sharing its maximum and code sums by shuffles: 8 times the threads (a 4096-element row is 16
+    workgroups of 64 instead of 2), each with one vec4 of the merge, whose splits it reads 4 at a
+    time into an online softmax (one round trip to the cache per 4 splits, where a thread per
+    block waited on one per split, three times over). Grid quantize_x_grid(..., lanes)."""
     if cols % 32:
         raise ValueError(f"quantize_x: rows of a multiple of 32 elements, not {cols}")
     if norm not in (None, "rms", "add_rms") or (norm and combine):
@@ -859,18 +865,19 @@ def quantize_x(cols: int, rows: str, *, planes: int = 1, sums: bool = True, norm
     if combine is not None and (combine[0] * combine[1] != cols or combine[1] % 4):
         raise ValueError(f"quantize_x: merging attention splits (heads, head_dim) {combine} needs heads x head_dim = "
                          f"the {cols} inputs and head_dim a multiple of 4")
+    if lanes == 8:
+        return _quantize_x_lanes(cols, rows, planes=planes, sums=sums, norm=norm, eps=eps, combine=combine, wg=wg,
+                                 dtypes=dtypes)
+    if lanes != 1:
+        raise ValueError(f"quantize_x: 1 or 8 lanes a block, not {lanes}")
+    parts = _quantize_x_inputs(norm, combine)
     if norm:
-        parts = [(ActDesc("A", vec=4), None), (ActDesc("G", vec=4), None)]
-        if norm == "add_rms":
-            parts += [(ActDesc("B", vec=4), None), (ActDesc("S"), None)]
         a4 = "(A_ld4(xb + {c}) + B_ld4(xb + {c}))" if norm == "add_rms" else "A_ld4(xb + {c})"
         vals = " ".join(f"let v{i} = " + a4.format(c=f"8u * b + {i}u") + f" * (G_ld4(8u * b + {i}u) * rinv);"
                         for i in range(8))
     elif combine:
-        parts = [(ActDesc("WS"), None)]
         vals = ""  # merged into v0..v7 before the block (below)
     else:
-        parts = [(ActDesc("X", vec=4), None)]
         vals = " ".join(f"let v{i} = X_ld4(xb + 8u * b + {i}u);" for i in range(8))
     parts += int8_x_parts(planes, sums, "storage")
     amax = "max(" * 7 + "am(v0)" + "".join(f", am(v{i}))" for i in range(1, 8))
@@ -955,10 +962,110 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     return _render("quantize_x", parts, body, 64, ROWS_EXPR=rows, NEG=NEG, dtypes=dtypes)
 
 
-def quantize_x_grid(cols: int, rows: int, norm: bool = False) -> tuple[int, int, int]:
-    """quantize_x's dispatch grid: a thread per 32-block, 64 a workgroup, a row per grid row; with
-    a norm, a workgroup per row."""
-    return (1, rows, 1) if norm else (-(-(cols // 32) // 64), rows, 1)
+def quantize_x_grid(cols: int, rows: int, norm: bool = False, lanes: int = 1) -> tuple[int, int, int]:
+    """quantize_x's dispatch grid: a thread per 32-block (lanes 8: per vec4), 64 a workgroup, a
+    row per grid row; with a norm, a workgroup per row."""
+    return (1, rows, 1) if norm else (-(-(cols // 32 * lanes) // 64), rows, 1)
+
+
+def _quantize_x_inputs(norm: str | None, combine) -> list:
+    """quantize_x's input bindings: the norm's A, G (B, S), the attention partials WS, or X."""
+    if norm:
+        return [(ActDesc("A", vec=4), None), (ActDesc("G", vec=4), None)] + (
+            [(ActDesc("B", vec=4), None), (ActDesc("S"), None)] if norm == "add_rms" else [])
+    return [(ActDesc("WS"), None)] if combine else [(ActDesc("X", vec=4), None)]
+
+
+def _quantize_x_lanes(cols: int, rows: str, *, planes: int, sums: bool, norm: str | None, eps: float,
+                      combine: tuple[int, int] | None, wg: int, dtypes: dict | None) -> Kernel:
+    """quantize_x with a vec4 a thread and 8 lanes a block (its lanes=8; arguments checked there)."""
+    k4 = cols // 4
+    wg = wg if norm else 64
+    merge = ""
+    parts = _quantize_x_inputs(norm, combine)
+    if norm:
+        a = "A_ld4(xb + cc) + B_ld4(xb + cc)" if norm == "add_rms" else "A_ld4(xb + cc)"
+        value = f"let v = ({a}) * (G_ld4(cc) * rinv);"
+    elif combine:
+        value = "let v = merged4(t, cc);"
+        h, d = combine
+        u = 4  # splits read at once
+        loads = "\n".join(
+            f"        let s{i} = min(s0 + {i}u, S - 1u); let b{i} = hb + s{i} * {d + 2}u;\n"
+            f"        let m{i} = select(${{NEG}}, WS_ld(b{i} + {d}u), s0 + {i}u < S); let l{i} = WS_ld(b{i} + {d + 1}u);\n"
+            f"        let a{i} = vec4<f32>(WS_ld(b{i} + e), WS_ld(b{i} + e + 1u), WS_ld(b{i} + e + 2u), WS_ld(b{i} + e + 3u));"
+            for i in range(u))
+        merge = f"""
+fn merged4(t: u32, c: u32) -> vec4<f32> {{  // the splits of vec4 c's head, an online softmax over them
+    let k = 4u * c; let e = k % {d}u;
+    let S = step.n_splits;
+    let hb = (t * {h}u + k / {d}u) * S * {d + 2}u;
+    var mx = ${{NEG}}; var l = 0.0; var acc = vec4<f32>(0.0);
+    for (var s0 = 0u; s0 < S; s0 += {u}u) {{
+{loads}
+        let mn = max(mx, max(max(m0, m1), max(m2, m3)));
+        let f = exp(mx - mn);
+        {" ".join(f"let e{i} = exp(m{i} - mn);" for i in range(u))}
+        l = l * f + {" + ".join(f"e{i} * l{i}" for i in range(u))};
+        acc = acc * f + {" + ".join(f"e{i} * a{i}" for i in range(u))};
+        mx = mn;
+    }}
+    return acc / l;
+}}"""
+    else:
+        value = "let v = X_ld4(xb + cc);"
+    parts += int8_x_parts(planes, sums, "storage")
+    resid = store2 = ""
+    code_sum = "dot4I8Packed(p, 0x01010101u)"
+    if planes == 2:
+        resid = "\n        let r = pack4x8snorm((v - (m / 127.0) * vec4<f32>(unpack4xI8(p))) * (254.0 * inv));"
+        store2 = " XQ2[2u * o + j / 4u][j % 4u] = r;"
+        code_sum = "dot4I8Packed(p, 0x01010101u) * 254 + dot4I8Packed(r, 0x01010101u)"
+    sum_l = store_s = ""
+    if sums:  # each half block's code sum: its 4 lanes' added by shuffles, the second half's taken from lane 4
+        sum_l = (f"\n        var cs = {code_sum};\n        cs += subgroupShuffleXor(cs, 1u); cs += subgroupShuffleXor(cs, 2u);"
+                 "\n        let cs_hi = subgroupShuffleXor(cs, 4u);")
+        store_s = " XS[o] = vec2<i32>(cs, cs_hi);"
+    iters = -(-k4 // wg) if norm else 1
+    first = "lid + i * ${WG}u" if norm else "wid.x * ${WG}u + lid"
+    pre = ""
+    if norm:
+        store = ("let k = 4u * (xb + c); S_st(k, a.x); S_st(k + 1u, a.y); S_st(k + 2u, a.z); S_st(k + 3u, a.w);"
+                 if norm == "add_rms" else "")
+        aa = "A_ld4(xb + c) + B_ld4(xb + c)" if norm == "add_rms" else "A_ld4(xb + c)"
+        pre = f"""
+    var ss = 0.0;
+    for (var c = lid; c < K4; c += ${{WG}}u) {{ let a = {aa}; ss += dot(a, a); {store} }}
+    red[lid] = ss;
+    workgroupBarrier();
+    for (var s = ${{WG}}u / 2u; s > 0u; s = s >> 1u) {{ if (lid < s) {{ red[lid] += red[lid + s]; }} workgroupBarrier(); }}
+    let rinv = inverseSqrt(red[0] / f32({cols}) + {_f(eps)});"""
+    body = f"""
+const NB: u32 = {cols // 32}u; const K4: u32 = {k4}u;
+fn am(v: vec4<f32>) -> f32 {{ let a = abs(v); return max(max(a.x, a.y), max(a.z, a.w)); }}
+{"var<workgroup> red: array<f32, ${WG}>;" if norm else ""}{merge}
+@compute @workgroup_size(${{WG}})
+fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {{
+    let t = wid.y;
+    if (t >= ${{ROWS_EXPR}}) {{ return; }}
+    let xb = t * K4;{pre}
+    for (var i = 0u; i < {iters}u; i++) {{  // a constant count: the shuffles in uniform control flow
+        let c = {first};
+        let cc = min(c, K4 - 1u);  // lanes past K4 (whole blocks of 8) compute, not store
+        {value}
+        var m = am(v);
+        m = max(m, subgroupShuffleXor(m, 1u)); m = max(m, subgroupShuffleXor(m, 2u)); m = max(m, subgroupShuffleXor(m, 4u));
+        let inv = select(0.0, 1.0 / m, m > 0.0);
+        let p = pack4x8snorm(v * inv);{resid}{sum_l}
+        let o = t * NB + cc / 8u; let j = cc % 8u;
+        if (c < K4) {{
+            XQ[2u * o + j / 4u][j % 4u] = p;{store2}
+            if (j == 0u) {{ XD[o] = m / {"127.0" if planes == 1 else "32258.0"};{store_s} }}
+        }}
+    }}
+}}
+"""
+    return _render("quantize_x", parts, body, wg, ROWS_EXPR=rows, NEG=NEG, dtypes=dtypes)
 
 
 INT8_GEMM_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q6", "Q6M")

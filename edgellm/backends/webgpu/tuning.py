@@ -12,6 +12,12 @@ from .device import Device
 from .kernels import INT8_FORMATS, INT8_GEMM_FORMATS, quantize_x_grid
 
 
+def quantize_lanes(dev: Device) -> int:
+    """kernels.quantize_x's lanes a block on this adapter: 8 (a vec4 a thread, the block's maximum
+    and sums shared by shuffles) with subgroups of 8 lanes or more, else 1 (a thread a block)."""
+    return 8 if dev.subgroup_size >= 8 else 1
+
+
 def can_stage(dev: Device, cols: int | None, int8: bool = False, planes: int = 1) -> bool:
     """Whether a GEMV over rows of `cols` can stage x in workgroup memory (gemv_warp's stage;
     int8: as int8 blocks with a scale and two sums each, 11 bytes per 8 elements instead of 32,
@@ -200,7 +206,8 @@ def gemv_config(dev: Device, w, n_out: int, glu: bool = False, fold: dict | None
         return _tuner(dev).cached("webgpu_gemv_v4", key) or default
     state: dict = {}
     try:
-        return _pick(dev, "webgpu_gemv_v4", key, cands, default, lambda cfg: _gemv_kernels(w, n_out, glu, cfg, fold),
+        return _pick(dev, "webgpu_gemv_v4", key, cands, default,
+                     lambda cfg: _gemv_kernels(w, n_out, glu, cfg, fold, quantize_lanes(dev)),
                      lambda cfg: _time_gemv(dev, w, n_out, glu, cfg, fold, state))
     finally:
         for c in state.get("copies", [])[1:]:
@@ -311,10 +318,11 @@ def _time_gemv(dev: Device, w, n_out: int, glu: bool, cfg: dict, fold: dict | No
         from .kernels import int8_x_sums
 
         io.update(int8_x_buffers(dev, 1, w.cols, cfg.get("planes", 1), int8_x_sums(w.fmt)))
-    grids = {"quantize_x": quantize_x_grid(w.cols, 1, norm=bool(fold.get("norm"))), "rms_norm": (1, 1, 1),
+    lanes = quantize_lanes(dev)
+    grids = {"quantize_x": quantize_x_grid(w.cols, 1, norm=bool(fold.get("norm")), lanes=lanes), "rms_norm": (1, 1, 1),
              "attention_combine": (fold.get("combine") or (1,))[:1] + (1, 1)}
     chain = []
-    for k in _gemv_kernels(w, n_out, glu, cfg, fold):  # a prologue's dispatch made ahead, then the GEMV
+    for k in _gemv_kernels(w, n_out, glu, cfg, fold, lanes):  # a prologue's dispatch made ahead, then the GEMV
         L = Launch(dev, k, [{**c, **io} for c in state["copies"]])
         L.set_step(seq=1, n_splits=COMBINE_TIMING_SPLITS if fold.get("combine") else 1)
         chain.append((L, grids.get(k.name) or (*_grid2(-(-n_out // cfg["rows_per_wg"]), dev.max_groups), 1)))
@@ -374,9 +382,10 @@ def staged(cfg: dict) -> dict:
     return {**c, "stage": True} if cfg.get("xq") else c
 
 
-def _gemv_kernels(w, n_out: int, glu: bool, cfg: dict, fold: dict | None = None) -> tuple:
+def _gemv_kernels(w, n_out: int, glu: bool, cfg: dict, fold: dict | None = None, lanes: int = 1) -> tuple:
     """The kernels a decode GEMV configuration runs, with the prologue of `fold` (gemv_config):
-    in the GEMV, or made ahead (prologue_ahead) by a dispatch of its own first."""
+    in the GEMV, or made ahead (prologue_ahead) by a dispatch of its own first (quantize_x with
+    `lanes` lanes a block)."""
     from . import kernels
     from .backend import MAX_SPLITS, combine_unroll
 
@@ -385,7 +394,7 @@ def _gemv_kernels(w, n_out: int, glu: bool, cfg: dict, fold: dict | None = None)
     if cfg.get("xq"):  # x quantized by its own dispatch first (with the prologue)
         planes, sums = cfg.get("planes", 1), kernels.int8_x_sums(w.fmt)
         merge = {"combine": fold["combine"]} if fold.get("combine") else {}
-        return (kernels.quantize_x(w.cols, "1u", planes=planes, sums=sums, **norm, **merge),
+        return (kernels.quantize_x(w.cols, "1u", planes=planes, sums=sums, lanes=lanes, **norm, **merge),
                 kernels.decode_gemv(w.desc(), n_out, "1u", cfg, glu=glu))
     if cfg.get("ahead"):  # the op's own kernel first, the GEMV reading its output
         gemv = kernels.decode_gemv(w.desc(), n_out, "1u", staged(cfg), glu=glu)
@@ -404,15 +413,15 @@ def _gemv_kernels(w, n_out: int, glu: bool, cfg: dict, fold: dict | None = None)
     return (kernels.decode_gemv(w.desc(), n_out, "1u", cfg, glu=glu, **opts),)
 
 
-def _prefill_kernels(w, n_out: int, glu: bool, cfg: dict) -> tuple:
-    """The kernels a prefill configuration runs: the float product, or x's quantization and the
-    int8 product."""
+def _prefill_kernels(w, n_out: int, glu: bool, cfg: dict, lanes: int = 1) -> tuple:
+    """The kernels a prefill configuration runs: the float product, or x's quantization (`lanes`
+    lanes a block) and the int8 product."""
     from . import kernels
 
     if "int8" not in cfg:
         return (kernels.gemm(w.desc(), n_out, "step.seq", glu=glu, **cfg),)
     planes, tiles = cfg["int8"], {k: v for k, v in cfg.items() if k != "int8"}
-    return (kernels.quantize_x(w.cols, "step.seq", planes=planes, sums=kernels.int8_x_sums(w.fmt)),
+    return (kernels.quantize_x(w.cols, "step.seq", planes=planes, sums=kernels.int8_x_sums(w.fmt), lanes=lanes),
             kernels.gemm_int8(w.desc(), n_out, "step.seq", glu=glu, planes=planes, **tiles))
 
 
@@ -470,7 +479,8 @@ def prefill_config(dev: Device, w, n_out: int, glu: bool, rows: int, planes: int
     if planes == 2:
         cands += [c for c in (default_gemm_config(dev, glu), {"tm": 128, "tn": 128, "tk": 16, "pre": True})
                   if gemm_fits(dev, c, glu)]
-    return _pick(dev, "webgpu_prefill_v2", key, cands, default, lambda cfg: _prefill_kernels(w, n_out, glu, cfg),
+    return _pick(dev, "webgpu_prefill_v2", key, cands, default,
+                 lambda cfg: _prefill_kernels(w, n_out, glu, cfg, quantize_lanes(dev)),
                  lambda cfg: _time_prefill(dev, w, n_out, glu, rows, cfg), rounds=PREFILL_ROUNDS)
 
 
@@ -494,10 +504,10 @@ def _time_prefill(dev: Device, w, n_out: int, glu: bool, rows: int, cfg: dict) -
     bufs["Y"] = dev.buffer(4 * n_out * rows)
     if "int8" in cfg:
         bufs.update(int8_x_buffers(dev, rows, w.cols, cfg["int8"], int8_x_sums(w.fmt)))
-    chain = []
-    for k in _prefill_kernels(w, n_out, glu, cfg):
+    chain, lanes = [], quantize_lanes(dev)
+    for k in _prefill_kernels(w, n_out, glu, cfg, lanes):
         L = Launch(dev, k, bufs)
         L.set_step(seq=rows)
-        chain.append((L, quantize_x_grid(w.cols, rows) if k.name == "quantize_x" else
+        chain.append((L, quantize_x_grid(w.cols, rows, lanes=lanes) if k.name == "quantize_x" else
                       (-(-n_out // cfg["tn"]), -(-rows // cfg["tm"]), 1)))
     return 1e6 * Chain(dev, chain).time(repeat=3)
