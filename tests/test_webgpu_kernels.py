@@ -983,6 +983,26 @@ def _check_attention(dev, rng, template, rows: int, start: int, splits: int, kv:
     check(read_f32(dev, bufs["O"], rows * h * d), want, 1e-5)
 
 
+@pytest.mark.parametrize("d,splits", [(6, 5), (8, 5), (128, 9), (64, 1)])
+def test_attention_combine(dev, rng, d, splits):
+    """attention_combine on random partials (unnormalised outputs, maxima, sums per head and
+    split) against float64 numpy's merge: a vec4 a thread with the splits read 4 at a time
+    (online softmax; split counts off that), or a thread per element where the head size is
+    not a multiple of 4; every output written (poisoned first)."""
+    h, rows = 3, 2
+    acc = rng.standard_normal((rows, h, splits, d))
+    m, l = rng.uniform(-30, 30, (rows, h, splits)), rng.uniform(0.5, 4.0, (rows, h, splits))
+    ws = np.concatenate([acc, m[..., None], l[..., None]], axis=-1).astype(np.float32)
+    w64 = ws.astype(np.float64)
+    e = np.exp(w64[..., d] - w64[..., d].max(-1, keepdims=True))
+    want = (e[..., None] * w64[..., :d]).sum(2) / (e * w64[..., d + 1]).sum(-1)[..., None]
+    bufs = {"WS": upload_f32(dev, ws), "O": nan_buffer(dev, rows * h * d)}
+    C = Launch(dev, kernels.attention_combine(h, d, "step.seq"), bufs)
+    C.set_step(seq=rows, n_splits=splits)
+    C.run((h, rows, 1))
+    check(read_f32(dev, bufs["O"], rows * h * d), want.reshape(-1), 1e-5)
+
+
 @pytest.mark.parametrize("rows,start,splits,kv,d,ahead", [(1, 70, 1, "f32", 64, 2), (1, 300, 3, "f32", 128, 2),
                                                            (3, 40, 1, "f16", 64, 3), (1, 300, 4, "f16", 128, 1),
                                                            (2, 5, 1, "f32", 256, 2), (1, 33, 5, "f32", 64, 2),

@@ -968,6 +968,40 @@ def quantize_x_grid(cols: int, rows: int, norm: bool = False, lanes: int = 1) ->
     return (1, rows, 1) if norm else (-(-(cols // 32 * lanes) // 64), rows, 1)
 
 
+def _merge_wgsl(n_heads: int, head_dim: int, unroll: int = 4) -> str:
+    """WGSL fn merged4(t, c): vec4 c of row t of the attention output (its head's D elements at
+    c * 4 % D) merged from attention(partial=True)'s splits in WS (step.n_splits of them, each
+    the unnormalised output, its maximum and its sum) as an online softmax, `unroll` splits' loads
+    issued at once (one round trip to the cache per `unroll` splits; the last step's extra splits
+    clamped to the last and weighted 0)."""
+    h, d, u = n_heads, head_dim, unroll
+    loads = "\n".join(
+        f"        let s{i} = min(s0 + {i}u, S - 1u); let b{i} = hb + s{i} * {d + 2}u;\n"
+        f"        let m{i} = select({NEG}, WS_ld(b{i} + {d}u), s0 + {i}u < S); let l{i} = WS_ld(b{i} + {d + 1}u);\n"
+        f"        let a{i} = vec4<f32>(WS_ld(b{i} + e), WS_ld(b{i} + e + 1u), WS_ld(b{i} + e + 2u), WS_ld(b{i} + e + 3u));"
+        for i in range(u))
+    mn = "m0"
+    for i in range(1, u):
+        mn = f"max({mn}, m{i})"
+    return f"""
+fn merged4(t: u32, c: u32) -> vec4<f32> {{
+    let k = 4u * c; let e = k % {d}u;
+    let S = step.n_splits;
+    let hb = (t * {h}u + k / {d}u) * S * {d + 2}u;
+    var mx = {NEG}; var l = 0.0; var acc = vec4<f32>(0.0);
+    for (var s0 = 0u; s0 < S; s0 += {u}u) {{
+{loads}
+        let mn = max(mx, {mn});
+        let f = exp(mx - mn);
+        {" ".join(f"let e{i} = exp(m{i} - mn);" for i in range(u))}
+        l = l * f + {" + ".join(f"e{i} * l{i}" for i in range(u))};
+        acc = acc * f + {" + ".join(f"e{i} * a{i}" for i in range(u))};
+        mx = mn;
+    }}
+    return acc / l;
+}}"""
+
+
 def _quantize_x_inputs(norm: str | None, combine) -> list:
     """quantize_x's input bindings: the norm's A, G (B, S), the attention partials WS, or X."""
     if norm:
@@ -988,30 +1022,7 @@ def _quantize_x_lanes(cols: int, rows: str, *, planes: int, sums: bool, norm: st
         value = f"let v = ({a}) * (G_ld4(cc) * rinv);"
     elif combine:
         value = "let v = merged4(t, cc);"
-        h, d = combine
-        u = 4  # splits read at once
-        loads = "\n".join(
-            f"        let s{i} = min(s0 + {i}u, S - 1u); let b{i} = hb + s{i} * {d + 2}u;\n"
-            f"        let m{i} = select(${{NEG}}, WS_ld(b{i} + {d}u), s0 + {i}u < S); let l{i} = WS_ld(b{i} + {d + 1}u);\n"
-            f"        let a{i} = vec4<f32>(WS_ld(b{i} + e), WS_ld(b{i} + e + 1u), WS_ld(b{i} + e + 2u), WS_ld(b{i} + e + 3u));"
-            for i in range(u))
-        merge = f"""
-fn merged4(t: u32, c: u32) -> vec4<f32> {{  // the splits of vec4 c's head, an online softmax over them
-    let k = 4u * c; let e = k % {d}u;
-    let S = step.n_splits;
-    let hb = (t * {h}u + k / {d}u) * S * {d + 2}u;
-    var mx = ${{NEG}}; var l = 0.0; var acc = vec4<f32>(0.0);
-    for (var s0 = 0u; s0 < S; s0 += {u}u) {{
-{loads}
-        let mn = max(mx, max(max(m0, m1), max(m2, m3)));
-        let f = exp(mx - mn);
-        {" ".join(f"let e{i} = exp(m{i} - mn);" for i in range(u))}
-        l = l * f + {" + ".join(f"e{i} * l{i}" for i in range(u))};
-        acc = acc * f + {" + ".join(f"e{i} * a{i}" for i in range(u))};
-        mx = mn;
-    }}
-    return acc / l;
-}}"""
+        merge = _merge_wgsl(*combine)
     else:
         value = "let v = X_ld4(xb + cc);"
     parts += int8_x_parts(planes, sums, "storage")
@@ -1955,7 +1966,23 @@ def attention_tile_rows(head_dim: int, workgroup_bytes: int = 28 * 1024) -> int:
 
 
 def attention_combine(n_heads: int, head_dim: int, rows: str, wg: int = 64, *, dtypes: dict | None = None) -> Kernel:
-    """Merge the splits of attention(partial=True): grid (heads, rows)."""
+    """Merge the splits of attention(partial=True): grid (heads, rows). A thread per vec4 of the
+    head (_merge_wgsl: an online softmax over the splits, 4 read at once); head sizes not a
+    multiple of 4, a thread per element, the splits' maxima and sums read first."""
+    if head_dim % 4 == 0:
+        body = _merge_wgsl(n_heads, head_dim) + """
+@compute @workgroup_size(${WG})
+fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {
+    let h = wid.x; let t = wid.y;
+    for (var c = lid; c < ${D}u / 4u; c += ${WG}u) {
+        let v = merged4(t, h * (${D}u / 4u) + c);
+        let o = t * ${H}u * ${D}u + h * ${D}u + 4u * c;
+        O_st(o, v.x); O_st(o + 1u, v.y); O_st(o + 2u, v.z); O_st(o + 3u, v.w);
+    }
+}
+"""
+        return _render("attention_combine", [(ActDesc("WS"), None), (ActDesc("O"), None)], body, wg, H=n_heads,
+                       D=head_dim, dtypes=dtypes)
     body = """
 const H: u32 = ${H}u; const D: u32 = ${D}u;
 @compute @workgroup_size(${WG})
