@@ -91,8 +91,11 @@ class Model:
         if weight_cache and self.backend.load_weight_cache(self.program_cache, self.fingerprint):
             self.cache_hits.append("weights")
         self.states = self.backend.allocate_states(self.compiled["decode"].graph, self.ctx)
-        self.programs = {name: self.backend.compile(c.graph, self.states, c.plan, max_seq=c.sizes["seq"])
-                         for name, c in self.compiled.items()}
+        # the decode program first: a backend that tunes its kernels at load (webgpu) times them
+        # for decode, and the prefill programs' steps of a few tokens then take those picks
+        order = sorted(self.compiled, key=lambda name: name != "decode")
+        self.programs = {name: self.backend.compile(self.compiled[name].graph, self.states, self.compiled[name].plan,
+                                                    max_seq=self.compiled[name].sizes["seq"]) for name in order}
         if weight_cache:
             self.backend.save_weight_cache()
         t3 = time.perf_counter()

@@ -633,6 +633,45 @@ def test_float_decode_gemv_tuned_with_its_prologue_ahead(models, monkeypatch, tm
         assert "rms_norm" not in names and "attention_combine" not in names
 
 
+@pytest.mark.parametrize("winner", [(8, 4), (2, 2), None])
+def test_decode_attention_tuned(models, monkeypatch, tmp_path, adapter, winner):
+    """On a GPU with tuning on, the decode attention's subgroups a workgroup and keys at once
+    (kernels.attention_warp's warps, keys_ahead) are timed per attention shape and the pick
+    lowered in the decode program (its workgroup size) and, from the cache, in the prefill
+    program's steps of a few tokens; logits match the cpu backend's with attention split over
+    the context. (None: this adapter's own timings, whichever wins.)"""
+    from edgellm.backends.webgpu import backend, tuning
+
+    if not adapter.subgroup_size:
+        pytest.skip("the adapter's subgroup size is unknown")
+    monkeypatch.setattr(type(adapter.info), "software", property(lambda self: False))
+    monkeypatch.setenv("EDGELLM_TUNE", "1")
+    monkeypatch.setenv("EDGELLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tuning, "_TUNERS", {})
+    one_gemv = {"wg": 64, "rows_per_wg": 16, "subgroup": False}
+    monkeypatch.setattr(tuning, "gemv_candidates", lambda dev, **kw: [one_gemv])
+    monkeypatch.setattr(tuning, "default_gemv_config", lambda dev, cols=None, fmt=None: one_gemv)
+    monkeypatch.setattr(tuning, "ATTENTION_CANDIDATES", [(4, 2), (8, 4), (2, 2)])
+    timed = []
+    real = tuning._time_attention
+
+    def time_attention(dev, h, g, d, sg, dtype, cfg, state):
+        timed.append((cfg["warps"], cfg["keys_ahead"]))
+        t = real(dev, h, g, d, sg, dtype, cfg, state)
+        return t if winner is None else 1.0 if (cfg["warps"], cfg["keys_ahead"]) == winner else 2.0
+    monkeypatch.setattr(tuning, "_time_attention", time_attention)
+    monkeypatch.setattr(backend, "SPLIT_KEYS", 4)
+    g = _compare(models["Q8_0"], steps=3)
+    assert set(timed) == {(4, 2), (8, 4), (2, 2)}
+    sg = min(32, adapter.subgroup_size)
+    for prog in ("decode", "all"):
+        ks = [v.kernel for st in g.programs[prog]._steps for v in getattr(st, "variants", (st,))
+              if getattr(v, "kernel", None) is not None and v.kernel.name.startswith("attention_warp")]
+        assert ks, prog
+        if winner is not None:
+            assert all(k.workgroup == sg * winner[0] for k in ks), (prog, [k.workgroup for k in ks])
+
+
 @pytest.mark.parametrize("winner", ["int8", "float", "timed"])
 def test_prefill_product_tuned_between_int8_and_float(models, monkeypatch, tmp_path, adapter, winner):
     """On a GPU with tuning on, each int8-capable prefill product is timed as int8 tiles (with x's

@@ -1003,21 +1003,21 @@ def test_attention_combine(dev, rng, d, splits):
     check(read_f32(dev, bufs["O"], rows * h * d), want.reshape(-1), 1e-5)
 
 
-@pytest.mark.parametrize("rows,start,splits,kv,d,ahead", [(1, 70, 1, "f32", 64, 2), (1, 300, 3, "f32", 128, 2),
-                                                           (3, 40, 1, "f16", 64, 3), (1, 300, 4, "f16", 128, 1),
-                                                           (2, 5, 1, "f32", 256, 2), (1, 33, 5, "f32", 64, 2),
-                                                           (2, 100, 2, "f32", 16, 2)])
-def test_attention_warp(dev, rng, rows, start, splits, kv, d, ahead):
+@pytest.mark.parametrize("rows,start,splits,kv,d,ahead,warps", [
+    (1, 70, 1, "f32", 64, 2, 4), (1, 300, 3, "f32", 128, 2, 4), (3, 40, 1, "f16", 64, 3, 4), (1, 300, 4, "f16", 128, 1, 4),
+    (2, 5, 1, "f32", 256, 2, 4), (1, 33, 5, "f32", 64, 2, 4), (2, 100, 2, "f32", 16, 2, 4), (1, 300, 3, "f16", 128, 4, 8),
+    (2, 90, 2, "f32", 64, 2, 8), (1, 200, 4, "f32", 128, 4, 2)])
+def test_attention_warp(dev, rng, rows, start, splits, kv, d, ahead, warps):
     """The lane-group decode attention against the cpu reference: whole and split over the
     context (a split past the keys a row sees is empty: 34 keys in 5 splits of 7), a few rows,
     GQA with 3 query heads per KV head, head sizes whose key rows a group of D / 4 lanes reads
     (several keys per subgroup at once: 64 on 32 lanes, 16 on 8) or a whole subgroup reads in
     two or more 16-byte steps (128 on a subgroup of 8 or 16, 256), float32 or fp16 cache,
-    outputs poisoned first."""
+    outputs poisoned first; 2, 4 or 8 subgroups a workgroup (the tuner's candidates)."""
     if not dev.subgroup_size:
         pytest.skip("the adapter's subgroup size is unknown")
     _check_attention(dev, rng, kernels.attention_warp, rows, start, splits, kv, d,
-                     sg=min(32, dev.subgroup_size), keys_ahead=ahead)
+                     sg=min(32, dev.subgroup_size), keys_ahead=ahead, warps=warps)
 
 
 def test_attention_warp_refuses_head_sizes_it_cannot_split():

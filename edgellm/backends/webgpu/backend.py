@@ -912,16 +912,23 @@ class WebgpuProgram:
         n_heads = sum(s.n for s in segs)
         return _Dispatch(self, k, res, lambda s, n: (n_heads, rows(s), 1))
 
-    def _decode_attention_kernel(self, head_dim: int):
+    def _decode_attention_kernel(self, op: Op, cache_dtype: str):
         """The attention template of steps of a few rows: kernels.attention_warp (lane groups per
         key, no barrier per key) where the adapter's subgroup size is known and the head size
-        splits over it; else kernels.attention (a thread per key). EDGELLM_WEBGPU_ATTN=thread
-        keeps the latter (benchmarks compare them)."""
+        splits over it, its subgroups and keys at once tuned for this attention's shape
+        (tuning.attention_config; a prefill program takes the cached pick); else
+        kernels.attention (a thread per key). EDGELLM_WEBGPU_ATTN=thread keeps the latter
+        (benchmarks compare them)."""
+        from .tuning import attention_config
+
+        a = op.attrs
         sub = self.dev.subgroup_size
         if sub and os.environ.get("EDGELLM_WEBGPU_ATTN", "warp") != "thread":
             sg = min(32, sub)
-            if kernels.attention_warp_fits(head_dim, sg):
-                return functools.partial(kernels.attention_warp, sg=sg)
+            if kernels.attention_warp_fits(a["head_dim"], sg):
+                cfg = attention_config(self.dev, a["n_heads"], a["n_kv_heads"], a["head_dim"], sg, cache_dtype,
+                                       tune=self.max_seq <= GEMV_MAX_ROWS)
+                return functools.partial(kernels.attention_warp, sg=sg, **cfg)
         return kernels.attention
 
     def _lower_attention(self, op: Op) -> list:
@@ -929,7 +936,7 @@ class WebgpuProgram:
         h, g, d = a["n_heads"], a["n_kv_heads"], a["head_dim"]
         rows_expr, rows = self._rows_expr(ins[0]), self._rows(ins[0])
         res = {"Q": R(ins[0]), "KC": R(ins[1]), "VC": R(ins[2]), "O": R(outs[0])}
-        attention = self._decode_attention_kernel(d)
+        attention = self._decode_attention_kernel(op, _dtypes(res).get("KC", "f32"))
         direct = _Dispatch(self, attention(h, g, d, a["scale"], rows_expr, partial=False, dtypes=_dtypes(res)), res,
                            lambda s, n: (h, rows(s), 1))
         if self.max_seq != 1:

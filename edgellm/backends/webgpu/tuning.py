@@ -329,6 +329,78 @@ def _time_gemv(dev: Device, w, n_out: int, glu: bool, cfg: dict, fold: dict | No
     return 1e6 * Chain(dev, chain).time(repeat=max(10, len(state["copies"])))
 
 
+# kernels.attention_warp's (subgroups a workgroup, keys each lane group takes at once): a split's keys
+# are walked one step after another, each step a round trip to memory for its keys' K and V rows, so
+# more groups or more keys a step mean fewer steps (the default first)
+ATTENTION_CANDIDATES = [(4, 2), (8, 2), (4, 4), (8, 4), (2, 4)]
+ATTENTION_TIMING_KEYS = 512  # decode attention timed over this many cached keys, in COMBINE_TIMING_SPLITS splits
+
+
+def attention_config(dev: Device, n_heads: int, n_kv: int, head_dim: int, sg: int, cache_dtype: str,
+                     tune: bool = True) -> dict:
+    """kernels.attention_warp's {"warps", "keys_ahead"} for decode on this adapter: 4 subgroups and
+    2 keys ahead by default, or with tuning on (tuning_on) the fastest of ATTENTION_CANDIDATES
+    within 256 threads a workgroup, timed as decode splits its context (ATTENTION_TIMING_KEYS
+    keys in COMBINE_TIMING_SPLITS splits, the partial results written), the KV cache's copies
+    cycled past the L2 cache as the layers' caches are; cached per adapter. tune False: the
+    cached pick or the default."""
+    default = {"warps": 4, "keys_ahead": 2}
+    if not tuning_on(dev):
+        return default
+    key = (n_heads, n_kv, head_dim, sg, cache_dtype)
+    if not tune:
+        return _tuner(dev).cached("webgpu_attention_v1", key) or default
+    cands = [{"warps": w, "keys_ahead": k} for w, k in ATTENTION_CANDIDATES if sg * w <= 256]
+    make = lambda cfg: (_attention_kernel(n_heads, n_kv, head_dim, sg, cache_dtype, cfg),)  # noqa: E731
+    state: dict = {}
+    try:
+        return _pick(dev, "webgpu_attention_v1", key, cands, default, make,
+                     lambda cfg: _time_attention(dev, n_heads, n_kv, head_dim, sg, cache_dtype, cfg, state))
+    finally:
+        for c in state.get("copies", []):
+            for b in c.values():
+                b.destroy()
+
+
+def _attention_kernel(n_heads: int, n_kv: int, head_dim: int, sg: int, cache_dtype: str, cfg: dict):
+    from . import kernels
+
+    return kernels.attention_warp(n_heads, n_kv, head_dim, head_dim ** -0.5, "1u", partial=True,
+                                  dtypes={"KC": cache_dtype, "VC": cache_dtype}, sg=sg, **cfg)
+
+
+def _time_attention(dev: Device, n_heads: int, n_kv: int, head_dim: int, sg: int, cache_dtype: str, cfg: dict,
+                    state: dict) -> float:
+    """Microseconds of one decode attention step (the partial kernel) over ATTENTION_TIMING_KEYS
+    keys in COMBINE_TIMING_SPLITS splits, each repetition on another copy of the cache (made
+    once per pick in `state`, on the device, up to TIMING_BYTES)."""
+    import numpy as np
+
+    from .launch import Chain, Launch, upload_f32
+
+    n, splits = ATTENTION_TIMING_KEYS, COMBINE_TIMING_SPLITS
+    if "copies" not in state:
+        rng = np.random.default_rng(0)
+        ftype = np.float16 if cache_dtype == "f16" else np.float32
+        kv = {k: dev.upload(rng.standard_normal(n * n_kv * head_dim).astype(ftype)) for k in ("KC", "VC")}
+        nbytes = sum(b.size for b in kv.values())
+        count = 1 if dev.info.software else max(1, min(MAX_COPIES, TIMING_BYTES // nbytes))
+        copies = [kv] + [{k: dev.buffer(b.size) for k, b in kv.items()} for _ in range(count - 1)]
+        if count > 1:
+            enc = dev.device.create_command_encoder()
+            for c in copies[1:]:
+                for k, b in kv.items():
+                    enc.copy_buffer_to_buffer(b, 0, c[k], 0, b.size)
+            dev.queue.submit([enc.finish()])
+        state["copies"] = copies
+        state["io"] = {"Q": upload_f32(dev, rng.standard_normal(n_heads * head_dim).astype(np.float32)),
+                       "WS": dev.buffer(4 * n_heads * splits * (head_dim + 2))}
+    copies, io = state["copies"], state["io"]
+    L = Launch(dev, _attention_kernel(n_heads, n_kv, head_dim, sg, cache_dtype, cfg), [{**c, **io} for c in copies])
+    L.set_step(seq=1, start=n - 1, kv_len=n, split_len=-(-n // splits), n_splits=splits)
+    return 1e6 * Chain(dev, [(L, (n_heads, 1, splits))]).time(repeat=max(10, len(copies)))
+
+
 def _tuner(dev: Device):
     t = _TUNERS.get(dev.info.key())
     if t is None:
