@@ -54,6 +54,19 @@ def models(tmp_path_factory):
 PROMPT = [int(x) for x in np.random.default_rng(11).integers(0, 256, 13)]
 
 
+@pytest.fixture
+def gpu_tuning(monkeypatch, tmp_path, adapter):
+    """Tuning on as on a GPU (the software adapter taken for one), the tuning cache in tmp_path,
+    no tuner kept from an earlier test."""
+    from edgellm.backends.webgpu import tuning
+
+    monkeypatch.setattr(type(adapter.info), "software", property(lambda self: False))
+    monkeypatch.setenv("EDGELLM_TUNE", "1")
+    monkeypatch.setenv("EDGELLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tuning, "_TUNERS", {})
+    return tuning
+
+
 def _compare(path: str, *, fuse: bool = True, chunk: int = 8, steps: int = 3, tol: float = 3e-3):
     """Logits of every prompt position (prefill in chunks, so later chunks start past 0), then
     decode steps, on both backends."""
@@ -565,7 +578,8 @@ def test_gemv_tuned_with_its_folds(models, monkeypatch, tmp_path, adapter):
 
 
 @pytest.mark.parametrize("winner", ["xq", "staged", "timed"])
-def test_decode_gemv_tuned_between_x_quantized_ahead_and_staged(models, monkeypatch, tmp_path, adapter, winner):
+def test_decode_gemv_tuned_between_x_quantized_ahead_and_staged(models, monkeypatch, tmp_path, adapter, winner,
+                                                                gpu_tuning):
     """On a GPU with tuning on, each int8 decode GEMV is timed with x quantized ahead (quantize_x,
     with the prologue a fold would do: the norm, the split merge; then gemv_warp's xq: the two
     dispatches timed together) and with x staged (quantized in the GEMV's prologue). The pick is
@@ -575,11 +589,7 @@ def test_decode_gemv_tuned_between_x_quantized_ahead_and_staged(models, monkeypa
     from edgellm.backends.webgpu import backend
     from edgellm.backends.webgpu import tuning
 
-    monkeypatch.setattr(type(adapter.info), "software", property(lambda self: False))
-    monkeypatch.setenv("EDGELLM_TUNE", "1")
-    monkeypatch.setenv("EDGELLM_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("EDGELLM_WEBGPU_PREFILL_INT8", "0")
-    monkeypatch.setattr(tuning, "_TUNERS", {})
     monkeypatch.setattr(tuning, "WARP_TUNED", [(2, 1, 1)])
     monkeypatch.setattr(tuning, "XQ_TUNED", [(2, 2)])
     monkeypatch.setattr(tuning, "default_gemv_config", lambda dev, cols=None, fmt=None: tuning.warp_config(
@@ -605,17 +615,13 @@ def test_decode_gemv_tuned_between_x_quantized_ahead_and_staged(models, monkeypa
 
 
 @pytest.mark.parametrize("winner", ["ahead", "folded"])
-def test_float_decode_gemv_tuned_with_its_prologue_ahead(models, monkeypatch, tmp_path, adapter, winner):
+def test_float_decode_gemv_tuned_with_its_prologue_ahead(models, monkeypatch, tmp_path, adapter, winner, gpu_tuning):
     """On a GPU with tuning on, a float decode GEMV that folds an RMSNorm or the attention
     splits' merge is also timed with that op as a dispatch of its own first (rms_norm,
     attention_combine: "ahead"), the GEMV then reading its output; the pick is lowered as timed
     and the logits match the cpu backend's with decode attention split over the context."""
     from edgellm.backends.webgpu import backend, tuning
 
-    monkeypatch.setattr(type(adapter.info), "software", property(lambda self: False))
-    monkeypatch.setenv("EDGELLM_TUNE", "1")
-    monkeypatch.setenv("EDGELLM_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(tuning, "_TUNERS", {})
     warp = tuning.warp_config(adapter, 2, 64, 1, True)
     monkeypatch.setattr(tuning, "default_gemv_config", lambda dev, cols=None, fmt=None: warp)
     monkeypatch.setattr(tuning, "gemv_candidates", lambda dev, **kw: [warp])
@@ -634,7 +640,7 @@ def test_float_decode_gemv_tuned_with_its_prologue_ahead(models, monkeypatch, tm
 
 
 @pytest.mark.parametrize("winner", [(8, 4), (2, 2), None])
-def test_decode_attention_tuned(models, monkeypatch, tmp_path, adapter, winner):
+def test_decode_attention_tuned(models, monkeypatch, tmp_path, adapter, winner, gpu_tuning):
     """On a GPU with tuning on, the decode attention's subgroups a workgroup and keys at once
     (kernels.attention_warp's warps, keys_ahead) are timed per attention shape and the pick
     lowered in the decode program (its workgroup size) and, from the cache, in the prefill
@@ -644,10 +650,6 @@ def test_decode_attention_tuned(models, monkeypatch, tmp_path, adapter, winner):
 
     if not adapter.subgroup_size:
         pytest.skip("the adapter's subgroup size is unknown")
-    monkeypatch.setattr(type(adapter.info), "software", property(lambda self: False))
-    monkeypatch.setenv("EDGELLM_TUNE", "1")
-    monkeypatch.setenv("EDGELLM_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(tuning, "_TUNERS", {})
     one_gemv = {"wg": 64, "rows_per_wg": 16, "subgroup": False}
     monkeypatch.setattr(tuning, "gemv_candidates", lambda dev, **kw: [one_gemv])
     monkeypatch.setattr(tuning, "default_gemv_config", lambda dev, cols=None, fmt=None: one_gemv)
@@ -673,17 +675,13 @@ def test_decode_attention_tuned(models, monkeypatch, tmp_path, adapter, winner):
 
 
 @pytest.mark.parametrize("winner", ["int8", "float", "timed"])
-def test_prefill_product_tuned_between_int8_and_float(models, monkeypatch, tmp_path, adapter, winner):
+def test_prefill_product_tuned_between_int8_and_float(models, monkeypatch, tmp_path, adapter, winner, gpu_tuning):
     """On a GPU with tuning on, each int8-capable prefill product is timed as int8 tiles (with x's
     quantization) and as the float product's tiles, the fastest cached per adapter and lowered:
     gemm_int8 after quantize_x, or gemm; either way the logits match the cpu backend's within the
     float path's tolerance. ("timed": the real timings on this adapter, whichever wins.)"""
     from edgellm.backends.webgpu import tuning
 
-    monkeypatch.setattr(type(adapter.info), "software", property(lambda self: False))
-    monkeypatch.setenv("EDGELLM_TUNE", "1")
-    monkeypatch.setenv("EDGELLM_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(tuning, "_TUNERS", {})
     one_gemv = {"wg": 64, "rows_per_wg": 16, "subgroup": False}
     monkeypatch.setattr(tuning, "gemv_candidates", lambda dev, **kw: [one_gemv])
     monkeypatch.setattr(tuning, "default_gemv_config", lambda dev, cols=None, fmt=None: one_gemv)
