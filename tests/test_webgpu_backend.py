@@ -496,7 +496,8 @@ def test_cli_lists_adapters():
 
 
 def test_tuning_cached_per_adapter(models, monkeypatch, tmp_path):
-    """EDGELLM_TUNE=1: GEMV candidates timed at load, the picks cached per adapter and reused."""
+    """EDGELLM_TUNE=1: GEMV and decode attention candidates timed at load, the picks cached per
+    adapter and reused: a second load times nothing."""
     from edgellm.backends.webgpu import tuning
 
     monkeypatch.setenv("EDGELLM_TUNE", "1")
@@ -505,12 +506,15 @@ def test_tuning_cached_per_adapter(models, monkeypatch, tmp_path):
     monkeypatch.setattr(tuning, "gemv_candidates", lambda dev: [{"wg": 64, "rows_per_wg": 16, "subgroup": False}])
     first = _compare(models["Q8_0"], steps=1)
     files = list((tmp_path / "tune").glob("webgpu_*.json"))
-    assert len(files) == 1 and "webgpu_gemv_v4|Q8_0" in files[0].read_text()
+    text = files[0].read_text() if len(files) == 1 else ""
+    assert "webgpu_gemv_v4|Q8_0" in text
+    assert "webgpu_attention_v1" in text or not first.programs["decode"].dev.subgroup_size
     # the picks' time is reported apart (a one-time part of the load), within the weights phase
     assert 0 < first.load_phases["tuning"] <= first.load_phases["weights"]
     timed = []
     monkeypatch.setattr(tuning, "_TUNERS", {})
-    monkeypatch.setattr(tuning, "_time_gemv", lambda *a: timed.append(a) or 1.0)
+    for fn in ("_time_gemv", "_time_attention", "_time_prefill"):
+        monkeypatch.setattr(tuning, fn, lambda *a: timed.append(a) or 1.0)
     again = edgellm.load(models["Q8_0"], backend="webgpu", ctx=64)
     assert not timed  # every pick came from the cache
     assert "tuning" not in again.load_phases
