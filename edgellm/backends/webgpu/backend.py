@@ -809,7 +809,7 @@ class WebgpuProgram:
                 return _Choice(lambda s, n: (gqc, gx) if self._combined_in_gemv(n) else (gq, gx), gq, gqc, gx)
             return _Choice(lambda s, n: (gq, gx), gq, gx)
         if cfg.get("ahead"):  # the folded op's own kernel first, then the GEMV on its output
-            gv = gemv({k: v for k, v in cfg.items() if k != "ahead"}, res)
+            gv = gemv(staged(cfg), res)
             if attn is not None:
                 h, d = fold["combine"]
                 cres = {**ws, "O": res["X"]}

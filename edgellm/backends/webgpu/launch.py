@@ -48,9 +48,6 @@ class Launch:
         kv = start + seq if kv_len is None else kv_len
         self.dev.write(self.step_buf, np.array([seq, start, kv, split_len or (1 << 30), n_splits, 0, 0, 0], np.uint32))
 
-    def _encode(self, cpass, grid, repeat: int) -> None:
-        Chain(self.dev, [(self, grid)])._encode(cpass, repeat)
-
     def run(self, grid: tuple[int, int, int]) -> None:
         Chain(self.dev, [(self, grid)]).run()
 

@@ -58,7 +58,7 @@ def warp_config(dev: Device, rows_per_warp: int = 1, wg: int = 256, unroll: int 
         cfg["int8"] = True
         if planes > 1:
             cfg["planes"] = planes
-        if xq:  # x quantized by its own dispatch first where the GEMV has no prologue fold (gemv_warp's xq)
+        if xq:  # x quantized by its own dispatch first, with any prologue a fold would do (gemv_warp's xq)
             cfg["xq"] = True
     return cfg
 
@@ -257,12 +257,18 @@ MAX_COPIES = 64
 
 
 def weight_copies(dev: Device, w) -> list[dict]:
-    """A weight's buffers by binding name, and on a GPU copies of them (made on the device) up to
-    TIMING_BYTES in all: a decode GEMV reads its weight from memory once per token, and a
-    timing that dispatched one copy again and again would read a weight smaller than the L2
-    cache from there (a 17.8 MB 4096 x 4096 Q8_0 weight on an H200: 7.4 TB/s from one copy,
-    1.7-1.9 TB/s from copies cycled, 2026-11-30) and rank configurations by that."""
-    bufs = {k: b for k, (b, _, _) in w.resources().items()}
+    """A weight's buffers by binding name, and on a GPU copies of them (device_copies): a decode
+    GEMV reads its weight from memory once per token, and a timing that dispatched one copy
+    again and again would read a weight smaller than the L2 cache from there (a 17.8 MB 4096 x
+    4096 Q8_0 weight on an H200: 7.4 TB/s from one copy, 1.7-1.9 TB/s from copies cycled,
+    2026-11-30) and rank configurations by that."""
+    return device_copies(dev, {k: b for k, (b, _, _) in w.resources().items()})
+
+
+def device_copies(dev: Device, bufs: dict) -> list[dict]:
+    """bufs (binding name -> buffer), and on a GPU copies of them made on the device, up to
+    TIMING_BYTES in all (at most MAX_COPIES): operands a timing cycles through, as a model's
+    layers each read their own."""
     nbytes = sum(b.size for b in bufs.values())
     n = 1 if dev.info.software else max(1, min(MAX_COPIES, -(-TIMING_BYTES // max(nbytes, 1))))
     out = [bufs]
@@ -373,7 +379,7 @@ def _time_attention(dev: Device, n_heads: int, n_kv: int, head_dim: int, sg: int
                     state: dict) -> float:
     """Microseconds of one decode attention step (the partial kernel) over ATTENTION_TIMING_KEYS
     keys in COMBINE_TIMING_SPLITS splits, each repetition on another copy of the cache (made
-    once per pick in `state`, on the device, up to TIMING_BYTES)."""
+    once per pick in `state`: device_copies)."""
     import numpy as np
 
     from .launch import Chain, Launch, upload_f32
@@ -383,16 +389,7 @@ def _time_attention(dev: Device, n_heads: int, n_kv: int, head_dim: int, sg: int
         rng = np.random.default_rng(0)
         ftype = np.float16 if cache_dtype == "f16" else np.float32
         kv = {k: dev.upload(rng.standard_normal(n * n_kv * head_dim).astype(ftype)) for k in ("KC", "VC")}
-        nbytes = sum(b.size for b in kv.values())
-        count = 1 if dev.info.software else max(1, min(MAX_COPIES, TIMING_BYTES // nbytes))
-        copies = [kv] + [{k: dev.buffer(b.size) for k, b in kv.items()} for _ in range(count - 1)]
-        if count > 1:
-            enc = dev.device.create_command_encoder()
-            for c in copies[1:]:
-                for k, b in kv.items():
-                    enc.copy_buffer_to_buffer(b, 0, c[k], 0, b.size)
-            dev.queue.submit([enc.finish()])
-        state["copies"] = copies
+        state["copies"] = device_copies(dev, kv)
         state["io"] = {"Q": upload_f32(dev, rng.standard_normal(n_heads * head_dim).astype(np.float32)),
                        "WS": dev.buffer(4 * n_heads * splits * (head_dim + 2))}
     copies, io = state["copies"], state["io"]
