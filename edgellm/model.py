@@ -401,7 +401,7 @@ class Model:
                 n = min(max_tokens - 1, self.ctx - pos)
                 slot.wrote(pos, pos + n)  # rows it may write (ring caches lose what they overwrite)
                 t0, once0 = time.perf_counter(), self._one_time_s()
-                for token in loop(step_in[0], pos, n, None if draw.params.greedy else draw):
+                for token in loop(step_in[0], pos, n, None if draw.params.greedy else draw, stop=stop_ids):
                     stats.generated_tokens += 1
                     if token in stop_ids:
                         stats.stop_reason = "eos"

@@ -139,7 +139,7 @@ def test_cuda_sampled_generation_draws_on_the_device(tmp_path):
     loops = []
     prog = m.programs["decode"]
     orig = prog.loop_tokens
-    prog.loop_tokens = lambda *a: (loops.append(a[3]), orig(*a))[1]
+    prog.loop_tokens = lambda *a, **kw: (loops.append(a[3]), orig(*a, **kw))[1]
     p = SamplingParams(temperature=1.5, top_k=3, top_p=1.0, min_p=0.0, seed=7)
     got = list(m.generate_tokens(ids, 4, p))
     assert len(got) == 4 and loops and loops[-1] is not None and loops[-1].params == p

@@ -91,14 +91,14 @@ def _trace(model):
             seen.add((name, "step", f"{padded}:{prog._context_splits(start + padded)}"))
             return type(prog).run(prog, inputs)
 
-        def loop(first, start, n, draw=None, prog=prog, name=name, traced_run=run):
+        def loop(first, start, n, draw=None, stop=(), prog=prog, name=name, traced_run=run):
             vocab = prog._buffer("logits", 1, ctx).shape[-1]
             plan = DeviceChooser(prog.K, [draw], prog.dev, vocab).plan
             plan = json.dumps(list(plan) if plan is not None else None)
             seen.update((name, "loop", f"{prog._context_splits(start + 1 + i)}:{plan}") for i in range(n))
             del prog.run  # the loop's own first step (the torch backend's, which a replay skips) untraced
             try:
-                yield from type(prog).loop_tokens(prog, first, start, n, draw)
+                yield from type(prog).loop_tokens(prog, first, start, n, draw, stop)
             finally:
                 prog.run = traced_run
         prog.run = run

@@ -216,7 +216,8 @@ def test_int8_x_quantized_ahead(models, monkeypatch, name, gemv):
         quant = [i for i, n in enumerate(names) if n == "quantize_x"]
         assert quant and all(names[i + 1] == "gemv_warp" and "XQ[xo + " in ds[i + 1].kernel.source for i in quant)
         linears = [o for o in dec.graph.ops if o.kind in ("linear", "linear_qkv", "linear_swiglu")]
-        assert len(quant) == len(linears) - len(dec._embeds) >= 1
+        # the down projections' x quantized by their gate|up GEMVs where those hold 32-row blocks
+        assert len(quant) == len(linears) - len(dec._embeds) - len(dec._qouts) >= 1
         srcs = [ds[i].kernel.source for i in quant]
         assert sum("inverseSqrt" in q for q in srcs) == len(dec._folds) - len(dec._embeds) >= 1
         merged = sum("WS_ld" in q for q in srcs)
@@ -224,6 +225,41 @@ def test_int8_x_quantized_ahead(models, monkeypatch, name, gemv):
         staged = [d for d in ds if d.kernel.name == "gemv_warp" and "XQ[xo + " not in d.kernel.source]
         assert len(staged) == len(dec._embeds) and all("dot4I8Packed" in d.kernel.source for d in staged)
     assert dec._combines
+
+
+@pytest.mark.parametrize("name,gemv", [("Q8_0", "warp:4:256:1:int8x2:xq"), ("Q4_0", "warp:4:256:2:int8:xq"),
+                                       ("Q4_1", "warp:8:256:2:int8x2:xq")])
+def test_gate_up_quantizes_the_down_projections_x(models, monkeypatch, name, gemv):
+    """With gate|up GEMVs of 32-row blocks per workgroup and the down projections reading x
+    quantized ahead (xq), the gate|up GEMV quantizes its output in its epilogue (gemv_warp's
+    qout, into the "int8_y" workspace) and the down projection reads it there: no quantize_x
+    dispatch before it, one dispatch fewer a layer than with the fold off, the same logits as the
+    cpu backend's within the int8 tolerance, and the same as with a quantize_x dispatch."""
+    monkeypatch.setenv("EDGELLM_WEBGPU_GEMV", gemv)
+    tol = 3e-3 if "int8x2" in gemv else 1e-2
+    gpu = _compare(models[name], steps=3, tol=tol)
+    dec = gpu.programs["decode"]
+    glus = [o for o in dec.graph.ops if o.kind == "linear_swiglu"]
+    assert glus and set(dec._qouts) == {r.name for g in glus for r in dec.graph.ops if g.outputs[0] in r.inputs}
+    ds = [d for st in dec._steps for d in (st.pick(1, 1) if hasattr(st, "pick") else (st,))]
+    qsrc = [d.kernel.source for d in ds if d.kernel.name == "gemv_warp" and "YQ[" in d.kernel.source]
+    assert len(qsrc) == len(glus)
+    monkeypatch.setenv("EDGELLM_WEBGPU_FOLD", ",".join(f for f in backend_folds() if f != "qout"))
+    off = edgellm.load(models[name], backend="webgpu", ctx=64)
+    dec_off = off.programs["decode"]
+    n_off = sum(len(st.pick(1, 1)) if hasattr(st, "pick") else 1 for st in dec_off._steps)
+    assert not dec_off._qouts and n_off == len(ds) + len(glus)
+    a, b = gpu.logits(PROMPT), off.logits(PROMPT)
+    tok = int(np.argmax(a[-1]))
+    ga = gpu.forward([tok], len(PROMPT), all_logits=False)
+    gb = off.forward([tok], len(PROMPT), all_logits=False)
+    assert float(np.abs(ga - gb).max()) <= 1e-5 * float(np.abs(gb).max())
+
+
+def backend_folds():
+    from edgellm.backends.webgpu.backend import FOLDS
+
+    return FOLDS
 
 
 def test_rope_fold_without_norm_fold(models, monkeypatch):
@@ -406,10 +442,58 @@ def test_greedy_on_device_matches_cpu(models):
     calls = []
     prog = gpu.programs["decode"]
     orig = prog.loop_tokens
-    prog.loop_tokens = lambda *a: (calls.append(a), orig(*a))[1]
+    prog.loop_tokens = lambda *a, **kw: (calls.append(a), orig(*a, **kw))[1]
     p = SamplingParams(temperature=0)
     assert list(gpu.generate_tokens(PROMPT, 12, p)) == list(cpu.generate_tokens(PROMPT, 12, p))
     assert calls, "greedy decoding did not run on the device"
+
+
+def test_device_loop_batches_and_stop(models):
+    """loop_tokens' batches (1, 2, 4, ... LOOP_BATCH steps a command buffer, each step's values
+    copied in ahead of it, the next batch encoded while this one runs): greedy tokens as the cpu
+    backend's, and sampled tokens (varied, where the synthetic model's argmax repeats) as those
+    of one submission a step; with a stop token nothing is submitted past the batch that holds it
+    (history slots after it stay unwritten), and a caller that reads on past it gets every token."""
+    from edgellm.backends.webgpu.backend import LOOP_BATCH
+    from edgellm.sampling import DeviceDraw
+
+    n = 2 * LOOP_BATCH + 8  # batches 1, 2, 4, 8, 16, 32, 9
+    cpu = edgellm.load(models["Q8_0"], backend="cpu", ctx=n + 24)
+    gpu = edgellm.load(models["Q8_0"], backend="webgpu", ctx=n + 24)
+    prog = gpu.programs["decode"]
+    encoded = []
+    orig = prog._encode_tokens
+    prog._encode_tokens = lambda *a: (encoded.append(a[2]), orig(*a))[1]
+    first, *want = cpu.generate_tokens(PROMPT, n + 1, SamplingParams(temperature=0))
+    gpu.forward(list(PROMPT), 0, all_logits=False)  # the prompt's cache rows
+    assert list(prog.loop_tokens(first, len(PROMPT), n)) == want
+    assert encoded == [1, 2, 4, 8, 16, LOOP_BATCH, n - 63], encoded
+
+    draw = DeviceDraw(SamplingParams(temperature=2.0, top_k=40, top_p=1.0, min_p=0.0), 12345)
+    gpu.forward(list(PROMPT), 0, all_logits=False)
+    ref = list(prog.loop_tokens(first, len(PROMPT), n, draw))
+    assert len(set(ref)) > 8, ref
+    prog._encode_tokens = lambda *a: None  # one submission a step (the path of steps with host work)
+    gpu.forward(list(PROMPT), 0, all_logits=False)
+    assert list(prog.loop_tokens(first, len(PROMPT), n, draw)) == ref
+    prog._encode_tokens = orig
+
+    # a stop token first met after the first batch: nothing past the batch that holds it runs
+    stop_at = next(i for i in range(3, n) if ref[i] not in ref[:i])
+    end = next(e for e in (1, 3, 7, 15, 31, 63, n) if e > stop_at)  # the batches end before these steps
+    gpu.forward(list(PROMPT), 0, all_logits=False)
+    prog.dev.write(prog.hist_buf, np.full(n, 0xFFFFFFFF, np.uint32))
+    seen = []
+    for t in prog.loop_tokens(first, len(PROMPT), n, draw, stop={ref[stop_at]}):
+        seen.append(t)
+        if t == ref[stop_at]:
+            break
+    assert seen == ref[:stop_at + 1]
+    hist = np.frombuffer(prog.dev.read(prog.hist_buf, 0, 4 * n), np.uint32)
+    assert list(hist[:end]) == ref[:end]  # the batch that holds the stop token ran whole
+    assert end < n and (hist[end:] == 0xFFFFFFFF).all(), (stop_at, end, hist[end:end + 8])
+    gpu.forward(list(PROMPT), 0, all_logits=False)
+    assert list(prog.loop_tokens(first, len(PROMPT), n, draw, stop={ref[stop_at]})) == ref
 
 
 def test_sampled_generation_draws_on_the_device(models):
@@ -420,7 +504,7 @@ def test_sampled_generation_draws_on_the_device(models):
     draws = []
     prog = gpu.programs["decode"]
     orig = prog.loop_tokens
-    prog.loop_tokens = lambda *a: (draws.append(a[3]), orig(*a))[1]
+    prog.loop_tokens = lambda *a, **kw: (draws.append(a[3]), orig(*a, **kw))[1]
     p = SamplingParams(temperature=1.5, top_k=3, top_p=0.95, min_p=0.0, seed=5)
     got = list(gpu.generate_tokens(PROMPT, 8, p))
     assert len(got) == 8 and draws and draws[-1] is not None and draws[-1].params == p
@@ -613,7 +697,8 @@ def test_decode_gemv_tuned_between_x_quantized_ahead_and_staged(models, monkeypa
     names = [d.kernel.name for st in dec._steps for d in (st.pick(1, 2) if hasattr(st, "pick") else (st,))]
     gemvs = names.count("gemv_warp")
     if winner == "xq":
-        assert names.count("quantize_x") == gemvs - len(dec._embeds) >= 6  # all but the embedding's
+        # all but the embedding's, and those of the down projections their gate|up GEMVs quantized
+        assert names.count("quantize_x") == gemvs - len(dec._embeds) - len(dec._qouts) >= 4
     elif winner == "staged":
         assert "quantize_x" not in names
 

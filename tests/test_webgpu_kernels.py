@@ -359,6 +359,45 @@ def test_gemv_warp_reads_x_quantized_ahead(dev, rng, fmt, planes, rows_per_warp,
     assert np.abs(got[True] - emu).max() <= (2e-3 if planes == 1 else 1e-4) * scale
 
 
+@pytest.mark.parametrize("fmt,planes,sums,rows_per_warp", [("Q8_0", 2, False, 4), ("Q4_0", 1, True, 8),
+                                                            ("Q4_1", 2, True, 8), ("Q8_0", 1, False, 4)])
+def test_gemv_warp_quantizes_its_output(dev, rng, fmt, planes, sums, rows_per_warp):
+    """gemv_warp's qout: a gate|up GEMV also stores y as int8 blocks for the next GEMV's xq: y as
+    the plain GEMV's (and the float64 swiglu), its codes, scales, sums and residual plane exactly
+    quantize_x's of that y; 96 features (3 blocks; with 64 rows a workgroup the second's upper
+    half lies past them), 3 rows, every output poisoned first."""
+    if not dev.subgroup_size:
+        pytest.skip("the adapter's subgroup size is unknown")
+    rows, n_out, k = 3, 96, 160
+    w, bufs, want = _linear_case(dev, rng, fmt, rows, n_out, k, glu=True)
+    nb = n_out // 32
+    for pre in ("Y", "X"):
+        bufs.update({pre + "Q": nan_buffer(dev, rows * n_out // 4), pre + "D": nan_buffer(dev, rows * nb),
+                     pre + "S": nan_buffer(dev, 2 * rows * nb), pre + "Q2": nan_buffer(dev, rows * n_out // 4)})
+    sg = min(32, dev.subgroup_size)
+    kern = kernels.gemv_warp(w.desc(), n_out, "step.seq", rows_per_warp=rows_per_warp, wg=8 * sg, sg=sg, unroll=2,
+                             glu=True, qout=(planes, sums))
+    assert kern.rows_per_group == 8 * rows_per_warp
+    L = Launch(dev, kern, bufs)
+    L.set_step(seq=rows)
+    L.run((-(-n_out // kern.rows_per_group), 1, rows))
+    y = read_f32(dev, bufs["Y"], rows * n_out)
+    check(y, want)
+    bufs["X"] = bufs["Y"]
+    q = Launch(dev, kernels.quantize_x(n_out, "step.seq", planes=planes, sums=sums), bufs)
+    q.set_step(seq=rows)
+    q.run((1, rows, 1))
+    for name, n in (("Q", rows * n_out), ("D", 4 * rows * nb), ("S", 8 * rows * nb), ("Q2", rows * n_out)):
+        if (name == "S" and not sums) or (name == "Q2" and planes == 1):
+            continue
+        got, ref_ = dev.read(bufs["Y" + name], 0, n), dev.read(bufs["X" + name], 0, n)
+        assert bytes(got) == bytes(ref_), name
+    with pytest.raises(ValueError, match="qout"):  # 16 rows a workgroup
+        kernels.gemv_warp(w.desc(), n_out, "1u", rows_per_warp=2, wg=8 * sg, sg=sg, glu=True, qout=(1, False))
+    with pytest.raises(ValueError, match="qout"):  # 80 features
+        kernels.gemv_warp(w.desc(), 80, "1u", rows_per_warp=4, wg=8 * sg, sg=sg, glu=True, qout=(1, False))
+
+
 def test_gemv_warp_int8_needs_an_integer_format_staged():
     w = codegen.WeightDesc("W", "F16", 64, 64, (64,))
     with pytest.raises(ValueError, match="int8 activations need a weight in Q8_0, Q4_0"):

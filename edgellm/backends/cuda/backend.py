@@ -1223,11 +1223,12 @@ class CudaProgram:
     def draws_on_device(self, params) -> bool:  # loop_tokens draws any sampled generation
         return device_sampling_enabled()
 
-    def loop_tokens(self, first_token: int, start: int, n: int, draw=None) -> "Iterator[int]":
+    def loop_tokens(self, first_token: int, start: int, n: int, draw=None, stop=()) -> "Iterator[int]":
         """Decode on the device: each step's token (the argmax, or drawn as `draw`, an
         edgellm.sampling.DeviceDraw, says) feeds the next step inside one CUDA graph replay (token,
         position and length updated on the device), so a token costs one replay and one 8-byte
-        read. Yields n tokens after first_token at position start."""
+        read. Yields n tokens after first_token at position start (stop: the caller's end tokens,
+        which a loop that runs no step ahead of the caller does not need)."""
         if self.max_seq != 1:
             raise GraphError("loop_tokens runs on the single-token decode program")
         ctx = max(t.shape[0] for t in self.states.values())  # the context (ring caches are shorter)

@@ -250,7 +250,7 @@ class ReplayProgram:
     def draws_on_device(self, params) -> bool:
         return device_sampling_enabled()
 
-    def loop_tokens(self, first_token: int, start: int, n: int, draw=None):
+    def loop_tokens(self, first_token: int, start: int, n: int, draw=None, stop=()):
         """CudaProgram.loop_tokens: each step's token chosen on the device feeds the next step in
         one graph launch and an 8-byte read."""
         im = self.image

@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from typing import Callable, Iterator
+from typing import Callable, Collection, Iterator
 
 import numpy as np
 
@@ -54,6 +54,7 @@ GEMV_MAX_ROWS = 4  # steps of at most this many tokens use the matrix-vector ker
 PREFETCH_AHEAD = 2  # weight sets packed ahead of the program build per worker thread (WebgpuWeights.prefetch)
 SPLIT_KEYS = 64  # decode attention: one split per this many cached keys ...
 MAX_SPLITS = 32  # ... up to this many
+LOOP_BATCH = 32  # loop_tokens: at most this many decode steps a submission
 # steps of at most this many splits merge them in the output projection's GEMV (the "combine"
 # fold); steps of more run attention_combine as a dispatch of its own
 COMBINE_IN_GEMV_SPLITS = MAX_SPLITS
@@ -69,7 +70,7 @@ def combine_unroll() -> int:
     return int(v)
 
 
-FOLDS = ("last_row", "norm", "rope", "combine", "embed")  # the kinds of WebgpuProgram._plan_folds
+FOLDS = ("last_row", "norm", "rope", "combine", "embed", "qout")  # the kinds of WebgpuProgram._plan_folds
 
 
 def fold_kinds() -> set[str]:
@@ -362,6 +363,7 @@ class WebgpuProgram:
         # read back from the cache then runs without importing it
         self._shape = {n: shape_function(t.shape) for n, t in graph.tensors.items() if t.kind == "activation"}
         self.step_buf = self.dev.buffer(kernels.STEP_BYTES, uniform=True)
+        self.loop_buf = None  # loop_tokens' step values, copied into step_buf ahead of each step
         self.tok_buf = self.dev.buffer(4 * max(self.max_seq, 1))
         self._outputs = {}
         for name in graph.outputs:
@@ -381,6 +383,7 @@ class WebgpuProgram:
         self._ropes: dict[str, Op] = {}  # linear_qkv op name -> the rope_qkv_store done in its GEMV (epilogue)
         self._combines: dict[str, Op] = {}  # linear op name -> the split attention it merges (prologue)
         self._embeds: dict[str, Op] = {}  # linear op name -> the embedding its folded norm reads from the weight
+        self._qouts: dict[str, tuple[int, bool]] = {}  # linear op name -> (planes, sums) of x its gate|up GEMV quantized
         absorbed = self._plan_folds()
         for op in graph.ops:
             if op.name not in absorbed:
@@ -516,7 +519,10 @@ class WebgpuProgram:
           merged in the prologue of the output projection's GEMV, not by attention_combine
           (_fold_combine; the op stays, its combine dispatch goes);
         - "embed": the embedding whose rows a folded RMSNorm normalises is read from its weight
-          in that GEMV's prologue, which also writes the rows out (_fold_embed).
+          in that GEMV's prologue, which also writes the rows out (_fold_embed);
+        - "qout": where a GEMV reads x quantized ahead (gemv_warp's xq) from a gate|up GEMV's
+          output alone, that GEMV quantizes it in its epilogue instead of a quantize_x dispatch
+          (decided as the gate|up GEMV is lowered: _qout_reader).
         Prefill programs (matrix-matrix products) keep every op its own dispatch."""
         if self.max_seq > GEMV_MAX_ROWS:
             return set()
@@ -729,10 +735,10 @@ class WebgpuProgram:
         """Whether a step of this many attention splits merges them in the output projection."""
         return 1 < splits <= COMBINE_IN_GEMV_SPLITS
 
-    def _lower_linear(self, op: Op):
-        W, R, a, ins, outs = self.backend.weights, self._res, op.attrs, op.inputs, op.outputs
+    def _linear_config(self, op: Op) -> tuple:
+        """A projection's (device weight, bias tensors, output features, folds, GEMV configuration)."""
+        W, a, ins = self.backend.weights, op.attrs, op.inputs
         glu = op.kind == "linear_swiglu"
-        norm_op = self._folds.get(op.name)
         if op.kind == "linear_qkv":
             w = W.matrix(*(self._wname(t) for t in ins[1:4]))
             bias = ins[4:7] if a.get("has_bias") else ()
@@ -742,23 +748,59 @@ class WebgpuProgram:
         else:
             w = W.matrix(self._wname(ins[1]))
             bias = (ins[2],) if a.get("has_bias") else ()
-        self.matrix_bytes += w.nbytes
-        res_in = ins[-1] if op.kind == "linear" and a.get("has_residual") else None
         n_out = w.rows // 2 if glu else w.rows
-        rows_expr, rows = self._rows_expr(outs[0]), self._rows(outs[0])
-        rope_op, attn, emb = self._ropes.get(op.name), self._combines.get(op.name), self._embeds.get(op.name)
+        norm_op, attn = self._folds.get(op.name), self._combines.get(op.name)
         fold = {}
         if norm_op is not None:
             fold["norm"] = "add_rms" if norm_op.kind == "add_rms_norm" else "rms"
         if attn is not None:
             fold["combine"] = (attn.attrs["n_heads"], attn.attrs["head_dim"])
-        if rope_op is not None:
+        if op.name in self._ropes:
             fold["rope"] = True
         cfg = self.backend.gemv_config(w, n_out, glu, fold, tune=self.max_seq <= GEMV_MAX_ROWS)
         if cfg.get("kind", "block") == "block":
             cfg = {**cfg, "x_vec": 4 if w.cols % 4 == 0 else 1}
-        if emb is not None or self.max_seq > GEMV_MAX_ROWS:
+        if op.name in self._embeds or self.max_seq > GEMV_MAX_ROWS:
             cfg = staged(cfg)  # x made or quantized in the GEMV's prologue
+        return w, bias, n_out, fold, cfg
+
+    def _qout_reader(self, op: Op, w: DeviceWeight, n_out: int, cfg: dict) -> tuple[int, bool] | None:
+        """The int8 planes and block sums the one GEMV reading this gate|up GEMV's output takes x
+        quantized in (its xq), where this GEMV can quantize its output in its epilogue instead
+        (kernels.gemv_warp's qout: a warp GEMV of 32-row blocks per workgroup); else None."""
+        out = op.outputs[0]
+        if ("qout" not in fold_kinds() or op.kind != "linear_swiglu" or self.max_seq > GEMV_MAX_ROWS
+                or out in self.graph.outputs or cfg.get("kind") != "warp" or cfg.get("rows_per_wg", 1) % 32 or n_out % 32):
+            return None
+        readers = [o for o in self.graph.ops if out in o.inputs]
+        if len(readers) != 1 or readers[0].kind != "linear" or readers[0].inputs[0] != out:
+            return None
+        down = readers[0]
+        if down.name in self._folds or down.name in self._combines or down.name in self._embeds:
+            return None
+        wd, _, _, _, dcfg = self._linear_config(down)
+        if not dcfg.get("xq") or wd.cols != n_out:
+            return None
+        q = (dcfg.get("planes", 1), kernels.int8_x_sums(wd.fmt))
+        norm_op = None if prologue_ahead(cfg) else self._folds.get(op.name)
+        n = self._gemv_bindings(op, w, norm_op, False) + len(kernels.int8_x_parts(*q))
+        if cfg.get("xq"):  # x's two bindings (X and its vec4 view) become its quantized arrays
+            n += len(kernels.int8_x_parts(cfg.get("planes", 1), kernels.int8_x_sums(w.fmt))) - 2
+        if n > self.dev.max_storage_buffers:
+            return None
+        self._qouts[down.name] = q
+        return q
+
+    def _lower_linear(self, op: Op):
+        R, a, ins, outs = self._res, op.attrs, op.inputs, op.outputs
+        glu = op.kind == "linear_swiglu"
+        norm_op = self._folds.get(op.name)
+        w, bias, n_out, fold, cfg = self._linear_config(op)
+        self.matrix_bytes += w.nbytes
+        res_in = ins[-1] if op.kind == "linear" and a.get("has_residual") else None
+        rows_expr, rows = self._rows_expr(outs[0]), self._rows(outs[0])
+        rope_op, attn, emb = self._ropes.get(op.name), self._combines.get(op.name), self._embeds.get(op.name)
+        W = self.backend.weights
         # a prologue made ahead (tuning.prologue_ahead): the norm or the split merge by a dispatch
         # of its own before the GEMV (quantize_x with it, or the op's own kernel), not in the GEMV
         pre_norm = norm_op if prologue_ahead(cfg) else None
@@ -778,6 +820,10 @@ class WebgpuProgram:
         opts = dict(bias=bool(bias), residual=res_in is not None, glu=glu)
         if norm_op is not None:
             opts.update(norm=fold["norm"], eps=norm_op.attrs["eps"])
+        qout = self._qout_reader(op, w, n_out, cfg) if glu else None
+        if qout is not None:  # y also quantized for the down projection's xq (its quantize_x dispatch gone)
+            opts["qout"] = qout
+            res.update({"Y" + k[1:]: v for k, v in self._int8_x(n_out, *qout, key="int8_y").items()})
         if emb is not None:  # x's rows from the embedding weight at the step's tokens, written to S (_fold_embed)
             e = W.matrix(self._wname(emb.inputs[0]))
             del res["A"]
@@ -800,6 +846,10 @@ class WebgpuProgram:
         if attn is not None:
             wsb = self.backend.workspace(attn.attrs["n_heads"] * MAX_SPLITS * (attn.attrs["head_dim"] + 2) * 4)
             ws = {"WS": lambda: (wsb, 0, wsb.size)}
+        if op.name in self._qouts:  # x quantized by the gate|up GEMV that made it (its qout)
+            planes, sums = self._qouts[op.name]
+            xres = self._int8_x(w.cols, planes, sums, key="int8_y")
+            return gemv(cfg, {**{k: v for k, v in res.items() if k != "X"}, **xres})
         if cfg.get("xq"):  # x quantized by its own dispatch, the GEMV reading its codes (gemv_warp's xq)
             planes = cfg.get("planes", 1)
             gq, xres = self._quantize_x(w, {"X": res["X"]}, planes, rows_expr, rows, norm=pre_norm)
@@ -866,17 +916,18 @@ class WebgpuProgram:
                        qres, lambda s, n: kernels.quantize_x_grid(w.cols, rows(s), norm=norm is not None, lanes=lanes))
         return gq, xres
 
-    def _int8_x(self, cols: int, planes: int, sums: bool) -> dict:
+    def _int8_x(self, cols: int, planes: int, sums: bool, key: str = "int8_x") -> dict:
         """Resources of x quantized for an int8 prefill product (kernels.quantize_x's XQ, XD, XS,
-        XQ2): regions of the backend's "int8_x" workspace, sized here for this program's rows
+        XQ2): regions of the backend's workspace `key` ("int8_x"; "int8_y" for a gate|up GEMV's
+        qout, which may itself read x from "int8_x"), sized here for this program's rows
         (the largest request sizes it before anything is bound), looked up again at each bind."""
         sizes = kernels.int8_x_sizes(self.max_seq, cols, planes, sums)
         offs, end = {}, 0
         for k, n in sizes.items():
             offs[k] = end
             end += -(-n // 256) * 256  # bindings start at multiples of 256 bytes
-        self.backend.workspace(end, "int8_x")
-        return {k: (lambda k=k: (self.backend.workspace(end, "int8_x"), offs[k], sizes[k])) for k in sizes}
+        self.backend.workspace(end, key)
+        return {k: (lambda k=k: (self.backend.workspace(end, key), offs[k], sizes[k])) for k in sizes}
 
     def _lower_rope(self, op: Op):
         a, ins, outs, R = op.attrs, op.inputs, op.outputs, self._res
@@ -968,13 +1019,18 @@ class WebgpuProgram:
         return _HostOp(self, op, CPU_KERNELS[op.kind])
 
     # -- execution ----------------------------------------------------------------------------
-    def _write_step(self, seq: int, start: int, hist: int = 0) -> int:
+    def _step_words(self, seq: int, start: int, hist: int = 0) -> tuple[np.ndarray, int]:
+        """A step's uniform values (kernels.STEP_BYTES) and its attention splits."""
         kv_len = start + seq
         splits = 1
         if self.max_seq == 1:
             splits = max(1, min(MAX_SPLITS, -(-kv_len // SPLIT_KEYS)))
         split_len = -(-kv_len // splits) if splits > 1 else self.ctx
-        self.dev.write(self.step_buf, np.array([seq, start, kv_len, split_len, splits, hist, 0, 0], np.uint32))
+        return np.array([seq, start, kv_len, split_len, splits, hist, 0, 0], np.uint32), splits
+
+    def _write_step(self, seq: int, start: int, hist: int = 0) -> int:
+        words, splits = self._step_words(seq, start, hist)
+        self.dev.write(self.step_buf, words)
         return splits
 
     def _flat(self, seq: int, splits: int, with_argmax: bool, chooser: list | None) -> list | None:
@@ -1034,6 +1090,27 @@ class WebgpuProgram:
         cpass.end()
         dev.queue.submit([enc.finish()])
 
+    def _encode_tokens(self, start: int, hist: int, k: int, chooser: list | None):
+        """k decode steps, each with its token choice, at positions start.. (history slots hist..) as
+        one command buffer, and the steps' uniform values: a step's values are copied into the
+        step buffer inside the buffer, ahead of its pass, from loop_buf, which the caller writes
+        with the returned words before submitting. None where steps cannot be replayed (_flat)."""
+        words, flats = [], []
+        for j in range(k):
+            w, splits = self._step_words(1, start + j, hist + j)
+            flat = self._flat(1, splits, True, chooser)
+            if flat is None:
+                return None
+            words.append(w)
+            flats.append(flat)
+        enc = self.dev.device.create_command_encoder()
+        for j, flat in enumerate(flats):
+            enc.copy_buffer_to_buffer(self.loop_buf, j * kernels.STEP_BYTES, self.step_buf, 0, kernels.STEP_BYTES)
+            cpass = enc.begin_compute_pass()
+            replay_dispatches(cpass, flat, _RAW)
+            cpass.end()
+        return enc.finish(), np.concatenate(words)
+
     def run(self, inputs: dict[str, object]) -> dict[str, WebgpuTensor]:
         """One step over the given tokens at start_pos. The returned tensors are the program's own
         buffers, valid until its next run."""
@@ -1073,15 +1150,16 @@ class WebgpuProgram:
                     "stats", "count", "mass", "mcount") else 1: (g, 1, 1))
         return [self._samplers[name] for name, _ in kernels.sample_plan(p.top_k, p.top_p, p.min_p, n)]
 
-    def loop_tokens(self, first_token: int, start: int, n: int, draw=None) -> Iterator[int]:
+    def loop_tokens(self, first_token: int, start: int, n: int, draw=None, stop: Collection[int] = ()) -> Iterator[int]:
         """Decode on the device: each step's token choice (the argmax, or a draw as `draw`, an
         edgellm.sampling.DeviceDraw, says: kernels.sample_kernels) writes the next token into the token
-        buffer the next step's embedding reads, so no step waits for the host. Steps are
-        submitted in growing batches (1, 2, 4, ... 32 tokens: the first token comes at once; the
-        host encodes the next step while the GPU runs this one) and each batch's tokens are read
-        back together, 4 bytes each. A batch may run a few steps past an end-of-generation token
-        the caller stops at; their cache rows lie beyond the tokens kept. Yields n tokens after
-        first_token at position start."""
+        buffer the next step's embedding reads, so no step waits for the host. Steps go in growing
+        batches (1, 2, 4, ... LOOP_BATCH tokens: the first token comes at once), a batch one command
+        buffer; the next batch is encoded while the GPU runs this one and submitted as soon as this
+        one's tokens are read back (4 bytes each), so the GPU waits for the host only for that read.
+        A batch may run a few steps past an end-of-generation token the caller stops at (none is
+        submitted after a batch holding one of `stop`); their cache rows lie beyond the tokens kept.
+        Yields n tokens after first_token at position start."""
         if self._argmax is None:
             raise GraphError("loop_tokens runs on the single-token decode program")
         chooser = None
@@ -1092,20 +1170,42 @@ class WebgpuProgram:
             self.dev.write(self.state_buf, kernels.sample_state())  # the cut of a step without cuts
         if start + n > self.ctx:
             raise GraphError(f"{start + n} tokens exceed the context of {self.ctx}")
+        if self.loop_buf is None:
+            self.loop_buf = self.dev.buffer(LOOP_BATCH * kernels.STEP_BYTES)
         self.dev.write(self.tok_buf, np.array([first_token], np.uint32))
-        i, batch = 0, 1
+        stop = frozenset(stop)
+
+        def submit(encoded):
+            self.dev.write(self.loop_buf, encoded[1])  # after the previous batch's commands (queue order)
+            self.dev.queue.submit([encoded[0]])
+        i, k = 0, min(1, n)
+        with _device_errors(f"greedy decoding at position {start}"):
+            following = self._encode_tokens(start, 0, k, chooser) if n else None
+            replay = following is not None
+            if replay:
+                submit(following)
         while i < n:
-            k = min(batch, n - i)
+            nxt = min(2 * k, LOOP_BATCH, n - i - k)
+            held = False
             with _device_errors(f"greedy decoding at position {start + i}"):
-                for j in range(i, i + k):
-                    self._host_start = start + j
-                    # the step's values are written in queue order: after the previous step's commands
-                    self._record(1, self._write_step(1, start + j, hist=j), with_argmax=True, chooser=chooser)
+                if not replay:  # steps with host work: a submission a step
+                    for j in range(i, i + k):
+                        self._host_start = start + j
+                        # the step's values are written in queue order: after the previous step's commands
+                        self._record(1, self._write_step(1, start + j, hist=j), with_argmax=True, chooser=chooser)
+                following = self._encode_tokens(start + i + k, i + k, nxt, chooser) if replay and nxt else None
+                replay = replay and (following is not None or not nxt)
                 ids = np.frombuffer(self.dev.read(self.hist_buf, 4 * i, 4 * k), np.uint32)
+                if following is not None:
+                    held = bool(stop.intersection(ids.tolist()))
+                    if not held:
+                        submit(following)
             for t in ids:
                 yield int(t)
+            if held:  # the caller goes on past a stop token
+                submit(following)
             i += k
-            batch = min(2 * batch, 32)
+            k = nxt
 
 
 class _Choice:

@@ -208,7 +208,8 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
               norm: str | None = None, eps: float = 1e-6, stage: bool = False, rows_per_wg: int | None = None,
               rope: "RopeFold | None" = None, combine: tuple[int, ...] | None = None,
               embed: WeightDesc | None = None, pipeline: bool = False, split: int = 1, int8: bool = False,
-              planes: int = 1, xq: bool = False, dtypes: dict | None = None) -> WarpKernel:
+              planes: int = 1, xq: bool = False, qout: tuple[int, bool] | None = None,
+              dtypes: dict | None = None) -> WarpKernel:
     """The decode GEMV as one subgroup (sg lanes, a GPU's warp) per `rows_per_warp` output features:
     the lanes stride along the rows in 16-byte units of quants (a warp reads 16 * sg contiguous
     bytes per row per unit: coalesced), each lane issuing the loads of `unroll` units (and their
@@ -278,8 +279,17 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
     this one) and the lanes read its codes from there (the cache) beside the weights: no staging,
     no workgroup memory and no barrier, where the staging quantizes all of x in every workgroup
     before its first weight load (the 14,336-input down projection of an 8B model at 34-43% of
-    the read rate on the H200, 2026-11-30). Not with a norm, merge or embedding prologue."""
+    the read rate on the H200, 2026-11-30). Not with a norm, merge or embedding prologue.
+
+    qout (planes, sums): y is also quantized for the next GEMV's xq as quantize_x would (the same
+    rounding; int8_x_parts named YQ, YD, YS, YQ2): the workgroup's outputs (a multiple of 32
+    rows, 32-aligned) meet in workgroup memory and a thread per 32-block stores its codes,
+    scale and sums, so that the next GEMV needs no quantize_x dispatch (a gate|up GEMV feeding
+    the down projection). Not with a RoPE epilogue."""
     R, U, LN = rows_per_warp, unroll, sg * split  # LN lanes per group of R rows
+    if qout is not None and (rope is not None or n_out % 32 or (wg // LN * R) % 32 or qout[0] not in (1, 2)):
+        raise ValueError(f"gemv_warp: y quantized in the epilogue (qout {qout}) needs 32-row blocks per workgroup "
+                         f"(got {wg // LN * R} rows), {n_out} features a multiple of 32, planes 1 or 2, and no RoPE")
     if split < 1 or wg % LN or (rows_per_wg is not None and rows_per_wg != wg // LN * R):
         raise ValueError(f"gemv_warp: workgroup {wg}, subgroup {sg}, {split} subgroups per {R} rows, "
                          f"rows_per_wg {rows_per_wg}")
@@ -323,6 +333,8 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
         parts.append((ActDesc("R"), None))
     if rope is not None:
         parts += [(ActDesc(n), None) for n in ("KC", "VC", "COS", "SIN")]
+    if qout is not None:
+        parts += int8_x_parts(qout[0], qout[1], "storage", prefix="Y")
     fmt = w.fmt
     per = _UNIT_ELEMS[fmt] // 4  # x vec4s per unit
     if norm:
@@ -540,9 +552,10 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
         decl += f"\nvar<workgroup> sred: array<f32, {wg // sg * na}>;"
     stores = []
     if rope is None:
+        keep = " qy[col % QB] = y;" if qout is not None else ""
         for r in range(R):
             e = _epilogue(f"a{r}", f"g{r}" if glu else None, bias, residual, "col", "t * N + col", bname)
-            stores.append(f"        {{ let col = row0 + {r}u; if (col < N) {{ {e} Y_st(t * N + col, y); }} }}")
+            stores.append(f"        {{ let col = row0 + {r}u; if (col < N) {{ {e} Y_st(t * N + col, y);{keep} }} }}")
     else:  # pairs (2i, 2i+1): N is even, so a pair lies wholly below N or above it
         for r in range(0, R, 2):
             e0 = _epilogue(f"a{r}", None, bias, residual, "rope_row(col)", "t * N + col", bname)
@@ -575,12 +588,26 @@ ${RED}
     if (sl == 0u && t < ${ROWS_EXPR}) {
 ${STORES}
     }
+${QOUT}
 }
 """
     steps = -(-w.units // (LN * U))
     loop = (f"for (var i = 0u; i < {steps}u; i++) {{ let v = sl + i * {LN * U}u;" if pipeline
             else f"for (var v = sl; v < UNITS; v += {LN * U}u) {{")
+    qout_l = ""
+    if qout is not None:  # the workgroup's y (QB rows from row QB * group) into int8 blocks, a thread per block
+        rpw = wg // LN * R
+        vals = " ".join(f"let v{i} = vec4<f32>(qy[qb + {4 * i}u], qy[qb + {4 * i + 1}u], qy[qb + {4 * i + 2}u], "
+                        f"qy[qb + {4 * i + 3}u]);" for i in range(8))
+        qout_l = f"""    workgroupBarrier();
+    let qblk = (wid.x + wid.y * nwg.x) * {rpw // 32}u + lid;
+    if (lid < {rpw // 32}u && qblk < N / 32u && t < ${{ROWS_EXPR}}) {{
+        let o = t * (N / 32u) + qblk; let qb = lid * 32u;
+        {vals}
+{_quantize_block(qout[0], qout[1], "Y")}    }}"""
+        decl += f"\nconst QB: u32 = {rpw}u;\nvar<workgroup> qy: array<f32, {rpw}>;\n{QUANT_AMAX}"
     body = body.replace("${PROLOGUE}", prologue).replace("${PRE}", "\n".join(pre)).replace("${LOOP} {", loop)
+    body = body.replace("${QOUT}", qout_l)
     tok = ""
     if embed is not None:  # TOK after the parts' bindings (and the Step uniform)
         tok = f"@group(0) @binding({1 + sum(len(p.bindings()) for p, _ in parts)}) var<storage, read_write> TOK: array<u32>;"
@@ -810,15 +837,15 @@ class RawDesc:
         return ""
 
 
-def int8_x_parts(planes: int, sums: bool, kind: str = "read") -> list:
+def int8_x_parts(planes: int, sums: bool, kind: str = "read", prefix: str = "X") -> list:
     """The quantized x's bindings: XQ (a row's blocks, two vec4<u32> of codes each), XD (a float
     scale per block), XS (per block the integer sums of its two halves' codes) and, planes 2, XQ2
-    (the residual plane)."""
-    parts = [(RawDesc("XQ", "array<vec4<u32>>", kind), None), (RawDesc("XD", "array<f32>", kind), None)]
+    (the residual plane); named with `prefix` for X."""
+    parts = [(RawDesc(prefix + "Q", "array<vec4<u32>>", kind), None), (RawDesc(prefix + "D", "array<f32>", kind), None)]
     if sums:
-        parts.append((RawDesc("XS", "array<vec2<i32>>", kind), None))
+        parts.append((RawDesc(prefix + "S", "array<vec2<i32>>", kind), None))
     if planes == 2:
-        parts.append((RawDesc("XQ2", "array<vec4<u32>>", kind), None))
+        parts.append((RawDesc(prefix + "Q2", "array<vec4<u32>>", kind), None))
     return parts
 
 
@@ -831,6 +858,33 @@ def int8_x_sizes(rows: int, cols: int, planes: int, sums: bool) -> dict[str, int
     if planes == 2:
         out["XQ2"] = rows * cols
     return out
+
+
+QUANT_AMAX = "fn am(v: vec4<f32>) -> f32 { let a = abs(v); return max(max(a.x, a.y), max(a.z, a.w)); }"
+
+
+def _quantize_block(planes: int, sums: bool, prefix: str = "X") -> str:
+    """WGSL storing block o of int8_x_parts' arrays (named prefix + Q, D, S, Q2) from its 32 values
+    v0..v7 (vec4s): codes round(127 * v / amax), the scale, the half blocks' code sums, the residual
+    plane (quantize_x's rounding; am is QUANT_AMAX)."""
+    q, d, sm, q2 = (prefix + n for n in ("Q", "D", "S", "Q2"))
+    amax = "max(" * 7 + "am(v0)" + "".join(f", am(v{i}))" for i in range(1, 8))
+    packs = ", ".join(f"pack4x8snorm(v{i} * inv)" for i in range(8))
+    half = ["dot4I8Packed(p[{}], 0x01010101u)".format(i) for i in range(8)]
+    plane2 = ""
+    if planes == 2:
+        res = ", ".join(f"pack4x8snorm((v{i} - d1 * vec4<f32>(unpack4xI8(p[{i}]))) * (254.0 * inv))" for i in range(8))
+        plane2 = (f"    let r = array<u32, 8>({res});\n"
+                  f"    {q2}[2u * o] = vec4<u32>(r[0], r[1], r[2], r[3]); {q2}[2u * o + 1u] = vec4<u32>(r[4], r[5], r[6], r[7]);\n")
+        half = [f"254 * {h} + dot4I8Packed(r[{i}], 0x01010101u)" for i, h in enumerate(half)]
+    store_sums = f"    {sm}[o] = vec2<i32>({' + '.join(half[:4])}, {' + '.join(half[4:])});\n" if sums else ""
+    return f"""    let m = {amax};
+    let inv = select(0.0, 1.0 / m, m > 0.0);
+    let d1 = m / 127.0;
+    let p = array<u32, 8>({packs});
+    {q}[2u * o] = vec4<u32>(p[0], p[1], p[2], p[3]); {q}[2u * o + 1u] = vec4<u32>(p[4], p[5], p[6], p[7]);
+{plane2}    {d}[o] = {"d1" if planes == 1 else "d1 / 254.0"};
+{store_sums}"""
 
 
 def quantize_x(cols: int, rows: str, *, planes: int = 1, sums: bool = True, norm: str | None = None,
@@ -880,28 +934,12 @@ def quantize_x(cols: int, rows: str, *, planes: int = 1, sums: bool = True, norm
     else:
         vals = " ".join(f"let v{i} = X_ld4(xb + 8u * b + {i}u);" for i in range(8))
     parts += int8_x_parts(planes, sums, "storage")
-    amax = "max(" * 7 + "am(v0)" + "".join(f", am(v{i}))" for i in range(1, 8))
-    packs = ", ".join(f"pack4x8snorm(v{i} * inv)" for i in range(8))
-    half = ["dot4I8Packed(p[{}], 0x01010101u)".format(i) for i in range(8)]
-    plane2 = ""
-    if planes == 2:
-        res = ", ".join(f"pack4x8snorm((v{i} - d1 * vec4<f32>(unpack4xI8(p[{i}]))) * (254.0 * inv))" for i in range(8))
-        plane2 = (f"    let r = array<u32, 8>({res});\n"
-                  "    XQ2[2u * o] = vec4<u32>(r[0], r[1], r[2], r[3]); XQ2[2u * o + 1u] = vec4<u32>(r[4], r[5], r[6], r[7]);\n")
-        half = [f"254 * {h} + dot4I8Packed(r[{i}], 0x01010101u)" for i, h in enumerate(half)]
-    store_sums = f"    XS[o] = vec2<i32>({' + '.join(half[:4])}, {' + '.join(half[4:])});\n" if sums else ""
     block = f"""    let o = t * NB + b;
     {vals}
-    let m = {amax};
-    let inv = select(0.0, 1.0 / m, m > 0.0);
-    let d1 = m / 127.0;
-    let p = array<u32, 8>({packs});
-    XQ[2u * o] = vec4<u32>(p[0], p[1], p[2], p[3]); XQ[2u * o + 1u] = vec4<u32>(p[4], p[5], p[6], p[7]);
-{plane2}    XD[o] = {"d1" if planes == 1 else "d1 / 254.0"};
-{store_sums}"""
+{_quantize_block(planes, sums)}"""
     head = f"""
 const NB: u32 = {cols // 32}u; const K4: u32 = {cols // 4}u;
-fn am(v: vec4<f32>) -> f32 {{ let a = abs(v); return max(max(a.x, a.y), max(a.z, a.w)); }}"""
+{QUANT_AMAX}"""
     if norm:  # a workgroup per row: its sum of squares (S written), then a thread per block
         store_s = ("let k = 4u * (xb + c); S_st(k, a.x); S_st(k + 1u, a.y); S_st(k + 2u, a.z); S_st(k + 3u, a.w);"
                    if norm == "add_rms" else "")
@@ -1053,7 +1091,7 @@ def _quantize_x_lanes(cols: int, rows: str, *, planes: int, sums: bool, norm: st
     let rinv = inverseSqrt(red[0] / f32({cols}) + {_f(eps)});"""
     body = f"""
 const NB: u32 = {cols // 32}u; const K4: u32 = {k4}u;
-fn am(v: vec4<f32>) -> f32 {{ let a = abs(v); return max(max(a.x, a.y), max(a.z, a.w)); }}
+{QUANT_AMAX}
 {"var<workgroup> red: array<f32, ${WG}>;" if norm else ""}{merge}
 @compute @workgroup_size(${{WG}})
 fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {{
