@@ -93,15 +93,19 @@ def main() -> None:
             pass
         step_profile(dec, dev, 1, lambda j: dec._write_step(1, args.n + j, hist=j))
 
-    walls = []
-    for _ in range(3):
-        gen = dec.loop_tokens(1, 0, args.n)
-        next(gen)
-        t0 = time.perf_counter()
-        got = sum(1 for _ in gen)
-        walls.append((time.perf_counter() - t0) / got)
-    print(f"greedy wall per token: median {1e3 * statistics.median(walls):.3f} ms ({1 / statistics.median(walls):.0f} tok/s); "
-          f"weights {dec.matrix_bytes / 1e6:.0f} MB per token")
+    for how in ("batches in one command buffer each, the next encoded ahead", "one submission a step"):
+        if how == "one submission a step":  # loop_tokens' path for steps with host work
+            dec._encode_tokens = lambda *a: None
+        walls = []
+        for _ in range(3):
+            gen = dec.loop_tokens(1, 0, args.n)
+            next(gen)
+            t0 = time.perf_counter()
+            got = sum(1 for _ in gen)
+            walls.append((time.perf_counter() - t0) / got)
+        print(f"greedy wall per token ({how}): median {1e3 * statistics.median(walls):.3f} ms "
+              f"({1 / statistics.median(walls):.0f} tok/s); weights {dec.matrix_bytes / 1e6:.0f} MB per token")
+    del dec._encode_tokens
 
 
 def host_breakdown(dec, dev, n: int, tokens: int = 32) -> None:
@@ -172,6 +176,9 @@ def _weight_shape(d) -> tuple[int, int]:
     return nbytes, (int(n[1]) * int(k[1]) * (2 if "glu" in d.kernel.name or "+ N" in src else 1) if n and k else 0)
 
 
+QUERY_LIMIT = 4096  # timestamps a query set may hold (wgpu)
+
+
 def step_profile(prog, dev, seq: int, write_step, reps: int = 6) -> None:
     """Each dispatch of a step of `seq` tokens in a compute pass of its own between two
     timestamps, `reps` steps recorded into one submit (the GPU kept busy, so that its clock
@@ -183,6 +190,7 @@ def step_profile(prog, dev, seq: int, write_step, reps: int = 6) -> None:
     wgpu = dev.wgpu
     splits = write_step(0)
     ds = _dispatches(prog, seq, splits)
+    reps = max(1, min(reps, QUERY_LIMIT // (2 * len(ds))))  # a query set holds at most 4096 timestamps
     qs = dev.device.create_query_set(type=wgpu.QueryType.timestamp, count=2 * len(ds) * reps)
     res = dev.device.create_buffer(size=16 * len(ds) * reps, usage=wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC)
     enc = dev.device.create_command_encoder()

@@ -711,11 +711,39 @@ def test_last_row_and_argmax(dev, rng):
     last = read_f32(dev, bufs["Y"], c)
     check(last, ref("last_row", [torch.from_numpy(x)]))
     tok, hist = dev.upload(np.array([12345], np.uint32)), dev.upload(np.full(8, 12345, np.uint32))
-    A = Launch(dev, kernels.argmax(c), dict(X=bufs["Y"], TOK=tok, HIST=hist))
-    A.dev.write(A.step_buf, np.array([1, 0, 1, 1, 1, 5, 0, 0], np.uint32))  # p0 = 5: the history slot
-    A.run((1, 1, 1))
+    _argmax(dev, bufs["Y"], c, tok, hist)
     assert int(np.frombuffer(dev.read(tok, 0, 4), np.uint32)[0]) == int(np.argmax(x[-1])) == 17
     assert np.frombuffer(dev.read(hist, 0, 32), np.uint32).tolist() == [12345] * 5 + [17] + [12345] * 2
+
+
+def _argmax(dev, x_buf, n: int, tok, hist) -> None:
+    """kernels.argmax's two dispatches over n floats of x_buf (history slot 5)."""
+    nwg = kernels.argmax_parallelism(n)
+    bufs = dict(X=x_buf, TOK=tok, HIST=hist, PART=dev.upload(np.full(2 * nwg, 7, np.uint32)))
+    k_part, k_pick = kernels.argmax(n)
+    for k, grid in ((k_part, (nwg, 1, 1)), (k_pick, (1, 1, 1))):
+        A = Launch(dev, k, bufs)
+        A.dev.write(A.step_buf, np.array([1, 0, 1, 1, 1, 5, 0, 0], np.uint32))  # p0 = 5: the history slot
+        A.run(grid)
+
+
+@pytest.mark.parametrize("n", [5, 1024, 4099, 128256, 151936])
+def test_argmax_over_a_vocabulary(dev, rng, n):
+    """argmax's two passes (many workgroups, then one) over vocabulary-sized rows: numpy's
+    argmax, the first of tied maxima (one in another workgroup's chunk, one past the last
+    whole chunk), negative rows."""
+    x = (rng.standard_normal(n) - 50).astype(np.float32)
+    j = int(rng.integers(0, n))
+    x[j] = -1.0
+    tied = [j]
+    if n > 4 * 256:
+        k = n - 3 if j < n - 3 else 0
+        x[k] = -1.0
+        tied.append(k)
+    tok, hist = dev.upload(np.array([12345], np.uint32)), dev.upload(np.full(8, 12345, np.uint32))
+    _argmax(dev, upload_f32(dev, x), n, tok, hist)
+    assert int(np.frombuffer(dev.read(tok, 0, 4), np.uint32)[0]) == int(np.argmax(x)) == min(tied)
+    assert int(np.frombuffer(dev.read(hist, 0, 32), np.uint32)[5]) == min(tied)
 
 
 def _draws(dev, x: np.ndarray, positions, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7):

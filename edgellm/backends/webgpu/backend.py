@@ -390,12 +390,17 @@ class WebgpuProgram:
                 self._steps.extend(self._lower(op))
         self._has_host_ops = any(isinstance(st, _HostOp) for st in self._steps)
         self.dev.precompile([d.kernel for st in self._steps for d in getattr(st, "variants", (st,)) if hasattr(d, "kernel")])
-        self._argmax = None
+        self._argmax: list[_Dispatch] | None = None  # the greedy token choice's dispatches (kernels.argmax)
         self._samplers: dict[str, _Dispatch] = {}  # kernels.sample_kernels' dispatches, made at first use
         if self.max_seq == 1 and "logits" in graph.outputs:
             n = self.shape("logits", 1)[-1]
             self.hist_buf = self.dev.buffer(4 * self.ctx)
-            self._argmax = _Dispatch(self, kernels.argmax(n), self._token_resources(), lambda s, k: (1, 1, 1))
+            nwg = kernels.argmax_parallelism(n)
+            part = self.dev.buffer(8 * nwg)
+            res = {**self._token_resources(), "PART": lambda: (part, 0, part.size)}
+            k_part, k_pick = kernels.argmax(n)
+            self._argmax = [_Dispatch(self, k_part, res, lambda s, k: (nwg, 1, 1)),
+                            _Dispatch(self, k_pick, res, lambda s, k: (1, 1, 1))]
 
     # -- tensors ------------------------------------------------------------------------------
     def shape(self, name: str, seq: int) -> tuple[int, ...]:
@@ -1047,7 +1052,7 @@ class WebgpuProgram:
         key = (seq, splits, with_argmax)
         flat = self._flat_cache.get(key)
         if flat is None:
-            steps = list(self._steps) + (list(chooser or [self._argmax]) if with_argmax else [])
+            steps = list(self._steps) + (list(chooser or self._argmax) if with_argmax else [])
             flat = []
             for st in steps:
                 st.prepare()
@@ -1084,7 +1089,7 @@ class WebgpuProgram:
             else:
                 st.encode(cpass, seq, splits)
         if with_argmax:
-            for d in chooser or [self._argmax]:
+            for d in chooser or self._argmax:
                 d.prepare()
                 d.encode(cpass, seq, splits)
         cpass.end()
