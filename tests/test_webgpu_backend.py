@@ -324,6 +324,41 @@ def test_tiled_prefill(models, monkeypatch):
                                            for v in getattr(st, "variants", ())}
 
 
+def test_prefill_attention_blocked(models, monkeypatch):
+    """EDGELLM_WEBGPU_PREFILL_ATTN=blocked: the tiled prefill's causal attention in register
+    blocks (head size 64): logits of every prompt position (40-token chunks, later chunks past
+    position 0) within the cpu backend's tolerance; a bad value is refused by name."""
+    monkeypatch.setenv("EDGELLM_WEBGPU_TILED", "1")
+    monkeypatch.setenv("EDGELLM_WEBGPU_PREFILL_ATTN", "blocked")
+    g = _compare(models["mixed"], chunk=40, steps=1, tol=2e-2)
+    names = {v.kernel.name for st in g.programs["all"]._steps for v in getattr(st, "variants", ())}
+    assert "attention_blocked" in names and "attention_tiled" not in names
+    monkeypatch.setenv("EDGELLM_WEBGPU_PREFILL_ATTN", "flash")
+    with pytest.raises(edgellm.errors.GraphError, match="EDGELLM_WEBGPU_PREFILL_ATTN='flash'"):
+        edgellm.load(models["mixed"], backend="webgpu", ctx=64, prefill_chunk=40)
+
+
+def test_prefill_attention_tuned(models, monkeypatch, gpu_tuning):
+    """With tuning on (as on a GPU), a prefill program's causal attention is timed both ways
+    (attention_tiled, attention_blocked) over a chunk (512 tokens; 64 here) and the pick lowered; a second
+    load takes it from the cache, timing nothing."""
+    monkeypatch.setenv("EDGELLM_WEBGPU_TILED", "1")
+    monkeypatch.setattr(gpu_tuning, "PREFILL_ATTENTION_ROWS", 64)  # a software adapter's timing
+    pick = gpu_tuning._pick  # the other kernels keep their defaults (their tuning is tested apart)
+    monkeypatch.setattr(gpu_tuning, "_pick", lambda dev, kernel, key, cands, default, *a, **kw: pick(
+        dev, kernel, key, cands, default, *a, **kw) if kernel == "webgpu_prefill_attention_v1" else default)
+    timed = []
+    real = gpu_tuning._time_prefill_attention
+    monkeypatch.setattr(gpu_tuning, "_time_prefill_attention", lambda *a: (timed.append(a[6]), real(*a))[1])
+    m = edgellm.load(models["mixed"], backend="webgpu", ctx=64, prefill_chunk=40)
+    assert sorted(set(timed)) == ["blocked", "tiled"]
+    kinds = {v.kernel.name for st in m.programs["all"]._steps for v in getattr(st, "variants", ())}
+    assert len(kinds & {"attention_blocked", "attention_tiled"}) == 1
+    timed.clear()
+    edgellm.load(models["mixed"], backend="webgpu", ctx=64, prefill_chunk=40)
+    assert not timed
+
+
 @pytest.mark.parametrize("name,planes", [("Q8_0", "2"), ("Q4_0", "1"), ("mixed", "2"), ("qwen2", "1"), ("Q4_1", "2")])
 def test_int8_prefill(models, monkeypatch, name, planes):
     """EDGELLM_WEBGPU_PREFILL_INT8 (the default on a GPU: 2) with the tiled prefill: each

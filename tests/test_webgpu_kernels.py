@@ -1152,6 +1152,35 @@ def test_attention_tiled(dev, rng, rows, start, d, kv, wgb):
     check(read_f32(dev, bufs["O"], rows * h * d), want, 1e-5)
 
 
+@pytest.mark.parametrize("rows,start,d,kv,wgb", [(37, 0, 128, "f32", 28), (21, 13, 64, "f32", 28), (70, 3, 128, "f16", 28),
+                                              (9, 40, 64, "f16", 20), (33, 0, 64, "f32", 20)])
+def test_attention_blocked(dev, rng, rows, start, d, kv, wgb):
+    """Causal prefill attention in register blocks: query rows off the 32-row tile, keys off the
+    key tile (32 keys a tile at head size 64 in 28 KiB, else 16), a start past 0, GQA 6:2, against
+    the float64 reference; every output element written (poisoned first)."""
+    if kv == "f16" and not dev.has_f16:
+        pytest.skip("the adapter has no shader-f16")
+    h, g, ctx = 6, 2, 128
+    bn = kernels.attention_blocked_keys(d, wgb * 1024)
+    assert bn == (32 if wgb == 28 and d == 64 else 16)
+    assert kernels.attention_blocked_keys(128, 20 * 1024) == 0 and kernels.attention_blocked_keys(96, 28 * 1024) == 0
+    q = rng.standard_normal((rows, h * d)).astype(np.float32)
+    kc, vc = rng.standard_normal((2, ctx, g * d)).astype(np.float32)
+    if kv == "f16":
+        kc, vc = kc.astype(np.float16).astype(np.float32), vc.astype(np.float16).astype(np.float32)
+    scale = 1 / math.sqrt(d)
+    bufs = dict(Q=upload_f32(dev, q), KC=_cache(dev, kc, kv), VC=_cache(dev, vc, kv), O=nan_buffer(dev, rows * h * d))
+    L = Launch(dev, kernels.attention_blocked(h, g, d, scale, "step.seq", cache_dtype=kv, workgroup_bytes=wgb * 1024),
+               bufs)
+    L.set_step(seq=rows, start=start)
+    L.run((h, -(-rows // kernels.BLOCKED_ROWS), 1))
+    want = ref("attention", [torch.from_numpy(q), torch.from_numpy(kc), torch.from_numpy(vc), start],
+               n_heads=h, n_kv_heads=g, head_dim=d, scale=scale)
+    check(read_f32(dev, bufs["O"], rows * h * d), want, 1e-5)
+    with pytest.raises(ValueError, match="a multiple of 64"):
+        kernels.attention_blocked(h, g, 80, scale, "step.seq")
+
+
 def test_mixed_stacks_take_one_six_bit_layout(rng):
     """Parts of one stacked weight in different layouts (a Q4_K_M file's q, k as Q4_1 with a Q6_K v
     as Q6; Q4_0 with Q5_0 as Q8_0) take the smallest six-bit layout that holds each exactly (Q6M,

@@ -47,7 +47,8 @@ from ..info import WebgpuInfo
 from . import codegen, kernels
 from .device import Device, get_device
 from .launch import grid2 as _grid2
-from .tuning import prefill_int8_planes, prologue_ahead, quantize_lanes, staged, timing_s as tuning_timing_s
+from .tuning import (prefill_attention_grid, prefill_attention_kind, prefill_int8_planes, prologue_ahead, quantize_lanes,
+                     staged, timing_s as tuning_timing_s)
 from .launch import encode_dispatch, raw_pass_functions, replay_dispatches
 
 GEMV_MAX_ROWS = 4  # steps of at most this many tokens use the matrix-vector kernel
@@ -998,10 +999,13 @@ class WebgpuProgram:
         if self.max_seq != 1:
             if not self.backend.prefill_tiled or self.max_seq <= GEMV_MAX_ROWS:
                 return [direct]
-            bm = kernels.attention_tile_rows(d, self.dev.max_workgroup_memory - 4096)
-            tiled = _Dispatch(self, kernels.attention_tiled(h, g, d, a["scale"], rows_expr, dtypes=_dtypes(res),
-                                                            workgroup_bytes=self.dev.max_workgroup_memory - 4096),
-                              res, lambda s, n: (h, -(-rows(s) // bm), 1))
+            wb = self.dev.max_workgroup_memory - 4096
+            cache_dtype = _dtypes(res).get("KC", "f32")
+            kind = prefill_attention_kind(self.dev, h, g, d, cache_dtype, wb)
+            make = kernels.attention_blocked if kind == "blocked" else kernels.attention_tiled
+            tiled = _Dispatch(self, make(h, g, d, a["scale"], rows_expr, cache_dtype=cache_dtype, dtypes=_dtypes(res),
+                                         workgroup_bytes=wb),
+                              res, lambda s, n: prefill_attention_grid(kind, h, d, rows(s), wb))
             return [_Choice(lambda s, n: (direct,) if s <= GEMV_MAX_ROWS else (tiled,), direct, tiled)]
         ws = self.backend.workspace(h * MAX_SPLITS * (d + 2) * 4)
         wres = {**res, "WS": lambda: (ws, 0, ws.size)}

@@ -2039,6 +2039,134 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
                    KS=bn * (d + 1), VS=bn * d, BMBN=bm * bn, SCALE=_f(scale), NEG=NEG, ROWS_EXPR=rows, dtypes=dtypes)
 
 
+BLOCKED_ROWS = 32  # attention_blocked's query rows per workgroup (8 groups of 4, 16 threads each)
+
+
+def attention_blocked_keys(head_dim: int, workgroup_bytes: int) -> int:
+    """attention_blocked's keys per tile (32 or 16) within workgroup_bytes, 0 where it does not
+    apply (head_dim not a multiple of 64, or no tile fits)."""
+    if head_dim % 64:
+        return 0
+    for bn in (32, 16):
+        if ((BLOCKED_ROWS + bn) * (head_dim // 4 + 1) * 16 + BLOCKED_ROWS * bn * 4 + 3 * BLOCKED_ROWS * 4
+                <= workgroup_bytes):
+            return bn
+    return 0
+
+
+def attention_blocked(n_heads: int, n_kv: int, head_dim: int, scale: float, rows: str, *, cache_dtype: str = "f32",
+                      workgroup_bytes: int = 28 * 1024, dtypes: dict | None = None) -> Kernel:
+    """Causal prefill attention in register blocks (flash attention without matrix units): a
+    workgroup of 128 threads takes BLOCKED_ROWS query rows of one head (q scaled, staged once)
+    and walks the keys BN at a time (attention_blocked_keys), K then V of a tile staged in one
+    workgroup buffer. Thread (rg, cg) of 8 x 16 holds 4 query rows: their scores against keys cg,
+    cg + 16 (vec4 dot products over q and K rows read from workgroup memory: 4 + BN / 16 loads
+    for 4 BN / 16 vec4 products, where attention_tiled's thread per score read two floats per
+    product), then, after a thread per row has updated its online softmax, the rows' outputs in
+    D / 16 dimensions (4 x D / 64 vec4 accumulators in registers) from the tile's probabilities
+    and V. q and K rows D / 4 + 1 vec4s apart (the 16 threads reading 16 K rows at once hit
+    different banks). head_dim a multiple of 64; grid (heads, ceil(rows / BLOCKED_ROWS))."""
+    d = head_dim
+    bn = attention_blocked_keys(d, workgroup_bytes)
+    if not bn:
+        raise ValueError(f"attention_blocked: head_dim {d} (a multiple of 64) within {workgroup_bytes} bytes of "
+                         "workgroup memory")
+    kpt, dv, d4 = bn // 16, d // 64, d // 4  # keys per thread, output vec4s per row per thread
+    parts = [(ActDesc("Q"), None), (ActDesc("KC", dtype=cache_dtype), None), (ActDesc("VC", dtype=cache_dtype), None),
+             (ActDesc("O"), None)]
+    rows4, keys = range(4), range(kpt)
+    acc_decl = " ".join(f"var a{i}_{e} = vec4<f32>(0.0);" for i in rows4 for e in range(dv))
+    s_decl = " ".join(f"var s{i}_{j} = 0.0;" for i in rows4 for j in keys)
+    s_loads = " ".join(f"let q{i} = qs[(r0 + {i}u) * ST + c];" for i in rows4) + " " + \
+        " ".join(f"let k{j} = kv[(cg + {16 * j}u) * ST + c];" for j in keys)
+    s_dots = " ".join(f"s{i}_{j} += dot(q{i}, k{j});" for i in rows4 for j in keys)
+    s_store = "\n".join(f"        {{ let key = j0 + cg + {16 * j}u; p[(r0 + {i}u) * BN + cg + {16 * j}u] = "
+                         f"select(${{NEG}}, s{i}_{j}, key <= qpos0 + {i}u && key < k_end); }}" for i in rows4 for j in keys)
+    rescale = " ".join(f"a{i}_{e} *= al{i};" for i in rows4 for e in range(dv))
+    alphas = " ".join(f"let al{i} = row_a[r0 + {i}u];" for i in rows4)
+    pv = (" ".join(f"let v{e} = kv[j * ST + cg * {dv}u + {e}u];" for e in range(dv)) + " "
+          + " ".join(f"let p{i} = p[(r0 + {i}u) * BN + j];" for i in rows4) + " "
+          + " ".join(f"a{i}_{e} += p{i} * v{e};" for i in rows4 for e in range(dv)))
+    stores = "\n".join(f"""    if (m0 + r0 + {i}u < n_rows) {{
+        let l = row_l[r0 + {i}u]; let ob = (m0 + r0 + {i}u) * H * D + h * D;
+{"".join(f"        {{ let o = a{i}_{e} / l; let c = 4u * (cg * {dv}u + {e}u); O_st(ob + c, o.x); O_st(ob + c + 1u, o.y); O_st(ob + c + 2u, o.z); O_st(ob + c + 3u, o.w); }}{chr(10)}" for e in range(dv))}    }}""" for i in rows4)
+    body = """
+const H: u32 = ${H}u; const G: u32 = ${G}u; const D: u32 = ${D}u; const REP: u32 = ${H}u / ${G}u;
+const BM: u32 = ${BM}u; const BN: u32 = ${BN}u; const D4: u32 = ${D4}u; const ST: u32 = ${D4}u + 1u;
+var<workgroup> qs: array<vec4<f32>, ${QS}>;
+var<workgroup> kv: array<vec4<f32>, ${KS}>;
+var<workgroup> p: array<f32, ${BMBN}>;
+var<workgroup> row_m: array<f32, ${BM}>;
+var<workgroup> row_l: array<f32, ${BM}>;
+var<workgroup> row_a: array<f32, ${BM}>;
+fn kv_row(j: u32, c: u32, kvh: u32, k: bool) -> vec4<f32> {
+    let b = j * G * D + kvh * D + 4u * c;
+    if (k) { return vec4<f32>(KC_ld(b), KC_ld(b + 1u), KC_ld(b + 2u), KC_ld(b + 3u)); }
+    return vec4<f32>(VC_ld(b), VC_ld(b + 1u), VC_ld(b + 2u), VC_ld(b + 3u));
+}
+@compute @workgroup_size(128)
+fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {
+    let h = wid.x; let m0 = wid.y * BM;
+    let kvh = h / REP;
+    let n_rows = ${ROWS_EXPR};
+    let rg = lid / 16u; let cg = lid % 16u; let r0 = 4u * rg;
+    for (var e = lid; e < BM * D4; e += 128u) {
+        let r = e / D4; let c = e % D4;
+        var v = vec4<f32>(0.0);
+        if (m0 + r < n_rows) { let b = (m0 + r) * H * D + h * D + 4u * c; v = vec4<f32>(Q_ld(b), Q_ld(b + 1u), Q_ld(b + 2u), Q_ld(b + 3u)) * ${SCALE}; }
+        qs[r * ST + c] = v;
+    }
+    if (lid < BM) { row_m[lid] = ${NEG}; row_l[lid] = 0.0; }
+    ACC_DECL
+    let last_row = min(m0 + BM, n_rows) - 1u;
+    let k_end = step.start + last_row + 1u;  // keys the tile's last row sees
+    let qpos0 = step.start + m0 + r0;
+    for (var j0 = 0u; j0 < k_end; j0 += BN) {
+        workgroupBarrier();
+        for (var e = lid; e < BN * D4; e += 128u) {
+            let j = e / D4; let c = e % D4;
+            var v = vec4<f32>(0.0);
+            if (j0 + j < k_end) { v = kv_row(j0 + j, c, kvh, true); }
+            kv[j * ST + c] = v;
+        }
+        workgroupBarrier();
+        S_DECL
+        for (var c = 0u; c < D4; c++) { S_LOADS S_DOTS }
+S_STORE
+        workgroupBarrier();
+        if (lid < BM) {
+            var mx = row_m[lid];
+            for (var j = 0u; j < BN; j++) { mx = max(mx, p[lid * BN + j]); }
+            var sum = 0.0;
+            for (var j = 0u; j < BN; j++) {
+                let sv = p[lid * BN + j];
+                let e = select(0.0, exp(sv - mx), sv > ${NEG});
+                p[lid * BN + j] = e; sum += e;
+            }
+            let alpha = exp(row_m[lid] - mx);
+            row_a[lid] = alpha; row_l[lid] = row_l[lid] * alpha + sum; row_m[lid] = mx;
+        }
+        for (var e = lid; e < BN * D4; e += 128u) {  // V over K: every score is in p
+            let j = e / D4; let c = e % D4;
+            var v = vec4<f32>(0.0);
+            if (j0 + j < k_end) { v = kv_row(j0 + j, c, kvh, false); }
+            kv[j * ST + c] = v;
+        }
+        workgroupBarrier();
+        ALPHAS RESCALE
+        for (var j = 0u; j < BN; j++) { PV }
+    }
+STORES
+}
+"""
+    for k, v in {"ACC_DECL": acc_decl, "S_DECL": s_decl, "S_LOADS": s_loads, "S_DOTS": s_dots, "S_STORE": s_store,
+                 "ALPHAS": alphas, "RESCALE": rescale, "PV": pv, "STORES": stores}.items():
+        body = body.replace(k, v)
+    return _render("attention_blocked", parts, body, 128, H=n_heads, G=n_kv, D=d, BM=BLOCKED_ROWS, BN=bn, D4=d4,
+                   QS=BLOCKED_ROWS * (d4 + 1), KS=bn * (d4 + 1), BMBN=BLOCKED_ROWS * bn, SCALE=_f(scale), NEG=NEG,
+                   ROWS_EXPR=rows, dtypes=dtypes)
+
+
 def _attention_tiles(head_dim: int, workgroup_bytes: int) -> tuple[int, int]:
     """attention_tiled's (BM query rows, BN keys) per workgroup: 16 x 16, halved until q, K (rows
     D + 1 floats apart), V, the scores and the rows' softmax state fit in workgroup_bytes."""

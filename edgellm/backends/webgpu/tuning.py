@@ -398,6 +398,75 @@ def _time_attention(dev: Device, n_heads: int, n_kv: int, head_dim: int, sg: int
     return 1e6 * Chain(dev, [(L, (n_heads, 1, splits))]).time(repeat=max(10, len(copies)))
 
 
+PREFILL_ATTENTION_ROWS = 512  # prefill attention timed over a chunk of this many tokens from position 0
+PREFILL_ATTENTION_KINDS = ("tiled", "blocked")  # kernels.attention_tiled (the default), attention_blocked
+
+
+def prefill_attention_kind(dev: Device, n_heads: int, n_kv: int, head_dim: int, cache_dtype: str,
+                           workgroup_bytes: int, tune: bool = True) -> str:
+    """The prefill's causal attention kernel: "tiled" (kernels.attention_tiled, a thread per
+    score; the default) or, with tuning on (tuning_on) and where it applies (head size a multiple
+    of 64), "blocked" (kernels.attention_blocked, register blocks) if it times faster over a
+    PREFILL_ATTENTION_ROWS-token chunk; cached per adapter. EDGELLM_WEBGPU_PREFILL_ATTN=tiled|blocked
+    forces one (A/B measurement, tests). tune False: the cached pick or the default."""
+    from ...errors import GraphError
+    from .kernels import attention_blocked_keys
+
+    fits = attention_blocked_keys(head_dim, workgroup_bytes) > 0
+    v = os.environ.get("EDGELLM_WEBGPU_PREFILL_ATTN", "").strip()
+    if v:
+        if v not in PREFILL_ATTENTION_KINDS:
+            raise GraphError(f"EDGELLM_WEBGPU_PREFILL_ATTN={v!r}: expected one of {', '.join(PREFILL_ATTENTION_KINDS)}")
+        return v if fits or v == "tiled" else "tiled"
+    default = {"kind": "tiled"}
+    if not fits or not tuning_on(dev):
+        return default["kind"]
+    key = (n_heads, n_kv, head_dim, cache_dtype, PREFILL_ATTENTION_ROWS)
+    if not tune:
+        return (_tuner(dev).cached("webgpu_prefill_attention_v1", key) or default)["kind"]
+    make = lambda cfg: (_prefill_attention(n_heads, n_kv, head_dim, cache_dtype, workgroup_bytes, cfg["kind"]),)  # noqa: E731
+    state: dict = {}
+    return _pick(dev, "webgpu_prefill_attention_v1", key, [{"kind": "blocked"}], default, make,
+                 lambda cfg: _time_prefill_attention(dev, n_heads, n_kv, head_dim, cache_dtype, workgroup_bytes,
+                                                     cfg["kind"], state), rounds=PREFILL_ROUNDS)["kind"]
+
+
+def _prefill_attention(n_heads: int, n_kv: int, head_dim: int, cache_dtype: str, workgroup_bytes: int, kind: str):
+    from . import kernels
+
+    make = kernels.attention_blocked if kind == "blocked" else kernels.attention_tiled
+    return make(n_heads, n_kv, head_dim, head_dim ** -0.5, "step.seq", cache_dtype=cache_dtype,
+                workgroup_bytes=workgroup_bytes, dtypes={"KC": cache_dtype, "VC": cache_dtype})
+
+
+def prefill_attention_grid(kind: str, n_heads: int, head_dim: int, rows: int, workgroup_bytes: int) -> tuple[int, int, int]:
+    """The dispatch grid of prefill_attention_kind's kernel over `rows` query rows."""
+    from . import kernels
+
+    bm = kernels.BLOCKED_ROWS if kind == "blocked" else kernels.attention_tile_rows(head_dim, workgroup_bytes)
+    return n_heads, -(-rows // bm), 1
+
+
+def _time_prefill_attention(dev: Device, n_heads: int, n_kv: int, head_dim: int, cache_dtype: str,
+                            workgroup_bytes: int, kind: str, state: dict) -> float:
+    """Microseconds of one PREFILL_ATTENTION_ROWS-token chunk's causal attention from position 0
+    (the chunk's K and V rows are in the L2 cache after the q|k|v product wrote them, as here)."""
+    import numpy as np
+
+    from .launch import Chain, Launch, upload_f32
+
+    n = PREFILL_ATTENTION_ROWS
+    if "io" not in state:
+        rng = np.random.default_rng(0)
+        ftype = np.float16 if cache_dtype == "f16" else np.float32
+        state["io"] = {"Q": upload_f32(dev, rng.standard_normal(n * n_heads * head_dim).astype(np.float32)),
+                       "O": dev.buffer(4 * n * n_heads * head_dim),
+                       **{k: dev.upload(rng.standard_normal(n * n_kv * head_dim).astype(ftype)) for k in ("KC", "VC")}}
+    L = Launch(dev, _prefill_attention(n_heads, n_kv, head_dim, cache_dtype, workgroup_bytes, kind), state["io"])
+    L.set_step(seq=n, start=0)
+    return 1e6 * Chain(dev, [(L, prefill_attention_grid(kind, n_heads, head_dim, n, workgroup_bytes))]).time(repeat=3)
+
+
 def _tuner(dev: Device):
     t = _TUNERS.get(dev.info.key())
     if t is None:
