@@ -1135,21 +1135,27 @@ def test_attention_tiled(dev, rng, rows, start, d, kv, wgb):
     wgb KiB of workgroup memory (14: the tiles halved to 8 x 8 to fit)."""
     if kv == "f16" and not dev.has_f16:
         pytest.skip("the adapter has no shader-f16")
-    h, g, ctx = 6, 2, 64
+    h, g = 6, 2
+    scale, bufs, want = _prefill_attention_case(dev, rng, rows, start, h, g, d, 64, kv)
+    L = Launch(dev, kernels.attention_tiled(h, g, d, scale, "step.seq", cache_dtype=kv, workgroup_bytes=wgb * 1024), bufs)
+    L.set_step(seq=rows, start=start)
+    bm = kernels.attention_tile_rows(d, wgb * 1024)
+    assert bm == (16 if wgb == 28 else 8)
+    L.run((h, -(-rows // bm), 1))
+    check(read_f32(dev, bufs["O"], rows * h * d), want, 1e-5)
+
+
+def _prefill_attention_case(dev, rng, rows, start, h, g, d, ctx, kv):
+    """(scale, buffers Q, KC, VC (cache dtype kv), O poisoned, the float64 reference's output)."""
     q = rng.standard_normal((rows, h * d)).astype(np.float32)
     kc, vc = rng.standard_normal((2, ctx, g * d)).astype(np.float32)
     if kv == "f16":
         kc, vc = kc.astype(np.float16).astype(np.float32), vc.astype(np.float16).astype(np.float32)
     scale = 1 / math.sqrt(d)
     bufs = dict(Q=upload_f32(dev, q), KC=_cache(dev, kc, kv), VC=_cache(dev, vc, kv), O=nan_buffer(dev, rows * h * d))
-    L = Launch(dev, kernels.attention_tiled(h, g, d, scale, "step.seq", cache_dtype=kv, workgroup_bytes=wgb * 1024), bufs)
-    L.set_step(seq=rows, start=start)
-    bm = kernels.attention_tile_rows(d, wgb * 1024)
-    assert bm == (16 if wgb == 28 else 8)
-    L.run((h, -(-rows // bm), 1))
     want = ref("attention", [torch.from_numpy(q), torch.from_numpy(kc), torch.from_numpy(vc), start],
                n_heads=h, n_kv_heads=g, head_dim=d, scale=scale)
-    check(read_f32(dev, bufs["O"], rows * h * d), want, 1e-5)
+    return scale, bufs, want
 
 
 @pytest.mark.parametrize("rows,start,d,kv,wgb", [(37, 0, 128, "f32", 28), (21, 13, 64, "f32", 28), (70, 3, 128, "f16", 28),
@@ -1160,22 +1166,15 @@ def test_attention_blocked(dev, rng, rows, start, d, kv, wgb):
     the float64 reference; every output element written (poisoned first)."""
     if kv == "f16" and not dev.has_f16:
         pytest.skip("the adapter has no shader-f16")
-    h, g, ctx = 6, 2, 128
+    h, g = 6, 2
     bn = kernels.attention_blocked_keys(d, wgb * 1024)
     assert bn == (32 if wgb == 28 and d == 64 else 16)
     assert kernels.attention_blocked_keys(128, 20 * 1024) == 0 and kernels.attention_blocked_keys(96, 28 * 1024) == 0
-    q = rng.standard_normal((rows, h * d)).astype(np.float32)
-    kc, vc = rng.standard_normal((2, ctx, g * d)).astype(np.float32)
-    if kv == "f16":
-        kc, vc = kc.astype(np.float16).astype(np.float32), vc.astype(np.float16).astype(np.float32)
-    scale = 1 / math.sqrt(d)
-    bufs = dict(Q=upload_f32(dev, q), KC=_cache(dev, kc, kv), VC=_cache(dev, vc, kv), O=nan_buffer(dev, rows * h * d))
+    scale, bufs, want = _prefill_attention_case(dev, rng, rows, start, h, g, d, 128, kv)
     L = Launch(dev, kernels.attention_blocked(h, g, d, scale, "step.seq", cache_dtype=kv, workgroup_bytes=wgb * 1024),
                bufs)
     L.set_step(seq=rows, start=start)
     L.run((h, -(-rows // kernels.BLOCKED_ROWS), 1))
-    want = ref("attention", [torch.from_numpy(q), torch.from_numpy(kc), torch.from_numpy(vc), start],
-               n_heads=h, n_kv_heads=g, head_dim=d, scale=scale)
     check(read_f32(dev, bufs["O"], rows * h * d), want, 1e-5)
     with pytest.raises(ValueError, match="a multiple of 64"):
         kernels.attention_blocked(h, g, 80, scale, "step.seq")

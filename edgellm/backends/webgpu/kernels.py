@@ -1348,12 +1348,10 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 
 # the token choice's output: TOK[0] and HIST[step.p0] get the first index of the workgroup's best
 # score, each thread bringing its own best (m at index mi)
-_TOKEN_PICK = """
-@group(0) @binding(${TOKB}) var<storage, read_write> TOK: array<u32>;
-@group(0) @binding(${HISTB}) var<storage, read_write> HIST: array<u32>;
+_BEST_OF = """
 var<workgroup> best: array<f32, ${WG}>;
 var<workgroup> bidx: array<u32, ${WG}>;
-fn pick(m: f32, mi: u32, lid: u32) {
+fn best_of(m: f32, mi: u32, lid: u32) -> vec2<u32> {  // the workgroup's largest value (bits), first index
     best[lid] = m; bidx[lid] = mi;
     workgroupBarrier();
     for (var s = ${WG}u / 2u; s > 0u; s = s >> 1u) {
@@ -1363,7 +1361,15 @@ fn pick(m: f32, mi: u32, lid: u32) {
         }
         workgroupBarrier();
     }
-    if (lid == 0u) { TOK[0] = bidx[0]; HIST[step.p0] = bidx[0]; }
+    return vec2<u32>(bitcast<u32>(best[0]), bidx[0]);
+}
+"""
+_TOKEN_PICK = """
+@group(0) @binding(${TOKB}) var<storage, read_write> TOK: array<u32>;
+@group(0) @binding(${HISTB}) var<storage, read_write> HIST: array<u32>;""" + _BEST_OF + """
+fn pick(m: f32, mi: u32, lid: u32) {
+    let r = best_of(m, mi, lid);
+    if (lid == 0u) { TOK[0] = r.y; HIST[step.p0] = r.y; }
 }
 """
 
@@ -1383,23 +1389,7 @@ def argmax(n: int, wg: int = 256, *, dtypes: dict | None = None) -> tuple[Kernel
     2026-11-30)."""
     nwg = argmax_parallelism(n)
     chunk = -(-n // nwg)
-    reduce = """
-var<workgroup> best: array<f32, ${WG}>;
-var<workgroup> bidx: array<u32, ${WG}>;
-fn best_of(m: f32, mi: u32, lid: u32) -> vec2<u32> {  // the workgroup's largest value, first index
-    best[lid] = m; bidx[lid] = mi;
-    workgroupBarrier();
-    for (var s = ${WG}u / 2u; s > 0u; s = s >> 1u) {
-        if (lid < s) {
-            let v = best[lid + s]; let j = bidx[lid + s];
-            if (v > best[lid] || (v == best[lid] && j < bidx[lid])) { best[lid] = v; bidx[lid] = j; }
-        }
-        workgroupBarrier();
-    }
-    return vec2<u32>(bitcast<u32>(best[0]), bidx[0]);
-}
-"""
-    part_body = reduce + """
+    part_body = _BEST_OF + """
 @group(0) @binding(${PARTB}) var<storage, read_write> PART: array<u32>;
 @compute @workgroup_size(${WG})
 fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {
@@ -1412,10 +1402,8 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
 """
     part = _render("argmax_part", [(ActDesc("X"), None)], part_body, wg, N=n, NEG=NEG, CHUNK=chunk, PARTB=2,
                    dtypes=dtypes)
-    pick_body = reduce + """
+    pick_body = _TOKEN_PICK + """
 @group(0) @binding(${PARTB}) var<storage, read_write> PART: array<u32>;
-@group(0) @binding(${TOKB}) var<storage, read_write> TOK: array<u32>;
-@group(0) @binding(${HISTB}) var<storage, read_write> HIST: array<u32>;
 @compute @workgroup_size(${WG})
 fn main(@builtin(local_invocation_index) lid: u32) {
     var m = ${NEG}; var mi = 0xffffffffu;
@@ -1423,8 +1411,7 @@ fn main(@builtin(local_invocation_index) lid: u32) {
         let v = bitcast<f32>(PART[2u * w]); let j = PART[2u * w + 1u];
         if (v > m || (v == m && j < mi)) { m = v; mi = j; }
     }
-    let r = best_of(m, mi, lid);
-    if (lid == 0u) { TOK[0] = r.y; HIST[step.p0] = r.y; }
+    pick(m, mi, lid);
 }
 """
     pick = _render("argmax_pick", [], pick_body, wg, NEG=NEG, NWG=nwg, PARTB=1, TOKB=2, HISTB=3, dtypes=dtypes)
@@ -1941,6 +1928,22 @@ ${STORE}
                    ROWS_EXPR=rows, dtypes=dtypes)
 
 
+# the tiled prefill attentions' online softmax: thread `lid` < BM updates row lid's maximum, sum
+# and rescale factor (row_m, row_l, row_a) from the tile's BN scores in p, which become exp(s - max)
+_ROW_SOFTMAX = """        if (lid < BM) {
+            var mx = row_m[lid];
+            for (var j = 0u; j < BN; j++) { mx = max(mx, p[lid * BN + j]); }
+            var sum = 0.0;
+            for (var j = 0u; j < BN; j++) {
+                let sv = p[lid * BN + j];
+                let e = select(0.0, exp(sv - mx), sv > ${NEG});
+                p[lid * BN + j] = e; sum += e;
+            }
+            let alpha = exp(row_m[lid] - mx);
+            row_a[lid] = alpha; row_l[lid] = row_l[lid] * alpha + sum; row_m[lid] = mx;
+        }"""
+
+
 def attention_tiled(n_heads: int, n_kv: int, head_dim: int, scale: float, rows: str, *, cache_dtype: str = "f32",
                     workgroup_bytes: int = 28 * 1024, dtypes: dict | None = None) -> Kernel:
     """Causal prefill attention in tiles (flash attention without matrix units): a workgroup takes
@@ -2002,18 +2005,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
         }
         p[lid] = sc;
         workgroupBarrier();
-        if (lid < BM) {
-            var mx = row_m[lid];
-            for (var j = 0u; j < BN; j++) { mx = max(mx, p[lid * BN + j]); }
-            var sum = 0.0;
-            for (var j = 0u; j < BN; j++) {
-                let sv = p[lid * BN + j];
-                let e = select(0.0, exp(sv - mx), sv > ${NEG});
-                p[lid * BN + j] = e; sum += e;
-            }
-            let alpha = exp(row_m[lid] - mx);
-            row_a[lid] = alpha; row_l[lid] = row_l[lid] * alpha + sum; row_m[lid] = mx;
-        }
+ROW_SOFTMAX
         workgroupBarrier();
         let alpha = row_a[qi];
         for (var c = 0u; c < DPT; c++) {
@@ -2035,6 +2027,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     }
 }
 """
+    body = body.replace("ROW_SOFTMAX", _ROW_SOFTMAX)
     return _render("attention_tiled", parts, body, wg, H=n_heads, G=n_kv, D=d, BM=bm, BN=bn, DPT=dpt, QS=bm * (d + 1),
                    KS=bn * (d + 1), VS=bn * d, BMBN=bm * bn, SCALE=_f(scale), NEG=NEG, ROWS_EXPR=rows, dtypes=dtypes)
 
@@ -2134,18 +2127,7 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
         for (var c = 0u; c < D4; c++) { S_LOADS S_DOTS }
 S_STORE
         workgroupBarrier();
-        if (lid < BM) {
-            var mx = row_m[lid];
-            for (var j = 0u; j < BN; j++) { mx = max(mx, p[lid * BN + j]); }
-            var sum = 0.0;
-            for (var j = 0u; j < BN; j++) {
-                let sv = p[lid * BN + j];
-                let e = select(0.0, exp(sv - mx), sv > ${NEG});
-                p[lid * BN + j] = e; sum += e;
-            }
-            let alpha = exp(row_m[lid] - mx);
-            row_a[lid] = alpha; row_l[lid] = row_l[lid] * alpha + sum; row_m[lid] = mx;
-        }
+ROW_SOFTMAX
         for (var e = lid; e < BN * D4; e += 128u) {  // V over K: every score is in p
             let j = e / D4; let c = e % D4;
             var v = vec4<f32>(0.0);
@@ -2159,7 +2141,7 @@ S_STORE
 STORES
 }
 """
-    for k, v in {"ACC_DECL": acc_decl, "S_DECL": s_decl, "S_LOADS": s_loads, "S_DOTS": s_dots, "S_STORE": s_store,
+    for k, v in {"ROW_SOFTMAX": _ROW_SOFTMAX, "ACC_DECL": acc_decl, "S_DECL": s_decl, "S_LOADS": s_loads, "S_DOTS": s_dots, "S_STORE": s_store,
                  "ALPHAS": alphas, "RESCALE": rescale, "PV": pv, "STORES": stores}.items():
         body = body.replace(k, v)
     return _render("attention_blocked", parts, body, 128, H=n_heads, G=n_kv, D=d, BM=BLOCKED_ROWS, BN=bn, D4=d4,
