@@ -256,6 +256,46 @@ def test_gate_up_quantizes_the_down_projections_x(models, monkeypatch, name, gem
     assert float(np.abs(ga - gb).max()) <= 1e-5 * float(np.abs(gb).max())
 
 
+@pytest.mark.parametrize("qout_us,used", [(12.0, True), (16.0, False)])
+def test_gate_up_qout_tuned(models, monkeypatch, adapter, gpu_tuning, qout_us, used):
+    """With tuning on, a gate|up GEMV whose pick holds 16 rows a workgroup is timed again among
+    the 32-row candidates with its output quantized (qout) and takes that where it is no slower
+    than its pick plus the down projection's quantize_x (10 + 5 us here): at 12 us it does (the
+    32-row configuration lowered, the down projection's quantize_x gone), at 16 it does not;
+    the logits match the cpu backend's either way."""
+    tuning = gpu_tuning
+    sg = adapter.subgroup_size
+    if not sg:
+        pytest.skip("the adapter's subgroup size is unknown")
+    c16 = tuning.warp_config(adapter, 2, 8 * sg, 1, True, int8=True, planes=2)
+    c32 = tuning.warp_config(adapter, 4, 8 * sg, 1, True, int8=True, planes=2)
+    c16xq = tuning.warp_config(adapter, 2, 8 * sg, 1, True, int8=True, planes=2, xq=True)
+    assert (c16["rows_per_wg"], c32["rows_per_wg"]) == (16, 32)
+    monkeypatch.setattr(tuning, "default_gemv_config", lambda dev, cols=None, fmt=None: c16)
+    monkeypatch.setattr(tuning, "gemv_candidates", lambda dev, **kw: [c32, c16xq])
+    qtimed = []
+
+    def fake(dev, w, n, glu, cfg, fold=None, state=None, qout=None):
+        if qout is not None:
+            qtimed.append(cfg["rows_per_wg"])
+            return qout_us
+        if glu:  # the 16-row staged configuration is gate|up's pick
+            return 10.0 if cfg["rows_per_wg"] == 16 and not cfg.get("xq") else 20.0
+        return 1.0 if cfg.get("xq") else 2.0  # the others read x quantized ahead
+    monkeypatch.setattr(tuning, "_time_gemv", fake)
+    monkeypatch.setattr(tuning, "_time_quantize", lambda *a: 5.0)
+    dec = _compare(models["Q8_0"], steps=2, tol=3e-3).programs["decode"]
+    assert qtimed and set(qtimed) == {32}
+    glus = [o for o in dec.graph.ops if o.kind == "linear_swiglu"]
+    ds = [d for st in dec._steps for d in (st.pick(1, 1) if hasattr(st, "pick") else (st,))]
+    qgemv = [d.kernel for d in ds if d.kernel.name == "gemv_warp" and "YQ[" in d.kernel.source]
+    if used:
+        assert len(dec._qouts) == len(glus) and len(qgemv) == len(glus)
+        assert all(k.rows_per_group == 32 for k in qgemv)
+    else:
+        assert not dec._qouts and not qgemv
+
+
 def backend_folds():
     from edgellm.backends.webgpu.backend import FOLDS
 
@@ -632,7 +672,7 @@ def test_tuning_cached_per_adapter(models, monkeypatch, tmp_path):
     assert 0 < first.load_phases["tuning"] <= first.load_phases["weights"]
     timed = []
     monkeypatch.setattr(tuning, "_TUNERS", {})
-    for fn in ("_time_gemv", "_time_attention", "_time_prefill"):
+    for fn in ("_time_gemv", "_time_attention", "_time_prefill", "_time_quantize", "_time_prefill_attention"):
         monkeypatch.setattr(tuning, fn, lambda *a: timed.append(a) or 1.0)
     again = edgellm.load(models["Q8_0"], backend="webgpu", ctx=64)
     assert not timed  # every pick came from the cache
@@ -656,12 +696,12 @@ def test_gemv_tuned_with_its_folds(models, monkeypatch, tmp_path, adapter):
     timed, kernels_timed = [], []
     real_time, real_kernels = tuning._time_gemv, tuning._gemv_kernels
 
-    def time_gemv(dev, w, n, glu, cfg, fold=None, state=None):
+    def time_gemv(dev, w, n, glu, cfg, fold=None, state=None, qout=None):
         timed.append((tuning.fold_tag(fold), cfg))
-        return real_time(dev, w, n, glu, cfg, fold, state)
+        return real_time(dev, w, n, glu, cfg, fold, state, qout)
 
-    def gemv_kernels(w, n, glu, cfg, fold=None, lanes=1):
-        ks = real_kernels(w, n, glu, cfg, fold, lanes)
+    def gemv_kernels(w, n, glu, cfg, fold=None, lanes=1, qout=None):
+        ks = real_kernels(w, n, glu, cfg, fold, lanes, qout)
         kernels_timed.append((tuning.fold_tag(fold), cfg, [k.name for k in ks], ks[0].source))
         return ks
     calls = []
@@ -720,9 +760,9 @@ def test_decode_gemv_tuned_between_x_quantized_ahead_and_staged(models, monkeypa
     timed = []
     real = tuning._time_gemv
 
-    def time_gemv(dev, w, n, glu, cfg, fold=None, state=None):
+    def time_gemv(dev, w, n, glu, cfg, fold=None, state=None, qout=None):
         timed.append((bool(fold), cfg))
-        t = real(dev, w, n, glu, cfg, fold, state)
+        t = real(dev, w, n, glu, cfg, fold, state, qout)
         return t if winner == "timed" else 1.0 if bool(cfg.get("xq")) == (winner == "xq") else 2.0
     monkeypatch.setattr(tuning, "_time_gemv", time_gemv)
     monkeypatch.setattr(backend, "SPLIT_KEYS", 4)
@@ -749,7 +789,7 @@ def test_float_decode_gemv_tuned_with_its_prologue_ahead(models, monkeypatch, tm
     warp = tuning.warp_config(adapter, 2, 64, 1, True)
     monkeypatch.setattr(tuning, "default_gemv_config", lambda dev, cols=None, fmt=None: warp)
     monkeypatch.setattr(tuning, "gemv_candidates", lambda dev, **kw: [warp])
-    monkeypatch.setattr(tuning, "_time_gemv", lambda dev, w, n, glu, cfg, fold=None, state=None:
+    monkeypatch.setattr(tuning, "_time_gemv", lambda dev, w, n, glu, cfg, fold=None, state=None, qout=None:
                         1.0 if bool(cfg.get("ahead")) == (winner == "ahead") else 2.0)
     monkeypatch.setattr(backend, "SPLIT_KEYS", 4)
     dec = _compare(models["F16"], steps=2).programs["decode"]

@@ -260,10 +260,16 @@ class Tuner:
 
     def cached(self, kernel: str, key: tuple) -> Config | None:
         """The cached configuration for (kernel, key), or None (always None when tuning is off)."""
+        entry = self.entry(kernel, key)
+        return dict(entry["config"]) if entry else None
+
+    def entry(self, kernel: str, key: tuple) -> dict | None:
+        """The cached pick for (kernel, key) with its times: {"config", "us", "default_us", ...}, or
+        None (always None when tuning is off)."""
         if not self.enabled:
             return None
         entry = self._cache().get(_entry_key(kernel, key))
-        return dict(entry["config"]) if entry else None
+        return dict(entry) if entry else None
 
     def pick(self, kernel: str, key: tuple, candidates: list[Config], default: Config,
              run: Callable[[Config], None], rounds: int = 1) -> Config:

@@ -770,13 +770,17 @@ class WebgpuProgram:
             cfg = staged(cfg)  # x made or quantized in the GEMV's prologue
         return w, bias, n_out, fold, cfg
 
-    def _qout_reader(self, op: Op, w: DeviceWeight, n_out: int, cfg: dict) -> tuple[int, bool] | None:
-        """The int8 planes and block sums the one GEMV reading this gate|up GEMV's output takes x
-        quantized in (its xq), where this GEMV can quantize its output in its epilogue instead
-        (kernels.gemv_warp's qout: a warp GEMV of 32-row blocks per workgroup); else None."""
+    def _qout_reader(self, op: Op, w: DeviceWeight, n_out: int, fold: dict) -> tuple[tuple[int, bool], dict] | None:
+        """Where the one GEMV reading this gate|up GEMV's output takes x quantized (its xq): the
+        int8 planes and block sums it takes, and this GEMV's configuration quantizing its output
+        in its epilogue instead (kernels.gemv_warp's qout, 32-row blocks a workgroup; tuned: where
+        that times no slower than this GEMV's pick plus the quantize_x dispatch it saves,
+        tuning.gemv_qout_config); else None."""
+        from .tuning import gemv_qout_config
+
         out = op.outputs[0]
         if ("qout" not in fold_kinds() or op.kind != "linear_swiglu" or self.max_seq > GEMV_MAX_ROWS
-                or out in self.graph.outputs or cfg.get("kind") != "warp" or cfg.get("rows_per_wg", 1) % 32 or n_out % 32):
+                or out in self.graph.outputs or n_out % 32 or op.name in self._embeds):
             return None
         readers = [o for o in self.graph.ops if out in o.inputs]
         if len(readers) != 1 or readers[0].kind != "linear" or readers[0].inputs[0] != out:
@@ -788,6 +792,9 @@ class WebgpuProgram:
         if not dcfg.get("xq") or wd.cols != n_out:
             return None
         q = (dcfg.get("planes", 1), kernels.int8_x_sums(wd.fmt))
+        cfg = gemv_qout_config(self.dev, w, n_out, True, fold, q)
+        if cfg is None:
+            return None
         norm_op = None if prologue_ahead(cfg) else self._folds.get(op.name)
         n = self._gemv_bindings(op, w, norm_op, False) + len(kernels.int8_x_parts(*q))
         if cfg.get("xq"):  # x's two bindings (X and its vec4 view) become its quantized arrays
@@ -795,13 +802,16 @@ class WebgpuProgram:
         if n > self.dev.max_storage_buffers:
             return None
         self._qouts[down.name] = q
-        return q
+        return q, cfg
 
     def _lower_linear(self, op: Op):
         R, a, ins, outs = self._res, op.attrs, op.inputs, op.outputs
         glu = op.kind == "linear_swiglu"
         norm_op = self._folds.get(op.name)
         w, bias, n_out, fold, cfg = self._linear_config(op)
+        qout = self._qout_reader(op, w, n_out, fold) if glu else None
+        if qout is not None:
+            qout, cfg = qout
         self.matrix_bytes += w.nbytes
         res_in = ins[-1] if op.kind == "linear" and a.get("has_residual") else None
         rows_expr, rows = self._rows_expr(outs[0]), self._rows(outs[0])
@@ -826,7 +836,6 @@ class WebgpuProgram:
         opts = dict(bias=bool(bias), residual=res_in is not None, glu=glu)
         if norm_op is not None:
             opts.update(norm=fold["norm"], eps=norm_op.attrs["eps"])
-        qout = self._qout_reader(op, w, n_out, cfg) if glu else None
         if qout is not None:  # y also quantized for the down projection's xq (its quantize_x dispatch gone)
             opts["qout"] = qout
             res.update({"Y" + k[1:]: v for k, v in self._int8_x(n_out, *qout, key="int8_y").items()})

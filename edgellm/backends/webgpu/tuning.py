@@ -182,6 +182,14 @@ def gemv_config(dev: Device, w, n_out: int, glu: bool = False, fold: dict | None
     default = default_gemv_config(dev, w.cols, w.fmt)
     if not tuning_on(dev):
         return default
+    key, cands = _gemv_tuning(dev, w, n_out, glu, fold, default)
+    if not tune:
+        return _tuner(dev).cached("webgpu_gemv_v4", key) or default
+    return _pick_gemv(dev, w, n_out, glu, fold or {}, key, cands, default)
+
+
+def _gemv_tuning(dev: Device, w, n_out: int, glu: bool, fold: dict | None, default: dict) -> tuple[tuple, list[dict]]:
+    """gemv_config's tuning key and candidates for a weight and fold."""
     fold = fold or {}
     prologue = bool(fold.get("norm") or fold.get("combine"))
     key = (w.fmt, n_out, w.cols, "glu" if glu else "plain")
@@ -202,17 +210,74 @@ def gemv_config(dev: Device, w, n_out: int, glu: bool = False, fold: dict | None
         key += ("xq",)
     elif prologue:
         key += ("ahead",)
-    if not tune:
-        return _tuner(dev).cached("webgpu_gemv_v4", key) or default
+    return key, cands
+
+
+def _pick_gemv(dev: Device, w, n_out: int, glu: bool, fold: dict, key: tuple, cands: list[dict], default: dict,
+               qout: tuple[int, bool] | None = None) -> dict:
     state: dict = {}
     try:
         return _pick(dev, "webgpu_gemv_v4", key, cands, default,
-                     lambda cfg: _gemv_kernels(w, n_out, glu, cfg, fold, quantize_lanes(dev)),
-                     lambda cfg: _time_gemv(dev, w, n_out, glu, cfg, fold, state))
+                     lambda cfg: _gemv_kernels(w, n_out, glu, cfg, fold, quantize_lanes(dev), qout),
+                     lambda cfg: _time_gemv(dev, w, n_out, glu, cfg, fold, state, qout))
     finally:
         for c in state.get("copies", [])[1:]:
             for b in c.values():
                 b.destroy()
+
+
+def gemv_qout_config(dev: Device, w, n_out: int, glu: bool, fold: dict | None, qout: tuple[int, bool]) -> dict | None:
+    """The configuration of a GEMV that also quantizes its output for the next GEMV's xq
+    (kernels.gemv_warp's qout: 32-row blocks a workgroup), where that times no slower than this
+    GEMV's own pick plus the quantize_x dispatch it saves; else None. With tuning off: the
+    default where it holds 32-row blocks (as the backend decides without timings)."""
+    default = default_gemv_config(dev, w.cols, w.fmt)
+    if not tuning_on(dev):
+        return default if default.get("kind") == "warp" and default.get("rows_per_wg", 1) % 32 == 0 else None
+    key, cands = _gemv_tuning(dev, w, n_out, glu, fold, default)
+    tuner = _tuner(dev)
+    _pick_gemv(dev, w, n_out, glu, fold or {}, key, cands, default)  # the pick without qout (cached)
+    own = tuner.entry("webgpu_gemv_v4", key)
+    blocks = [c for c in [default, *cands] if c.get("kind") == "warp" and c.get("rows_per_wg", 1) % 32 == 0]
+    if own is None or not blocks:
+        return None
+    qkey = key + ("qout{}{}".format(*(int(v) for v in qout)),)
+    cfg = _pick_gemv(dev, w, n_out, glu, fold or {}, qkey, blocks[1:], blocks[0], qout)
+    with_q = tuner.entry("webgpu_gemv_v4", qkey)
+    quant = quantize_us(dev, n_out, *qout)
+    if with_q is None or quant is None or with_q["us"] > own["us"] + quant:
+        return None
+    return cfg
+
+
+def quantize_us(dev: Device, cols: int, planes: int, sums: bool) -> float | None:
+    """Microseconds of kernels.quantize_x over one row of `cols` (a decode GEMV's x quantized
+    ahead), timed once per adapter and cached."""
+    from . import kernels
+
+    lanes = quantize_lanes(dev)
+    key = (cols, planes, int(sums), lanes)
+    state: dict = {}
+    make = lambda cfg: (kernels.quantize_x(cols, "1u", planes=planes, sums=sums, lanes=lanes),)  # noqa: E731
+    _pick(dev, "webgpu_quantize_v1", key, [], {"lanes": lanes}, make,
+          lambda cfg: _time_quantize(dev, cols, planes, sums, lanes, state))
+    entry = _tuner(dev).entry("webgpu_quantize_v1", key)
+    return entry["us"] if entry else None
+
+
+def _time_quantize(dev: Device, cols: int, planes: int, sums: bool, lanes: int, state: dict) -> float:
+    import numpy as np
+
+    from . import kernels
+    from .launch import Chain, Launch, upload_f32
+
+    if "io" not in state:
+        rng = np.random.default_rng(0)
+        state["io"] = {"X": upload_f32(dev, rng.standard_normal(cols).astype(np.float32)),
+                       **int8_x_buffers(dev, 1, cols, planes, sums)}
+    L = Launch(dev, kernels.quantize_x(cols, "1u", planes=planes, sums=sums, lanes=lanes), state["io"])
+    L.set_step(seq=1)
+    return 1e6 * Chain(dev, [(L, quantize_x_grid(cols, 1, lanes=lanes))]).time(repeat=20)
 
 
 def prologue_ahead(cfg: dict) -> bool:
@@ -287,7 +352,7 @@ COMBINE_TIMING_SPLITS = 8  # a folded split merge is timed at this many splits (
 
 
 def _time_gemv(dev: Device, w, n_out: int, glu: bool, cfg: dict, fold: dict | None = None,
-               state: dict | None = None) -> float:
+               state: dict | None = None, qout: tuple[int, bool] | None = None) -> float:
     """Microseconds per launch of the GEMV with this configuration on this weight, its copies
     cycled (weight_copies, made once per weight in `state`) as a model's layers are, with the
     prologue a fold adds (gemv_config's fold) on inputs of its shape; a prologue made ahead
@@ -324,11 +389,13 @@ def _time_gemv(dev: Device, w, n_out: int, glu: bool, cfg: dict, fold: dict | No
         from .kernels import int8_x_sums
 
         io.update(int8_x_buffers(dev, 1, w.cols, cfg.get("planes", 1), int8_x_sums(w.fmt)))
+    if qout is not None and "YQ" not in io:  # the output quantized too (gemv_warp's qout)
+        io.update({"Y" + k[1:]: b for k, b in int8_x_buffers(dev, 1, n_out, *qout).items()})
     lanes = quantize_lanes(dev)
     grids = {"quantize_x": quantize_x_grid(w.cols, 1, norm=bool(fold.get("norm")), lanes=lanes), "rms_norm": (1, 1, 1),
              "attention_combine": (fold.get("combine") or (1,))[:1] + (1, 1)}
     chain = []
-    for k in _gemv_kernels(w, n_out, glu, cfg, fold, lanes):  # a prologue's dispatch made ahead, then the GEMV
+    for k in _gemv_kernels(w, n_out, glu, cfg, fold, lanes, qout):  # a prologue's dispatch made ahead, then the GEMV
         L = Launch(dev, k, [{**c, **io} for c in state["copies"]])
         L.set_step(seq=1, n_splits=COMBINE_TIMING_SPLITS if fold.get("combine") else 1)
         chain.append((L, grids.get(k.name) or (*_grid2(-(-n_out // cfg["rows_per_wg"]), dev.max_groups), 1)))
@@ -520,22 +587,23 @@ def staged(cfg: dict) -> dict:
     return {**c, "stage": True} if cfg.get("xq") else c
 
 
-def _gemv_kernels(w, n_out: int, glu: bool, cfg: dict, fold: dict | None = None, lanes: int = 1) -> tuple:
+def _gemv_kernels(w, n_out: int, glu: bool, cfg: dict, fold: dict | None = None, lanes: int = 1,
+                  qout: tuple[int, bool] | None = None) -> tuple:
     """The kernels a decode GEMV configuration runs, with the prologue of `fold` (gemv_config):
     in the GEMV, or made ahead (prologue_ahead) by a dispatch of its own first (quantize_x with
-    `lanes` lanes a block)."""
+    `lanes` lanes a block); qout: the GEMV also quantizes its output (gemv_warp's qout)."""
     from . import kernels
     from .backend import MAX_SPLITS, combine_unroll
 
-    fold, opts = fold or {}, {}
+    fold, opts = fold or {}, ({"qout": qout} if qout is not None else {})
     norm = {"norm": fold["norm"], "eps": 1e-5} if fold.get("norm") else {}
     if cfg.get("xq"):  # x quantized by its own dispatch first (with the prologue)
         planes, sums = cfg.get("planes", 1), kernels.int8_x_sums(w.fmt)
         merge = {"combine": fold["combine"]} if fold.get("combine") else {}
         return (kernels.quantize_x(w.cols, "1u", planes=planes, sums=sums, lanes=lanes, **norm, **merge),
-                kernels.decode_gemv(w.desc(), n_out, "1u", cfg, glu=glu))
+                kernels.decode_gemv(w.desc(), n_out, "1u", cfg, glu=glu, **opts))
     if cfg.get("ahead"):  # the op's own kernel first, the GEMV reading its output
-        gemv = kernels.decode_gemv(w.desc(), n_out, "1u", staged(cfg), glu=glu)
+        gemv = kernels.decode_gemv(w.desc(), n_out, "1u", staged(cfg), glu=glu, **opts)
         if fold.get("combine"):
             return (kernels.attention_combine(*fold["combine"], "1u"), gemv)
         if norm:
