@@ -1011,9 +1011,8 @@ class WebgpuProgram:
             wb = self.dev.max_workgroup_memory - 4096
             cache_dtype = _dtypes(res).get("KC", "f32")
             kind = prefill_attention_kind(self.dev, h, g, d, cache_dtype, wb)
-            make = kernels.attention_blocked if kind == "blocked" else kernels.attention_tiled
-            tiled = _Dispatch(self, make(h, g, d, a["scale"], rows_expr, cache_dtype=cache_dtype, dtypes=_dtypes(res),
-                                         workgroup_bytes=wb),
+            tiled = _Dispatch(self, kernels.PREFILL_ATTENTIONS[kind](h, g, d, a["scale"], rows_expr, cache_dtype=cache_dtype,
+                                                                     dtypes=_dtypes(res), workgroup_bytes=wb),
                               res, lambda s, n: prefill_attention_grid(kind, h, d, rows(s), wb))
             return [_Choice(lambda s, n: (direct,) if s <= GEMV_MAX_ROWS else (tiled,), direct, tiled)]
         ws = self.backend.workspace(h * MAX_SPLITS * (d + 2) * 4)

@@ -2149,6 +2149,10 @@ STORES
                    ROWS_EXPR=rows, dtypes=dtypes)
 
 
+# the prefill's causal attention kernels by the name the tuner keeps (tuning.prefill_attention_kind)
+PREFILL_ATTENTIONS = {"tiled": attention_tiled, "blocked": attention_blocked}
+
+
 def _attention_tiles(head_dim: int, workgroup_bytes: int) -> tuple[int, int]:
     """attention_tiled's (BM query rows, BN keys) per workgroup: 16 x 16, halved until q, K (rows
     D + 1 floats apart), V, the scores and the rows' softmax state fit in workgroup_bytes."""

@@ -9,7 +9,7 @@ import os
 
 from ...errors import EdgeLLMError
 from .device import Device
-from .kernels import INT8_FORMATS, INT8_GEMM_FORMATS, quantize_x_grid
+from .kernels import INT8_FORMATS, INT8_GEMM_FORMATS, PREFILL_ATTENTIONS, quantize_x_grid
 
 
 def quantize_lanes(dev: Device) -> int:
@@ -466,7 +466,7 @@ def _time_attention(dev: Device, n_heads: int, n_kv: int, head_dim: int, sg: int
 
 
 PREFILL_ATTENTION_ROWS = 512  # prefill attention timed over a chunk of this many tokens from position 0
-PREFILL_ATTENTION_KINDS = ("tiled", "blocked")  # kernels.attention_tiled (the default), attention_blocked
+PREFILL_ATTENTION_KINDS = tuple(PREFILL_ATTENTIONS)  # "tiled" (kernels.attention_tiled, the default), "blocked"
 
 
 def prefill_attention_kind(dev: Device, n_heads: int, n_kv: int, head_dim: int, cache_dtype: str,
@@ -499,10 +499,7 @@ def prefill_attention_kind(dev: Device, n_heads: int, n_kv: int, head_dim: int, 
 
 
 def _prefill_attention(n_heads: int, n_kv: int, head_dim: int, cache_dtype: str, workgroup_bytes: int, kind: str):
-    from . import kernels
-
-    make = kernels.attention_blocked if kind == "blocked" else kernels.attention_tiled
-    return make(n_heads, n_kv, head_dim, head_dim ** -0.5, "step.seq", cache_dtype=cache_dtype,
+    return PREFILL_ATTENTIONS[kind](n_heads, n_kv, head_dim, head_dim ** -0.5, "step.seq", cache_dtype=cache_dtype,
                 workgroup_bytes=workgroup_bytes, dtypes={"KC": cache_dtype, "VC": cache_dtype})
 
 
