@@ -603,9 +603,7 @@ class WebgpuProgram:
         among gemv_warp's candidates."""
         from .tuning import default_gemv_config
 
-        names = [self._wname(t) for t in (lin.inputs[1:4] if lin.kind == "linear_qkv" else
-                                          lin.inputs[1:3] if lin.kind == "linear_swiglu" else lin.inputs[1:2])]
-        w = self.backend.weights.matrix(*names)
+        w = self._linear_weight(lin)
         cfg = default_gemv_config(self.dev, w.cols, w.fmt)
         return (w, cfg) if cfg.get("kind") == "warp" else None
 
@@ -741,18 +739,22 @@ class WebgpuProgram:
         """Whether a step of this many attention splits merges them in the output projection."""
         return 1 < splits <= COMBINE_IN_GEMV_SPLITS
 
+    def _linear_weight(self, op: Op) -> DeviceWeight:
+        """A projection's device weight (q|k|v and gate|up stacked)."""
+        ins = op.inputs
+        sel = ins[1:4] if op.kind == "linear_qkv" else ins[1:3] if op.kind == "linear_swiglu" else ins[1:2]
+        return self.backend.weights.matrix(*(self._wname(t) for t in sel))
+
     def _linear_config(self, op: Op) -> tuple:
         """A projection's (device weight, bias tensors, output features, folds, GEMV configuration)."""
-        W, a, ins = self.backend.weights, op.attrs, op.inputs
+        a, ins = op.attrs, op.inputs
         glu = op.kind == "linear_swiglu"
+        w = self._linear_weight(op)
         if op.kind == "linear_qkv":
-            w = W.matrix(*(self._wname(t) for t in ins[1:4]))
             bias = ins[4:7] if a.get("has_bias") else ()
         elif glu:
-            w = W.matrix(self._wname(ins[1]), self._wname(ins[2]))
             bias = ()
         else:
-            w = W.matrix(self._wname(ins[1]))
             bias = (ins[2],) if a.get("has_bias") else ()
         n_out = w.rows // 2 if glu else w.rows
         norm_op, attn = self._folds.get(op.name), self._combines.get(op.name)
