@@ -1,10 +1,11 @@
 """Where a load's time goes: each model is loaded once to fill the engine cache (cold), then again
 in a fresh process under cProfile (warm), as `edgellm run` loads it.
 
-    python benchmarks/profile_load.py --backend cuda FILE.gguf [FILE.gguf ...] [--top 30]
+    python benchmarks/profile_load.py --backend cuda FILE.gguf [FILE.gguf ...] [--top 30] [--profile cold]
 
 Per file: the load phases (Model.load_phases), the cache hits, and the functions with the largest
-cumulative and own time of the warm load. A fresh EDGELLM_CACHE_DIR is used unless --keep-cache.
+cumulative and own time of the warm load (--profile cold: of the first load, with the engine cache
+empty; both: of each). A fresh EDGELLM_CACHE_DIR is used unless --keep-cache.
 """
 
 from __future__ import annotations
@@ -45,13 +46,15 @@ def main() -> int:
     ap.add_argument("--backend", default="cuda")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--keep-cache", action="store_true", help="use the current engine cache as it is")
+    ap.add_argument("--profile", choices=("warm", "cold", "both"), default="warm", help="which load runs under cProfile")
     a = ap.parse_args()
     env = dict(os.environ)
     if not a.keep_cache:
         env["EDGELLM_CACHE_DIR"] = tempfile.mkdtemp(prefix="edgellm-profile-load-")
     for f in a.files:
         first = "first (cache as found)" if a.keep_cache else "cold"
-        for label, prof in ((first, "0"), ("warm", "1"), ("warm again", "0")):
+        cold, warm = a.profile in ("cold", "both"), a.profile in ("warm", "both")
+        for label, prof in ((first, str(int(cold))), ("warm", str(int(warm))), ("warm again", "0")):
             r = subprocess.run([sys.executable, "-c", CHILD, a.backend, f, str(a.top), prof], env=env,
                                capture_output=True, text=True, timeout=900)
             print(f"== {os.path.basename(f)} {label} (exit {r.returncode})")

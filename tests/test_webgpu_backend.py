@@ -605,6 +605,44 @@ def test_default_model_answers_capital(monkeypatch, kernels):
     assert text == "The capital of France is Paris."  # the cpu backend's answer (shared/NOTES.md)
 
 
+def test_struct_types_resolved_without_cffi_parser():
+    """device.fast_struct_types: the C types wgpu-py asks cffi for by name ("T", "T *", "T[]" of
+    a wgpu.h typedef or a C primitive) are, for a sample of the header's typedefs (structs,
+    enums, flags, callback pointers) and primitives, the very cffi type objects cffi's own parser
+    gives for the same strings, and they are made without it; other strings still go to the
+    parser."""
+    import random
+
+    from wgpu.backends.wgpu_native._ffi import ffi
+
+    from edgellm.backends.webgpu.device import fast_struct_types
+
+    assert fast_struct_types(ffi) and ffi._typeof_locked._edgellm_fast
+    names = sorted(k[8:] for k in ffi._parser._declarations if k.startswith("typedef "))
+    kinds = {type(ffi._parser._declarations["typedef " + n][0]).__name__ for n in names}
+    assert {"StructType", "EnumType", "FunctionPtrType"} <= kinds, kinds
+    sample = random.Random(7).sample(names, 24) + ["WGPUBufferDescriptor", "WGPUBindGroupEntry", "WGPUBufferUsage",
+                                                    "uint8_t", "char", "uint32_t", "intptr_t", "float"]
+    calls = []
+    parse = ffi._parser.parse_type
+    try:
+        ffi._parser.parse_type = lambda cdecl: calls.append(cdecl) or parse(cdecl)
+        for n in sample:
+            for cdecl in (f"{n} *", f"{n}[]", f"{n} []", n):
+                ffi._parsed_types.pop(cdecl, None)
+                fast = ffi.typeof(cdecl)
+                with ffi._lock:
+                    tp = parse(cdecl)
+                    slow = ffi._get_cached_btype(tp.as_function_pointer() if tp.is_raw_function else tp)
+                assert fast is slow, cdecl
+        assert calls == []
+        ffi._parsed_types.pop("uint32_t [3]", None)
+        assert ffi.sizeof(ffi.typeof("uint32_t [3]")) == 12 and calls == ["uint32_t [3]"]
+        assert ffi.sizeof("WGPUBufferDescriptor") == ffi.sizeof(ffi.new("WGPUBufferDescriptor *")[0])
+    finally:
+        ffi._parser.parse_type = parse
+
+
 def test_auto_prefers_a_hardware_adapter(monkeypatch):
     from edgellm.backends import _auto
     from edgellm.backends.cuda.backend import CudaBackend

@@ -12,6 +12,7 @@ for tests, and for `--backend webgpu` when asked for by name.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +37,55 @@ def import_wgpu():
     except ImportError as e:
         raise BackendUnavailableError(f"the webgpu backend needs the wgpu package (pip install 'edgellm[webgpu]'): "
                                       f"{e}") from None
+    try:
+        from wgpu.backends.wgpu_native._ffi import ffi
+    except ImportError:  # another wgpu backend: nothing to speed up
+        return wgpu
+    fast_struct_types(ffi)
     return wgpu
+
+
+_TYPE_DECL = re.compile(r"\s*([A-Za-z_]\w*)\s*(\*|\[\s*\])?\s*$")
+
+
+def fast_struct_types(ffi) -> bool:
+    """Resolve the C types wgpu-py asks cffi for by name ("WGPUBufferDescriptor *",
+    "WGPUBindGroupEntry[]", "uint8_t []": a typedef of wgpu.h or a C primitive, or a pointer to or
+    array of one) from cffi's parsed declarations, instead of cffi's parser: that parses each new
+    type string as a C source that first re-declares all of the header's ~430 typedefs, 12-22 ms
+    a string on the 2-core machine (2026-11-30), and a webgpu load asks for 40-50 of them, in
+    every process. The cffi type object made is the one the parser's result maps to (through
+    cffi's own cache of backend types); any other string (the callbacks' function types), or a
+    cffi without these internals, goes to cffi's parser as before. Returns whether installed."""
+    try:
+        from cffi import model
+
+        decls, slow = ffi._parser._declarations, ffi._typeof_locked
+        parsed, cached = ffi._parsed_types, ffi._get_cached_btype
+    except (ImportError, AttributeError):
+        return False
+    if getattr(slow, "_edgellm_fast", False):
+        return True
+
+    def typeof_locked(cdecl):  # cffi calls it with ffi._lock held
+        hit = parsed.get(cdecl)
+        if hit is not None:
+            return hit
+        m = _TYPE_DECL.match(cdecl) if isinstance(cdecl, str) else None
+        td = decls.get("typedef " + m.group(1)) if m else None
+        if td is None and m and m.group(1) in model.PrimitiveType.ALL_PRIMITIVE_TYPES:
+            td = model.PrimitiveType(m.group(1)), 0
+        if td is None or isinstance(td[0], model.RawFunctionType):
+            return slow(cdecl)
+        tp, quals = td
+        kind = m.group(2)
+        tp = tp if kind is None else model.PointerType(tp, quals) if kind == "*" else model.ArrayType(tp, None)
+        result = parsed[cdecl] = (cached(tp), False)
+        return result
+
+    typeof_locked._edgellm_fast = True
+    ffi._typeof_locked = typeof_locked
+    return True
 
 
 @dataclass
