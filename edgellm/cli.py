@@ -33,7 +33,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from .backends.cuda.early import start_for
 
     start_for(args.backend)  # the GPU's context made while torch imports
-    from .model import load
+    from .model import load, require_vocabulary
     from .onnx.cli import is_onnx, run_onnx
 
     onnx_path = next((p for p in (args.model, args.prompt) if is_onnx(p)), None)
@@ -57,6 +57,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     params = SamplingParams(**sampling)
     chat = False if args.raw else None
     placed = None
+    require_vocabulary(args.model)  # a text prompt needs one: said now, not after the load
     # a cuda model whose steps an earlier run recorded: replayed without torch (backends/cuda/replay.py)
     m = _replayed(args, prompt, chat, params) if args.backend in ("cuda", "auto") and not args.gpu_memory else None
     if m is None:

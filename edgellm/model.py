@@ -485,6 +485,17 @@ def load(path: str | os.PathLike | None = None, backend: str = "cpu", ctx: int |
     return m
 
 
+def require_vocabulary(path: str | os.PathLike | None) -> None:
+    """Refuse a text prompt for a file without a vocabulary before anything loads (its header
+    only): the CLI's check, which would otherwise come after the whole load, kernels compiled."""
+    path = str(path) if path is not None else str(default_model_path())
+    if path.lower().endswith(".onnx"):
+        return
+    if open_gguf(path).get("tokenizer.ggml.model", "none") == "none":
+        raise MetadataError(f"{os.path.basename(path)} has no vocabulary (tokenizer.ggml.model = 'none'); "
+                            "pass token ids instead of text")
+
+
 def _load_tokenizer(f, path: str, pc, fingerprint: str | None) -> tuple[Tokenizer | None, bool]:
     """The file's tokenizer (None for vocabulary-less files, which run from token ids, as
     llama.cpp's benchmark models), its built BPE model read from and written to the cache."""
