@@ -155,6 +155,24 @@ def test_a_short_timed_pass_is_timed_again_longer(dev, rng, monkeypatch):
     assert passes == [2]
 
 
+def test_prefill_timing_operands_made_once_per_product(dev, rng, monkeypatch):
+    """tuning._time_prefill: the candidates and rounds of one product's timing share one x, y and
+    int8-x (x uploaded once, random, not zeros); another product's shape makes new ones."""
+    from edgellm.backends.webgpu import launch, tuning
+
+    uploads = []
+    real = launch.upload_f32
+    monkeypatch.setattr(launch, "upload_f32", lambda d, a: uploads.append(np.array(a)) or real(d, a))
+    monkeypatch.setattr(tuning, "_PREFILL_IO", {})
+    w, _, _ = _linear_case(dev, rng, "Q8_0", 1, 48, 64)
+    cfgs = [{"int8": 2, "tm": 64, "tn": 64}, {"tm": 64, "tn": 64, "tk": 16}, {"int8": 1, "tm": 64, "tn": 64}]
+    for cfg in cfgs + cfgs:
+        assert tuning._time_prefill(dev, w, 48, False, 40, cfg) > 0
+    assert len(uploads) == 1 and uploads[0].shape == (40 * 64,) and np.count_nonzero(uploads[0]) == 40 * 64
+    assert tuning._time_prefill(dev, w, 48, False, 24, cfgs[0]) > 0
+    assert len(uploads) == 2 and uploads[1].shape == (24 * 64,)
+
+
 def test_tuner_weight_copies_are_the_weight(dev, rng, monkeypatch):
     """tuning.weight_copies on a hardware adapter: copies of a weight's buffers, made on the device,
     up to TIMING_BYTES in all, each byte-identical to the weight; one (the weight itself) on a

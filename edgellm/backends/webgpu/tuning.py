@@ -694,19 +694,37 @@ def int8_x_buffers(dev: Device, rows: int, cols: int, planes: int, sums: bool) -
     return {k: dev.buffer(n) for k, n in int8_x_sizes(rows, cols, planes, sums).items()}
 
 
-def _time_prefill(dev: Device, w, n_out: int, glu: bool, rows: int, cfg: dict) -> float:
-    """Microseconds of one prefill product so configured at `rows` tokens (an int8 one with x's
-    quantization, the two timed as one chain of dispatches)."""
+_PREFILL_IO: dict = {}  # _time_prefill's operands for the product being tuned (one at a time)
+
+
+def _prefill_io(dev: Device, w, n_out: int, rows: int, planes: int) -> dict:
+    """The x (random, the same values each time), y and int8-x buffers of a prefill product's
+    timing, made once for all its candidates and rounds (an 8B product's x is 29 MB at 512 rows,
+    uploaded for each of ~25 timings before), dropped when the next product's are made."""
     import numpy as np
 
     from .kernels import int8_x_sums
-    from .launch import Chain, Launch, upload_f32
+    from .launch import upload_f32
+
+    key = (id(dev), w.fmt, w.cols, n_out, rows)  # what the buffers' sizes depend on
+    if _PREFILL_IO.get("key") != key:
+        _PREFILL_IO.clear()
+        _PREFILL_IO.update(key=key, io={"X": upload_f32(dev, np.random.default_rng(0).standard_normal(rows * w.cols)
+                                                        .astype(np.float32)),
+                                        "Y": dev.buffer(4 * n_out * rows)})
+    io = _PREFILL_IO["io"]
+    if planes and ("int8", planes) not in io:
+        io["int8", planes] = int8_x_buffers(dev, rows, w.cols, planes, int8_x_sums(w.fmt))
+    return {"X": io["X"], "Y": io["Y"], **(io["int8", planes] if planes else {})}
+
+
+def _time_prefill(dev: Device, w, n_out: int, glu: bool, rows: int, cfg: dict) -> float:
+    """Microseconds of one prefill product so configured at `rows` tokens (an int8 one with x's
+    quantization, the two timed as one chain of dispatches)."""
+    from .launch import Chain, Launch
 
     bufs = {k: b for k, (b, _, _) in w.resources().items()}
-    bufs["X"] = upload_f32(dev, np.random.default_rng(0).standard_normal(rows * w.cols).astype(np.float32))
-    bufs["Y"] = dev.buffer(4 * n_out * rows)
-    if "int8" in cfg:
-        bufs.update(int8_x_buffers(dev, rows, w.cols, cfg["int8"], int8_x_sums(w.fmt)))
+    bufs.update(_prefill_io(dev, w, n_out, rows, cfg.get("int8", 0)))
     chain, lanes = [], quantize_lanes(dev)
     for k in _prefill_kernels(w, n_out, glu, cfg, lanes):
         L = Launch(dev, k, bufs)
