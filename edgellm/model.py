@@ -291,8 +291,7 @@ class Model:
         is the user's message, rendered through the model's own template."""
         tok = self.tokenizer
         if tok is None:
-            raise MetadataError(f"{os.path.basename(self.path)} has no vocabulary (tokenizer.ggml.model = 'none'); "
-                                "pass token ids instead of text")
+            raise _no_vocabulary(self.path)
         use_chat = tok.chat_template is not None if chat is None else chat
         if use_chat:
             if tok.chat_template is None:
@@ -492,8 +491,12 @@ def require_vocabulary(path: str | os.PathLike | None) -> None:
     if path.lower().endswith(".onnx"):
         return
     if open_gguf(path).get("tokenizer.ggml.model", "none") == "none":
-        raise MetadataError(f"{os.path.basename(path)} has no vocabulary (tokenizer.ggml.model = 'none'); "
-                            "pass token ids instead of text")
+        raise _no_vocabulary(path)
+
+
+def _no_vocabulary(path: str) -> MetadataError:
+    return MetadataError(f"{os.path.basename(path)} has no vocabulary (tokenizer.ggml.model = 'none'); "
+                         "pass token ids instead of text")
 
 
 def _load_tokenizer(f, path: str, pc, fingerprint: str | None) -> tuple[Tokenizer | None, bool]:
