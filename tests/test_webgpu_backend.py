@@ -920,6 +920,29 @@ def test_tuning_is_on_by_default_on_a_gpu_only(monkeypatch):
     assert tuning.tuning_on(gpu) and tuning.tuning_on(cpu)
 
 
+def test_forced_gemv_configuration_is_not_tuned(monkeypatch):
+    """EDGELLM_WEBGPU_GEMV names the decode GEMVs' configuration: with tuning on (a GPU) it is
+    the one used, folds and all, and nothing is timed; the output-quantizing variant (qout) is
+    decided by the forced configuration's blocks alone."""
+    from types import SimpleNamespace
+
+    from edgellm.backends.webgpu import tuning
+
+    gpu = SimpleNamespace(info=SimpleNamespace(software=False), subgroup_size=32, max_workgroup_memory=48 * 1024)
+    monkeypatch.setenv("EDGELLM_TUNE", "1")
+    monkeypatch.setattr(tuning, "_time_gemv", lambda *a, **k: pytest.fail("a forced configuration was timed"))
+    monkeypatch.setattr(tuning, "_pick", lambda *a, **k: pytest.fail("a forced configuration was tuned"))
+    w = SimpleNamespace(cols=4096, fmt="Q8_0")
+    for forced, blocks in (("warp:2:64:1", False), ("warp:4:256:1:int8x2:xq", True)):
+        monkeypatch.setenv("EDGELLM_WEBGPU_GEMV", forced)
+        want = tuning.default_gemv_config(gpu, 4096, "Q8_0")
+        assert want["rows_per_warp"] == int(forced.split(":")[1])
+        for fold in (None, {"norm": "rms"}, {"combine": (32, 128)}):
+            assert tuning.gemv_config(gpu, w, 4096, fold=fold) == want
+        got = tuning.gemv_qout_config(gpu, w, 4096, True, {"norm": "rms"}, (2, True))
+        assert (got == want) if blocks else got is None
+
+
 def test_float32_kv_cache(models, monkeypatch):
     """EDGELLM_WEBGPU_KV=f32: the cache in float32 (the default is fp16 where the adapter has shader-f16)."""
     monkeypatch.setenv("EDGELLM_WEBGPU_KV", "f32")

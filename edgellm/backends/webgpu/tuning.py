@@ -146,6 +146,13 @@ def tuning_on(dev: Device) -> bool:
     return not dev.info.software
 
 
+def gemv_forced() -> bool:
+    """Whether EDGELLM_WEBGPU_GEMV names the decode GEMVs' configuration: then it is used as
+    given, not timed against candidates (with the tuner on, a GPU's picks replaced a forced
+    configuration and its folds: the backend tests that force one failed on the H200 only)."""
+    return bool(os.environ.get("EDGELLM_WEBGPU_GEMV", "").strip())
+
+
 def fold_tag(fold: dict | None) -> str:
     """The tuning key's part for what a decode GEMV does besides its product (the backend's folds,
     gemv_config's `fold`): "" for none."""
@@ -178,9 +185,10 @@ def gemv_config(dev: Device, w, n_out: int, glu: bool = False, fold: dict | None
     tune False (a prefill program's GEMV, for its steps of a few tokens only): the pick already
     cached for this weight and fold, else the default, nothing timed (on the H200, 2026-11-30, a
     1B Q4_0 file's first load spent 12 s timing and 21 s compiling candidates, every projection
-    tuned twice: folded for decode, plain for the prefill program)."""
+    tuned twice: folded for decode, plain for the prefill program). EDGELLM_WEBGPU_GEMV set
+    (gemv_forced): its configuration, nothing timed."""
     default = default_gemv_config(dev, w.cols, w.fmt)
-    if not tuning_on(dev):
+    if not tuning_on(dev) or gemv_forced():
         return default
     key, cands = _gemv_tuning(dev, w, n_out, glu, fold, default)
     if not tune:
@@ -232,7 +240,7 @@ def gemv_qout_config(dev: Device, w, n_out: int, glu: bool, fold: dict | None, q
     GEMV's own pick plus the quantize_x dispatch it saves; else None. With tuning off: the
     default where it holds 32-row blocks (as the backend decides without timings)."""
     default = default_gemv_config(dev, w.cols, w.fmt)
-    if not tuning_on(dev):
+    if not tuning_on(dev) or gemv_forced():
         return default if default.get("kind") == "warp" and default.get("rows_per_wg", 1) % 32 == 0 else None
     key, cands = _gemv_tuning(dev, w, n_out, glu, fold, default)
     tuner = _tuner(dev)
