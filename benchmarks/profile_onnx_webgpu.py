@@ -62,7 +62,7 @@ def main() -> int:
         cp = enc.begin_compute_pass()
         for _ in range(n):
             for st in steps:
-                encode_dispatch(cp, st[1], st[2], st[3], raw)
+                encode_dispatch(cp, st[1], st[2], st[3], raw, st[5])
         cp.end()
         t0 = time.perf_counter()
         dev.queue.submit([enc.finish()])

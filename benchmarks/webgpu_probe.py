@@ -76,6 +76,7 @@ def read_ranges(dev, nbytes: int, parts: int) -> float:
     import wgpu
 
     from edgellm.backends.webgpu import kernels
+    from edgellm.backends.webgpu.launch import dynamic_offsets
 
     a = dev.upload(np.random.default_rng(0).integers(0, 2**32, nbytes // 4, dtype=np.uint32))
     o = dev.buffer(4 * 1024 * 1024)
@@ -98,7 +99,7 @@ def read_ranges(dev, nbytes: int, parts: int) -> float:
         cp.set_pipeline(pipe)
         reps = 10 * parts
         for i in range(reps):
-            cp.set_bind_group(0, bgs[i % parts])
+            cp.set_bind_group(0, bgs[i % parts], dynamic_offsets(k.kinds))
             cp.dispatch_workgroups(132 * 16, 1, 1)
         cp.end()
         enc.resolve_query_set(qs, 0, 2, qb, 0)

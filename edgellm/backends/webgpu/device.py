@@ -222,6 +222,9 @@ class Device:
         self.max_workgroup_memory = int(self.limits["max-compute-workgroup-storage-size"])
         self.max_groups = int(self.limits["max-compute-workgroups-per-dimension"])
         self.max_storage_buffers = int(self.limits["max-storage-buffers-per-shader-stage"])
+        # a step's uniform values sit this far apart where several steps' go in one buffer (the
+        # dynamic offset of a program's step binding: Device.layout)
+        self.step_stride = max(16, int(self.limits.get("min-uniform-buffer-offset-alignment", 256)))
         self.has_f16 = "shader-f16" in self.features
         self.has_subgroups = "subgroup" in self.features and self.info.subgroup_min >= 4
         self.has_timestamps = "timestamp-query" in self.features
@@ -285,12 +288,16 @@ class Device:
     # -- pipelines -----------------------------------------------------------------------------
     def layout(self, kinds: tuple[str, ...]):
         """The bind group layout of a kernel's bindings ('uniform', 'read' or 'storage', in binding order),
-        one object per distinct tuple so bind groups are shared by every kernel variant over them."""
+        one object per distinct tuple so bind groups are shared by every kernel variant over them.
+        A uniform binding (the step's values) takes a dynamic offset (launch.dynamic_offsets: one
+        per uniform binding at every set_bind_group): the decode loop puts many tokens' steps in
+        one compute pass, each reading its own values from one buffer, with no copy between them."""
         lay = self._layouts.get(kinds)
         if lay is None:
             T = self.wgpu.BufferBindingType
             entries = [{"binding": i, "visibility": self.wgpu.ShaderStage.COMPUTE,
-                        "buffer": {"type": {"uniform": T.uniform, "read": T.read_only_storage}.get(k, T.storage)}}
+                        "buffer": {"type": {"uniform": T.uniform, "read": T.read_only_storage}.get(k, T.storage),
+                                   **({"has_dynamic_offset": True} if k == "uniform" else {})}}
                        for i, k in enumerate(kinds)]
             lay = self._layouts[kinds] = self.device.create_bind_group_layout(entries=entries)
         return lay

@@ -69,7 +69,7 @@ class Chain:
         for i in range(repeat):
             for L, grid in self.items:
                 cpass.set_pipeline(L.pipeline)
-                cpass.set_bind_group(0, L.bind_groups[i % len(L.bind_groups)])
+                cpass.set_bind_group(0, L.bind_groups[i % len(L.bind_groups)], dynamic_offsets(L.kernel.kinds))
                 cpass.dispatch_workgroups(*grid)
 
     def run(self) -> None:
@@ -166,7 +166,7 @@ def raw_pass_functions():
     pass's commands and validates them when the pass ends, which goes through wgpu-py's checked
     call and raises there. wgpu-py's private API, so anything unexpected falls back to the
     public calls (EDGELLM_WEBGPU_RAW=0 forces that). Returns (set_pipeline, set_bind_group,
-    dispatch, NULL) or None."""
+    dispatch, NULL, ffi) or None."""
     if os.environ.get("EDGELLM_WEBGPU_RAW", "1") == "0":
         return None
     try:
@@ -176,34 +176,56 @@ def raw_pass_functions():
         from wgpu.backends.wgpu_native._api import ffi, lib
 
         return (lib.wgpuComputePassEncoderSetPipeline, lib.wgpuComputePassEncoderSetBindGroup,
-                lib.wgpuComputePassEncoderDispatchWorkgroups, ffi.NULL)
+                lib.wgpuComputePassEncoderDispatchWorkgroups, ffi.NULL, ffi)
     except Exception:  # noqa: BLE001 - another wgpu-py layout: the public API works the same
         return None
 
 
-def encode_dispatch(cpass, pipeline, bind_group, grid: tuple[int, int, int], raw=None) -> None:
-    """One dispatch into a compute pass (through raw_pass_functions' calls when given)."""
+def dynamic_offsets(kinds: tuple[str, ...], offset: int = 0) -> tuple[int, ...]:
+    """The dynamic offsets a set_bind_group of a kernel with these binding kinds takes: one per
+    uniform binding (Device.layout), `offset` bytes into the step buffer (0: its first step)."""
+    return (offset,) * kinds.count("uniform")
+
+
+_C_OFFSETS: dict[tuple[int, ...], object] = {}  # dynamic offsets as C arrays, made once per distinct tuple
+
+
+def _c_offsets(raw, offsets: tuple[int, ...]):
+    if not offsets:
+        return raw[3]
+    a = _C_OFFSETS.get(offsets)
+    if a is None:
+        a = _C_OFFSETS[offsets] = raw[4].new("uint32_t[]", list(offsets))
+    return a
+
+
+def encode_dispatch(cpass, pipeline, bind_group, grid: tuple[int, int, int], raw=None,
+                    offsets: tuple[int, ...] = ()) -> None:
+    """One dispatch into a compute pass (through raw_pass_functions' calls when given); offsets:
+    the bind group's dynamic offsets (dynamic_offsets)."""
     x, y, z = grid
     if raw is not None:
-        sp, sb, dw, null = raw
+        sp, sb, dw = raw[:3]
         c = cpass._internal
         sp(c, pipeline._internal)
-        sb(c, 0, bind_group._internal, 0, null)
+        sb(c, 0, bind_group._internal, len(offsets), _c_offsets(raw, offsets))
         dw(c, x, y, z)
         return
     cpass.set_pipeline(pipeline)
-    cpass.set_bind_group(0, bind_group)
+    cpass.set_bind_group(0, bind_group, offsets)
     cpass.dispatch_workgroups(x, y, z)
 
 
-def replay_dispatches(cpass, flat: list, raw) -> None:
-    """Dispatches given as (pipeline, bind group, x, y, z) of wgpu-native handles into a compute
-    pass, through raw_pass_functions' calls (a decode step's replayed list)."""
-    sp, sb, dw, null = raw
+def replay_dispatches(cpass, flat: list, raw, offset: int = 0) -> None:
+    """Dispatches given as (pipeline, bind group, x, y, z, dynamic offset count) of wgpu-native
+    handles into a compute pass, through raw_pass_functions' calls (a decode step's replayed
+    list), each uniform binding at `offset` bytes (the step's values in the step buffer)."""
+    sp, sb, dw, null = raw[:4]
     c = cpass._internal
-    for p, b, x, y, z in flat:
+    one = _c_offsets(raw, (offset,))
+    for p, b, x, y, z, n in flat:
         sp(c, p)
-        sb(c, 0, b, 0, null)
+        sb(c, 0, b, n, one if n else null)
         dw(c, x, y, z)
 
 

@@ -48,7 +48,7 @@ from ...errors import BackendUnavailableError, GraphError
 from ...graph.ir import Op
 from . import nd_kernels as nd
 from .device import Device, get_device
-from .launch import encode_dispatch, grid2, raw_pass_functions
+from .launch import dynamic_offsets, encode_dispatch, grid2, raw_pass_functions
 
 WEBGPU_KINDS = frozenset({
     "conv2d", "maxpool", "avgpool", "global_avgpool", "linear", "linear_act", "matmul", "sdpa", "softmax",
@@ -103,7 +103,7 @@ class NdTensor:
 
 class Recording:
     """A network's dispatches for one set of input sizes: ('gpu', pipeline, bind group, grid, label
-    'op name:kernel name') or
+    'op name:kernel name', the bind group's dynamic offsets) or
     ('host', op, cpu kernel, input tensors, output tensors) steps, in order."""
 
     def __init__(self):
@@ -236,7 +236,7 @@ class WebgpuNd:
             cpass = enc.begin_compute_pass()
             for st in rec.steps:
                 if st[0] == "gpu":
-                    encode_dispatch(cpass, st[1], st[2], st[3], raw)
+                    encode_dispatch(cpass, st[1], st[2], st[3], raw, st[5])
                     continue
                 cpass.end()
                 dev.queue.submit([enc.finish()])
@@ -271,7 +271,8 @@ class WebgpuNd:
 
             raise GraphError(f"op '{self._op.name}' ({self._op.kind}): the webgpu kernel '{kern.name}' failed: "
                              f"{_first_line(e)}") from None
-        self._rec.steps.append(("gpu", pipeline, bg, tuple(int(v) for v in grid), f"{self._op.name}:{kern.name}"))
+        self._rec.steps.append(("gpu", pipeline, bg, tuple(int(v) for v in grid), f"{self._op.name}:{kern.name}",
+                                dynamic_offsets(kern.kinds)))
 
     def _fits(self, op: Op, ins: list) -> bool:
         """Whether every operand and result fits in one storage binding (else the op is delegated)."""
