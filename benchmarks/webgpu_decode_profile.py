@@ -117,32 +117,19 @@ def main() -> None:
 
 def batch_gpu(dec, dev, n: int, qs, res, tokens: int = 32) -> None:
     """The GPU's time per token when `tokens` steps, each with its argmax, go in one compute pass
-    as loop_tokens records them (each step's dispatches at its slot of the step buffer), between
-    two timestamps: against the one-pass time above, what the step boundaries cost."""
+    as loop_tokens records them (the program's _encode_tokens, each step's dispatches at its slot
+    of the step buffer), between two timestamps: against the one-pass time above, what the step
+    boundaries cost."""
     from edgellm.backends.webgpu import backend as B
-    from edgellm.backends.webgpu.launch import replay_dispatches
 
     tokens = min(tokens, B.LOOP_BATCH)
-    if B._RAW is None or dec._flat(1, 1, True, None) is None:
-        return
-    stride = dev.step_stride
     per = []
     for _ in range(4):
-        words = np.zeros((tokens, stride // 4), np.uint32)
-        flats = []
-        for j in range(tokens):
-            w, splits = dec._step_words(1, n + j, j)
-            words[j, :w.size] = w
-            flats.append(dec._flat(1, splits, True, None))
-        dev.write(dec.step_buf, words.reshape(-1))
-        enc = dev.device.create_command_encoder()
-        cpass = enc.begin_compute_pass(timestamp_writes={"query_set": qs, "beginning_of_pass_write_index": 0,
-                                                         "end_of_pass_write_index": 1})
-        for j, flat in enumerate(flats):
-            replay_dispatches(cpass, flat, B._RAW, j * stride)
-        cpass.end()
-        enc.resolve_query_set(qs, 0, 2, res, 0)
-        dev.queue.submit([enc.finish()])
+        encoded = dec._encode_tokens(n, 0, tokens, None, (qs, res))
+        if encoded is None:  # steps that cannot be replayed
+            return
+        dev.write(dec.step_buf, encoded[1])
+        dev.queue.submit([encoded[0]])
         ts = np.frombuffer(dev.read(res, 0, 16), np.uint64)
         per.append(float(ts[1] - ts[0]) * 1e-6 / tokens)
     print(f"GPU per token, {tokens} steps with their argmax in one pass: median {statistics.median(per):.3f} ms, "

@@ -527,8 +527,9 @@ def test_device_loop_batches_and_stop(models):
     """loop_tokens' batches (1, 2, 4, ... LOOP_BATCH steps a command buffer and one compute pass,
     each step reading its values at its own slot of the step buffer, the next batch encoded while
     this one runs): greedy tokens as the cpu backend's, and sampled tokens (varied, where the
-    synthetic model's argmax repeats) as those of one submission a step; with a stop token nothing is submitted past the batch that holds it
-    (history slots after it stay unwritten), and a caller that reads on past it gets every token."""
+    synthetic model's argmax repeats) as those of one submission a step; with a stop token
+    nothing is submitted past the batch that holds it (history slots after it stay unwritten),
+    and a caller that reads on past it gets every token."""
     from edgellm.backends.webgpu.backend import LOOP_BATCH
     from edgellm.sampling import DeviceDraw
 

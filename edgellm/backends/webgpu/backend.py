@@ -1075,7 +1075,7 @@ class WebgpuProgram:
                     x, y, z = d.grid_of(seq, splits)
                     if x * y * z:
                         flat.append((d.pipeline._internal, d.bind_group._internal, x, y, z,
-                                     d.kernel.kinds.count("uniform")))
+                                     len(dynamic_offsets(d.kernel.kinds))))
             self._flat_cache[key] = flat
         return flat
 
@@ -1111,15 +1111,16 @@ class WebgpuProgram:
         cpass.end()
         dev.queue.submit([enc.finish()])
 
-    def _encode_tokens(self, start: int, hist: int, k: int, chooser: list | None):
+    def _encode_tokens(self, start: int, hist: int, k: int, chooser: list | None, timestamps=None):
         """k decode steps, each with its token choice, at positions start.. (history slots hist..) as
         one compute pass, and the steps' uniform values: step j's dispatches read slot j of the
         step buffer (its dynamic offset), which the caller writes with the returned words before
         submitting. One pass, no copy between steps (until 2026-11-30 each step's values were
         copied into one slot ahead of a pass of its own: on the H200 through Vulkan the greedy
         wall per 1B token was 0.94-1.00 ms against 0.83-0.91 ms this way, the GPU's own time per
-        token the same 0.79 ms; benchmarks/webgpu_decode_profile.py). None where steps cannot be
-        replayed (_flat)."""
+        token the same 0.79 ms; benchmarks/webgpu_decode_profile.py). timestamps: (query set,
+        buffer) that the pass's start and end times are written to and resolved into (the
+        profile's). None where steps cannot be replayed (_flat)."""
         words = np.zeros((k, self.dev.step_stride // 4), np.uint32)
         flats = []
         for j in range(k):
@@ -1130,10 +1131,13 @@ class WebgpuProgram:
             words[j, :w.size] = w
             flats.append(flat)
         enc = self.dev.device.create_command_encoder()
-        cpass = enc.begin_compute_pass()
+        cpass = enc.begin_compute_pass(**({} if timestamps is None else {"timestamp_writes": {
+            "query_set": timestamps[0], "beginning_of_pass_write_index": 0, "end_of_pass_write_index": 1}}))
         for j, flat in enumerate(flats):
             replay_dispatches(cpass, flat, _RAW, j * self.dev.step_stride)
         cpass.end()
+        if timestamps is not None:
+            enc.resolve_query_set(timestamps[0], 0, 2, timestamps[1], 0)
         return enc.finish(), words.reshape(-1)
 
     def run(self, inputs: dict[str, object]) -> dict[str, WebgpuTensor]:
