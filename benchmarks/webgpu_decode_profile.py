@@ -96,8 +96,8 @@ def main() -> None:
 
     # the two ways loop_tokens submits, in turn (neither always first after an idle host phase),
     # after a loop that brings the GPU's clock up
-    hows = {"batches in one command buffer each, the next encoded ahead": dec._encode_tokens,
-            "one submission a step": lambda *a: None}  # loop_tokens' path for steps with host work
+    hows = {"batches in one command buffer each, one queued ahead": dec._encode_tokens,
+            "one submission a step": lambda *a, **kw: None}  # loop_tokens' path for steps with host work
     for _ in dec.loop_tokens(1, 0, args.n):
         pass
     walls = {how: [] for how in hows}

@@ -523,23 +523,27 @@ def test_greedy_on_device_matches_cpu(models):
     assert calls, "greedy decoding did not run on the device"
 
 
-def test_device_loop_batches_and_stop(models):
+def test_device_loop_batches_and_stop(models, monkeypatch):
     """loop_tokens' batches (1, 2, 4, ... LOOP_BATCH steps a command buffer and one compute pass,
-    each step reading its values at its own slot of the step buffer, the next batch encoded while
-    this one runs): greedy tokens as the cpu backend's, and sampled tokens (varied, where the
+    each step reading its values at its own slot of the step buffer, one batch queued ahead of
+    the one being read): greedy tokens as the cpu backend's, and sampled tokens (varied, where the
     synthetic model's argmax repeats) as those of one submission a step; with a stop token
-    nothing is submitted past the batch that holds it (history slots after it stay unwritten),
-    and a caller that reads on past it gets every token."""
+    nothing is submitted past the batch queued after the one that holds it (history slots after
+    it stay unwritten), and a caller that reads on past it gets every token. With LOOP_BATCH_S,
+    batches of about that much decoding once one was timed; the same tokens through wgpu-py's
+    own map (Device.submission_reader's fallback)."""
+    from edgellm.backends.webgpu import backend, device
     from edgellm.backends.webgpu.backend import LOOP_BATCH
     from edgellm.sampling import DeviceDraw
 
+    monkeypatch.setattr(backend, "LOOP_BATCH_S", 1e9)  # batch sizes by growth alone
     n = 2 * LOOP_BATCH + 8  # batches 1, 2, 4, 8, 16, 32, 9
     cpu = edgellm.load(models["Q8_0"], backend="cpu", ctx=n + 24)
     gpu = edgellm.load(models["Q8_0"], backend="webgpu", ctx=n + 24)
     prog = gpu.programs["decode"]
     encoded = []
     orig = prog._encode_tokens
-    prog._encode_tokens = lambda *a: (encoded.append(a[2]), orig(*a))[1]
+    prog._encode_tokens = lambda *a, **kw: (encoded.append(a[2]), orig(*a, **kw))[1]
     first, *want = cpu.generate_tokens(PROMPT, n + 1, SamplingParams(temperature=0))
     gpu.forward(list(PROMPT), 0, all_logits=False)  # the prompt's cache rows
     assert list(prog.loop_tokens(first, len(PROMPT), n)) == want
@@ -549,14 +553,16 @@ def test_device_loop_batches_and_stop(models):
     gpu.forward(list(PROMPT), 0, all_logits=False)
     ref = list(prog.loop_tokens(first, len(PROMPT), n, draw))
     assert len(set(ref)) > 8, ref
-    prog._encode_tokens = lambda *a: None  # one submission a step (the path of steps with host work)
+    prog._encode_tokens = lambda *a, **kw: None  # one submission a step (the path of steps with host work)
     gpu.forward(list(PROMPT), 0, all_logits=False)
     assert list(prog.loop_tokens(first, len(PROMPT), n, draw)) == ref
     prog._encode_tokens = orig
 
-    # a stop token first met after the first batch: nothing past the batch that holds it runs
-    stop_at = next(i for i in range(3, n) if ref[i] not in ref[:i])
-    end = next(e for e in (1, 3, 7, 15, 31, 63, n) if e > stop_at)  # the batches end before these steps
+    # a stop token first met after the first batch: nothing past the batch queued after the one
+    # that holds it runs
+    stop_at = next(i for i in range(3, 31) if ref[i] not in ref[:i])
+    ends = (1, 3, 7, 15, 31, 63, n)  # the batches end before these steps
+    end = ends[next(j for j, e in enumerate(ends) if e > stop_at) + 1]
     gpu.forward(list(PROMPT), 0, all_logits=False)
     prog.dev.write(prog.hist_buf, np.full(n, 0xFFFFFFFF, np.uint32))
     seen = []
@@ -566,10 +572,25 @@ def test_device_loop_batches_and_stop(models):
             break
     assert seen == ref[:stop_at + 1]
     hist = np.frombuffer(prog.dev.read(prog.hist_buf, 0, 4 * n), np.uint32)
-    assert list(hist[:end]) == ref[:end]  # the batch that holds the stop token ran whole
+    assert list(hist[:end]) == ref[:end]  # the batch that holds the stop token and the next ran whole
     assert end < n and (hist[end:] == 0xFFFFFFFF).all(), (stop_at, end, hist[end:end + 8])
     gpu.forward(list(PROMPT), 0, all_logits=False)
     assert list(prog.loop_tokens(first, len(PROMPT), n, draw, stop={ref[stop_at]})) == ref
+
+    # batches of about LOOP_BATCH_S once timed: a bound of a few steps' time keeps them small
+    monkeypatch.setattr(backend, "LOOP_BATCH_S", 1e-9)
+    encoded.clear()
+    prog._encode_tokens = lambda *a, **kw: (encoded.append(a[2]), orig(*a, **kw))[1]
+    gpu.forward(list(PROMPT), 0, all_logits=False)
+    assert list(prog.loop_tokens(first, len(PROMPT), n)) == want
+    assert encoded[:3] == [1, 2, 4] and set(encoded[3:]) == {1}, encoded
+    prog._encode_tokens = orig
+
+    # the reads through wgpu-py's map (where its private calls differ): the same tokens
+    assert isinstance(prog.dev.submission_reader(), device.SubmissionReader)
+    monkeypatch.setattr(prog.dev, "_reader", device.QueueReader(prog.dev))
+    gpu.forward(list(PROMPT), 0, all_logits=False)
+    assert list(prog.loop_tokens(first, len(PROMPT), n)) == want
 
 
 def test_sampled_generation_draws_on_the_device(models):

@@ -29,9 +29,11 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 import os
+import time
 from typing import Callable, Collection, Iterator
 
 import numpy as np
@@ -56,6 +58,7 @@ PREFETCH_AHEAD = 2  # weight sets packed ahead of the program build per worker t
 SPLIT_KEYS = 64  # decode attention: one split per this many cached keys ...
 MAX_SPLITS = 32  # ... up to this many
 LOOP_BATCH = 32  # loop_tokens: at most this many decode steps a submission
+LOOP_BATCH_S = 0.025  # loop_tokens: once timed, a batch holds about this much decoding (at least a step)
 # steps of at most this many splits merge them in the output projection's GEMV (the "combine"
 # fold); steps of more run attention_combine as a dispatch of its own
 COMBINE_IN_GEMV_SPLITS = MAX_SPLITS
@@ -364,8 +367,10 @@ class WebgpuProgram:
         # read back from the cache then runs without importing it
         self._shape = {n: shape_function(t.shape) for n, t in graph.tensors.items() if t.kind == "activation"}
         # a step's uniform values: run and _record use the first slot, loop_tokens one slot a step
-        # of its batch (Device.step_stride apart, each step's dispatches at its slot's dynamic offset)
-        self.step_buf = self.dev.buffer(LOOP_BATCH * self.dev.step_stride, uniform=True)
+        # of its batch (Device.step_stride apart, each step's dispatches at its slot's dynamic
+        # offset), batches in turn in the two halves
+        self.step_buf = self.dev.buffer(2 * LOOP_BATCH * self.dev.step_stride, uniform=True)
+        self._readbacks: list = []  # loop_tokens' mappable token-id buffers (_readback)
         self.tok_buf = self.dev.buffer(4 * max(self.max_seq, 1))
         self._outputs = {}
         for name in graph.outputs:
@@ -1111,7 +1116,8 @@ class WebgpuProgram:
         cpass.end()
         dev.queue.submit([enc.finish()])
 
-    def _encode_tokens(self, start: int, hist: int, k: int, chooser: list | None, timestamps=None):
+    def _encode_tokens(self, start: int, hist: int, k: int, chooser: list | None, timestamps=None, slot: int = 0,
+                       readback=None):
         """k decode steps, each with its token choice, at positions start.. (history slots hist..) as
         one compute pass, and the steps' uniform values: step j's dispatches read slot j of the
         step buffer (its dynamic offset), which the caller writes with the returned words before
@@ -1134,10 +1140,12 @@ class WebgpuProgram:
         cpass = enc.begin_compute_pass(**({} if timestamps is None else {"timestamp_writes": {
             "query_set": timestamps[0], "beginning_of_pass_write_index": 0, "end_of_pass_write_index": 1}}))
         for j, flat in enumerate(flats):
-            replay_dispatches(cpass, flat, _RAW, j * self.dev.step_stride)
+            replay_dispatches(cpass, flat, _RAW, (slot + j) * self.dev.step_stride)
         cpass.end()
         if timestamps is not None:
             enc.resolve_query_set(timestamps[0], 0, 2, timestamps[1], 0)
+        if readback is not None:
+            enc.copy_buffer_to_buffer(self.hist_buf, 4 * hist, readback, 0, 4 * k)
         return enc.finish(), words.reshape(-1)
 
     def run(self, inputs: dict[str, object]) -> dict[str, WebgpuTensor]:
@@ -1182,13 +1190,16 @@ class WebgpuProgram:
     def loop_tokens(self, first_token: int, start: int, n: int, draw=None, stop: Collection[int] = ()) -> Iterator[int]:
         """Decode on the device: each step's token choice (the argmax, or a draw as `draw`, an
         edgellm.sampling.DeviceDraw, says: kernels.sample_kernels) writes the next token into the token
-        buffer the next step's embedding reads, so no step waits for the host. Steps go in growing
-        batches (1, 2, 4, ... LOOP_BATCH tokens: the first token comes at once), a batch one command
-        buffer; the next batch is encoded while the GPU runs this one and submitted as soon as this
-        one's tokens are read back (4 bytes each), so the GPU waits for the host only for that read.
-        A batch may run a few steps past an end-of-generation token the caller stops at (none is
-        submitted after a batch holding one of `stop`); their cache rows lie beyond the tokens kept.
-        Yields n tokens after first_token at position start."""
+        buffer the next step's embedding reads, so no step waits for the host. Steps go in batches,
+        a batch one command buffer (_encode_tokens), and one batch is always queued ahead: the next
+        is encoded and submitted before this one's token ids are read back, so the GPU never waits
+        for that read. Batches grow 1, 2, 4, ... (the first token comes at once) up to LOOP_BATCH
+        steps and, once a batch has been timed, to about LOOP_BATCH_S of decoding: past an
+        end-of-generation token the caller stops at, the rest of its batch and the batch queued
+        after it still run (their cache rows lie beyond the tokens kept), and no more is submitted
+        unless the caller reads on. Yields n tokens after first_token at position start. stop (the
+        cuda backend's argument) changes nothing here: what runs past a stop token is bounded by
+        the batches, whatever the tokens."""
         if self._argmax is None:
             raise GraphError("loop_tokens runs on the single-token decode program")
         chooser = None
@@ -1200,39 +1211,74 @@ class WebgpuProgram:
         if start + n > self.ctx:
             raise GraphError(f"{start + n} tokens exceed the context of {self.ctx}")
         self.dev.write(self.tok_buf, np.array([first_token], np.uint32))
-        stop = frozenset(stop)
-
-        def submit(encoded):
-            self.dev.write(self.step_buf, encoded[1])  # after the previous batch's commands (queue order)
-            self.dev.queue.submit([encoded[0]])
-        i, k = 0, min(1, n)
+        if n <= 0:
+            return
         with _device_errors(f"greedy decoding at position {start}"):
-            following = self._encode_tokens(start, 0, k, chooser) if n else None
-            replay = following is not None
-            if replay:
-                submit(following)
-        while i < n:
-            nxt = min(2 * k, LOOP_BATCH, n - i - k)
-            held = False
-            with _device_errors(f"greedy decoding at position {start + i}"):
-                if not replay:  # steps with host work: a submission a step
-                    for j in range(i, i + k):
-                        self._host_start = start + j
-                        # the step's values are written in queue order: after the previous step's commands
-                        self._record(1, self._write_step(1, start + j, hist=j), with_argmax=True, chooser=chooser)
-                following = self._encode_tokens(start + i + k, i + k, nxt, chooser) if replay and nxt else None
-                replay = replay and (following is not None or not nxt)
-                ids = np.frombuffer(self.dev.read(self.hist_buf, 4 * i, 4 * k), np.uint32)
-                if following is not None:
-                    held = bool(stop.intersection(ids.tolist()))
-                    if not held:
-                        submit(following)
+            first = self._encode_tokens(start, 0, 1, chooser, slot=0, readback=self._readback(0))
+        if first is None:  # steps with host work: a submission a step
+            yield from self._loop_steps(start, n, chooser)
+            return
+        yield from self._loop_batches(start, n, chooser, first)
+
+    def _readback(self, i: int):
+        """loop_tokens' mappable buffers for a batch's token ids, two used in turn (one batch's
+        read while the next batch is queued), made at the first batched loop."""
+        if not self._readbacks:
+            U = self.dev.wgpu.BufferUsage
+            self._readbacks = [self.dev.device.create_buffer(size=4 * LOOP_BATCH, usage=U.MAP_READ | U.COPY_DST)
+                               for _ in range(2)]
+        return self._readbacks[i % 2]
+
+    def _loop_batches(self, start: int, n: int, chooser, first) -> Iterator[int]:
+        """loop_tokens where steps replay (_encode_tokens; `first`, the first step's batch, encoded):
+        each batch submitted before the one ahead of it is read, reads waiting for their own
+        submission (Device.submission_reader)."""
+        queued = collections.deque()  # (first step, steps, batch number, submission index) submitted, not yet read
+        io = self.dev.submission_reader()
+
+        def submit(encoded, i: int, k: int, b: int) -> None:
+            # batch b's step values in half b % 2 of the step buffer: the batch before it, which
+            # may still run, reads the other half
+            self.dev.write(self.step_buf, encoded[1], (b % 2) * LOOP_BATCH * self.dev.step_stride)
+            queued.append((i, k, b, io.submit(encoded[0])))
+
+        with _device_errors(f"greedy decoding at position {start}"):
+            submit(first, 0, 1, 0)
+        pos, k, b, per_step, last = 1, 1, 1, None, None
+        while queued:
+            with _device_errors(f"greedy decoding at position {start + pos}"):
+                if pos < n:  # the next batch goes in before this one's ids are read
+                    k = min(2 * k, LOOP_BATCH, n - pos)
+                    if per_step:
+                        k = max(1, min(k, int(LOOP_BATCH_S / per_step)))
+                    slot = (b % 2) * LOOP_BATCH
+                    encoded = self._encode_tokens(start + pos, pos, k, chooser, slot=slot, readback=self._readback(b))
+                    submit(encoded, pos, k, b)
+                    pos, b = pos + k, b + 1
+                i, kk, bb, index = queued.popleft()
+                ids = np.frombuffer(io.read(self._readback(bb), 4 * kk, index), np.uint32)
+            now = time.perf_counter()
+            if last is not None and queued:  # a batch's time from its predecessor's read: the GPU's, the next queued
+                per_step = (now - last) / kk
+            last = now
             for t in ids:
                 yield int(t)
-            if held:  # the caller goes on past a stop token
-                submit(following)
+
+    def _loop_steps(self, start: int, n: int, chooser) -> Iterator[int]:
+        """loop_tokens where steps cannot be replayed (host work in a step): a submission a step,
+        read back in batches as loop_tokens' growth."""
+        i, k = 0, 1
+        while i < n:
+            with _device_errors(f"greedy decoding at position {start + i}"):
+                for j in range(i, i + k):
+                    self._host_start = start + j
+                    # the step's values are written in queue order: after the previous step's commands
+                    self._record(1, self._write_step(1, start + j, hist=j), with_argmax=True, chooser=chooser)
+                ids = np.frombuffer(self.dev.read(self.hist_buf, 4 * i, 4 * k), np.uint32).copy()
+            for t in ids:
+                yield int(t)
             i += k
-            k = nxt
+            k = min(2 * k, LOOP_BATCH, n - i)
 
 
 class _Choice:
