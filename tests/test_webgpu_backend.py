@@ -726,7 +726,7 @@ def test_tuning_cached_per_adapter(models, monkeypatch, tmp_path):
     first = _compare(models["Q8_0"], steps=1)
     files = list((tmp_path / "tune").glob("webgpu_*.json"))
     text = files[0].read_text() if len(files) == 1 else ""
-    assert "webgpu_gemv_v4|Q8_0" in text
+    assert "webgpu_gemv_v5|Q8_0" in text
     assert "webgpu_attention_v1" in text or not first.programs["decode"].dev.subgroup_size
     # the picks' time is reported apart (a one-time part of the load), within the weights phase
     assert 0 < first.load_phases["tuning"] <= first.load_phases["weights"]
@@ -760,8 +760,8 @@ def test_gemv_tuned_with_its_folds(models, monkeypatch, tmp_path, adapter):
         timed.append((tuning.fold_tag(fold), cfg))
         return real_time(dev, w, n, glu, cfg, fold, state, qout)
 
-    def gemv_kernels(w, n, glu, cfg, fold=None, lanes=1, qout=None):
-        ks = real_kernels(w, n, glu, cfg, fold, lanes, qout)
+    def gemv_kernels(w, n, glu, cfg, fold=None, lanes=1, qout=None, sg=0):
+        ks = real_kernels(w, n, glu, cfg, fold, lanes, qout, sg)
         kernels_timed.append((tuning.fold_tag(fold), cfg, [k.name for k in ks], ks[0].source))
         return ks
     calls = []

@@ -684,15 +684,20 @@ def test_embedding(dev, rng, fmt):
     check(read_f32(dev, bufs["Y"], rows * d), ref("embedding", [torch.from_numpy(dense), torch.from_numpy(ids)]))
 
 
-@pytest.mark.parametrize("add", [False, True])
-def test_rms_norm(dev, rng, add):
-    rows, c = 3, 333
+@pytest.mark.parametrize("add,c,vec,sub", [(False, 333, None, False), (True, 333, None, True), (False, 1028, None, True),
+                                           (True, 1028, None, False), (True, 4096, 1, True), (False, 4096, 4, True)])
+def test_rms_norm(dev, rng, add, c, vec, sub):
+    """rms_norm (+ residual add) against the cpu backend's, rows of a length off the workgroup's
+    reach (333: scalar loads; 1028: vec4 loads, the last chunk one vec4 long), reduced through
+    subgroups where the adapter has them or in workgroup memory."""
+    rows = 3
     a, b = rng.standard_normal((2, rows, c)).astype(np.float32)
     g = (1 + 0.1 * rng.standard_normal(c)).astype(np.float32)
     bufs = dict(A=upload_f32(dev, a), G=upload_f32(dev, g), O=nan_buffer(dev, rows * c))
     if add:
         bufs.update(B=upload_f32(dev, b), S=nan_buffer(dev, rows * c))
-    L = Launch(dev, kernels.rms_norm(c, 1e-5, "step.seq", add=add), bufs)
+    sg = dev.subgroup_size if sub else 0
+    L = Launch(dev, kernels.rms_norm(c, 1e-5, "step.seq", add=add, sg=sg, vec=vec), bufs)
     L.set_step(seq=rows)
     L.run((rows, 1, 1))
     A, B, G = (torch.from_numpy(v) for v in (a, b, g))

@@ -492,7 +492,8 @@ class WebgpuProgram:
             res = {"A": R(ins[0]), "G": R(ins[2] if add else ins[1]), "O": R(normed)}
             if add:
                 res.update(B=R(ins[1]), S=R(outs[0]))
-            k = kernels.rms_norm(cols, a["eps"], self._rows_expr(normed), add=add, dtypes=_dtypes(res))
+            k = kernels.rms_norm(cols, a["eps"], self._rows_expr(normed), add=add, sg=self.dev.subgroup_size,
+                                 vec=4 if cols % 4 == 0 and 11 <= self.dev.max_storage_buffers else 1, dtypes=_dtypes(res))
             return [_Dispatch(self, k, res, lambda s, n: (*_grid2(rows(s), limit), 1))]
         if kind in ("linear", "linear_qkv", "linear_swiglu"):
             return [self._lower_linear(op)]

@@ -120,6 +120,8 @@ class ActDesc:
             src += f"fn {n}_st(i: u32, v: f32) {{ {n}[i] = {t}(v); }}\n"
         if self.vec == 4:
             src += f"fn {n}_ld4(i4: u32) -> vec4<f32> {{ return vec4<f32>({n}_v4[i4]); }}\n"
+            if self.kind != "read":
+                src += f"fn {n}_st4(i4: u32, v: vec4<f32>) {{ {n}_v4[i4] = vec4<{t}>(v); }}\n"
         else:
             src += (f"fn {n}_ld4(i4: u32) -> vec4<f32> {{ let i = i4 * 4u; return vec4<f32>({n}_ld(i), {n}_ld(i + 1u), "
                     f"{n}_ld(i + 2u), {n}_ld(i + 3u)); }}\n")

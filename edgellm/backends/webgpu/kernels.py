@@ -1282,34 +1282,60 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     return Kernel(k.name, k.source, k.bindings + (Binding("TOK", "array<u32>"),), 256)
 
 
-def rms_norm(cols: int, eps: float, rows: str, *, add: bool = False, wg: int = 256, dtypes: dict | None = None) -> Kernel:
+def rms_norm(cols: int, eps: float, rows: str, *, add: bool = False, wg: int = 256, sg: int = 0, vec: int | None = None,
+             dtypes: dict | None = None) -> Kernel:
     """O = x * rsqrt(mean(x^2) + eps) * G per row; add: x = A + B is also written to S (the
-    residual stream). One workgroup per row."""
-    parts = [(ActDesc("A"), None), (ActDesc("G"), None), (ActDesc("O"), None)]
+    residual stream). One workgroup per row. Each thread issues all its loads of x (and G) at
+    once, `vec` elements each (4 where the row is a multiple of 4; 1 otherwise or where asked),
+    keeps them in registers for the scaling, and the sum of squares is reduced across subgroups
+    of `sg` lanes (0: in workgroup memory alone). A row of 4,096 read one element per thread and
+    iteration, with a barrier per level of the reduction tree and the row read again for the
+    scaling, took 16.4 us on the H200 through Vulkan (2026-11-30, 8B F16 decode, 31 of them a
+    token: benchmarks/webgpu_decode_profile.py --steps), a chain of 16 loads each way; this way
+    6.9 us."""
+    V = vec if vec is not None else (4 if cols % 4 == 0 else 1)
+    if V not in (1, 4) or cols % V:
+        raise ValueError(f"rms_norm: {cols} columns read {vec} at a time")
+    if sg and (sg & (sg - 1) or wg % sg):
+        raise ValueError(f"rms_norm: subgroups of {sg} lanes in a workgroup of {wg}")
+    per = -(-cols // (V * wg))  # elements (of V) per thread
+    parts = [(ActDesc("A", vec=V), None), (ActDesc("G", vec=V), None), (ActDesc("O", vec=V), None)]
     if add:
-        parts += [(ActDesc("B"), None), (ActDesc("S"), None)]
-    load = "var v = A_ld(t * C + k) + B_ld(t * C + k); S_st(t * C + k, v);" if add else "let v = A_ld(t * C + k);"
-    again = "S_ld(t * C + k)" if add else "A_ld(t * C + k)"
-    body = """
-const C: u32 = ${C}u;
-var<workgroup> red: array<f32, ${WG}>;
-@compute @workgroup_size(${WG})
+        parts += [(ActDesc("B", vec=V), None), (ActDesc("S", vec=V), None)]
+    ty, ld, st = ("vec4<f32>", "_ld4", "_st4") if V == 4 else ("f32", "_ld", "_st")
+    loads, sq, stores = [], [], []
+    for i in range(per):
+        x = f"A{ld}(t * CV + k{i})" + (f" + B{ld}(t * CV + k{i})" if add else "")
+        keep = f" S{st}(t * CV + k{i}, v{i});" if add else ""
+        loads.append(f"    let k{i} = lid + {i}u * WG; var v{i} = {ty}(0.0); var g{i} = {ty}(0.0);\n"
+                     f"    if (live && k{i} < CV) {{ v{i} = {x}; g{i} = G{ld}(k{i});{keep} }}")
+        sq.append(f"dot(v{i}, v{i})" if V == 4 else f"v{i} * v{i}")
+        stores.append(f"    if (live && k{i} < CV) {{ O{st}(t * CV + k{i}, v{i} * inv * g{i}); }}")
+    if sg:  # across each subgroup by shuffles, then the subgroups' sums in workgroup memory
+        red = (f"    for (var s = {sg // 2}u; s > 0u; s = s >> 1u) {{ ss += subgroupShuffleXor(ss, s); }}\n"
+               f"    if (lid % {sg}u == 0u) {{ red[lid / {sg}u] = ss; }}\n    workgroupBarrier();\n"
+               f"    var tot = 0.0;\n    for (var w = 0u; w < {wg // sg}u; w++) {{ tot += red[w]; }}")
+        nred = wg // sg
+    else:
+        red = "    " + _tree("ss", "lid", f"{wg}u") + "    let tot = red[0];"
+        nred = wg
+    body = f"""
+const CV: u32 = ${{CV}}u; const WG: u32 = ${{WG}}u;
+var<workgroup> red: array<f32, {nred}>;
+@compute @workgroup_size(${{WG}})
 fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>,
-        @builtin(num_workgroups) nwg: vec3<u32>) {
+        @builtin(num_workgroups) nwg: vec3<u32>) {{
     let t = wid.x + wid.y * nwg.x;  // rows past the per-dimension limit continue in y
-    var ss = 0.0;
-    if (t < ${ROWS_EXPR}) {
-        for (var k = lid; k < C; k += ${WG}u) { ${LOAD} ss += v * v; }
-    }
-    ${TREE}
-    let inv = inverseSqrt(red[0] / f32(C) + ${EPS});
-    if (t < ${ROWS_EXPR}) {
-        for (var k = lid; k < C; k += ${WG}u) { O_st(t * C + k, ${AGAIN} * inv * G_ld(k)); }
-    }
-}
+    let live = t < ${{ROWS_EXPR}};
+{chr(10).join(loads)}
+    var ss = {" + ".join(sq)};
+{red}
+    let inv = inverseSqrt(tot / f32(${{C}}u) + ${{EPS}});
+{chr(10).join(stores)}
+}}
 """
-    return _render("add_rms_norm" if add else "rms_norm", parts, body, wg, C=cols, EPS=_f(eps), LOAD=load,
-                   AGAIN=again, ROWS_EXPR=rows, TREE=_tree("ss", "lid", f"{wg}u"), dtypes=dtypes)
+    return _render("add_rms_norm" if add else "rms_norm", parts, body, wg, C=cols, CV=cols // V, EPS=_f(eps),
+                   ROWS_EXPR=rows, dtypes=dtypes)
 
 
 def elementwise(kind: str, cols: int, rows: str, *, b_rows: bool = True, dtypes: dict | None = None) -> Kernel:
