@@ -356,8 +356,11 @@ def test_unfused_graph(models):
 
 def test_tiled_prefill(models, monkeypatch):
     """The prefill path GPUs take, tiled GEMM and tiled causal attention (a software adapter runs
-    prefill as GEMVs and per-row attention by default)."""
+    prefill as GEMVs and per-row attention by default): the float tiles and attention_tiled, which a
+    GPU's defaults (int8 products, the tuner's pick of attention) would replace."""
     monkeypatch.setenv("EDGELLM_WEBGPU_TILED", "1")
+    monkeypatch.setenv("EDGELLM_WEBGPU_PREFILL_INT8", "0")
+    monkeypatch.setenv("EDGELLM_WEBGPU_PREFILL_ATTN", "tiled")
     g = _compare(models["Q4_1"], chunk=40, steps=1)
     assert g.backend.prefill_tiled
     assert {"gemm", "attention_tiled"} <= {v.kernel.name for st in g.programs["all"]._steps
@@ -722,7 +725,8 @@ def test_tuning_cached_per_adapter(models, monkeypatch, tmp_path):
     monkeypatch.setenv("EDGELLM_TUNE", "1")
     monkeypatch.setenv("EDGELLM_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(tuning, "_TUNERS", {})
-    monkeypatch.setattr(tuning, "gemv_candidates", lambda dev: [{"wg": 64, "rows_per_wg": 16, "subgroup": False}])
+    # one candidate, whatever the adapter asks for (a GPU's int8 GEMVs ask with int8, planes, xq)
+    monkeypatch.setattr(tuning, "gemv_candidates", lambda dev, **kw: [{"wg": 64, "rows_per_wg": 16, "subgroup": False}])
     first = _compare(models["Q8_0"], steps=1)
     files = list((tmp_path / "tune").glob("webgpu_*.json"))
     text = files[0].read_text() if len(files) == 1 else ""
