@@ -428,8 +428,12 @@ class SubmissionReader:
         self._done.clear()
         self._map(h, self.lib.WGPUMapMode_Read, 0, buf.size, self._info[0])
         self._index[0] = index
-        while not self._done:
+        for _ in range(1000):  # a poll that waits returns once the submission is done: one round, or a few
+            if self._done:
+                break
             self._poll(self.dev.device._internal, 1, self._index)
+        if not self._done:
+            raise EdgeLLMError("webgpu: a buffer read never completed (the device stopped answering)")
         if self._done[0] != self.lib.WGPUMapAsyncStatus_Success:
             raise EdgeLLMError(f"webgpu: mapping a buffer for reading failed (wgpu-native status {self._done[0]})")
         try:
