@@ -492,8 +492,10 @@ class WebgpuProgram:
             res = {"A": R(ins[0]), "G": R(ins[2] if add else ins[1]), "O": R(normed)}
             if add:
                 res.update(B=R(ins[1]), S=R(outs[0]))
-            k = kernels.rms_norm(cols, a["eps"], self._rows_expr(normed), add=add, sg=self.dev.subgroup_size,
-                                 vec=4 if cols % 4 == 0 and 11 <= self.dev.max_storage_buffers else 1, dtypes=_dtypes(res))
+            # vec4 views double the storage bindings (the Step uniform aside)
+            vec = 4 if cols % 4 == 0 and 2 * len(res) <= self.dev.max_storage_buffers else 1
+            k = kernels.rms_norm(cols, a["eps"], self._rows_expr(normed), add=add, sg=self.dev.subgroup_size, vec=vec,
+                                 dtypes=_dtypes(res))
             return [_Dispatch(self, k, res, lambda s, n: (*_grid2(rows(s), limit), 1))]
         if kind in ("linear", "linear_qkv", "linear_swiglu"):
             return [self._lower_linear(op)]
@@ -1215,7 +1217,7 @@ class WebgpuProgram:
         if n <= 0:
             return
         with _device_errors(f"greedy decoding at position {start}"):
-            first = self._encode_tokens(start, 0, 1, chooser, slot=0, readback=self._readback(0))
+            first = self._encode_tokens(start, 0, 1, chooser, slot=self._slot(0), readback=self._readback(0))
         if first is None:  # steps with host work: a submission a step
             yield from self._loop_steps(start, n, chooser)
             return
@@ -1230,21 +1232,26 @@ class WebgpuProgram:
                                for _ in range(2)]
         return self._readbacks[i % 2]
 
+    @staticmethod
+    def _slot(b: int) -> int:
+        """The first step slot of loop_tokens' batch b: batches take the step buffer's halves in turn."""
+        return (b % 2) * LOOP_BATCH
+
     def _loop_batches(self, start: int, n: int, chooser, first) -> Iterator[int]:
         """loop_tokens where steps replay (_encode_tokens; `first`, the first step's batch, encoded):
         each batch submitted before the one ahead of it is read, reads waiting for their own
         submission (Device.submission_reader)."""
-        queued = collections.deque()  # (first step, steps, batch number, submission index) submitted, not yet read
+        queued = collections.deque()  # (steps, batch number, submission index) submitted, not yet read
         io = self.dev.submission_reader()
 
-        def submit(encoded, i: int, k: int, b: int) -> None:
-            # batch b's step values in half b % 2 of the step buffer: the batch before it, which
-            # may still run, reads the other half
-            self.dev.write(self.step_buf, encoded[1], (b % 2) * LOOP_BATCH * self.dev.step_stride)
-            queued.append((i, k, b, io.submit(encoded[0])))
+        def submit(encoded, k: int, b: int) -> None:
+            # batch b's step values in half b % 2 of the step buffer (_slot): the batch before it,
+            # which may still run, reads the other half
+            self.dev.write(self.step_buf, encoded[1], self._slot(b) * self.dev.step_stride)
+            queued.append((k, b, io.submit(encoded[0])))
 
         with _device_errors(f"greedy decoding at position {start}"):
-            submit(first, 0, 1, 0)
+            submit(first, 1, 0)
         pos, k, b, per_step, last = 1, 1, 1, None, None
         while queued:
             with _device_errors(f"greedy decoding at position {start + pos}"):
@@ -1252,11 +1259,10 @@ class WebgpuProgram:
                     k = min(2 * k, LOOP_BATCH, n - pos)
                     if per_step:
                         k = max(1, min(k, int(LOOP_BATCH_S / per_step)))
-                    slot = (b % 2) * LOOP_BATCH
-                    encoded = self._encode_tokens(start + pos, pos, k, chooser, slot=slot, readback=self._readback(b))
-                    submit(encoded, pos, k, b)
+                    submit(self._encode_tokens(start + pos, pos, k, chooser, slot=self._slot(b),
+                                               readback=self._readback(b)), k, b)
                     pos, b = pos + k, b + 1
-                i, kk, bb, index = queued.popleft()
+                kk, bb, index = queued.popleft()
                 ids = np.frombuffer(io.read(self._readback(bb), 4 * kk, index), np.uint32)
             now = time.perf_counter()
             if last is not None and queued:  # a batch's time from its predecessor's read: the GPU's, the next queued
@@ -1275,7 +1281,7 @@ class WebgpuProgram:
                     self._host_start = start + j
                     # the step's values are written in queue order: after the previous step's commands
                     self._record(1, self._write_step(1, start + j, hist=j), with_argmax=True, chooser=chooser)
-                ids = np.frombuffer(self.dev.read(self.hist_buf, 4 * i, 4 * k), np.uint32).copy()
+                ids = np.frombuffer(self.dev.read(self.hist_buf, 4 * i, 4 * k), np.uint32)
             for t in ids:
                 yield int(t)
             i += k
