@@ -242,6 +242,7 @@ def step_profile(prog, dev, seq: int, write_step, reps: int = 6) -> None:
         by_kind[d.kernel.name] += t
         groups[d.kernel.name, nbytes, elems].append(t)
     what = "token" if seq == 1 else f"{seq}-token step"
+    _print_first_layer(ds, us, seq, splits)
     print(f"dispatches timed alone: {len(ds)}, {us.sum() / 1e3:.3f} ms per {what} (median per dispatch over {reps})")
     for name, t in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         print(f"  {name}: {t / 1e3:.3f} ms ({100 * t / us.sum():.1f}%)")
@@ -256,6 +257,24 @@ def step_profile(prog, dev, seq: int, write_step, reps: int = 6) -> None:
         if b and e and seq > 1:
             rate += f"  {2 * seq * e / med / 1e6:.1f} TFLOP/s"
         print(f"  {len(ts_):4d} x {med:9.1f} us  {name}  {b / 1e6:.1f} MB{rate}")
+
+
+# bindings that say what a dispatch does besides its kernel's own work (kernels.gemv_warp's folds)
+_TAGS = {"A": "norm", "S": "+residual", "TOK": "embed", "KC": "rope+kv", "WS": "splits", "XQ": "int8-x",
+         "YQ": "int8-y", "R": "residual"}
+
+
+def _print_first_layer(ds: list, us, seq: int, splits: int) -> None:
+    """The step's dispatches in order up to the second attention (the embedding's and the first
+    layer's): kernel, what its bindings say it folds, grid, weight MB and time alone."""
+    attn = [i for i, d in enumerate(ds) if d.kernel.name.startswith("attention") and "combine" not in d.kernel.name]
+    end = attn[1] if len(attn) > 1 else len(ds)
+    print(f"the first layer's dispatches ({splits} attention splits): kernel [folds] grid, MB, us alone")
+    for d, t in zip(ds[:end], us[:end]):
+        names = {b.name for b in d.kernel.bindings}
+        tags = [v for k, v in _TAGS.items() if k in names] if d.kernel.name.startswith("gemv") else []
+        nbytes, _ = _weight_shape(d)
+        print(f"  {d.kernel.name:24s} [{' '.join(tags)}] {d.grid_of(seq, splits)}  {nbytes / 1e6:7.2f} MB  {t:6.1f} us")
 
 
 def profile_prefill(model_path: str, n: int, reps: int) -> None:

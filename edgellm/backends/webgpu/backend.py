@@ -74,6 +74,17 @@ def combine_unroll() -> int:
     return int(v)
 
 
+def split_keys() -> int:
+    """Cached keys a decode attention split takes (SPLIT_KEYS; EDGELLM_WEBGPU_SPLIT_KEYS overrides):
+    a step of kv_len keys runs ceil(kv_len / this) splits, at most MAX_SPLITS."""
+    v = os.environ.get("EDGELLM_WEBGPU_SPLIT_KEYS", "").strip()
+    if not v:
+        return SPLIT_KEYS
+    if not v.isdigit() or int(v) < 1:
+        raise GraphError(f"EDGELLM_WEBGPU_SPLIT_KEYS={v!r}: expected a positive integer (keys a split)")
+    return int(v)
+
+
 FOLDS = ("last_row", "norm", "rope", "combine", "embed", "qout")  # the kinds of WebgpuProgram._plan_folds
 
 
@@ -391,6 +402,7 @@ class WebgpuProgram:
         self._combines: dict[str, Op] = {}  # linear op name -> the split attention it merges (prologue)
         self._embeds: dict[str, Op] = {}  # linear op name -> the embedding its folded norm reads from the weight
         self._qouts: dict[str, tuple[int, bool]] = {}  # linear op name -> (planes, sums) of x its gate|up GEMV quantized
+        self.split_keys = split_keys()
         absorbed = self._plan_folds()
         for op in graph.ops:
             if op.name not in absorbed:
@@ -1052,7 +1064,7 @@ class WebgpuProgram:
         kv_len = start + seq
         splits = 1
         if self.max_seq == 1:
-            splits = max(1, min(MAX_SPLITS, -(-kv_len // SPLIT_KEYS)))
+            splits = max(1, min(MAX_SPLITS, -(-kv_len // self.split_keys)))
         split_len = -(-kv_len // splits) if splits > 1 else self.ctx
         return np.array([seq, start, kv_len, split_len, splits, hist, 0, 0], np.uint32), splits
 
