@@ -731,7 +731,7 @@ def test_tuning_cached_per_adapter(models, monkeypatch, tmp_path):
     first = _compare(models["Q8_0"], steps=1)
     files = list((tmp_path / "tune").glob("webgpu_*.json"))
     text = files[0].read_text() if len(files) == 1 else ""
-    assert "webgpu_gemv_v5|Q8_0" in text
+    assert f"{tuning.GEMV_TUNING}|Q8_0" in text
     assert "webgpu_attention_v1" in text or not first.programs["decode"].dev.subgroup_size
     # the picks' time is reported apart (a one-time part of the load), within the weights phase
     assert 0 < first.load_phases["tuning"] <= first.load_phases["weights"]

@@ -147,8 +147,9 @@ def tuning_on(dev: Device) -> bool:
 
 
 # the tuning table of decode GEMV picks; v5 (2026-11-30): rms_norm, the dispatch a norm made ahead
-# runs, 2.4 times faster, so picks timed against the old one are not kept
-GEMV_TUNING = "webgpu_gemv_v5"
+# runs, 2.4 times faster, so picks timed against the old one are not kept; v6 (2026-11-30): a norm
+# folded into gemv_warp sums its squares as x is staged (no pass and barriers of its own ahead)
+GEMV_TUNING = "webgpu_gemv_v6"
 
 
 def gemv_forced() -> bool:
