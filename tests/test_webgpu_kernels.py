@@ -490,12 +490,13 @@ def test_quantize_x_prologue_then_xq(dev, rng, fmt, prologue, planes, rows, lane
     splits' merge) done once by quantize_x, then gemv_warp's xq reading the codes: the same
     numbers as the GEMV folding that prologue itself (its x staged and quantized per workgroup),
     and float64 numpy's product of x so made and rounded; S (the residual sum) written whole;
-    outputs poisoned first. 37 features; 1,024 inputs (8 heads of 128 for the merge, or 64 of 16,
+    outputs poisoned first. 37 features; 1,024 inputs (2,112 with a norm; 8 heads of 128 for the merge, or 64 of 16,
     a block spanning two heads; 5 splits: the 8-lane variant's merge reads them 4 at a time);
     "plain": x itself. lanes: a thread a block, or a vec4 a thread with 8 lanes a block."""
     if not dev.subgroup_size or dev.subgroup_size < lanes:
         pytest.skip(f"the adapter's subgroups are not {lanes} lanes or more")
-    n_out, k = 37, cols_for(fmt, 1024)
+    # a norm's row: 2,112 inputs, three workgroups of the 8-lane variant, the last partly past the row
+    n_out, k = 37, cols_for(fmt, 2112 if prologue.endswith("rms") else 1024)
     raw, dense = quantized(rng, n_out, k, fmt)
     packed = codegen.repack(raw, fmt, dense.shape)
     w = DeviceWeight(packed, dev)

@@ -931,7 +931,10 @@ def quantize_x(cols: int, rows: str, *, planes: int = 1, sums: bool = True, norm
     for all of the GEMV's workgroups instead of in each of them:
     norm "rms" / "add_rms": x = rms_norm(A [+ B]) * G (bindings A, G [, B, S] instead of X; the sum
     A + B written to S), a workgroup of `wg` threads per row (the row's sum of squares reduced
-    in workgroup memory), grid (1, rows).
+    in workgroup memory), grid (1, rows); with lanes 8, workgroups of QUANTIZE_NORM_WG threads
+    each summing the whole row's squares (a few KiB from the cache, all loads at once) and
+    quantizing their own QUANTIZE_NORM_WG vec4s (a 4096-element row: 4 workgroups, where one
+    walked the row four times after its reduction).
     combine (heads, head_dim): x is the attention output still split over the context
     (attention(partial=True)'s WS; step.n_splits splits), the heads of each block merged by its
     thread as attention_combine does (head_dim a multiple of 4; of 32: a block lies in one head,
@@ -1030,10 +1033,16 @@ fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: v
     return _render("quantize_x", parts, body, 64, ROWS_EXPR=rows, NEG=NEG, dtypes=dtypes)
 
 
+QUANTIZE_NORM_WG = 256  # quantize_x's workgroup with a norm
+
+
 def quantize_x_grid(cols: int, rows: int, norm: bool = False, lanes: int = 1) -> tuple[int, int, int]:
-    """quantize_x's dispatch grid: a thread per 32-block (lanes 8: per vec4), 64 a workgroup, a
-    row per grid row; with a norm, a workgroup per row."""
-    return (1, rows, 1) if norm else (-(-(cols // 32 * lanes) // 64), rows, 1)
+    """quantize_x's dispatch grid: a thread per 32-block (lanes 8: per vec4), 64 a workgroup
+    (QUANTIZE_NORM_WG with a norm), a row per grid row; with a norm and lanes 1, a workgroup per
+    row."""
+    if norm and lanes == 1:
+        return (1, rows, 1)
+    return (-(-(cols // 32 * lanes) // (QUANTIZE_NORM_WG if norm else 64)), rows, 1)
 
 
 def _merge_wgsl(n_heads: int, head_dim: int, unroll: int = 4) -> str:
@@ -1082,7 +1091,7 @@ def _quantize_x_lanes(cols: int, rows: str, *, planes: int, sums: bool, norm: st
                       combine: tuple[int, int] | None, wg: int, dtypes: dict | None) -> Kernel:
     """quantize_x with a vec4 a thread and 8 lanes a block (its lanes=8; arguments checked there)."""
     k4 = cols // 4
-    wg = wg if norm else 64
+    wg = QUANTIZE_NORM_WG if norm else 64
     merge = ""
     parts = _quantize_x_inputs(norm, combine)
     if norm:
@@ -1105,31 +1114,31 @@ def _quantize_x_lanes(cols: int, rows: str, *, planes: int, sums: bool, norm: st
         sum_l = (f"\n        var cs = {code_sum};\n        cs += subgroupShuffleXor(cs, 1u); cs += subgroupShuffleXor(cs, 2u);"
                  "\n        let cs_hi = subgroupShuffleXor(cs, 4u);")
         store_s = " XS[o] = vec2<i32>(cs, cs_hi);"
-    iters = -(-k4 // wg) if norm else 1
-    first = "lid + i * ${WG}u" if norm else "wid.x * ${WG}u + lid"
     pre = ""
-    if norm:
-        store = ("let k = 4u * (xb + c); S_st(k, a.x); S_st(k + 1u, a.y); S_st(k + 2u, a.z); S_st(k + 3u, a.w);"
-                 if norm == "add_rms" else "")
+    if norm:  # every workgroup sums the whole row's squares (S: its own vec4s), then quantizes its vec4s
+        store = ("if (c / ${WG}u == wid.x) { let k = 4u * (xb + c); S_st(k, a.x); S_st(k + 1u, a.y); "
+                 "S_st(k + 2u, a.z); S_st(k + 3u, a.w); }" if norm == "add_rms" else "")
         aa = "A_ld4(xb + c) + B_ld4(xb + c)" if norm == "add_rms" else "A_ld4(xb + c)"
         pre = f"""
     var ss = 0.0;
     for (var c = lid; c < K4; c += ${{WG}}u) {{ let a = {aa}; ss += dot(a, a); {store} }}
-    red[lid] = ss;
+    for (var s = 4u; s > 0u; s = s >> 1u) {{ ss += subgroupShuffleXor(ss, s); }}
+    if (lid % 8u == 0u) {{ red[lid / 8u] = ss; }}
     workgroupBarrier();
-    for (var s = ${{WG}}u / 2u; s > 0u; s = s >> 1u) {{ if (lid < s) {{ red[lid] += red[lid + s]; }} workgroupBarrier(); }}
-    let rinv = inverseSqrt(red[0] / f32({cols}) + {_f(eps)});"""
+    var tot = 0.0;
+    for (var i = 0u; i < ${{WG}}u / 8u; i++) {{ tot += red[i]; }}
+    let rinv = inverseSqrt(tot / f32({cols}) + {_f(eps)});"""
     body = f"""
 const NB: u32 = {cols // 32}u; const K4: u32 = {k4}u;
 {QUANT_AMAX}
-{"var<workgroup> red: array<f32, ${WG}>;" if norm else ""}{merge}
+{"var<workgroup> red: array<f32, ${WG} / 8>;" if norm else ""}{merge}
 @compute @workgroup_size(${{WG}})
 fn main(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {{
     let t = wid.y;
     if (t >= ${{ROWS_EXPR}}) {{ return; }}
     let xb = t * K4;{pre}
-    for (var i = 0u; i < {iters}u; i++) {{  // a constant count: the shuffles in uniform control flow
-        let c = {first};
+    {{
+        let c = wid.x * ${{WG}}u + lid;
         let cc = min(c, K4 - 1u);  // lanes past K4 (whole blocks of 8) compute, not store
         {value}
         var m = am(v);
