@@ -71,6 +71,18 @@ def _tree(var: str, lane: str, width: str, op: str = "+") -> str:
             f"    for (var s = {width} / 2u; s > 0u; s = s >> 1u) {{ if ({lane} < s) {{ {comb} }} workgroupBarrier(); }}\n")
 
 
+def _lane_sums(var: str, width: int, arr: str) -> str:
+    """`var` summed across each `width` lanes by subgroup shuffles, each group's sum stored in
+    arr[lid / width] (a workgroup barrier before arr is read: _sum_of)."""
+    return (f"for (var s = {width // 2}u; s > 0u; s = s >> 1u) {{ {var} += subgroupShuffleXor({var}, s); }}\n"
+            f"    if (lid % {width}u == 0u) {{ {arr}[lid / {width}u] = {var}; }}")
+
+
+def _sum_of(arr: str, n: str, out: str) -> str:
+    """`var out` = the sum of arr[0 .. n) (every thread reads them all: n a few dozen at most)."""
+    return f"var {out} = 0.0;\n    for (var i = 0u; i < {n}; i++) {{ {out} += {arr}[i]; }}"
+
+
 # -- matrix products ------------------------------------------------------------------------------
 def gemv(w: WeightDesc, n_out: int, rows: str, *, bias: bool = False, residual: bool = False, glu: bool = False,
          rows_per_wg: int = 4, wg: int = 128, subgroup: bool = False, x_vec: int = 4, rows_per_thread: int = 1, dtypes: dict | None = None) -> Kernel:
@@ -569,9 +581,8 @@ def gemv_warp(w: WeightDesc, n_out: int, rows: str, *, rows_per_warp: int = 1, w
     norm_pub = norm_scale = ""
     if norm:  # rms(x) from the row's squares summed in the prologue, applied to the sums (W (a g) / rms)
         if subgroup:
-            norm_pub = (f"    for (var s = {sg // 2}u; s > 0u; s = s >> 1u) {{ ss += subgroupShuffleXor(ss, s); }}\n"
-                        "    if (lane == 0u) { nred[lid / SG] = ss; }")
-            total = "var tot = 0.0;\n    for (var i = 0u; i < WARPS; i++) { tot += nred[i]; }"
+            norm_pub = "    " + _lane_sums("ss", sg, "nred")
+            total = _sum_of("nred", "WARPS", "tot")
         else:
             norm_pub = "    nred[lid] = ss;"
             total = ("for (var s = WG / 2u; s > 0u; s = s >> 1u) { if (lid < s) { nred[lid] += nred[lid + s]; } "
@@ -953,7 +964,7 @@ def quantize_x(cols: int, rows: str, *, planes: int = 1, sums: bool = True, norm
         raise ValueError(f"quantize_x: merging attention splits (heads, head_dim) {combine} needs heads x head_dim = "
                          f"the {cols} inputs and head_dim a multiple of 4")
     if lanes == 8:
-        return _quantize_x_lanes(cols, rows, planes=planes, sums=sums, norm=norm, eps=eps, combine=combine, wg=wg,
+        return _quantize_x_lanes(cols, rows, planes=planes, sums=sums, norm=norm, eps=eps, combine=combine,
                                  dtypes=dtypes)
     if lanes != 1:
         raise ValueError(f"quantize_x: 1 or 8 lanes a block, not {lanes}")
@@ -1088,8 +1099,9 @@ def _quantize_x_inputs(norm: str | None, combine) -> list:
 
 
 def _quantize_x_lanes(cols: int, rows: str, *, planes: int, sums: bool, norm: str | None, eps: float,
-                      combine: tuple[int, int] | None, wg: int, dtypes: dict | None) -> Kernel:
-    """quantize_x with a vec4 a thread and 8 lanes a block (its lanes=8; arguments checked there)."""
+                      combine: tuple[int, int] | None, dtypes: dict | None) -> Kernel:
+    """quantize_x with a vec4 a thread and 8 lanes a block (its lanes=8; arguments checked there):
+    workgroups of QUANTIZE_NORM_WG threads with a norm, else 64."""
     k4 = cols // 4
     wg = QUANTIZE_NORM_WG if norm else 64
     merge = ""
@@ -1122,11 +1134,9 @@ def _quantize_x_lanes(cols: int, rows: str, *, planes: int, sums: bool, norm: st
         pre = f"""
     var ss = 0.0;
     for (var c = lid; c < K4; c += ${{WG}}u) {{ let a = {aa}; ss += dot(a, a); {store} }}
-    for (var s = 4u; s > 0u; s = s >> 1u) {{ ss += subgroupShuffleXor(ss, s); }}
-    if (lid % 8u == 0u) {{ red[lid / 8u] = ss; }}
+    {_lane_sums("ss", 8, "red")}
     workgroupBarrier();
-    var tot = 0.0;
-    for (var i = 0u; i < ${{WG}}u / 8u; i++) {{ tot += red[i]; }}
+    {_sum_of("red", "${WG}u / 8u", "tot")}
     let rinv = inverseSqrt(tot / f32({cols}) + {_f(eps)});"""
     body = f"""
 const NB: u32 = {cols // 32}u; const K4: u32 = {k4}u;
@@ -1351,9 +1361,7 @@ def rms_norm(cols: int, eps: float, rows: str, *, add: bool = False, wg: int = 2
         sq.append(f"dot(v{i}, v{i})" if V == 4 else f"v{i} * v{i}")
         stores.append(f"    if (live && k{i} < CV) {{ O{st}(t * CV + k{i}, v{i} * inv * g{i}); }}")
     if sg:  # across each subgroup by shuffles, then the subgroups' sums in workgroup memory
-        red = (f"    for (var s = {sg // 2}u; s > 0u; s = s >> 1u) {{ ss += subgroupShuffleXor(ss, s); }}\n"
-               f"    if (lid % {sg}u == 0u) {{ red[lid / {sg}u] = ss; }}\n    workgroupBarrier();\n"
-               f"    var tot = 0.0;\n    for (var w = 0u; w < {wg // sg}u; w++) {{ tot += red[w]; }}")
+        red = f"    {_lane_sums('ss', sg, 'red')}\n    workgroupBarrier();\n    {_sum_of('red', f'{wg // sg}u', 'tot')}"
         nred = wg // sg
     else:
         red = "    " + _tree("ss", "lid", f"{wg}u") + "    let tot = red[0];"
