@@ -158,10 +158,12 @@ def test_attention_splits_merged_in_output_gemv(models, monkeypatch, name, gemv)
     """Decode attention split over the context (one split per 4 keys here, 4 to 5 splits) with
     the splits merged in the output projection's GEMV: logits match the cpu backend's, and no
     attention_combine is dispatched; past COMBINE_IN_GEMV_SPLITS, or with the fold off, the
-    combine is its own dispatch again."""
+    combine is its own dispatch again. (The "finish" fold, which takes the combine's place where
+    the lane-group attention runs, off.)"""
     from edgellm.backends.webgpu import backend
 
     monkeypatch.setenv("EDGELLM_WEBGPU_GEMV", gemv)
+    monkeypatch.setenv("EDGELLM_WEBGPU_FOLD", folds_without("finish"))
     monkeypatch.setattr(backend, "SPLIT_KEYS", 4)
     g = _compare(models[name], steps=4)
     dec = g.programs["decode"]
@@ -204,10 +206,12 @@ def test_int8_x_quantized_ahead(models, monkeypatch, name, gemv):
     unstaged; where the GEMV would fold an RMSNorm (with the residual add) or the attention
     splits' merge, quantize_x does that work (its source reads A and G, or WS, and a step with
     splits picks that variant); the logits stay within the int8 path's tolerance of the cpu
-    backend's with decode attention split (one split per 4 keys: 4 to 5 splits)."""
+    backend's with decode attention split (one split per 4 keys: 4 to 5 splits). (The "finish"
+    fold off: test_attention_finishes_its_merge.)"""
     from edgellm.backends.webgpu import backend
 
     monkeypatch.setenv("EDGELLM_WEBGPU_GEMV", gemv)
+    monkeypatch.setenv("EDGELLM_WEBGPU_FOLD", folds_without("finish"))
     monkeypatch.setattr(backend, "SPLIT_KEYS", 4)
     tol = 3e-3 if "int8x2" in gemv else 2e-2 if name == "mixed" else 1e-2
     dec = _compare(models[name], steps=3, tol=tol).programs["decode"]
@@ -226,6 +230,44 @@ def test_int8_x_quantized_ahead(models, monkeypatch, name, gemv):
         staged = [d for d in ds if d.kernel.name == "gemv_warp" and "XQ[xo + " not in d.kernel.source]
         assert len(staged) == len(dec._embeds) and all("dot4I8Packed" in d.kernel.source for d in staged)
     assert dec._combines
+
+
+@pytest.mark.parametrize("name,gemv", [("Q8_0", "warp:2:64:1"), ("qwen2", "warp:2:64:1:stage:int8"),
+                                       ("Q4_0", "warp:4:64:2:int8:xq"), ("mixed", "warp:2:64:1:int8x2:xq"),
+                                       ("mixed", "warp:4:64:2:int8:xq")])
+def test_attention_finishes_its_merge(models, monkeypatch, adapter, name, gemv):
+    """The "finish" fold: decode attention split over the context (one split per 4 keys: 2 to 5
+    splits) merges its splits in each head's last workgroup: logits match the cpu backend's
+    (int8 tolerances where x is int8), a step dispatches one finishing attention per layer and no
+    attention_combine; where the output projection reads x quantized ahead (xq) and heads are
+    whole 32-blocks (mixed: 64), the attention writes x's int8 blocks ("q") and no quantize_x
+    runs before that GEMV (head size 16: "o", then quantize_x); greedy tokens on the device are
+    the cpu's (float x) or those with the fold off (int8 x, the same rounding); with the fold off
+    the merge is in the output projection again."""
+    from edgellm.backends.webgpu import backend
+
+    if not adapter.subgroup_size:
+        pytest.skip("the lane-group attention needs the adapter's subgroup size")
+    monkeypatch.setenv("EDGELLM_WEBGPU_GEMV", gemv)
+    monkeypatch.setattr(backend, "SPLIT_KEYS", 4)
+    int8 = "int8" in gemv
+    tol = 3e-3 if "int8x2" in gemv or not int8 else 2e-2 if name == "mixed" else 1e-2
+    gpu = _compare(models[name], steps=4, tol=tol)
+    dec = gpu.programs["decode"]
+    n_attn = sum(op.kind == "attention" for op in dec.graph.ops)
+    mode = "q" if gemv.endswith(":xq") and name == "mixed" else "o"
+    assert len(dec._finished) == n_attn and not dec._combines and len(dec._attn_quant) == (n_attn if mode == "q" else 0)
+    names = _recorded(dec, monkeypatch)  # 6 keys: 2 splits
+    assert names.count(f"attention_warp_partial_finish_{mode}") == n_attn and "attention_combine" not in names
+    if gemv.endswith(":xq"):
+        linears = [o for o in dec.graph.ops if o.kind in ("linear", "linear_qkv", "linear_swiglu")]
+        assert names.count("quantize_x") == len(linears) - len(dec._embeds) - len(dec._qouts) - len(dec._attn_quant)
+    p = SamplingParams(temperature=0)
+    monkeypatch.setenv("EDGELLM_WEBGPU_FOLD", folds_without("finish"))
+    other = edgellm.load(models[name], backend="webgpu" if int8 else "cpu", ctx=64)
+    if int8:
+        assert not other.programs["decode"]._finished and other.programs["decode"]._combines
+    assert list(gpu.generate_tokens(PROMPT, 8, p)) == list(other.generate_tokens(PROMPT, 8, p))
 
 
 @pytest.mark.parametrize("name,gemv", [("Q8_0", "warp:4:256:1:int8x2:xq"), ("Q4_0", "warp:4:256:2:int8:xq"),
@@ -301,6 +343,11 @@ def backend_folds():
     from edgellm.backends.webgpu.backend import FOLDS
 
     return FOLDS
+
+
+def folds_without(*kinds: str) -> str:
+    """EDGELLM_WEBGPU_FOLD's value for every fold but these."""
+    return ",".join(f for f in backend_folds() if f not in kinds)
 
 
 def test_rope_fold_without_norm_fold(models, monkeypatch):
@@ -508,6 +555,7 @@ def test_split_merge_unrolled(models, monkeypatch):
     monkeypatch.setenv("EDGELLM_WEBGPU_GEMV", "warp:2:64:1")
     monkeypatch.setattr(backend, "SPLIT_KEYS", 4)
     monkeypatch.setenv("EDGELLM_WEBGPU_COMBINE_UNROLL", "4")
+    monkeypatch.setenv("EDGELLM_WEBGPU_FOLD", folds_without("finish"))
     dec = _compare(models["Q8_0"], steps=4).programs["decode"]
     assert dec._combines
     monkeypatch.setenv("EDGELLM_WEBGPU_COMBINE_UNROLL", "four")
@@ -754,6 +802,7 @@ def test_gemv_tuned_with_its_folds(models, monkeypatch, tmp_path, adapter):
 
     monkeypatch.setenv("EDGELLM_TUNE", "1")
     monkeypatch.setenv("EDGELLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("EDGELLM_WEBGPU_FOLD", folds_without("finish"))  # the split merge in the output projection
     monkeypatch.setattr(tuning, "_TUNERS", {})
     warp = lambda r: tuning.warp_config(adapter, r, 64, 1, True)  # noqa: E731
     block = {"wg": 64, "rows_per_wg": 16, "subgroup": False}
@@ -858,6 +907,7 @@ def test_float_decode_gemv_tuned_with_its_prologue_ahead(models, monkeypatch, tm
     monkeypatch.setattr(tuning, "_time_gemv", lambda dev, w, n, glu, cfg, fold=None, state=None, qout=None:
                         1.0 if bool(cfg.get("ahead")) == (winner == "ahead") else 2.0)
     monkeypatch.setattr(backend, "SPLIT_KEYS", 4)
+    monkeypatch.setenv("EDGELLM_WEBGPU_FOLD", folds_without("finish"))
     dec = _compare(models["F16"], steps=2).programs["decode"]
     assert dec._combines and len(dec._folds) > len(dec._embeds)
     names = [d.kernel.name for st in dec._steps for d in (st.pick(1, 2) if hasattr(st, "pick") else (st,))]
@@ -991,7 +1041,8 @@ def test_folds_with_other_storage(models, adapter, monkeypatch, env, tol):
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(backend, "SPLIT_KEYS", 4)
     dec = _compare(models["Q4_0"], tol=tol, steps=3).programs["decode"]
-    assert dec._folds and dec._ropes and dec._combines and dec._alias and dec._embeds
+    assert dec._folds and dec._ropes and dec._alias and dec._embeds
+    assert (dec._finished and not dec._combines) if adapter.subgroup_size else dec._combines
 
 
 def test_device_errors_are_one_line(models, monkeypatch):

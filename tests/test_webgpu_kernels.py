@@ -1112,6 +1112,66 @@ def test_attention_warp(dev, rng, rows, start, splits, kv, d, ahead, warps):
                      sg=min(32, dev.subgroup_size), keys_ahead=ahead, warps=warps)
 
 
+@pytest.mark.parametrize("rows,start,splits,kv,d,warps,planes,sums", [
+    (1, 300, 5, "f32", 64, 4, 1, True), (1, 40, 1, "f16", 64, 4, 2, False), (2, 200, 7, "f16", 128, 2, 2, True),
+    (1, 33, 5, "f32", 64, 8, 1, False), (1, 300, 3, "f32", 256, 2, 1, True), (2, 90, 2, "f32", 32, 4, 2, True)])
+def test_attention_warp_finish(dev, rng, rows, start, splits, kv, d, warps, planes, sums):
+    """attention_warp split over the context with its splits merged by each head's last workgroup
+    to finish (finish "o": O as the cpu reference's attention; finish "q": that O quantized for the
+    output projection, byte for byte quantize_x's of it, dequantized within a rounding step of
+    the reference), run twice on fresh queries (the arrival counters back at zero after each run:
+    read back), a split past the keys a row sees empty (34 keys in 5 splits), head sizes 32 to
+    256 (the merge's lanes per element and splits per lane vary), GQA, outputs poisoned first."""
+    if not dev.subgroup_size:
+        pytest.skip("the adapter's subgroup size is unknown")
+    if kv == "f16" and not dev.has_f16:
+        pytest.skip("the adapter has no shader-f16")
+    sg = min(32, dev.subgroup_size)
+    h, g, ctx = 6, 2, 320
+    n, scale = start + rows, 1 / math.sqrt(d)
+    k, nb = h * d, h * d // 32
+    kc, vc = rng.standard_normal((2, ctx, g * d)).astype(np.float32)
+    if kv == "f16":
+        kc, vc = kc.astype(np.float16).astype(np.float32), vc.astype(np.float16).astype(np.float32)
+    bufs = dict(KC=_cache(dev, kc, kv), VC=_cache(dev, vc, kv), CNT=dev.upload(np.zeros(rows * h, np.uint32)))
+    kerns = {f: kernels.attention_warp(h, g, d, scale, "step.seq", partial=True, cache_dtype=kv, sg=sg, warps=warps,
+                                       finish=f, max_splits=8, planes=planes, sums=sums) for f in ("o", "q")}
+    for _ in range(2):
+        q = rng.standard_normal((rows, h * d)).astype(np.float32)
+        bufs.update(Q=upload_f32(dev, q), WS=nan_buffer(dev, rows * h * splits * (d + 2)), O=nan_buffer(dev, rows * k),
+                    XQ=nan_buffer(dev, rows * k // 4), XD=nan_buffer(dev, rows * nb), XS=nan_buffer(dev, 2 * rows * nb),
+                    XQ2=nan_buffer(dev, rows * k // 4))
+        got = {}
+        for f in ("o", "q"):
+            L = Launch(dev, kerns[f], bufs)
+            L.set_step(seq=rows, start=start, split_len=-(-n // splits), n_splits=splits)
+            L.run((h, rows, splits))
+            assert not np.frombuffer(dev.read(bufs["CNT"], 0, 4 * rows * h), np.uint32).any()
+            if f == "o":
+                got["o"] = read_f32(dev, bufs["O"], rows * k)
+            else:
+                got["q"] = {nm: bytes(dev.read(bufs["X" + nm], 0, sz)) for nm, sz in
+                            (("Q", rows * k), ("D", 4 * rows * nb), ("S", 8 * rows * nb), ("Q2", rows * k))
+                            if (nm != "S" or sums) and (nm != "Q2" or planes == 2)}
+        want = ref("attention", [torch.from_numpy(q), torch.from_numpy(kc), torch.from_numpy(vc), start],
+                   n_heads=h, n_kv_heads=g, head_dim=d, scale=scale)
+        check(got["o"], want, 1e-5)
+        # the same O quantized by quantize_x: the same bytes
+        xb = {"X": upload_f32(dev, got["o"]), **{"X" + nm: nan_buffer(dev, len(b) // 4) for nm, b in got["q"].items()}}
+        Q = Launch(dev, kernels.quantize_x(k, "step.seq", planes=planes, sums=sums), xb)
+        Q.set_step(seq=rows)
+        Q.run((-(-nb // 64), rows, 1))
+        for nm, b in got["q"].items():
+            assert bytes(dev.read(xb["X" + nm], 0, len(b))) == b, nm
+        codes = np.frombuffer(got["q"]["Q"], np.int8).astype(np.float64).reshape(rows, nb, 32)
+        dq = np.frombuffer(got["q"]["D"], np.float32).astype(np.float64).reshape(rows, nb, 1)
+        if planes == 2:
+            codes = 254 * codes + np.frombuffer(got["q"]["Q2"], np.int8).reshape(rows, nb, 32)
+        emu, _ = _int8_emulation(want.numpy().reshape(rows, k).astype(np.float32), planes)
+        step = np.abs(want.numpy().astype(np.float64)).reshape(rows, nb, 32).max(-1).max() / 127
+        assert np.abs((codes * dq).reshape(rows, k) - emu).max() <= step * (1.01 if planes == 1 else 0.02)
+
+
 def test_attention_warp_refuses_head_sizes_it_cannot_split():
     assert not kernels.attention_warp_fits(80, 32) and kernels.attention_warp_fits(128, 32)
     with pytest.raises(ValueError, match="head_dim 80"):

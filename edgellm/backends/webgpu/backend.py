@@ -85,7 +85,7 @@ def split_keys() -> int:
     return int(v)
 
 
-FOLDS = ("last_row", "norm", "rope", "combine", "embed", "qout")  # the kinds of WebgpuProgram._plan_folds
+FOLDS = ("last_row", "norm", "rope", "combine", "embed", "qout", "finish")  # the kinds of WebgpuProgram._plan_folds
 
 
 def fold_kinds() -> set[str]:
@@ -402,6 +402,8 @@ class WebgpuProgram:
         self._combines: dict[str, Op] = {}  # linear op name -> the split attention it merges (prologue)
         self._embeds: dict[str, Op] = {}  # linear op name -> the embedding its folded norm reads from the weight
         self._qouts: dict[str, tuple[int, bool]] = {}  # linear op name -> (planes, sums) of x its gate|up GEMV quantized
+        self._finished: dict[str, Op | None] = {}  # attention op name -> its output projection (or None): splits merged by the attention
+        self._attn_quant: dict[str, tuple[int, bool]] = {}  # linear op name -> (planes, sums) of x its attention quantized
         self.split_keys = split_keys()
         absorbed = self._plan_folds()
         for op in graph.ops:
@@ -549,7 +551,11 @@ class WebgpuProgram:
           in that GEMV's prologue, which also writes the rows out (_fold_embed);
         - "qout": where a GEMV reads x quantized ahead (gemv_warp's xq) from a gate|up GEMV's
           output alone, that GEMV quantizes it in its epilogue instead of a quantize_x dispatch
-          (decided as the gate|up GEMV is lowered: _qout_reader).
+          (decided as the gate|up GEMV is lowered: _qout_reader);
+        - "finish": a one-token step's split attention (the lane-group kernel) merges its splits
+          in each head's last workgroup to finish (kernels.attention_warp's finish), writing its
+          output, or that output quantized where the output projection alone reads it as int8
+          x (its quantize_x dispatch gone too); takes the place of "combine" (_fold_finish).
         Prefill programs (matrix-matrix products) keep every op its own dispatch."""
         if self.max_seq > GEMV_MAX_ROWS:
             return set()
@@ -575,7 +581,9 @@ class WebgpuProgram:
                 if rope is not None:
                     self._ropes[op.name] = rope
                     absorbed.add(rope.name)
-            if "combine" in kinds and self.max_seq == 1 and op.kind == "attention":
+            if "finish" in kinds and self.max_seq == 1 and op.kind == "attention" and self._finish_ok(op):
+                self._finished[op.name] = self._fold_finish(op, readers)
+            elif "combine" in kinds and self.max_seq == 1 and op.kind == "attention":
                 lin = self._fold_combine(op, readers)
                 if lin is not None:
                     self._combines[lin.name] = op
@@ -728,6 +736,22 @@ class WebgpuProgram:
                 or self._gemv_bindings(lin, w, None, False) > self.dev.max_storage_buffers):
             return None
         return lin
+
+    def _finish_ok(self, attn: Op) -> bool:
+        """Whether this decode attention runs the lane-group kernel, which can finish its merge."""
+        sub = self.dev.subgroup_size
+        return (bool(sub) and os.environ.get("EDGELLM_WEBGPU_ATTN", "warp") != "thread"
+                and kernels.attention_warp_fits(attn.attrs["head_dim"], min(32, sub)))
+
+    def _fold_finish(self, attn: Op, readers: dict) -> Op | None:
+        """The output projection that alone reads this attention's output, as its whole input row,
+        without bias or a folded norm (the one that may take it quantized by the attention), or None."""
+        rd = readers.get(attn.outputs[0], [])
+        if len(rd) != 1 or rd[0].kind != "linear" or rd[0].inputs[0] != attn.outputs[0] or rd[0].attrs.get("has_bias"):
+            return None
+        if rd[0].name in self._folds or attn.outputs[0] in self.graph.outputs:
+            return None
+        return rd[0]
 
     def _fold_embed(self, lin: Op, readers: dict) -> Op | None:
         """The embedding (of the step's tokens) that this projection's GEMV, with a plain RMSNorm
@@ -890,6 +914,12 @@ class WebgpuProgram:
             return gemv(cfg, {**{k: v for k, v in res.items() if k != "X"}, **xres})
         if cfg.get("xq"):  # x quantized by its own dispatch, the GEMV reading its codes (gemv_warp's xq)
             planes = cfg.get("planes", 1)
+            if op.name in self._attn_quant:  # ... or by the attention that made it (its finish "q")
+                if self._attn_quant[op.name] != (planes, kernels.int8_x_sums(w.fmt)):
+                    raise GraphError(f"webgpu: '{op.name}' reads x quantized as {self._attn_quant[op.name]}, "
+                                     f"its GEMV takes {(planes, kernels.int8_x_sums(w.fmt))}")
+                xres = self._int8_x(w.cols, planes, kernels.int8_x_sums(w.fmt))
+                return gemv(cfg, {**{k: v for k, v in res.items() if k != "X"}, **xres})
             gq, xres = self._quantize_x(w, {"X": res["X"]}, planes, rows_expr, rows, norm=pre_norm)
             gx = gemv(cfg, {**{k: v for k, v in res.items() if k != "X"}, **xres})
             if attn is not None:  # steps with split attention: its partials merged as x is quantized
@@ -1040,6 +1070,9 @@ class WebgpuProgram:
             return [_Choice(lambda s, n: (direct,) if s <= GEMV_MAX_ROWS else (tiled,), direct, tiled)]
         ws = self.backend.workspace(h * MAX_SPLITS * (d + 2) * 4)
         wres = {**res, "WS": lambda: (ws, 0, ws.size)}
+        if op.name in self._finished:  # one split: the whole attention, unless it also quantizes its output
+            fin, mode = self._finishing_attention(op, attention, wres)
+            return [fin] if mode == "q" else [_Choice(lambda s, n: (direct,) if n == 1 else (fin,), direct, fin)]
         part = _Dispatch(self, attention(h, g, d, a["scale"], rows_expr, partial=True, dtypes=_dtypes(wres)), wres,
                          lambda s, n: (h, rows(s), n))
         comb = _Dispatch(self, kernels.attention_combine(h, d, rows_expr, dtypes=_dtypes(wres)), wres, lambda s, n: (h, rows(s), 1))
@@ -1047,6 +1080,29 @@ class WebgpuProgram:
             return [_Choice(lambda s, n: (direct,) if n == 1 else (part,) if self._combined_in_gemv(n) else (part, comb),
                             direct, part, comb)]
         return [_Choice(lambda s, n: (direct,) if n == 1 else (part, comb), direct, part, comb)]
+
+    def _finishing_attention(self, op: Op, attention, wres: dict) -> tuple:
+        """A one-token step's attention split over the context whose last workgroup per head merges
+        the splits (kernels.attention_warp's finish; one split included): its output written, or
+        quantized into the int8 x of the output projection where that GEMV reads x so (xq).
+        Returns the dispatch and its finish ("o" or "q")."""
+        a = op.attrs
+        h, g, d = a["n_heads"], a["n_kv_heads"], a["head_dim"]
+        rows_expr, rows = self._rows_expr(op.inputs[0]), self._rows(op.inputs[0])
+        cnt = self.backend.workspace(4 * h, "attention_count")  # zero between dispatches (the kernel resets it)
+        res = {**wres, "CNT": lambda: (cnt, 0, cnt.size)}
+        mode, planes, sums = "o", 1, True
+        lin = self._finished[op.name]
+        if lin is not None and d % 32 == 0 and lin.name not in self._qouts:
+            w, _, _, _, cfg = self._linear_config(lin)
+            if cfg.get("xq"):
+                mode, planes, sums = "q", cfg.get("planes", 1), kernels.int8_x_sums(w.fmt)
+                del res["O"]
+                res.update(self._int8_x(w.cols, planes, sums))
+                self._attn_quant[lin.name] = (planes, sums)
+        k = attention(h, g, d, a["scale"], rows_expr, partial=True, finish=mode, max_splits=MAX_SPLITS, planes=planes,
+                      sums=sums, dtypes=_dtypes(res))
+        return _Dispatch(self, k, res, lambda s, n: (h, rows(s), n)), mode
 
     def _delegate(self, op: Op):
         """An op without a kernel here runs on the cpu backend's reference kernel (its inputs read

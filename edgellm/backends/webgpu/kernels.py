@@ -1905,6 +1905,7 @@ def attention_warp_fits(head_dim: int, sg: int) -> bool:
 
 def attention_warp(n_heads: int, n_kv: int, head_dim: int, scale: float, rows: str, *, partial: bool,
                    cache_dtype: str = "f32", sg: int = 32, warps: int = 4, keys_ahead: int = 2,
+                   finish: str | None = None, max_splits: int = 32, planes: int = 1, sums: bool = True,
                    dtypes: dict | None = None) -> Kernel:
     """Decode attention with the keys spread over lane groups (attention's drop-in: the same
     grid (heads, rows, splits), Step fields and outputs, partial included). A group of LK =
@@ -1914,17 +1915,32 @@ def attention_warp(n_heads: int, n_kv: int, head_dim: int, scale: float, rows: s
     group keeps its own online softmax (running max, sum and its lanes' share of the output) over
     the keys it takes, `keys_ahead` at a time with their loads issued first: no workgroup
     barrier inside the loop. The groups' states meet in workgroup memory at the end. Needs
-    subgroups (sg lanes) and attention_warp_fits(head_dim, sg)."""
+    subgroups (sg lanes) and attention_warp_fits(head_dim, sg).
+
+    finish (with partial): the splits merged by the head's last workgroup to finish, so no merge
+    dispatch follows (_attention_finish): "o" writes O as the whole attention does; "q" writes O
+    quantized into int8 blocks for the output projection's xq (int8_x_parts' XQ, XD [, XS, XQ2];
+    head_dim a multiple of 32, a block inside one head). CNT: a u32 per (row, head), zero between
+    dispatches (the last workgroup resets its own); max_splits bounds step.n_splits."""
     D = head_dim
     if not attention_warp_fits(D, sg):
         raise ValueError(f"attention_warp: head_dim {D} on subgroups of {sg} lanes (needs D / 4 lanes, or a whole "
                          f"subgroup, per key: a power of two dividing both)")
+    if finish not in (None, "o", "q") or (finish and not partial) or (finish == "q" and D % 32):
+        raise ValueError(f"attention_warp: finish {finish!r} (None, 'o' or 'q' with partial=True; 'q' needs "
+                         f"head_dim a multiple of 32, not {D})")
     D4 = D // 4
     LK = min(sg, D4)
     VPL, NG, KU = D4 // LK, warps * (sg // LK), keys_ahead
     wg = sg * warps
+    if finish and NG < max(1, wg // D) + 1:
+        raise ValueError(f"attention_warp: finish needs 2 lane groups or more a workgroup (head_dim {D}, {warps} "
+                         f"subgroups of {sg})")
     parts = [(ActDesc("Q", vec=4), None), (ActDesc("KC", dtype=cache_dtype, vec=4), None),
              (ActDesc("VC", dtype=cache_dtype, vec=4), None), (ActDesc("WS" if partial else "O"), None)]
+    if finish:
+        parts.append((RawDesc("CNT", "array<atomic<u32>>"), None))
+        parts += [(ActDesc("O"), None)] if finish == "o" else int8_x_parts(planes, sums, "storage")
     qs = "\n".join(f"    let q{c} = Q_ld4((t * H + h) * D4 + gl + {LK * c}u) * ${{SCALE}};" for c in range(VPL))
     accs = " ".join(f"var a{c} = vec4<f32>(0.0);" for c in range(VPL))
     loop = []
@@ -1992,13 +2008,87 @@ ${STORE}
         var o = 0.0;
         for (var g = 0u; g < NG; g++) { o += ga[g * D + d] * exp(gm[g] - M); }
         ${OUT}
-    }
+    }${FINISH}
 }
 """
-    body = body.replace("${QS}", qs).replace("${LOOP}", "\n".join(loop)).replace("${STORE}", store)
-    return _render("attention_warp_partial" if partial else "attention_warp", parts, body, wg, H=n_heads, G=n_kv,
+    fin, decl = _attention_finish(finish, n_heads, D, wg, max_splits, planes, sums) if finish else ("", "")
+    body = (decl + body).replace("${QS}", qs).replace("${LOOP}", "\n".join(loop)).replace("${STORE}", store)
+    body = body.replace("${FINISH}", fin)
+    name = "attention_warp_partial" if partial else "attention_warp"
+    return _render(name + (f"_finish_{finish}" if finish else ""), parts, body, wg, H=n_heads, G=n_kv,
                    D=D, D4=D4, NG=NG, NGD=NG * D, KU=KU, LK=LK, SCALE=_f(scale), NEG=NEG, OUT=out, ACCS=accs,
                    ROWS_EXPR=rows, dtypes=dtypes)
+
+
+def _attention_finish(finish: str, n_heads: int, d: int, wg: int, max_splits: int, planes: int,
+                      sums: bool) -> tuple[str, str]:
+    """attention_warp's finish: WGSL run after a workgroup wrote its split's partial (its head's D
+    values, maximum and sum), and the workgroup-memory declarations it needs. The partial is made
+    visible device-wide (storageBarrier: naga's is a device-scope acquire-release barrier on
+    storage memory) before the workgroup counts itself in CNT; the workgroup that counts
+    step.n_splits returns the count to zero and merges the head's splits: their maxima and sums
+    read by one thread each, the weights exp(m - M) / L made once in workgroup memory, then the
+    D values a thread each (splits spread over WG / D lanes, 4 loads at once), added across the
+    lanes and written to O, or quantized a 32-block a thread (_quantize_block's rounding).
+    Workgroup memory: the splits' maxima, sums and weights (3 x max_splits), and attention_warp's
+    ga (at least 4 x WG floats, reused: (WG / D + 1) x D <= 2 x WG of it)."""
+    nsg = max(1, wg // d)
+    decl = (f"{QUANT_AMAX if finish == 'q' else ''}\nvar<workgroup> fin_last: u32;\nvar<workgroup> fin_m: array<f32, {max_splits}>;\n"
+            f"var<workgroup> fin_l: array<f32, {max_splits}>;\nvar<workgroup> fin_w: array<f32, {max_splits}>;\n")
+    u = 4
+    terms = []
+    for i in range(u):
+        terms.append(f"            let s{i} = s0 + {i * nsg}u; let c{i} = min(s{i}, S - 1u);\n"
+                     f"            let v{i} = WS_ld(hb + c{i} * (D + 2u) + e);")
+    adds = " + ".join(f"select(0.0, v{i} * fin_w[c{i}], s{i} < S)" for i in range(u))
+    if finish == "o":
+        out = "O_st(t * H * D + h * D + e, o);"
+    else:
+        out = f"ga[{nsg}u * D + e] = o;"
+    fin = f"""
+    storageBarrier();  // the partial written (device scope) before this workgroup is counted
+    if (lid == 0u) {{ fin_last = select(0u, 1u, atomicAdd(&CNT[t * H + h], 1u) + 1u == step.n_splits); }}
+    if (workgroupUniformLoad(&fin_last) == 0u) {{ return; }}
+    storageBarrier();  // every split's partial visible to this, the last workgroup
+    if (lid == 0u) {{ atomicStore(&CNT[t * H + h], 0u); }}
+    let S = min(step.n_splits, {max_splits}u);
+    let hb = (t * H + h) * step.n_splits * (D + 2u);
+    for (var s = lid; s < S; s += ${{WG}}u) {{
+        fin_m[s] = WS_ld(hb + s * (D + 2u) + D); fin_l[s] = WS_ld(hb + s * (D + 2u) + D + 1u);
+    }}
+    workgroupBarrier();
+    var fm = ${{NEG}};
+    for (var s = 0u; s < S; s++) {{ fm = max(fm, fin_m[s]); }}
+    var fl = 0.0;
+    for (var s = 0u; s < S; s++) {{ fl += fin_l[s] * exp(fin_m[s] - fm); }}
+    for (var s = lid; s < S; s += ${{WG}}u) {{ fin_w[s] = exp(fin_m[s] - fm) / fl; }}
+    workgroupBarrier();
+    for (var i = lid; i < {nsg}u * D; i += ${{WG}}u) {{
+        let e = i % D; let g = i / D;
+        var o = 0.0;
+        for (var s0 = g; s0 < S; s0 += {u * nsg}u) {{
+{chr(10).join(terms)}
+            o += {adds};
+        }}
+        ga[g * D + e] = o;
+    }}
+    workgroupBarrier();
+    for (var e = lid; e < D; e += ${{WG}}u) {{
+        var o = 0.0;
+        for (var g = 0u; g < {nsg}u; g++) {{ o += ga[g * D + e]; }}
+        {out}
+    }}"""
+    if finish == "q":
+        vals = " ".join(f"let v{i} = vec4<f32>(ga[q + {4 * i}u], ga[q + {4 * i + 1}u], ga[q + {4 * i + 2}u], "
+                        f"ga[q + {4 * i + 3}u]);" for i in range(8))
+        fin += f"""
+    workgroupBarrier();
+    if (lid < D / 32u) {{
+        let q = {nsg}u * D + 32u * lid;
+        {vals}
+        let o = t * (H * D / 32u) + h * (D / 32u) + lid;
+{_quantize_block(planes, sums)}    }}"""
+    return fin, decl
 
 
 # the tiled prefill attentions' online softmax: thread `lid` < BM updates row lid's maximum, sum
