@@ -270,6 +270,21 @@ def test_attention_finishes_its_merge(models, monkeypatch, adapter, name, gemv):
     assert list(gpu.generate_tokens(PROMPT, 8, p)) == list(other.generate_tokens(PROMPT, 8, p))
 
 
+def test_attention_finish_not_on_metal(models, monkeypatch, adapter):
+    """Metal's storage barrier (naga: threadgroup_barrier(mem_device)) orders memory for its
+    threadgroup only, so on a Metal adapter the split merge stays in the output projection
+    ("combine") and the logits match the cpu backend's."""
+    from edgellm.backends.webgpu import backend
+
+    if not adapter.subgroup_size:
+        pytest.skip("the lane-group attention needs the adapter's subgroup size")
+    monkeypatch.setattr(adapter.info, "backend", "Metal")
+    monkeypatch.setenv("EDGELLM_WEBGPU_GEMV", "warp:2:64:1")
+    monkeypatch.setattr(backend, "SPLIT_KEYS", 4)
+    dec = _compare(models["Q8_0"], steps=2).programs["decode"]
+    assert not dec._finished and dec._combines
+
+
 @pytest.mark.parametrize("name,gemv", [("Q8_0", "warp:4:256:1:int8x2:xq"), ("Q4_0", "warp:4:256:2:int8:xq"),
                                        ("Q4_1", "warp:8:256:2:int8x2:xq")])
 def test_gate_up_quantizes_the_down_projections_x(models, monkeypatch, name, gemv):

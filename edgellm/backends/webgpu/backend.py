@@ -17,10 +17,11 @@
 - Decode programs fold ops into the GEMV of a projection (WebgpuProgram._plan_folds), each one
   dispatch and one barrier fewer per token: the RMSNorm before a projection into its prologue,
   RoPE and the KV-cache write into the q|k|v projection's epilogue, the merge of split attention
-  into the output projection's prologue, the embedding into the first projection's prologue; a
-  one-token program's last_row copy becomes an alias. A layer is then 5 dispatches: q|k|v,
-  attention, output, gate|up, down. EDGELLM_WEBGPU_FOLD=0 turns every fold off, 1 (the default)
-  on, a comma list of last_row, norm, rope, combine, embed enables only those (A/B measurements).
+  into the attention itself (its last workgroup per head; or into the output projection's
+  prologue), the embedding into the first projection's prologue; a one-token program's last_row
+  copy becomes an alias. A layer is then 5 dispatches: q|k|v, attention, output, gate|up, down.
+  EDGELLM_WEBGPU_FOLD=0 turns every fold off, 1 (the default) on, a comma list of FOLDS enables
+  only those (A/B measurements).
   Where the tuned configuration says so (tuning.prologue_ahead), a folded norm or split merge
   runs instead as a dispatch of its own before the GEMV, once rather than in every workgroup:
   for int8 x in the dispatch that quantizes x (kernels.quantize_x), for float x the op's own
@@ -738,9 +739,12 @@ class WebgpuProgram:
         return lin
 
     def _finish_ok(self, attn: Op) -> bool:
-        """Whether this decode attention runs the lane-group kernel, which can finish its merge."""
+        """Whether this decode attention runs the lane-group kernel, which can finish its merge,
+        on an API whose storage barrier orders memory device-wide (naga's SPIR-V and HLSL do; its
+        Metal barrier, mem_device, orders it for the threadgroup only: Metal keeps "combine")."""
         sub = self.dev.subgroup_size
         return (bool(sub) and os.environ.get("EDGELLM_WEBGPU_ATTN", "warp") != "thread"
+                and self.dev.info.backend in ("Vulkan", "D3D12")
                 and kernels.attention_warp_fits(attn.attrs["head_dim"], min(32, sub)))
 
     def _fold_finish(self, attn: Op, readers: dict) -> Op | None:
