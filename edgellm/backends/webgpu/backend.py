@@ -556,7 +556,7 @@ class WebgpuProgram:
         - "finish": a one-token step's split attention (the lane-group kernel) merges its splits
           in each head's last workgroup to finish (kernels.attention_warp's finish), writing its
           output, or that output quantized where the output projection alone reads it as int8
-          x (its quantize_x dispatch gone too); takes the place of "combine" (_fold_finish).
+          x (its quantize_x dispatch gone too); takes the place of "combine" (_finishing_attention).
         Prefill programs (matrix-matrix products) keep every op its own dispatch."""
         if self.max_seq > GEMV_MAX_ROWS:
             return set()
@@ -583,7 +583,7 @@ class WebgpuProgram:
                     self._ropes[op.name] = rope
                     absorbed.add(rope.name)
             if "finish" in kinds and self.max_seq == 1 and op.kind == "attention" and self._finish_ok(op):
-                self._finished[op.name] = self._fold_finish(op, readers)
+                self._finished[op.name] = self._output_projection(op, readers)
             elif "combine" in kinds and self.max_seq == 1 and op.kind == "attention":
                 lin = self._fold_combine(op, readers)
                 if lin is not None:
@@ -720,11 +720,8 @@ class WebgpuProgram:
         bias, and x staged with the per-(head, split) weights fits the workgroup memory."""
         from .tuning import can_stage
 
-        rd = readers.get(attn.outputs[0], [])
-        if len(rd) != 1 or rd[0].kind != "linear" or rd[0].inputs[0] != attn.outputs[0] or rd[0].attrs.get("has_bias"):
-            return None
-        lin = rd[0]
-        if lin.name in self._folds or attn.outputs[0] in self.graph.outputs:
+        lin = self._output_projection(attn, readers)
+        if lin is None:
             return None
         wc = self._gemv_warp_config(lin)
         if wc is None:
@@ -742,14 +739,12 @@ class WebgpuProgram:
         """Whether this decode attention runs the lane-group kernel, which can finish its merge,
         on an API whose storage barrier orders memory device-wide (naga's SPIR-V and HLSL do; its
         Metal barrier, mem_device, orders it for the threadgroup only: Metal keeps "combine")."""
-        sub = self.dev.subgroup_size
-        return (bool(sub) and os.environ.get("EDGELLM_WEBGPU_ATTN", "warp") != "thread"
-                and self.dev.info.backend in ("Vulkan", "D3D12")
-                and kernels.attention_warp_fits(attn.attrs["head_dim"], min(32, sub)))
+        return bool(self._warp_attention_sg(attn)) and self.dev.info.backend in ("Vulkan", "D3D12")
 
-    def _fold_finish(self, attn: Op, readers: dict) -> Op | None:
+    def _output_projection(self, attn: Op, readers: dict) -> Op | None:
         """The output projection that alone reads this attention's output, as its whole input row,
-        without bias or a folded norm (the one that may take it quantized by the attention), or None."""
+        without bias or a folded norm (the one that may merge its splits or take it quantized by
+        the attention), or None."""
         rd = readers.get(attn.outputs[0], [])
         if len(rd) != 1 or rd[0].kind != "linear" or rd[0].inputs[0] != attn.outputs[0] or rd[0].attrs.get("has_bias"):
             return None
@@ -919,10 +914,11 @@ class WebgpuProgram:
         if cfg.get("xq"):  # x quantized by its own dispatch, the GEMV reading its codes (gemv_warp's xq)
             planes = cfg.get("planes", 1)
             if op.name in self._attn_quant:  # ... or by the attention that made it (its finish "q")
-                if self._attn_quant[op.name] != (planes, kernels.int8_x_sums(w.fmt)):
+                takes = (planes, kernels.int8_x_sums(w.fmt))
+                if self._attn_quant[op.name] != takes:
                     raise GraphError(f"webgpu: '{op.name}' reads x quantized as {self._attn_quant[op.name]}, "
-                                     f"its GEMV takes {(planes, kernels.int8_x_sums(w.fmt))}")
-                xres = self._int8_x(w.cols, planes, kernels.int8_x_sums(w.fmt))
+                                     f"its GEMV takes {takes}")
+                xres = self._int8_x(w.cols, *takes)
                 return gemv(cfg, {**{k: v for k, v in res.items() if k != "X"}, **xres})
             gq, xres = self._quantize_x(w, {"X": res["X"]}, planes, rows_expr, rows, norm=pre_norm)
             gx = gemv(cfg, {**{k: v for k, v in res.items() if k != "X"}, **xres})
@@ -1045,14 +1041,22 @@ class WebgpuProgram:
         from .tuning import attention_config
 
         a = op.attrs
-        sub = self.dev.subgroup_size
-        if sub and os.environ.get("EDGELLM_WEBGPU_ATTN", "warp") != "thread":
-            sg = min(32, sub)
-            if kernels.attention_warp_fits(a["head_dim"], sg):
-                cfg = attention_config(self.dev, a["n_heads"], a["n_kv_heads"], a["head_dim"], sg, cache_dtype,
-                                       tune=self.max_seq <= GEMV_MAX_ROWS)
-                return functools.partial(kernels.attention_warp, sg=sg, **cfg)
+        sg = self._warp_attention_sg(op)
+        if sg:
+            cfg = attention_config(self.dev, a["n_heads"], a["n_kv_heads"], a["head_dim"], sg, cache_dtype,
+                                   tune=self.max_seq <= GEMV_MAX_ROWS)
+            return functools.partial(kernels.attention_warp, sg=sg, **cfg)
         return kernels.attention
+
+    def _warp_attention_sg(self, op: Op) -> int:
+        """The subgroup lanes kernels.attention_warp runs this attention on, or 0 where it runs
+        kernels.attention (no known subgroup size, a head size it cannot split, or
+        EDGELLM_WEBGPU_ATTN=thread)."""
+        sub = self.dev.subgroup_size
+        if not sub or os.environ.get("EDGELLM_WEBGPU_ATTN", "warp") == "thread":
+            return 0
+        sg = min(32, sub)
+        return sg if kernels.attention_warp_fits(op.attrs["head_dim"], sg) else 0
 
     def _lower_attention(self, op: Op) -> list:
         a, ins, outs, R = op.attrs, op.inputs, op.outputs, self._res
