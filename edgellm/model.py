@@ -80,8 +80,12 @@ class Model:
         self.backend_name = getattr(self.backend, "name", str(self.backend_name))
         t1 = time.perf_counter()
         chunk = min(self.prefill_chunk, self.ctx)
-        # stage-aware programs: prefill chunks (all / last logits) and single-token decode
-        stages = {"all": ("all", chunk), "last": ("last", chunk), "decode": ("last", 1)}
+        # stage-aware programs: prefill chunks (all / last logits) and single-token decode; the
+        # all-logits program takes fewer rows where the backend bounds an output's size (webgpu: a
+        # chunk's logits in one storage binding, 128 MiB on many adapters: 261 rows of a 128k vocabulary)
+        cap = getattr(self.backend, "max_logit_rows", None)
+        self.all_chunk = max(1, min(chunk, cap(self.config.vocab_size))) if cap is not None else chunk
+        stages = {"all": ("all", self.all_chunk), "last": ("last", chunk), "decode": ("last", 1)}
         self.compiled = self._compile_stages(stages)
         t2 = time.perf_counter()
         # backends that repack weights at load keep the packs in the program cache
@@ -211,18 +215,19 @@ class Model:
         if ids.size == 1 and not all_logits:
             out = programs["decode"].run({"tokens": ids, "start_pos": int(start_pos)})
             return self.backend.to_numpy(out["logits"])
+        if all_logits:  # the all-logits program's chunks (its size may be below the prefill chunk)
+            step = getattr(self, "all_chunk", self.kv_chunk)
+            parts = [self.backend.to_numpy(programs["all"].run({"tokens": ids[i:i + step],
+                                                                "start_pos": int(start_pos + i)})["logits"])
+                     for i in range(0, ids.size, step)]
+            return parts[0] if len(parts) == 1 else np.concatenate(parts)
         chunk = self.kv_chunk  # the prefill programs' size (the stages compiled in __post_init__)
-        parts = []
-        for i in range(0, ids.size, chunk):
-            last_chunk = i + chunk >= ids.size
-            if not all_logits and not last_chunk:
-                # earlier chunks only fill the KV cache; the last-logits program keeps that cheap
-                programs["last"].run({"tokens": ids[i:i + chunk], "start_pos": int(start_pos + i)})
-                continue
-            prog = programs["all" if all_logits else "last"]
-            out = prog.run({"tokens": ids[i:i + chunk], "start_pos": int(start_pos + i)})
-            parts.append(self.backend.to_numpy(out["logits"]))
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+        for i in range(0, ids.size - chunk, chunk):
+            # earlier chunks only fill the KV cache; the last-logits program keeps that cheap
+            programs["last"].run({"tokens": ids[i:i + chunk], "start_pos": int(start_pos + i)})
+        i = (ids.size - 1) // chunk * chunk  # the last chunk gives the logits
+        out = programs["last"].run({"tokens": ids[i:], "start_pos": int(start_pos + i)})
+        return self.backend.to_numpy(out["logits"])
 
     def warmup(self, *, full: bool = False, sampling: SamplingParams | None = None) -> float:
         """Run the programs once on placeholder tokens, so that what a backend does on a shape's

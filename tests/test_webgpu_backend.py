@@ -417,6 +417,31 @@ def test_unfused_graph(models):
     assert {"rope", "kv_store", "silu", "mul", "add"} <= kinds
 
 
+def test_all_logits_chunk_fits_the_binding(models, monkeypatch, adapter):
+    """Where a prefill chunk's logits exceed one storage binding (a 128k vocabulary at 512 rows on
+    adapters with WebGPU's 128 MiB default: Llama 3's 1B and 8B), the all-logits program takes
+    fewer rows (a power of two that fits) and logits of a longer prompt still equal the cpu
+    backend's at every position; the last-logits and decode programs keep the prefill chunk.
+    Without the cap that load fails."""
+    from edgellm.backends.webgpu.backend import DeviceMemoryError, WebgpuBackend
+
+    vocab = 256  # SyntheticSpec's; 24 rows of float32 logits, 16 of them fit
+    monkeypatch.setattr(adapter, "max_binding", 64 + 4 * vocab * 24)
+    prompt = [int(x) for x in np.random.default_rng(12).integers(0, vocab, 45)]
+    cpu = edgellm.load(models["Q8_0"], backend="cpu", ctx=64, prefill_chunk=32)
+    gpu = edgellm.load(models["Q8_0"], backend="webgpu", ctx=64, prefill_chunk=32)
+    assert gpu.all_chunk == 16 and gpu.compiled["all"].sizes["seq"] == 16
+    assert gpu.compiled["last"].sizes["seq"] == 32 and gpu.kv_chunk == 32
+    want, got = cpu.logits(prompt), gpu.logits(prompt)
+    assert got.shape == want.shape == (45, vocab)
+    assert float(np.abs(got - want).max()) <= 3e-3 * float(np.abs(want).max())
+    last = gpu.forward(prompt, 0, all_logits=False)  # 32 + 13 rows through the last-logits program
+    np.testing.assert_allclose(last[-1], got[-1], rtol=0, atol=1e-4 * float(np.abs(want).max()))
+    monkeypatch.setattr(WebgpuBackend, "max_logit_rows", None)
+    with pytest.raises(DeviceMemoryError, match="logits"):
+        edgellm.load(models["Q8_0"], backend="webgpu", ctx=64, prefill_chunk=32, cache=False)
+
+
 def test_tiled_prefill(models, monkeypatch):
     """The prefill path GPUs take, tiled GEMM and tiled causal attention (a software adapter runs
     prefill as GEMVs and per-row attention by default): the float tiles and attention_tiled, which a

@@ -1452,6 +1452,12 @@ class WebgpuBackend(WebgpuInfo):
         # the kernels' float32 maths does not)
         self.act_dtype = "f16" if self.dev.has_f16 and os.environ.get("EDGELLM_WEBGPU_ACT", "f32") == "f16" else "f32"
 
+    def max_logit_rows(self, vocab: int) -> int:
+        """The most rows of logits one program may output: a power of two whose float32 rows fit
+        one storage binding (Model caps its all-logits prefill program's chunk with it)."""
+        fit = max(1, (self.dev.max_binding - 64) // (4 * max(1, vocab)))
+        return 1 << (fit.bit_length() - 1)
+
     @property
     def tune_s(self) -> float:
         """Seconds spent timing launch configurations since this backend was made (a first load
