@@ -216,7 +216,7 @@ class Model:
             out = programs["decode"].run({"tokens": ids, "start_pos": int(start_pos)})
             return self.backend.to_numpy(out["logits"])
         if all_logits:  # the all-logits program's chunks (its size may be below the prefill chunk)
-            step = getattr(self, "all_chunk", self.kv_chunk)
+            step = self.all_chunk
             parts = [self.backend.to_numpy(programs["all"].run({"tokens": ids[i:i + step],
                                                                 "start_pos": int(start_pos + i)})["logits"])
                      for i in range(0, ids.size, step)]

@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 import edgellm
 from edgellm.hetero.distributed import end_process_group
 from edgellm.synthetic import SyntheticSpec, write_synthetic_gguf
+from markers import ON_GPU_OR_SLOW
 
 SPEC = SyntheticSpec(arch="qwen2", n_layers=3, weight_type="Q4_1", embed_type="Q8_0", seed=11)
 IDS = [5, 17, 200, 3, 99, 42, 7, 150, 31]
@@ -126,10 +127,6 @@ TP_SPECS = {
 
 # the cuda ranks in Triton's interpreter take 1.5-3 minutes a model on the 2-core CI machine: there the
 # uneven split (the most the sharding does) runs, the other two on GPUs or with EDGELLM_SLOW_TESTS=1
-ON_GPU_OR_SLOW = pytest.mark.skipif(not (os.environ.get("EDGELLM_SLOW_TESTS") or __import__("torch").cuda.is_available()),
-                                    reason="on GPUs; in Triton's interpreter it takes minutes (EDGELLM_SLOW_TESTS=1)")
-
-
 @pytest.mark.parametrize("backend,spec", [("cpu", "qwen2-q4_1"), ("cpu-fast", "qwen2-q4_1"), ("cpu", "phi3-f32"),
                                           ("cpu", "gemma3-q8_0"), ("cpu", "llama-uneven-q8_0"),
                                           pytest.param("cuda", "qwen2-q4_1", marks=ON_GPU_OR_SLOW),

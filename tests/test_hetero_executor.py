@@ -1,7 +1,5 @@
 """The split executor: a model placed over two processors gives the unsplit model's logits."""
 
-import os
-
 import numpy as np
 import pytest
 import torch
@@ -9,6 +7,7 @@ import torch
 import edgellm
 from edgellm.hetero.executor import load_split
 from edgellm.synthetic import SyntheticSpec, write_synthetic_gguf
+from markers import ON_GPU_OR_SLOW
 
 SPEC = SyntheticSpec(arch="llama", n_layers=4, weight_type="Q4_1", embed_type="Q8_0", seed=7)
 
@@ -55,8 +54,7 @@ def test_unplaced_unit_is_a_clear_error(model_path):
         load_split(model_path, {"embed": "cpu", "blk.0": "cpu"}, ctx=16)
 
 
-@pytest.mark.skipif(not (os.environ.get("EDGELLM_SLOW_TESTS") or __import__("torch").cuda.is_available()),
-                    reason="on a GPU; in Triton's interpreter it takes minutes (EDGELLM_SLOW_TESTS=1)")
+@ON_GPU_OR_SLOW
 def test_cuda_and_cpu_split_matches_reference(tmp_path, monkeypatch):
     """One layer on the cuda backend (on a GPU, or its kernels in Triton's interpreter on CPU
     tensors: 2026-11-24, passed in 876 s on the busy 2-core machine), the rest on cpu-fast: the

@@ -7,7 +7,6 @@ onnxruntime's on the same file and input."""
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
 import numpy as np
@@ -18,12 +17,7 @@ ort = pytest.importorskip("onnxruntime")
 Image = pytest.importorskip("PIL.Image")
 
 import edgellm  # noqa: E402
-
-# Triton's interpreter runs this network's one call in about three minutes on the 2-core CI machine;
-# the cuda backend's ONNX path is checked there on smaller networks (test_onnx_models, test_onnx_fusion)
-ON_GPU_OR_SLOW = pytest.mark.skipif(
-    not (os.environ.get("EDGELLM_SLOW_TESTS") or (importlib.util.find_spec("torch") and __import__("torch").cuda.is_available())),
-    reason="on a GPU; in Triton's interpreter it takes minutes (EDGELLM_SLOW_TESTS=1)")
+from markers import ON_GPU_OR_SLOW  # noqa: E402
 
 TEXT = ["The quick brown fox jumps over", "the lazy dog. Pack my box with", "five dozen liquor jugs. How",
         "vexingly quick daft zebras jump!", "Sphinx of black quartz, judge", "my vow. 0123456789 edgellm",
@@ -62,6 +56,8 @@ def preprocess(img) -> np.ndarray:
     return np.ascontiguousarray(a.transpose(2, 0, 1)[None], dtype=np.float32)
 
 
+# Triton's interpreter runs this network's one call in about three minutes on the 2-core CI machine;
+# the cuda backend's ONNX path is checked there on smaller networks (test_onnx_models, test_onnx_fusion)
 @pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=ON_GPU_OR_SLOW), "webgpu"])
 def test_text_orientation_classifier(model_file, backend):
     labels = {p.key: p.value for p in onnx.load(str(model_file), load_external_data=False).metadata_props}
