@@ -778,7 +778,7 @@ def _draws(dev, x: np.ndarray, positions, temperature=1.0, top_k=0, top_p=1.0, m
     tok, hist = dev.upload(np.array([12345], np.uint32)), dev.upload(np.full(4, 12345, np.uint32))
     bufs = dict(X=upload_f32(dev, x), TOK=tok, HIST=hist,
                 SAMP=dev.upload(kernels.sample_words(temperature, top_k, top_p, min_p, seed)),
-                STATE=dev.upload(kernels.sample_state()), PART=dev.upload(np.full(16 * nwg, 7, np.uint32)))
+                STATE=dev.upload(kernels.sample_state()), PART=dev.upload(np.full(kernels.sample_part_words(n), 7, np.uint32)))
     launches = {name: Launch(dev, k, bufs) for name, k in kernels.sample_kernels(n).items()}
     out = []
     for pos in positions:
@@ -807,6 +807,32 @@ def test_sample_keeps_the_chains_candidates(dev, rng, cut):
     want = chain_kept(x.astype(np.float64), top_k, top_p, min_p)
     assert len(want) == 4
     got, _ = _draws(dev, x, range(60), temperature=1e4, top_k=top_k, top_p=top_p, min_p=min_p)
+    assert set(got) == want
+
+
+@pytest.mark.parametrize("n,top_k,tied", [(140_001, 4, True), (9_000, kernels.SAMPLE_TOPK_MAX, True),
+                                          (5_000, kernels.SAMPLE_TOPK_MAX + 1, False)])
+def test_sample_top_k_ranks_as_a_stable_sort(dev, rng, n, top_k, tied):
+    """Top-k keeps exactly k tokens, ties broken by the lower id (the chain's stable ranking), on
+    rows spanning many workgroups (140,001 logits: the largest chunks a workgroup, 128 of them),
+    with the tie at the cut in different workgroups (kept: the two of lower id), and at the
+    ranked path's largest k (min-p then narrows the kept set to four: the ranked path's kept
+    candidates sorted, their prefix taken); one past it takes the threshold passes. High temperature: 60 draws hit every kept
+    token and no other."""
+    x = (rng.standard_normal(n) * 0.5).astype(np.float32)
+    order = rng.permutation(n)
+    top = 3.0 + np.sort(rng.random(top_k + 4))[::-1].astype(np.float32)
+    x[order[:top_k + 4]] = top
+    if tied:  # four ranks about the cut share one value, far apart in the row: the cut falls inside the tie
+        x[order[top_k - 2:top_k + 2]] = top[top_k - 2]
+    min_p = 0.0
+    if top_k > 4:  # keep four: min-p between the 4th and 5th probabilities
+        x64 = np.sort(x.astype(np.float64))[::-1][:top_k]
+        probs = np.exp(x64 - x64[0])
+        min_p = float(probs[3] + probs[4]) / 2
+    want = chain_kept(x.astype(np.float64), top_k, 1.0, min_p)
+    assert len(want) == 4
+    got, _ = _draws(dev, x, range(60), temperature=1e4, top_k=top_k, min_p=min_p)
     assert set(got) == want
 
 

@@ -414,6 +414,7 @@ class WebgpuProgram:
         self.dev.precompile([d.kernel for st in self._steps for d in getattr(st, "variants", (st,)) if hasattr(d, "kernel")])
         self._argmax: list[_Dispatch] | None = None  # the greedy token choice's dispatches (kernels.argmax)
         self._samplers: dict[str, _Dispatch] = {}  # kernels.sample_kernels' dispatches, made at first use
+        self._sampler_kernels: dict | None = None  # kernels.sample_kernels' sources, with the sampler's buffers
         if self.max_seq == 1 and "logits" in graph.outputs:
             n = self.shape("logits", 1)[-1]
             self.hist_buf = self.dev.buffer(4 * self.ctx)
@@ -1253,18 +1254,21 @@ class WebgpuProgram:
         """The dispatches of a sampled step with SamplingParams p (kernels.sample_plan); the
         sampler's buffers and pipelines are made at the first sampled generation."""
         n = self.shape("logits", 1)[-1]
-        if not self._samplers:
-            nwg = kernels.sample_parallelism(n)
+        nwg = kernels.sample_parallelism(n)
+        if self._sampler_kernels is None:
             self.samp_buf = self.dev.buffer(4 * kernels.SAMPLE_WORDS)
             self.state_buf = self.dev.buffer(4 * kernels.STATE_WORDS)
-            self.part_buf = self.dev.buffer(4 * 16 * nwg)
-            res = {**self._token_resources(), "SAMP": lambda: (self.samp_buf, 0, self.samp_buf.size),
-                   "STATE": lambda: (self.state_buf, 0, self.state_buf.size),
-                   "PART": lambda: (self.part_buf, 0, self.part_buf.size)}
-            for name, k in kernels.sample_kernels(n).items():
-                self._samplers[name] = _Dispatch(self, k, res, lambda s, c, g=nwg if name in (
-                    "stats", "count", "mass", "mcount") else 1: (g, 1, 1))
-        return [self._samplers[name] for name, _ in kernels.sample_plan(p.top_k, p.top_p, p.min_p, n)]
+            self.part_buf = self.dev.buffer(4 * kernels.sample_part_words(n))
+            self._sampler_res = {**self._token_resources(), "SAMP": lambda: (self.samp_buf, 0, self.samp_buf.size),
+                                 "STATE": lambda: (self.state_buf, 0, self.state_buf.size),
+                                 "PART": lambda: (self.part_buf, 0, self.part_buf.size)}
+            self._sampler_kernels = kernels.sample_kernels(n)
+        plan = kernels.sample_plan(p.top_k, p.top_p, p.min_p, n)
+        for name, parallel in plan:  # each kernel's dispatch (and pipeline) made at its first use
+            if name not in self._samplers:
+                self._samplers[name] = _Dispatch(self, self._sampler_kernels[name], self._sampler_res,
+                                                 lambda s, c, g=nwg if parallel else 1: (g, 1, 1))
+        return [self._samplers[name] for name, _ in plan]
 
     def loop_tokens(self, first_token: int, start: int, n: int, draw=None, stop: Collection[int] = ()) -> Iterator[int]:
         """Decode on the device: each step's token choice (the argmax, or a draw as `draw`, an
