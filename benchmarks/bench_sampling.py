@@ -13,8 +13,9 @@ milliseconds per token (median of -n draws) and the speed-up.
 
 --decode measures what a user meets instead: a model's decode (64 tokens; temperature 1.5 where
 sampled, so that no early end of turn cuts a run short), wall time per token after the first:
-greedy; each parameter set above drawn on the device (backends that sample there: cuda) and on
-the host (EDGELLM_DEVICE_SAMPLING=0); the full-sort sampler swapped in; interleaved -r times.
+greedy; each parameter set above drawn on the device (backends that sample there: cuda, webgpu)
+and on the host (EDGELLM_DEVICE_SAMPLING=0); the full-sort sampler swapped in; interleaved -r
+times, each timed run after an untimed one of the same mode.
 """
 
 from __future__ import annotations
@@ -88,7 +89,13 @@ def decode(model: str | None, backend: str, repeats: int, tokens: int = 64) -> N
             return None
 
     def rate(params: SamplingParams, seed: int) -> float | None:
-        """tokens/s after the first, or None for a run under half the tokens (an early end of turn)"""
+        """tokens/s after the first, or None for a run under half the tokens (an early end of turn).
+        An untimed run of the same parameters first: a GPU idle during the mode before (a host
+        sampler's) lowers its clock, which a run of a few hundred ms would meet still rising (the
+        first mode of each round, greedy, read 0.73-0.79 of its first round's rate after the host
+        full sort on the H200, 2026-12-01)."""
+        for _ in m.generate_tokens(ids, tokens, SamplingParams(**{**params.__dict__, "seed": seed})):
+            pass
         it = m.generate_tokens(ids, tokens, SamplingParams(**{**params.__dict__, "seed": seed}))
         if next(it, None) is None:
             return None
