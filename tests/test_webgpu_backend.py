@@ -615,51 +615,6 @@ def test_greedy_on_device_matches_cpu(models):
     assert calls, "greedy decoding did not run on the device"
 
 
-def test_pipelines_made_in_the_background(tmp_path, monkeypatch, adapter):
-    """EDGELLM_WEBGPU_PRECOMPILE=background (a GPU's default): a program's pipelines are made by
-    one background thread while the load goes on, each at most once (a step needing one still
-    queued makes it itself, one being made waits for it), and the model's greedy tokens are the
-    cpu backend's."""
-    import threading
-
-    path = str(write_synthetic_gguf(tmp_path / "odd.gguf", SyntheticSpec(weight_type="Q8_0", seed=21, d_model=96,
-                                                                          n_heads=3, n_kv_heads=1, ffn_dim=160)))
-    made, orig = [], adapter._make_pipeline
-
-    def make(source, layout):
-        made.append((source, threading.current_thread().name))
-        return orig(source, layout)
-    monkeypatch.setattr(adapter, "_make_pipeline", make)
-    monkeypatch.setenv("EDGELLM_WEBGPU_PRECOMPILE", "background")
-    gpu = edgellm.load(path, backend="webgpu", ctx=64)
-    p = SamplingParams(temperature=0)
-    want = list(edgellm.load(path, backend="cpu", ctx=64).generate_tokens(PROMPT, 8, p))
-    assert list(gpu.generate_tokens(PROMPT, 8, p)) == want
-    sources = [src for src, _ in made]
-    assert len(sources) == len(set(sources)), "a pipeline was made twice"
-    assert any(name == "edgellm-webgpu-pipelines" for _, name in made)
-
-
-def test_background_pipeline_failure_met_at_first_use(monkeypatch, adapter):
-    """A source the background thread cannot make is made again at its first use, which raises
-    the driver's error there (no hang, no pipeline)."""
-    from edgellm.backends.webgpu import kernels
-
-    monkeypatch.setenv("EDGELLM_WEBGPU_PRECOMPILE", "background")
-    bad = kernels.Kernel("bad", "@compute @workgroup_size(1) fn main() { let x: u32 = 1.5; }",
-                         (kernels.Binding("X", "array<f32>", "read"),), 1)
-    adapter.precompile([bad])
-    with pytest.raises(Exception, match="(?i)valid|type|mismatch|parse"):
-        adapter.pipeline(bad.source, adapter.layout(bad.kinds))
-    assert bad.source not in adapter._pipelines
-
-
-def test_bad_precompile_switch(monkeypatch, adapter):
-    monkeypatch.setenv("EDGELLM_WEBGPU_PRECOMPILE", "later")
-    with pytest.raises(EdgeLLMError, match="EDGELLM_WEBGPU_PRECOMPILE='later'"):
-        adapter.precompile_mode()
-
-
 def test_device_loop_batches_and_stop(models, monkeypatch):
     """loop_tokens' batches (1, 2, 4, ... LOOP_BATCH steps a command buffer and one compute pass,
     each step reading its values at its own slot of the step buffer, one batch queued ahead of

@@ -11,11 +11,9 @@ for tests, and for `--backend webgpu` when asked for by name.
 
 from __future__ import annotations
 
-import atexit
 import os
 import re
 import sys
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -231,10 +229,6 @@ class Device:
         self.has_subgroups = "subgroup" in self.features and self.info.subgroup_min >= 4
         self.has_timestamps = "timestamp-query" in self.features
         self._pipelines: dict[str, object] = {}
-        self._compiling: dict[str, threading.Event] = {}  # sources the background thread is making (precompile)
-        self._queue: list = []  # (source, layout) waiting for the background thread, in order
-        self._lock = threading.Condition()
-        self._worker: threading.Thread | None = None
         self._layouts: dict[tuple, object] = {}
         self._reader = None  # submission_reader's, made at first use
         self.subgroup_size = self._subgroup_size() if self.has_subgroups else 0
@@ -325,55 +319,31 @@ class Device:
 
     def pipeline(self, source: str, layout) -> object:
         """A compute pipeline for this WGSL source over a bind group layout, made once per source
-        (every layer's kernels share their pipelines: the source bakes in shapes, not tensors).
-        A source queued for the background thread (precompile) is taken from its queue and made
-        here, or, being made there, waited for."""
+        (every layer's kernels share their pipelines: the source bakes in shapes, not tensors)."""
         p = self._pipelines.get(source)
         if p is None:
-            with self._lock:
-                self._queue = [q for q in self._queue if q[0] != source]
-                made = self._compiling.get(source)
-            if made is not None:
-                made.wait()
-                p = self._pipelines.get(source)
-            if p is None:  # not made, or the background attempt failed: made here, raising what fails
-                p = self._make_pipeline(source, layout)
+            m = self.device.create_shader_module(code=source)
+            pl = self.device.create_pipeline_layout(bind_group_layouts=[layout])
+            p = self.device.create_compute_pipeline(layout=pl, compute={"module": m, "entry_point": "main"})
+            self._pipelines[source] = p
         return p
-
-    def _make_pipeline(self, source: str, layout) -> object:
-        m = self.device.create_shader_module(code=source)
-        pl = self.device.create_pipeline_layout(bind_group_layouts=[layout])
-        p = self.device.create_compute_pipeline(layout=pl, compute={"module": m, "entry_point": "main"})
-        self._pipelines[source] = p
-        return p
-
-    def precompile_mode(self) -> str:
-        """How Device.precompile makes a program's pipelines (EDGELLM_WEBGPU_PRECOMPILE):
-        "background" (a GPU's default): one thread makes them in order while the load goes on
-        and the first step takes each as it needs it; "1": threads side by side, the build
-        waiting for them (a software adapter's default: lavapipe compiles on the calling thread,
-        the webgpu test suite on 2 cores took 66 s one at a time, 34 s so); "0": each when
-        first used. On the H200 through Vulkan (2026-12-01, a 1B Q4_0 file, programs cached, a
-        warm driver cache) a process's first one-token generation of a 37-token prompt made 26
-        pipelines, 249-411 ms of which 159-296 ms compiling, where the next took 23 ms; 16
-        threads at the build had slowed a first load (driver compiles) from 8.8 to 15.1 s."""
-        want = os.environ.get("EDGELLM_WEBGPU_PRECOMPILE", "").strip()
-        if want in ("0", "1", "background"):
-            return want
-        if want:
-            raise EdgeLLMError(f"EDGELLM_WEBGPU_PRECOMPILE={want!r}: expected 0, 1 or background")
-        return "1" if self.info.software else "background"
 
     def precompile(self, kernels: list, now: bool = False) -> None:
-        """The pipelines of these kernels (objects with .source and .kinds) made ahead of their
-        first use, as precompile_mode says: a program's kernels when it is built, the candidates
-        of a tuning before they are timed (now: compiled here before this returns, one after
-        another unless the mode is threads, so that their timings then run back to back, the
-        GPU's clock up, without a compile between them). A pipeline that fails here is left for
-        its first use to meet (and report, or a tuning to skip)."""
+        """The pipelines of these kernels (objects with .source and .kinds), compiled side by side
+        in threads (wgpu-native's calls release the GIL) instead of one after another as each is
+        first used: a program's kernels when it is built, the candidates of a tuning before they
+        are timed. On by default on a software adapter only (EDGELLM_WEBGPU_PRECOMPILE=1 / 0 decide
+        for any): lavapipe compiles on the calling thread (the webgpu test suite, 2 cores: 66 ->
+        34 s), while on the H200 through the NVIDIA Vulkan driver (2026-11-30, a 1B Q4_0 file,
+        empty program cache) load and first token took 15.1 s so against 8.8 s one at a time, and
+        with a filled cache 4.0-4.4 s against 4.0. A pipeline that fails here is left for its
+        first use to meet (and report, or a tuning to skip). now: where threads are off, compiled
+        one after another here all the same (a tuning's candidates, so that their timings then
+        run back to back, the GPU's clock up, without a compile between them)."""
         todo = list({k.source: k for k in kernels if k.source not in self._pipelines}.values())
-        mode = self.precompile_mode()
-        if not todo or (mode == "0" and not now):
+        want = os.environ.get("EDGELLM_WEBGPU_PRECOMPILE", "").strip()
+        threads = len(todo) >= 2 and (want == "1" if want in ("0", "1") else self.info.software)
+        if not (threads or now):
             return
         layouts = {k.kinds: self.layout(k.kinds) for k in todo}  # made here, shared by the threads
 
@@ -382,19 +352,7 @@ class Device:
                 self.pipeline(k.source, layouts[k.kinds])
             except Exception:  # noqa: BLE001
                 pass
-        if mode == "background" and not now:
-            with self._lock:
-                queued = {q[0] for q in self._queue}
-                self._queue += [(k.source, layouts[k.kinds]) for k in todo
-                                if k.source not in queued and k.source not in self._compiling]
-                if self._worker is None:
-                    self._worker = threading.Thread(target=self._background, name="edgellm-webgpu-pipelines",
-                                                    daemon=True)
-                    self._worker.start()
-                    atexit.register(self._stop_background)
-                self._lock.notify()
-            return
-        if mode != "1" or len(todo) < 2:
+        if not threads:
             for k in todo:
                 one(k)
             return
@@ -402,38 +360,6 @@ class Device:
 
         with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 4, 16)) as ex:
             list(ex.map(one, todo))
-
-    def _background(self) -> None:
-        """The background thread: makes the queued pipelines in order, one at a time (a driver's
-        compiles do not scale across threads: see precompile_mode)."""
-        while True:
-            with self._lock:
-                while not self._queue:
-                    if self._worker is None:
-                        return
-                    self._lock.wait()
-                source, layout = self._queue.pop(0)
-                if source in self._pipelines:
-                    continue
-                done = self._compiling[source] = threading.Event()
-            try:
-                self._make_pipeline(source, layout)
-            except Exception:  # noqa: BLE001 - its first use makes it again and reports the error
-                pass
-            finally:
-                with self._lock:
-                    del self._compiling[source]
-                done.set()
-
-    def _stop_background(self) -> None:
-        """At exit: the queue dropped, the pipeline being made finished (not abandoned inside the
-        driver while the interpreter shuts down)."""
-        with self._lock:
-            worker, self._worker = self._worker, None
-            self._queue.clear()
-            self._lock.notify_all()
-        if worker is not None:
-            worker.join(timeout=30)
 
     def describe(self) -> str:
         extras = [f for f, ok in (("f16", self.has_f16), (f"subgroups of {self.subgroup_size}", self.has_subgroups),
