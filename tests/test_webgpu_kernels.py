@@ -836,6 +836,16 @@ def test_sample_top_k_ranks_as_a_stable_sort(dev, rng, n, top_k, tied):
     assert set(got) == want
 
 
+def test_sample_top_k_ranks_nan_last(dev, rng):
+    """A NaN logit ranks below every number (the host sampler's full-sort order): a top-k over a
+    row with NaNs among its largest values keeps the k best numbers."""
+    x = rng.standard_normal(5000).astype(np.float32)
+    best = np.argsort(-x, kind="stable")[:4]
+    x[rng.choice(np.setdiff1d(np.arange(5000), best), 3, replace=False)] = np.nan
+    got, _ = _draws(dev, x, range(60), temperature=1e4, top_k=4)
+    assert set(got) == set(best.tolist())
+
+
 def test_sample_draws_the_tempered_distribution_and_greedy(dev, rng):
     """Draws over positions follow softmax(x / T) over the top-k (Pearson's chi-square against an
     exact float64 reference); a seed and position give the same token again; temperature 0 is the

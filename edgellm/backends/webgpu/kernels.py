@@ -1503,8 +1503,9 @@ _SAMPLE_COMMON = """
 @group(0) @binding(${PARTB}) var<storage, read_write> PART: array<u32>;
 var<workgroup> redf: array<f32, ${WG}>;
 var<workgroup> redu: array<u32, ${WG}>;
-fn key_of(x: f32) -> u32 {  // float order as unsigned order
+fn key_of(x: f32) -> u32 {  // float order as unsigned order; a NaN (by its bits: WGSL may assume none) lowest
     let u = bitcast<u32>(x + 0.0);
+    if ((bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u) { return 0u; }
     return select(u | 0x80000000u, ~u, (u >> 31u) == 1u);
 }
 fn value_of(k: u32) -> f32 {
