@@ -790,6 +790,17 @@ def test_auto_skips_adapter_enumeration_without_gpu_device_nodes(monkeypatch, tm
     assert _auto() == "cpu-fast" and calls == [1]  # a render node: wgpu is asked
 
 
+def test_device_feature_probes(adapter):
+    """The device's probe kernels ran: an adapter with subgroups reports the width its kernels run
+    with (a power of two, 4 or more: lavapipe's 8 with AVX2), and unpack2x16float is found where
+    WebGPU's core has it (every Vulkan adapter here); the description names what was found."""
+    if adapter.has_subgroups:
+        n = adapter.subgroup_size
+        assert n >= 4 and n & (n - 1) == 0, n
+        assert f"subgroups of {n}" in adapter.describe()
+    assert adapter.has_f16_unpack and "unpack2x16float" not in adapter.describe()
+
+
 def test_bad_adapter_index(monkeypatch):
     from edgellm.backends.webgpu.device import Device
 

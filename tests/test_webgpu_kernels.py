@@ -236,6 +236,48 @@ def test_gemv_warp(dev, rng, fmt, subgroup, rows_per_warp, stage, pipeline, unro
     check(read_f32(dev, bufs["Y"], rows * n_out), want)
 
 
+def test_portable_f16_unpack(dev, monkeypatch):
+    """On an adapter without unpack2x16float (wgpu's SHADER_F16_IN_F32) every kernel's h2 is the
+    portable conversion (Device.pipeline): all 65,536 fp16 bit patterns read as numpy reads them
+    (signed zeros, subnormals, infinities, NaNs), and GEMVs over F16 weights and Q8_0 / Q4_1
+    blocks (fp16 scales) match the reference so."""
+    monkeypatch.setattr(dev, "has_f16_unpack", False)
+    monkeypatch.setattr(dev, "_pipelines", {})
+    words = np.arange(1 << 16, dtype=np.uint32)[::2] | (np.arange(1 << 16, dtype=np.uint32)[1::2] << 16)
+    src = (codegen.HELPERS + "@group(0) @binding(0) var<storage, read> W: array<u32>;\n"
+           "@group(0) @binding(1) var<storage, read_write> O: array<vec2<f32>>;\n"
+           "@compute @workgroup_size(64) fn main(@builtin(global_invocation_id) g: vec3<u32>) {\n"
+           "    if (g.x < arrayLength(&W)) { O[g.x] = h2(W[g.x]); }\n}\n")
+    assert codegen.H2_NATIVE in src
+    lay = dev.layout(("read", "storage"))
+    w, o = dev.upload(words), nan_buffer(dev, 1 << 16)
+    bg = dev.device.create_bind_group(layout=lay, entries=[
+        {"binding": i, "resource": {"buffer": b, "offset": 0, "size": b.size}} for i, b in enumerate((w, o))])
+    enc = dev.device.create_command_encoder()
+    cp = enc.begin_compute_pass()
+    cp.set_pipeline(dev.pipeline(src, lay))
+    cp.set_bind_group(0, bg)
+    cp.dispatch_workgroups(len(words) // 64)
+    cp.end()
+    dev.queue.submit([enc.finish()])
+    got = read_f32(dev, o, 1 << 16)
+    want = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+    nan = np.isnan(want)
+    assert (np.isnan(got) == nan).all()
+    assert (got[~nan].view(np.uint32) == want[~nan].view(np.uint32)).all()  # bit for bit, -0.0 included
+    rng = np.random.default_rng(5)
+    for fmt in ("F16", "Q8_0", "Q4_1"):
+        rows, n_out, k = 2, 45, 256
+        wd, bufs, ref_y = _linear_case(dev, rng, fmt, rows, n_out, k, bias=True)
+        kern = kernels.gemv_warp(wd.desc(), n_out, "step.seq", bias=True, rows_per_warp=2, wg=64, sg=8,
+                                 subgroup=False, unroll=2)
+        L = Launch(dev, kern, bufs)
+        L.set_step(seq=rows)
+        L.run((-(-n_out // kern.rows_per_group), 1, rows))
+        check(read_f32(dev, bufs["Y"], rows * n_out), ref_y)
+    assert all(codegen.H2_NATIVE in s for s in dev._pipelines)  # the sources as rendered; compiled portable
+
+
 @pytest.mark.parametrize("fmt,norm,glu,stage,pipeline,split", [
     ("Q8_0", "rms", False, False, False, 1), ("Q4_0", "add_rms", False, True, False, 1),
     ("F16", "add_rms", True, False, False, 1), ("Q4_1", "rms", True, True, False, 1),

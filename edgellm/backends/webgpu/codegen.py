@@ -52,6 +52,18 @@ BYTES_PER_ELEMENT = {"F16": 2.0, "Q8_0": 34 / 32, "Q4_0": 18 / 32, "Q4_1": 20 / 
 # GPUs, which would bound a 4-bit GEMV near 70% of the H100's bandwidth): a value k < 2^23 OR-ed
 # into the mantissa of 2^23 (0x4B000000) is the float 2^23 + k, and one exact subtraction leaves k
 # (llama.cpp's trick). Signed bytes are biased by 128 first (XOR 0x80).
+# two fp16 halves of a word as floats: unpack2x16float, which some adapters lack (wgpu's downlevel
+# flag SHADER_F16_IN_F32: older OpenGL ES; lavapipe on a CPU without SSE). Device.pipeline puts
+# H2_PORTABLE, the same conversion in integer and float arithmetic, in its place there.
+H2_NATIVE = "fn h2(w: u32) -> vec2<f32> { return unpack2x16float(w); }\n"
+H2_PORTABLE = """fn h2(w: u32) -> vec2<f32> { return vec2<f32>(f16_bits(w & 0xffffu), f16_bits(w >> 16u)); }
+fn f16_bits(h: u32) -> f32 {  // an fp16 bit pattern's value (subnormals, infinities and NaNs kept)
+    let s = (h & 0x8000u) << 16u; let e = (h >> 10u) & 31u; let m = h & 1023u;
+    if (e == 0u) { return bitcast<f32>(bitcast<u32>(f32(m) * 5.9604645e-8) | s); }  // m * 2^-24
+    if (e == 31u) { return bitcast<f32>(s | 0x7f800000u | (m << 13u)); }
+    return bitcast<f32>(s | ((e + 112u) << 23u) | (m << 13u));
+}
+"""
 HELPERS = """
 fn i8x4(w: u32) -> vec4<f32> {
     let u = ((vec4<u32>(w, w >> 8u, w >> 16u, w >> 24u) & vec4<u32>(255u)) ^ vec4<u32>(128u)) | vec4<u32>(0x4B000000u);
@@ -65,8 +77,7 @@ fn hi4(w: u32, off: f32) -> vec4<f32> {
     let u = (vec4<u32>(w >> 4u, w >> 12u, w >> 20u, w >> 28u) & vec4<u32>(15u)) | vec4<u32>(0x4B000000u);
     return bitcast<vec4<f32>>(u) - vec4<f32>(off);
 }
-fn h2(w: u32) -> vec2<f32> { return unpack2x16float(w); }
-fn b6(w: u32) -> vec4<f32> {  // four 6-bit codes, one per byte, minus 32
+""" + H2_NATIVE + """fn b6(w: u32) -> vec4<f32> {  // four 6-bit codes, one per byte, minus 32
     let u = (vec4<u32>(w, w >> 8u, w >> 16u, w >> 24u) & vec4<u32>(63u)) | vec4<u32>(0x4B000000u);
     return bitcast<vec4<f32>>(u) - vec4<f32>(8388640.0);
 }

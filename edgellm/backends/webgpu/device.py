@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...errors import BackendUnavailableError, EdgeLLMError
+from .codegen import H2_NATIVE, H2_PORTABLE
 
 # features the kernels use when the adapter has them (each kernel has a fallback without)
 WANTED_FEATURES = ("shader-f16", "subgroup", "timestamp-query", "timestamp-query-inside-passes")
@@ -231,7 +232,18 @@ class Device:
         self._pipelines: dict[str, object] = {}
         self._layouts: dict[tuple, object] = {}
         self._reader = None  # submission_reader's, made at first use
+        self.has_f16_unpack = self._compiles(  # else every kernel's h2 takes codegen.H2_PORTABLE (Device.pipeline)
+            "@group(0) @binding(0) var<storage, read_write> O: array<f32>;\n"
+            "@compute @workgroup_size(1) fn main() { O[0] = unpack2x16float(0x3c003c00u).x; }\n")
         self.subgroup_size = self._subgroup_size() if self.has_subgroups else 0
+
+    def _compiles(self, source: str) -> bool:
+        """Whether this device takes a WGSL source (a feature probe)."""
+        try:
+            self.device.create_shader_module(code=source)
+        except Exception:  # noqa: BLE001 - its validation error: the feature is missing
+            return False
+        return True
 
     def _subgroup_size(self) -> int:
         """The subgroup size compute shaders run with, read from a one-thread-group probe kernel:
@@ -319,10 +331,12 @@ class Device:
 
     def pipeline(self, source: str, layout) -> object:
         """A compute pipeline for this WGSL source over a bind group layout, made once per source
-        (every layer's kernels share their pipelines: the source bakes in shapes, not tensors)."""
+        (every layer's kernels share their pipelines: the source bakes in shapes, not tensors).
+        On an adapter without unpack2x16float the kernels' h2 helper is the portable one."""
         p = self._pipelines.get(source)
         if p is None:
-            m = self.device.create_shader_module(code=source)
+            code = source if self.has_f16_unpack else source.replace(H2_NATIVE, H2_PORTABLE)
+            m = self.device.create_shader_module(code=code)
             pl = self.device.create_pipeline_layout(bind_group_layouts=[layout])
             p = self.device.create_compute_pipeline(layout=pl, compute={"module": m, "entry_point": "main"})
             self._pipelines[source] = p
@@ -362,8 +376,9 @@ class Device:
             list(ex.map(one, todo))
 
     def describe(self) -> str:
-        extras = [f for f, ok in (("f16", self.has_f16), (f"subgroups of {self.subgroup_size}", self.has_subgroups),
-                                  ("timestamps", self.has_timestamps)) if ok]
+        sub = f"subgroups of {self.subgroup_size}" if self.subgroup_size else "subgroups of no fixed size"
+        extras = [f for f, ok in (("f16", self.has_f16), (sub, self.has_subgroups), ("timestamps", self.has_timestamps),
+                                  ("no unpack2x16float", not self.has_f16_unpack)) if ok]
         return f"{self.info.line()}; {', '.join(extras) or 'no optional features'}"
 
 
