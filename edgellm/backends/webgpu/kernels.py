@@ -1826,9 +1826,9 @@ def sample_kernels(n: int, *, dtypes: dict | None = None) -> dict[str, Kernel]:
         let top_p = bitcast<f32>(SAMP[2]); let min_p = bitcast<f32>(SAMP[1]);
         var keep = K;
         if (top_p < 1.0) {
-            var before = 0.0;
+            var above = 0.0;  // the mass ranked before token j
             keep = 0u;
-            for (var j = 0u; j < K && before < top_p * total; j++) { keep = j + 1u; before += exp(value_of(gk[j]) - top); }
+            for (var j = 0u; j < K && above < top_p * total; j++) { keep = j + 1u; above += exp(value_of(gk[j]) - top); }
         }
         if (min_p > 0.0) {
             var j = 1u;
